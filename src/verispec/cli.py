@@ -1,0 +1,127 @@
+"""`verispec <command>`: the single command-line entry point.
+
+Errors in user input print one line (`verispec: error: ...`) and exit with status 2; never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+__all__ = ["main"]
+
+
+class UsageError(Exception):
+    """A user mistake: reported as one line, exit status 2."""
+
+
+def _cmd_explain(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from .explain import explain, format_fraction, parse_distribution, to_json
+
+    try:
+        p = parse_distribution(args.p, "p")
+        q = parse_distribution(args.q, "q")
+        labels = [s.strip() for s in args.labels.split(",")] if args.labels else None
+        result = explain(p, q, labels, wrong=args.wrong)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if args.json:
+        print(json.dumps(to_json(result), indent=2))
+        return 0
+    f = format_fraction
+    table = Table(title="One speculative step: accept t ~ q when u * q(t) < p(t), else draw from (p - q)+ / Z")
+    for col in ("token", "p", "q", "a = min(1, p/q)", "accept mass min(p,q)", "residual (p-q)+", "P(output)", "= p?"):
+        table.add_column(col, justify="left" if col == "token" else "right")
+    for r in result.tokens:
+        table.add_row(r.label, f(r.p), f(r.q), "-" if r.accept_prob is None else f(r.accept_prob),
+                      f(r.accept_mass), f(r.residual_mass), f(r.output_prob), "yes" if r.output_prob == r.p else "NO")
+    console = Console(width=max(100, Console().width))
+    console.print(table)
+    console.print(f"P(accept) = sum min(p, q) = {f(result.p_accept)}    "
+                  f"Z = sum (p - q)+ = {f(result.z)}    (P(reject) = 1 - P(accept) = Z)")
+    if result.wrong:
+        w = Table(title="Classic mistakes: what the output distribution becomes")
+        w.add_column("token")
+        w.add_column("p (correct)", justify="right")
+        w.add_column("resample from p", justify="right")
+        w.add_column("resample from |p - q|", justify="right")
+        for r in result.tokens:
+            w.add_row(r.label, f(r.p), f(result.wrong["resample_from_p"][r.label]),
+                      f(result.wrong["resample_from_abs_diff"][r.label]))
+        console.print(w)
+    return 0
+
+
+def _parse_shape(text: str) -> tuple[int, int, int]:
+    try:
+        b, k, v = (int(x) for x in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"shape must be BxKxV, e.g. 8x4x151936, got {text!r}") from None
+    if b < 1 or k < 1 or v < 2:
+        raise argparse.ArgumentTypeError(f"shape needs B >= 1, k >= 1, V >= 2, got {text!r}")
+    return b, k, v
+
+
+def _cmd_bench_kernel(args: argparse.Namespace) -> int:
+    import torch
+
+    from .bench import kernel
+
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise UsageError("--device cuda asked for, but torch sees no CUDA device")
+    shapes = args.shape or list(kernel.DEFAULT_SHAPES)
+    rows = kernel.run(shapes, repeats=args.repeats, device=args.device, reference=not args.no_reference)
+    print(f"verify_chain on {args.device}, torch {torch.__version__}, {torch.get_num_threads()} threads; "
+          "median times; 'x read' = time / one read pass over the inputs")
+    print(kernel.to_markdown(rows))
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(rows, fh, indent=2)
+        print(f"wrote {args.json}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="verispec", description="Lossless speculative decoding.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    ex = sub.add_parser("explain", help="walk one speculative step through exact arithmetic",
+                        description="Show, token by token, why accept-with-min(1, p/q) plus resampling from "
+                                    "(p - q)+ emits exactly p. Decimal inputs are computed exactly.")
+    ex.add_argument("--p", required=True, help="target distribution, e.g. 0.6,0.3,0.1")
+    ex.add_argument("--q", required=True, help="draft distribution, e.g. 0.4,0.5,0.1")
+    ex.add_argument("--labels", help="token names, e.g. cat,dog,fish")
+    ex.add_argument("--wrong", action="store_true", help="also show two classic wrong resampling rules")
+    ex.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    ex.set_defaults(func=_cmd_explain)
+
+    bench = sub.add_parser("bench", help="benchmarks, side by side in one run")
+    bsub = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCH")
+    bk = bsub.add_parser("kernel", help="time verify_chain against a reference and one read pass")
+    bk.add_argument("--shape", type=_parse_shape, action="append", help="BxKxV (repeatable); default: the 5 issue shapes")
+    bk.add_argument("--repeats", type=int, default=10, help="timed repeats per variant (default 10)")
+    bk.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    bk.add_argument("--no-reference", action="store_true", help="skip the slow reference implementation")
+    bk.add_argument("--json", metavar="FILE", help="also write the raw timings as JSON")
+    bk.set_defaults(func=_cmd_bench_kernel)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except UsageError as e:
+        print(f"verispec: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

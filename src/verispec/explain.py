@@ -1,0 +1,120 @@
+"""`verispec explain`: one speculative step on a small vocabulary, in exact rational arithmetic.
+
+For each token x: p(x), q(x), the acceptance probability a(x) = min(1, p/q), the accept mass
+min(p, q) = q(x) a(x), the residual mass (p - q)+, and P(output = x) = min(p, q) + (p - q)+ = p(x).
+`wrong=True` adds the two classic mistakes: on rejection resample from p, or from |p - q| / sum |p - q|.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from fractions import Fraction
+
+__all__ = ["ExplainResult", "TokenRow", "explain", "parse_distribution", "format_fraction"]
+
+
+@dataclass(frozen=True)
+class TokenRow:
+    label: str
+    p: Fraction
+    q: Fraction
+    accept_prob: Fraction | None  # min(1, p/q); None where q = 0 (the draft never proposes x)
+    accept_mass: Fraction  # min(p, q)
+    residual_mass: Fraction  # (p - q)+
+    output_prob: Fraction  # accept_mass + P(reject) * residual(x)
+
+
+@dataclass(frozen=True)
+class ExplainResult:
+    tokens: list[TokenRow]
+    p_accept: Fraction  # alpha = sum min(p, q)
+    z: Fraction  # sum (p - q)+ = 1 - alpha
+    wrong: dict[str, dict[str, Fraction]] | None  # mistake -> label -> output probability
+
+
+def parse_distribution(text: str, name: str) -> list[Fraction]:
+    """'0.6,0.3,0.1' -> exact fractions; raises ValueError with a one-line reason."""
+    parts = [s.strip() for s in text.split(",")]
+    if not parts or any(s == "" for s in parts):
+        raise ValueError(f"--{name}: expected comma-separated probabilities, got {text!r}")
+    try:
+        values = [Fraction(s) for s in parts]
+    except (ValueError, ZeroDivisionError):
+        raise ValueError(f"--{name}: {text!r} is not a list of numbers") from None
+    if any(v < 0 for v in values):
+        raise ValueError(f"--{name}: probabilities must be >= 0, got {text}")
+    total = sum(values, Fraction(0))
+    if total != 1:
+        raise ValueError(f"--{name}: probabilities must sum to exactly 1, they sum to {format_fraction(total)}")
+    return values
+
+
+def format_fraction(x: Fraction) -> str:
+    """Exact decimal string when the fraction terminates in base 10 ('0.52'), else 'n/d'."""
+    den = x.denominator
+    twos = fives = 0
+    while den % 2 == 0:
+        den //= 2
+        twos += 1
+    while den % 5 == 0:
+        den //= 5
+        fives += 1
+    if den != 1:
+        return f"{x.numerator}/{x.denominator}"
+    digits = max(twos, fives)
+    if digits == 0:
+        return str(x.numerator)
+    scaled = abs(x.numerator) * 10**digits // x.denominator
+    s = f"{scaled // 10**digits}.{scaled % 10**digits:0{digits}d}".rstrip("0").rstrip(".")
+    return ("-" if x < 0 else "") + s
+
+
+def explain(p: list[Fraction], q: list[Fraction], labels: list[str] | None = None, wrong: bool = False) -> ExplainResult:
+    if len(p) != len(q):
+        raise ValueError(f"p and q must have the same length, got {len(p)} and {len(q)}")
+    if labels is None:
+        labels = [f"t{i}" for i in range(len(p))]
+    if len(labels) != len(p):
+        raise ValueError(f"--labels has {len(labels)} names for {len(p)} tokens")
+    accept = [min(pi, qi) for pi, qi in zip(p, q)]
+    resid = [max(pi - qi, Fraction(0)) for pi, qi in zip(p, q)]
+    p_accept = sum(accept, Fraction(0))
+    z = sum(resid, Fraction(0))
+    p_reject = 1 - p_accept  # equals z
+
+    def output(weights: list[Fraction]) -> list[Fraction]:
+        total = sum(weights, Fraction(0))
+        if total == 0:  # p == q: never rejected, the resampling rule is never used
+            return list(accept)
+        return [a + p_reject * w / total for a, w in zip(accept, weights)]
+
+    out = output(resid)
+    rows = [
+        TokenRow(label=lab, p=pi, q=qi, accept_prob=None if qi == 0 else min(Fraction(1), pi / qi),
+                 accept_mass=a, residual_mass=r, output_prob=o)
+        for lab, pi, qi, a, r, o in zip(labels, p, q, accept, resid, out)
+    ]
+    wrong_out = None
+    if wrong:
+        wrong_out = {
+            "resample_from_p": dict(zip(labels, output(list(p)))),
+            "resample_from_abs_diff": dict(zip(labels, output([abs(pi - qi) for pi, qi in zip(p, q)]))),
+        }
+    return ExplainResult(tokens=rows, p_accept=p_accept, z=z, wrong=wrong_out)
+
+
+def to_json(result: ExplainResult) -> dict:
+    f = format_fraction
+    doc: dict = {
+        "tokens": [
+            {"label": r.label, "p": f(r.p), "q": f(r.q),
+             "accept_prob": None if r.accept_prob is None else f(r.accept_prob),
+             "accept_mass": f(r.accept_mass), "residual_mass": f(r.residual_mass), "output_prob": f(r.output_prob)}
+            for r in result.tokens
+        ],
+        "p_accept": f(result.p_accept),
+        "z": f(result.z),
+    }
+    if result.wrong is not None:
+        doc["wrong"] = {name: {lab: f(v) for lab, v in dist.items()} for name, dist in result.wrong.items()}
+    return doc

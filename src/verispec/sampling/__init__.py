@@ -1,0 +1,23 @@
+"""Pure tensor math of lossless speculative sampling: processing, verification, theory.
+
+Nothing here knows about models or caches: tensors in, tensors out, explicit randomness.
+"""
+
+from .chain import ChainVerifyOutput, draw_uniforms, sample_from_weights, verify_chain, verify_chain_with_uniforms
+from .params import SamplingParams
+from .processors import counts_at_draft_positions, probs_from_logits
+from .theory import (
+    acceptance_rate,
+    expected_tokens_per_pass,
+    optimal_gamma_constant_cost,
+    optimal_gamma_cost_curve,
+    speedup_constant_cost,
+    speedup_cost_curve,
+)
+
+__all__ = [
+    "ChainVerifyOutput", "SamplingParams", "acceptance_rate", "counts_at_draft_positions", "draw_uniforms",
+    "expected_tokens_per_pass", "optimal_gamma_constant_cost", "optimal_gamma_cost_curve", "probs_from_logits",
+    "sample_from_weights", "speedup_constant_cost", "speedup_cost_curve", "verify_chain",
+    "verify_chain_with_uniforms",
+]

@@ -1,0 +1,257 @@
+"""Chain verification: the exact speculative-sampling rule of Leviathan et al. (2023), batched.
+
+Notation: p = target distribution, q = draft distribution. For a draft token t at position j,
+    accept t            iff  u * q(t) < p(t),  u ~ U[0, 1)     (so P(accept) = min(1, p(t) / q(t)))
+    at the first reject      draw from the residual (p - q)+ / Z,  Z = sum (p - q)+ = 1 - alpha
+    after k accepts          draw a bonus token from p at position k + 1.
+Then P(emit x) = q(x) min(1, p(x)/q(x)) + (1 - alpha) (p(x) - q(x))+ / (1 - alpha)
+              = min(p(x), q(x)) + (p(x) - q(x))+ = p(x):  the output follows p exactly.
+
+Properties that the implementation keeps (each is tested):
+  * strict `<` with u in [0, 1): a token with p(t) = 0 is never accepted, not even when u = 0;
+  * the residual is built lazily, only at each row's stopping position;
+  * Z = 0 (p == q) cannot produce NaN: the row falls back to p (unreachable in exact arithmetic,
+    since a rejection needs p(t) < q(t));
+  * acceptance and the final draw use separate uniforms: row b consumes exactly
+    num_draft_tokens[b] + 1 uniforms from its generator, whatever the outcome, in this order:
+    the acceptance uniforms for its drafts, then one for the recovered / bonus draw;
+  * a one-hot p (greedy) gives exact-match verification and the argmax as the final token, for any uniforms;
+  * no Python loop over positions or vocabulary; the only loop over rows draws each row's uniforms
+    from its own generator (per-request seeds make that unavoidable), so a row's output does not
+    depend on the rest of the batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+__all__ = ["ChainVerifyOutput", "verify_chain", "verify_chain_with_uniforms", "draw_uniforms", "sample_from_weights"]
+
+
+@dataclass(frozen=True)
+class ChainVerifyOutput:
+    token_ids: Tensor  # [B, k + 1] int64: accepted drafts, then the recovered or bonus token, then -1
+    num_accepted: Tensor  # [B] int64: accepted drafts per row; emitted tokens = num_accepted + 1
+
+    @property
+    def num_emitted(self) -> Tensor:  # [B] int64
+        return self.num_accepted + 1
+
+
+def _prob_tol(dtype: torch.dtype) -> float:
+    return 1e-3 if dtype in (torch.float32, torch.float64) else 2e-2
+
+
+def _check_inputs(target_probs: Tensor, draft_token_ids: Tensor, draft_probs: Tensor | None,
+                  num_draft: Tensor) -> None:
+    """Raise ValueError on any input the math cannot honour. Reads each probability tensor twice."""
+    B, K1, V = target_probs.shape
+    k = K1 - 1
+    pos = torch.arange(K1, device=target_probs.device)
+    used_target = pos <= num_draft.unsqueeze(1)  # [B, k + 1]: positions that can be emitted
+    used_draft = pos[:k] < num_draft.unsqueeze(1)  # [B, k]: real drafts
+
+    def check_probs(name: str, probs: Tensor, used: Tensor) -> None:
+        sums = probs.sum(dim=-1)  # [B, T]; NaN / inf propagate into the sum
+        mins = probs.amin(dim=-1)
+        bad_sum = used & ~((sums - 1.0).abs() <= _prob_tol(probs.dtype))
+        if bool(bad_sum.any()):
+            b, j = (int(i) for i in bad_sum.nonzero()[0])
+            s = float(sums[b, j])
+            what = "contain NaN or inf" if s != s or abs(s) == float("inf") else f"sum to {s:.6g}, not 1"
+            raise ValueError(f"{name}[{b}, {j}] is not a probability distribution: values {what}")
+        bad_min = used & (mins < 0)
+        if bool(bad_min.any()):
+            b, j = (int(i) for i in bad_min.nonzero()[0])
+            raise ValueError(f"{name}[{b}, {j}] has a negative probability ({float(mins[b, j]):.6g})")
+
+    check_probs("target_probs", target_probs, used_target)
+    ids_bad = used_draft & ((draft_token_ids < 0) | (draft_token_ids >= V))
+    if bool(ids_bad.any()):
+        b, j = (int(i) for i in ids_bad.nonzero()[0])
+        raise ValueError(f"draft_token_ids[{b}, {j}] = {int(draft_token_ids[b, j])} is outside [0, {V})")
+    if draft_probs is not None:
+        check_probs("draft_probs", draft_probs, used_draft)
+        q_t = draft_probs.gather(-1, draft_token_ids.clamp(0, V - 1).unsqueeze(-1)).squeeze(-1)
+        zero_q = used_draft & (q_t <= 0)
+        if bool(zero_q.any()):
+            b, j = (int(i) for i in zero_q.nonzero()[0])
+            raise ValueError(f"draft token {int(draft_token_ids[b, j])} at [{b}, {j}] has q = 0 under draft_probs: "
+                             "draft_probs must be the distribution the token was sampled from")
+
+
+def _normalise_args(target_probs, draft_token_ids, draft_probs, num_draft_tokens):
+    if not isinstance(target_probs, Tensor) or target_probs.dim() != 3:
+        raise ValueError("target_probs must be a tensor of shape [B, k + 1, V]")
+    if not target_probs.is_floating_point():
+        raise ValueError(f"target_probs must be floating point, got {target_probs.dtype}")
+    B, K1, V = target_probs.shape
+    if K1 < 1 or V < 1:
+        raise ValueError(f"target_probs has an empty dimension: shape {tuple(target_probs.shape)}")
+    k = K1 - 1
+    dev = target_probs.device
+    if not isinstance(draft_token_ids, Tensor) or tuple(draft_token_ids.shape) != (B, k):
+        shape = tuple(draft_token_ids.shape) if isinstance(draft_token_ids, Tensor) else type(draft_token_ids).__name__
+        raise ValueError(f"draft_token_ids must have shape [B, k] = [{B}, {k}] to match target_probs "
+                         f"[B, k + 1, V] = {tuple(target_probs.shape)}, got {shape}")
+    if draft_token_ids.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"draft_token_ids must be int64 (or int32), got {draft_token_ids.dtype}")
+    if draft_token_ids.device != dev:
+        raise ValueError(f"draft_token_ids is on {draft_token_ids.device}, target_probs on {dev}")
+    draft_token_ids = draft_token_ids.long()
+    if draft_probs is not None:
+        if not isinstance(draft_probs, Tensor) or tuple(draft_probs.shape) != (B, k, V):
+            shape = tuple(draft_probs.shape) if isinstance(draft_probs, Tensor) else type(draft_probs).__name__
+            raise ValueError(f"draft_probs must have shape [B, k, V] = [{B}, {k}, {V}], got {shape}")
+        if not draft_probs.is_floating_point():
+            raise ValueError(f"draft_probs must be floating point, got {draft_probs.dtype}")
+        if draft_probs.device != dev:
+            raise ValueError(f"draft_probs is on {draft_probs.device}, target_probs on {dev}")
+    if num_draft_tokens is None:
+        num_draft = torch.full((B,), k, dtype=torch.int64, device=dev)
+    else:
+        if not isinstance(num_draft_tokens, Tensor):
+            num_draft_tokens = torch.as_tensor(num_draft_tokens)
+        if tuple(num_draft_tokens.shape) != (B,) or num_draft_tokens.is_floating_point():
+            raise ValueError(f"num_draft_tokens must be an integer tensor of shape [B] = [{B}], "
+                             f"got {num_draft_tokens.dtype} {tuple(num_draft_tokens.shape)}")
+        num_draft = num_draft_tokens.to(device=dev, dtype=torch.int64)
+        if bool(((num_draft < 0) | (num_draft > k)).any()):
+            raise ValueError(f"num_draft_tokens must lie in [0, k] = [0, {k}], got {num_draft.tolist()}")
+    return B, k, V, draft_token_ids, num_draft
+
+
+def draw_uniforms(
+    num_draft: Tensor,  # [B] int64 in [0, k]
+    k: int,
+    generators: Sequence[torch.Generator | None] | None,
+    device: torch.device,
+) -> tuple[Tensor, Tensor]:  # accept_u [B, k] float64 (0 where unused), final_u [B] float64
+    """The uniforms verify_chain consumes: num_draft[b] acceptance uniforms, then one for the final draw.
+
+    With `generators`, row b draws from generators[b] (or the global generator where None), so its
+    numbers do not depend on other rows. Without, the whole batch draws from the global generator.
+    """
+    B = num_draft.shape[0]
+    if generators is None:
+        u = torch.rand((B, k + 1), dtype=torch.float64, device=device)
+        pos = torch.arange(k, device=device)
+        accept_u = u[:, :k].masked_fill(pos >= num_draft.unsqueeze(1), 0.0)
+        final_u = u.gather(1, num_draft.unsqueeze(1)).squeeze(1)
+        return accept_u, final_u
+    if len(generators) != B:
+        raise ValueError(f"generators must have one entry per row: got {len(generators)} for {B} rows")
+    counts = num_draft.tolist()
+    accept_u = torch.zeros((B, k), dtype=torch.float64, device=device)
+    final_u = torch.empty((B,), dtype=torch.float64, device=device)
+    for b, (g, n) in enumerate(zip(generators, counts)):
+        gdev = g.device if g is not None else device
+        u = torch.rand((n + 1,), dtype=torch.float64, generator=g, device=gdev).to(device)
+        accept_u[b, :n] = u[:n]
+        final_u[b] = u[n]
+    return accept_u, final_u
+
+
+def sample_from_weights(
+    weights: Tensor,  # [B, V] non-negative float, each row with positive mass
+    u: Tensor,  # [B] float64 in [0, 1)
+    block: int = 256,
+) -> Tensor:  # [B] int64: the first index whose cumulative weight exceeds u * total
+    """Inverse-CDF sampling with one explicit uniform per row; never returns a zero-weight index.
+
+    Two levels, so no [B, V] temporary is built: pick a block of `block` tokens from the block masses
+    (float64 cumulative sums over float32 block sums), then a token inside it (float64 cumulative sum).
+    A token's probability is exact up to the float rounding of the inputs (relative ~1e-7 in float32).
+    """
+    B, V = weights.shape
+    n_full = V // block
+    head = weights[:, : n_full * block].unflatten(1, (n_full, block)).sum(dim=-1)  # [B, n_full]
+    tail = weights[:, n_full * block:].sum(dim=-1, keepdim=True)  # [B, 1] (0 when V % block == 0)
+    mass = torch.cat([head, tail], dim=1).to(torch.float64)  # [B, n_blocks]
+    cdf = mass.cumsum(dim=1)  # monotone: the first block with cdf > x has positive mass
+    total = cdf[:, -1:]
+    x = torch.minimum(u.unsqueeze(1) * total, torch.nextafter(total, torch.zeros_like(total)))  # [B, 1], x < total
+    blk = torch.searchsorted(cdf, x, right=True)  # [B, 1]
+    x = x - (cdf.gather(1, blk) - mass.gather(1, blk))  # mass left to cover inside the chosen block
+    cols = blk * block + torch.arange(block, device=weights.device)  # [B, block]
+    inside = weights.gather(1, cols.clamp(max=V - 1)).to(torch.float64) * (cols < V)  # [B, block]
+    cum = inside.cumsum(dim=1)
+    last = cum[:, -1:]
+    x = torch.minimum(x.clamp_min(0.0), torch.nextafter(last, torch.zeros_like(last)))
+    return (blk * block + torch.searchsorted(cum, x, right=True)).squeeze(1)
+
+
+def verify_chain_with_uniforms(
+    target_probs: Tensor,  # [B, k + 1, V] float: processed target distributions; row k is the bonus position
+    draft_token_ids: Tensor,  # [B, k] int64
+    draft_probs: Tensor | None,  # [B, k, V] float or None (one-hot drafts)
+    num_draft: Tensor,  # [B] int64 in [0, k]
+    accept_u: Tensor,  # [B, k] float64 in [0, 1): acceptance uniforms (entries >= num_draft unused)
+    final_u: Tensor,  # [B] float64 in [0, 1): uniform for the recovered / bonus draw
+) -> ChainVerifyOutput:
+    """The verification math with explicit randomness; inputs are assumed valid (see verify_chain)."""
+    B, K1, V = target_probs.shape
+    k = K1 - 1
+    dev = target_probs.device
+    pos = torch.arange(K1, device=dev)
+    ids = draft_token_ids.clamp(0, V - 1)  # padding (-1) must not index; masked out below
+
+    p_t = target_probs[:, :k].gather(-1, ids.unsqueeze(-1)).squeeze(-1).to(torch.float64)  # [B, k]
+    if draft_probs is None:
+        q_t = torch.ones_like(p_t)
+    else:
+        q_t = draft_probs.gather(-1, ids.unsqueeze(-1)).squeeze(-1).to(torch.float64)  # [B, k]
+    accept = (accept_u * q_t < p_t) & (pos[:k] < num_draft.unsqueeze(1))  # [B, k]
+    num_accepted = accept.to(torch.int64).cumprod(dim=1).sum(dim=1)  # [B]: length of the accepted prefix
+
+    rejected = num_accepted < num_draft  # [B]: stopped at a draft (recovered) rather than after all (bonus)
+    # Residual (p - q)+ only at each row's stopping position, built in one [B, V] buffer (large temporaries
+    # cost page faults on CPU, so the arithmetic is in place). Bonus rows subtract nothing: residual = p.
+    row0 = torch.arange(B, device=dev)
+    p_row = target_probs.reshape(B * K1, V).index_select(0, row0 * K1 + num_accepted)  # [B, V]
+    stop = num_accepted.clamp(max=max(k - 1, 0))
+    if k > 0 and draft_probs is not None:  # q at the stopping position
+        residual = draft_probs.reshape(B * k, V).index_select(0, row0 * k + stop).to(p_row.dtype)  # [B, V]
+        # masked_fill (not a multiply by 0): a bonus row's q slot may hold garbage such as NaN
+        residual.masked_fill_(~rejected.unsqueeze(1), 0.0).neg_().add_(p_row).clamp_min_(0.0)
+    else:  # one-hot q: (p - onehot(t))+ is p with p(t) zeroed
+        residual = p_row.clone()
+        if k > 0:
+            t = ids.gather(1, stop.unsqueeze(1))  # [B, 1]
+            residual.scatter_(1, t, torch.where(rejected.unsqueeze(1), 0.0, residual.gather(1, t)))
+    z = residual.sum(dim=1, keepdim=True)  # [B, 1]
+    residual.addcmul_(p_row, (z <= 0).to(p_row.dtype))  # Z = 0 only in inexact arithmetic: fall back to p
+    final = sample_from_weights(residual, final_u)  # [B]
+
+    token_ids = torch.where(pos[:k] < num_accepted.unsqueeze(1), draft_token_ids, -1)
+    token_ids = torch.cat([token_ids, torch.full((B, 1), -1, dtype=torch.int64, device=dev)], dim=1)
+    token_ids.scatter_(1, num_accepted.unsqueeze(1), final.unsqueeze(1))
+    return ChainVerifyOutput(token_ids=token_ids, num_accepted=num_accepted)
+
+
+def verify_chain(
+    target_probs: Tensor,  # [B, k + 1, V] float: processed target distributions (last row: bonus position)
+    draft_token_ids: Tensor,  # [B, k] int64
+    draft_probs: Tensor | None = None,  # [B, k, V] float: the distributions the drafts were sampled from; None = one-hot
+    num_draft_tokens: Tensor | None = None,  # [B] int64: row b uses its first num_draft_tokens[b] drafts
+    generators: Sequence[torch.Generator | None] | None = None,  # one per row (per-request seeds)
+    *,
+    check: bool = True,  # validate inputs (two read passes); switch off on a hot path with trusted inputs
+) -> ChainVerifyOutput:
+    """Verify a batch of draft chains against the target, exactly (see the module docstring).
+
+    Returns token_ids [B, k + 1] (accepted drafts, then the recovered or bonus token, then -1 padding)
+    and num_accepted [B]. With `check=True`, bad input — NaN / inf / negative probabilities, rows not
+    summing to 1, shape / dtype / device mismatches, token ids outside [0, V), a draft token with q = 0 —
+    raises ValueError. Only rows a verification can reach are checked (positions <= num_draft_tokens[b]).
+    """
+    B, k, V, draft_token_ids, num_draft = _normalise_args(target_probs, draft_token_ids, draft_probs,
+                                                          num_draft_tokens)
+    if check:
+        _check_inputs(target_probs, draft_token_ids, draft_probs, num_draft)
+    accept_u, final_u = draw_uniforms(num_draft, k, generators, target_probs.device)
+    return verify_chain_with_uniforms(target_probs, draft_token_ids, draft_probs, num_draft, accept_u, final_u)
