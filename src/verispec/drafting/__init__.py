@@ -1,0 +1,7 @@
+"""Drafters behind one small interface (`Proposer`): a new drafter is one new file."""
+
+from .base import BatchView, Proposal, Proposer
+from .draft_model import DraftModelProposer
+from .prompt_lookup import PromptLookupProposer
+
+__all__ = ["BatchView", "DraftModelProposer", "PromptLookupProposer", "Proposal", "Proposer"]

@@ -1,0 +1,69 @@
+"""Draft length control: a fixed gamma, or one chosen each step from measured acceptance and costs.
+
+The adaptive rule maximises the expected speedup of `verispec.sampling.theory.speedup_cost_curve`, with
+  * alpha per row: (accepted + 1) / (accepted + rejections + 2) over the row's steps so far, where each
+    step contributes its accepted drafts as successes and a rejection (if any) as one failure;
+  * draft cost: the measured seconds of one draft forward (EMA);
+  * verify cost T(n): measured seconds of a target pass over n tokens (EMA per n), a least-squares line
+    through the measured n's filling the others (CPU verify cost grows with n).
+Any gamma is lossless; the choice only moves speed. With gamma="auto" the realised samples depend on
+timings, so seeded outputs are reproducible only with a fixed gamma.
+"""
+
+from __future__ import annotations
+
+from ..sampling.theory import optimal_gamma_cost_curve
+
+__all__ = ["GammaController"]
+
+
+class GammaController:
+    def __init__(self, gamma: int | str, max_gamma: int = 8, ema: float = 0.3):
+        if gamma == "auto":
+            self.fixed = None
+        elif isinstance(gamma, int) and not isinstance(gamma, bool) and gamma >= 0:
+            self.fixed = gamma
+        else:
+            raise ValueError(f"gamma must be an integer >= 0 or 'auto', got {gamma!r}")
+        if max_gamma < 1:
+            raise ValueError(f"max_gamma must be >= 1, got {max_gamma}")
+        self.max_gamma = max_gamma if self.fixed is None else max(self.fixed, 1)
+        self.ema = ema
+        self.draft_cost: float | None = None  # seconds per draft forward
+        self.verify_cost: dict[int, float] = {}  # n tokens per row -> seconds per target pass
+
+    def _blend(self, old: float | None, new: float) -> float:
+        return new if old is None else (1 - self.ema) * old + self.ema * new
+
+    def observe_draft(self, seconds_per_step: float) -> None:
+        self.draft_cost = self._blend(self.draft_cost, seconds_per_step)
+
+    def observe_verify(self, n_tokens: int, seconds: float) -> None:
+        self.verify_cost[n_tokens] = self._blend(self.verify_cost.get(n_tokens), seconds)
+
+    def curve(self) -> list[float]:
+        """T(1..max_gamma + 1) from the measurements (a line through them; flat if only one)."""
+        pts = sorted(self.verify_cost.items())
+        if len(pts) == 1:
+            n0, t0 = pts[0]
+            slope, icpt = 0.1 * t0, t0 - 0.1 * t0 * n0  # prior: +10% per token until measured
+        else:
+            xs, ys = [p[0] for p in pts], [p[1] for p in pts]
+            mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+            slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+            slope = max(slope, 0.0)
+            icpt = my - slope * mx
+        return [max(self.verify_cost.get(n, icpt + slope * n), 1e-9) for n in range(1, self.max_gamma + 2)]
+
+    def choose(self, successes: int, failures: int, cap: int) -> int:
+        """gamma for one row, given its acceptance record and a cap (remaining budget, context)."""
+        cap = max(0, min(cap, self.max_gamma))
+        if self.fixed is not None:
+            return min(self.fixed, cap)
+        if cap == 0:
+            return 0
+        if self.draft_cost is None or not self.verify_cost:
+            return min(4, cap)  # warm-up until both costs are measured
+        alpha = (successes + 1) / (successes + failures + 2)
+        gamma, _ = optimal_gamma_cost_curve(min(alpha, 0.999), self.draft_cost, self.curve(), max_gamma=cap)
+        return max(gamma, 1)  # keep drafting at least one token so alpha stays measured

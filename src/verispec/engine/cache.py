@@ -1,0 +1,97 @@
+"""A preallocated KV cache with one length per row: append writes at each row's own offset, rollback is
+a length change.
+
+It plugs into HF transformers models as their `cache` argument (a `transformers.Cache` whose `update`
+writes the new keys / values at the rows' write offsets and returns the whole used prefix). Row b's valid
+entries are always slots [0, lengths[b]); slots beyond hold stale or padding values that the runner's
+attention mask hides and later writes overwrite. Nothing is ever copied to remove a rejected draft.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from transformers.cache_utils import Cache
+
+__all__ = ["RowKVCache"]
+
+
+class RowKVCache(Cache):
+    """Per-layer key / value buffers [B, H_kv, capacity, D]; `lengths` (host ints) are the committed lengths."""
+
+    def __init__(self, num_layers: int, batch: int, num_kv_heads: int, head_dim: int, capacity: int,
+                 dtype: torch.dtype, device: torch.device | str):
+        super().__init__(layers=[])
+        shape = (batch, num_kv_heads, capacity, head_dim)
+        self.keys: list[Tensor] = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.values: list[Tensor] = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.capacity = capacity
+        self.lengths: list[int] = [0] * batch  # committed tokens per row
+        self._write_at: Tensor | None = None  # [B, T] int64 slot indices of the chunk being written
+        self._uniform_start: int | None = None  # all rows write at the same offset: plain slice copy
+        self._used = 0  # slots the current forward attends over
+
+    # --- used by the runner -------------------------------------------------------------------------
+    @property
+    def batch_size(self) -> int:
+        return len(self.lengths)
+
+    def begin_chunk(self, chunk_len: int) -> None:
+        """Prepare a forward that writes `chunk_len` slots at every row's current length."""
+        end = max(self.lengths) + chunk_len
+        if end > self.capacity:
+            raise RuntimeError(f"KV cache capacity {self.capacity} exceeded ({end} slots needed)")
+        self._used = end
+        if len(set(self.lengths)) == 1:
+            self._uniform_start = self.lengths[0]
+            self._write_at = None
+        else:
+            self._uniform_start = None
+            dev = self.keys[0].device
+            self._write_at = (torch.tensor(self.lengths, device=dev).unsqueeze(1)
+                              + torch.arange(chunk_len, device=dev))  # [B, T]
+
+    def commit(self, new_tokens: list[int]) -> None:
+        """After a forward: row b keeps the first new_tokens[b] slots of the chunk it just wrote."""
+        self.lengths = [n + k for n, k in zip(self.lengths, new_tokens)]
+
+    def truncate(self, lengths: list[int]) -> None:
+        """Rollback: row b keeps its first lengths[b] tokens (no data moves)."""
+        if len(lengths) != len(self.lengths) or any(not 0 <= n <= m for n, m in zip(lengths, self.lengths)):
+            raise ValueError(f"truncate to {lengths} is not a rollback of {self.lengths}")
+        self.lengths = list(lengths)
+
+    def select(self, rows: list[int]) -> None:
+        """Keep only these rows (finished requests leave the batch)."""
+        idx = torch.tensor(rows, device=self.keys[0].device)
+        self.keys = [k.index_select(0, idx) for k in self.keys]
+        self.values = [v.index_select(0, idx) for v in self.values]
+        self.lengths = [self.lengths[r] for r in rows]
+
+    # --- the transformers Cache interface ------------------------------------------------------------
+    def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args, **kwargs):
+        kb, vb = self.keys[layer_idx], self.values[layer_idx]
+        T = key_states.shape[-2]
+        if self._uniform_start is not None:
+            s = self._uniform_start
+            kb[:, :, s:s + T] = key_states
+            vb[:, :, s:s + T] = value_states
+        else:
+            B, H, _, D = key_states.shape
+            idx = self._write_at.view(B, 1, T, 1).expand(B, H, T, D)
+            kb.scatter_(2, idx, key_states.to(kb.dtype))
+            vb.scatter_(2, idx, value_states.to(vb.dtype))
+        return kb[:, :, : self._used], vb[:, :, : self._used]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return max(self.lengths) if self.lengths else 0
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return self._used, 0
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    @property
+    def is_compileable(self) -> bool:
+        return False

@@ -1,0 +1,332 @@
+"""The generate loop: draft, verify in one target pass, commit, roll back — for a batch of requests.
+
+    gen = SpeculativeGenerator(target, draft)            # draft: a LoadedModel, "ngram", or None (plain)
+    outs = gen.generate(["def fib(n):"], SamplingParams(temperature=0.7, seed=1), max_new_tokens=64)
+    for event in gen.stream("Hello", SamplingParams()):  # text deltas as they are accepted
+        print(event.delta, end="")
+
+Every emitted token follows the target's distribution exactly (verify_chain); the target's cache is
+rolled back to the accepted prefix after each step, the draft's too. Rows finish independently (EOS,
+stop strings, max_new_tokens, the context end) and leave the batch. Each request draws its randomness
+from its own generator (SamplingParams.seed, or a seed drawn from torch's global RNG), so with a fixed
+gamma a seeded request gives the same tokens alone or in any batch.
+
+Logprobs convention (both under the target, at each returned token):
+    logprobs[i]     = log p(x_i): the processed distribution actually sampled from (penalties, temperature,
+                      top-k / top-p / min-p applied; a greedy request gets 0.0);
+    raw_logprobs[i] = log softmax(logits)(x_i): the model's own distribution (temperature 1, nothing
+                      truncated or penalised) — what RL importance ratios usually need.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from ..drafting import BatchView, DraftModelProposer, PromptLookupProposer, Proposal, Proposer
+from ..sampling import SamplingParams, counts_at_draft_positions, probs_from_logits, verify_chain
+from .adaptive import GammaController
+from .loading import LoadedModel, shared_vocab_size
+from .runner import HFRunner
+from .stats import SpecStats
+
+__all__ = ["Completion", "SpeculativeGenerator", "StreamEvent"]
+
+
+@dataclass
+class Completion:
+    index: int  # position of the request in the call
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # generated tokens (EOS excluded)
+    text: str
+    finish_reason: str  # "stop" (EOS or a stop string) or "length" (max_new_tokens or the context end)
+    stop_reason: str | int | None  # the stop string or EOS id that ended it
+    logprobs: list[float] | None  # log p(x) under the processed target distribution
+    raw_logprobs: list[float] | None  # log softmax(target logits)(x), temperature 1, no truncation
+    stats: SpecStats
+
+
+@dataclass
+class StreamEvent:
+    index: int
+    delta: str  # new text, safe to print (no half characters, no partial stop string)
+    token_ids: list[int]  # tokens accepted in this step
+    completion: Completion | None = None  # set on the request's last event
+
+
+@dataclass
+class _Row:
+    index: int
+    prompt: list[int]
+    params: SamplingParams
+    generator: torch.Generator
+    seq: list[int]
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    raw_logprobs: list[float] = field(default_factory=list)
+    sent: str = ""  # text already streamed
+    successes: int = 0  # accepted drafts (adaptive gamma)
+    failures: int = 0  # rejections (adaptive gamma)
+    stats: SpecStats = field(default_factory=SpecStats)
+    done: Completion | None = None
+
+
+class SpeculativeGenerator:
+    """Speculative decoding with a target model and a drafter.
+
+    draft: a `LoadedModel` (draft model), "ngram" (prompt lookup), a `Proposer`, or None / "none"
+    (plain decoding through the same loop: the honest baseline). gamma: drafts per step, or "auto".
+    """
+
+    def __init__(self, target: LoadedModel, draft: LoadedModel | Proposer | str | None = "ngram", *,
+                 gamma: int | str = "auto", max_gamma: int = 8, ngram_sizes: Sequence[int] = (3, 2, 1)):
+        self.target = target
+        self.tokenizer = target.tokenizer
+        if isinstance(draft, LoadedModel):
+            self.vocab_size = shared_vocab_size(target, draft)
+            self.proposer: Proposer | None = DraftModelProposer(draft.model, self.vocab_size)
+        else:
+            self.vocab_size = shared_vocab_size(target, None)
+            if draft is None or draft == "none":
+                self.proposer = None
+            elif draft == "ngram":
+                self.proposer = PromptLookupProposer(tuple(ngram_sizes))
+            elif isinstance(draft, Proposer):
+                self.proposer = draft
+            else:
+                raise ValueError(f"draft must be a loaded model, 'ngram', 'none' or a Proposer, got {draft!r}")
+        self.controller = GammaController(0 if self.proposer is None else gamma, max_gamma)
+        self.runner = HFRunner(target.model, self.vocab_size)
+        self.device = self.runner.device
+        eos = set()
+        for source in (getattr(self.tokenizer, "eos_token_id", None),
+                       getattr(getattr(target.model, "generation_config", None), "eos_token_id", None)):
+            if isinstance(source, int):
+                eos.add(source)
+            elif isinstance(source, (list, tuple)):
+                eos.update(int(x) for x in source)
+        self.eos_ids = eos
+        self.max_positions = self.runner.max_positions
+        self.stats = SpecStats()  # pooled over every call
+
+    # --- input handling -------------------------------------------------------------------------------
+    def encode(self, prompt: str | Sequence[int] | Sequence[dict], chat: bool = False) -> list[int]:
+        if isinstance(prompt, str):
+            if prompt == "":
+                raise ValueError("prompt is empty")
+            if chat:
+                messages = [{"role": "user", "content": prompt}]
+            else:
+                return list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
+        elif len(prompt) and isinstance(prompt[0], dict):
+            messages = list(prompt)
+        else:
+            ids = [int(t) for t in prompt]
+            if not ids:
+                raise ValueError("prompt is empty")
+            if any(not 0 <= t < self.vocab_size for t in ids):
+                raise ValueError(f"prompt token ids must lie in [0, {self.vocab_size})")
+            return ids
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            raise ValueError("chat=True but the tokenizer has no chat template")
+        enc = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if hasattr(enc, "keys"):
+            enc = enc["input_ids"]
+        return [int(t) for t in enc]
+
+    def _rows(self, prompts, params, chat: bool) -> list[_Row]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if not prompts:
+            raise ValueError("no prompts given")
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        params = list(params)
+        if len(params) != len(prompts) or not all(isinstance(p, SamplingParams) for p in params):
+            raise ValueError("params must be one SamplingParams, or one per prompt")
+        rows = []
+        for i, (prompt, sp) in enumerate(zip(prompts, params)):
+            ids = self.encode(prompt, chat)
+            if not ids:
+                raise ValueError(f"prompt {i} is empty after tokenization")
+            if self.max_positions is not None and len(ids) >= self.max_positions:
+                raise ValueError(f"prompt {i} has {len(ids)} tokens; the model's context is {self.max_positions}")
+            seed = sp.seed if sp.seed is not None else int(torch.randint(0, 2**62, ()))
+            rows.append(_Row(i, ids, sp, torch.Generator().manual_seed(seed), list(ids)))
+        return rows
+
+    # --- public API -----------------------------------------------------------------------------------
+    def generate(self, prompts, params: SamplingParams | Sequence[SamplingParams] = SamplingParams(), *,
+                 max_new_tokens: int = 128, stop: Sequence[str] = (), chat: bool = False,
+                 ignore_eos: bool = False) -> list[Completion]:
+        """Generate for one prompt (str or token ids) or a list of them; returns one Completion each."""
+        done: list[Completion] = []
+        for event in self.stream(prompts, params, max_new_tokens=max_new_tokens, stop=stop, chat=chat,
+                                 ignore_eos=ignore_eos):
+            if event.completion is not None:
+                done.append(event.completion)
+        return sorted(done, key=lambda c: c.index)
+
+    def stream(self, prompts, params: SamplingParams | Sequence[SamplingParams] = SamplingParams(), *,
+               max_new_tokens: int = 128, stop: Sequence[str] = (), chat: bool = False,
+               ignore_eos: bool = False) -> Iterator[StreamEvent]:
+        """Like generate, but yields text deltas per request as steps are accepted."""
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+        stop = tuple(stop)
+        if any(not isinstance(s, str) or s == "" for s in stop):
+            raise ValueError("stop strings must be non-empty strings")
+        rows = self._rows(prompts, params, chat)
+        return self._loop(rows, max_new_tokens, stop, ignore_eos)
+
+    # --- the loop -------------------------------------------------------------------------------------
+    def _view(self, rows: list[_Row], penalties: bool, prompt_mask, counts) -> BatchView:
+        return BatchView(seqs=[r.seq for r in rows], params=[r.params for r in rows],
+                         generators=[r.generator for r in rows], prompt_mask=prompt_mask if penalties else None,
+                         output_counts=counts if penalties else None, vocab_size=self.vocab_size, device=self.device)
+
+    def _loop(self, rows: list[_Row], max_new: int, stop: tuple[str, ...], ignore_eos: bool) -> Iterator[StreamEvent]:
+        t_start = time.perf_counter()
+        V, dev = self.vocab_size, self.device
+        pooled = SpecStats()
+        capacity = max(len(r.prompt) for r in rows) + max_new + self.controller.max_gamma + 2
+        if self.max_positions is not None:
+            capacity = min(capacity, self.max_positions + self.controller.max_gamma + 2)
+        penalties = any(r.params.uses_penalties for r in rows)
+        prompt_mask = counts = None
+        if penalties:
+            prompt_mask = torch.zeros((len(rows), V), dtype=torch.bool, device=dev)
+            for b, r in enumerate(rows):
+                prompt_mask[b, torch.as_tensor(r.prompt, device=dev)] = True
+            counts = torch.zeros((len(rows), V), dtype=torch.float32, device=dev)
+        self.runner.start(len(rows), capacity)
+        self.runner.prefill([r.seq[:-1] for r in rows])
+        if self.proposer is not None:
+            self.proposer.start(self._view(rows, penalties, prompt_mask, counts), capacity)
+
+        while rows:
+            view = self._view(rows, penalties, prompt_mask, counts)
+            caps = [min(max_new - len(r.tokens), (self.max_positions or 1 << 30) - len(r.seq)) - 1 for r in rows]
+            gammas = [self.controller.choose(r.successes, r.failures, c) for r, c in zip(rows, caps)]
+            t0 = time.perf_counter()
+            prop = self.proposer.propose(view, gammas) if self.proposer is not None and max(gammas) > 0 \
+                else Proposal.empty(len(rows), dev)
+            t1 = time.perf_counter()
+            nd = prop.num_draft
+            k = max(nd)
+            drafts = prop.token_ids[:, :k]
+            q = prop.probs[:, :k] if prop.probs is not None else None
+            logits = self.runner.forward([[r.seq[-1]] + drafts[b, : nd[b]].tolist() for b, r in enumerate(rows)])
+            p_counts = counts_at_draft_positions(counts, drafts) if penalties else None
+            p = probs_from_logits(logits[:, : k + 1], view.params, prompt_mask=prompt_mask, output_counts=p_counts)
+            out = verify_chain(p, drafts, q, torch.tensor(nd, device=dev), view.generators, check=False)
+            t2 = time.perf_counter()
+            pooled.draft_time += t1 - t0
+            pooled.verify_time += t2 - t1
+            if k > 0 and isinstance(self.proposer, DraftModelProposer):
+                self.controller.observe_draft((t1 - t0) / k)
+            self.controller.observe_verify(k + 1, t2 - t1)
+
+            na = out.num_accepted.tolist()
+            emitted = out.token_ids.tolist()
+            old_lengths = [len(r.seq) for r in rows]
+            self.runner.truncate([n + a for n, a in zip(old_lengths, na)])  # pending + accepted drafts
+            tok = out.token_ids.clamp(min=0).unsqueeze(-1)  # [B, k+1, 1] (padding -> 0, never read)
+            lp = p.gather(-1, tok).squeeze(-1).log().tolist()  # log p(x): processed distribution
+            target_logits = logits[:, : k + 1]
+            raw = (target_logits.gather(-1, tok).squeeze(-1) - target_logits.logsumexp(-1)).tolist()  # raw log-softmax
+            for b, r in enumerate(rows):
+                new = emitted[b][: na[b] + 1]
+                r.seq.extend(new)
+                r.stats.observe(nd[b], na[b])
+                pooled.observe(nd[b], na[b])
+                r.successes += na[b]
+                r.failures += int(na[b] < nd[b])
+            if self.proposer is not None:
+                self.proposer.update(self._view(rows, penalties, prompt_mask, counts), old_lengths, na, nd)
+
+            keep: list[int] = []
+            for b, r in enumerate(rows):
+                new = emitted[b][: na[b] + 1]
+                accepted_now: list[int] = []
+                for j, t in enumerate(new):
+                    if not ignore_eos and t in self.eos_ids:
+                        self._finish(r, "stop", t)
+                        break
+                    r.tokens.append(t)
+                    r.logprobs.append(lp[b][j])
+                    r.raw_logprobs.append(raw[b][j])
+                    accepted_now.append(t)
+                    if penalties:
+                        counts[b, t] += 1
+                    if len(r.tokens) >= max_new:
+                        self._finish(r, "length", None)
+                        break
+                if r.done is None and self.max_positions is not None and len(r.seq) >= self.max_positions:
+                    self._finish(r, "length", None)
+                event = self._text_event(r, accepted_now, stop)
+                if r.done is not None:
+                    r.stats.output_tokens = len(r.done.token_ids)
+                    pooled.output_tokens += len(r.done.token_ids)
+                    r.done.stats = r.stats
+                    event.completion = r.done
+                    yield event
+                else:
+                    keep.append(b)
+                    if event.delta or event.token_ids:
+                        yield event
+            if len(keep) < len(rows):
+                rows = [rows[b] for b in keep]
+                if rows:
+                    self.runner.select(keep)
+                    if self.proposer is not None:
+                        self.proposer.select(keep)
+                    if penalties:
+                        idx = torch.tensor(keep, device=dev)
+                        prompt_mask, counts = prompt_mask.index_select(0, idx), counts.index_select(0, idx)
+        pooled.wall_time = time.perf_counter() - t_start
+        pooled.other_time = pooled.wall_time - pooled.draft_time - pooled.verify_time
+        self.last_stats = pooled
+        self.stats.merge(pooled)
+        for name in ("draft_time", "verify_time", "other_time", "wall_time"):
+            setattr(self.stats, name, getattr(self.stats, name) + getattr(pooled, name))
+
+    def _finish(self, r: _Row, reason: str, stop_reason) -> None:
+        r.done = Completion(index=r.index, prompt_token_ids=r.prompt, token_ids=list(r.tokens), text="",
+                            finish_reason=reason, stop_reason=stop_reason, logprobs=list(r.logprobs),
+                            raw_logprobs=list(r.raw_logprobs), stats=r.stats)
+
+    def _text_event(self, r: _Row, new_tokens: list[int], stop: tuple[str, ...]) -> StreamEvent:
+        """Decode, apply stop strings, and return the safe text delta for this step."""
+        text = self.tokenizer.decode(r.tokens, skip_special_tokens=True)
+        hit = min(((text.find(s), s) for s in stop if s in text), default=None)
+        if hit is not None:
+            cut, s = hit
+            text = text[:cut]
+            n = len(r.tokens) - len(new_tokens)  # shortest token prefix whose text contains the stop string
+            while n < len(r.tokens) and s not in self.tokenizer.decode(r.tokens[:n], skip_special_tokens=True):
+                n += 1
+            del r.tokens[n:], r.logprobs[n:], r.raw_logprobs[n:]
+            self._finish(r, "stop", s)
+        if r.done is not None:
+            r.done.text = text
+            r.done.token_ids = list(r.tokens)
+            r.done.logprobs, r.done.raw_logprobs = list(r.logprobs), list(r.raw_logprobs)
+            delta = text[len(r.sent):] if text.startswith(r.sent) else ""
+            r.sent = text
+            return StreamEvent(r.index, delta, new_tokens)
+        safe = text.rstrip("\ufffd")  # an incomplete multi-byte character waits for its next token
+        for s in stop:  # hold back a suffix that may be the start of a stop string
+            for m in range(min(len(s) - 1, len(safe)), 0, -1):
+                if safe.endswith(s[:m]):
+                    safe = safe[: len(safe) - m]
+                    break
+        delta = ""
+        if safe.startswith(r.sent) and len(safe) > len(r.sent):
+            delta = safe[len(r.sent):]
+            r.sent = safe
+        return StreamEvent(r.index, delta, new_tokens)

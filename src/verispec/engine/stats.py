@@ -1,0 +1,77 @@
+"""Speculation statistics in one place: observe(drafted, accepted) per row and step; rates derived here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["SpecStats"]
+
+
+@dataclass
+class SpecStats:
+    """Counts for one request, or pooled over many (`merge`). Times in seconds (pooled stats only)."""
+
+    drafted: int = 0  # draft tokens proposed
+    accepted: int = 0  # of which accepted
+    emitted: int = 0  # tokens emitted (accepted + recovered / bonus), before stop / length truncation
+    target_passes: int = 0  # verification forward passes that included this row
+    drafted_at: list[int] = field(default_factory=list)  # [j]: steps that drafted a position j
+    reached_at: list[int] = field(default_factory=list)  # [j]: of which drafts 0..j-1 were all accepted
+    accepted_at: list[int] = field(default_factory=list)  # [j]: of which draft j was accepted too
+    draft_time: float = 0.0
+    verify_time: float = 0.0
+    other_time: float = 0.0
+    wall_time: float = 0.0
+    output_tokens: int = 0  # tokens returned to the user
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        """One verification step of one row: `drafted` drafts, the first `accepted` of them kept."""
+        self.drafted += drafted
+        self.accepted += accepted
+        self.emitted += accepted + 1
+        self.target_passes += 1
+        while len(self.drafted_at) < drafted:
+            self.drafted_at.append(0)
+            self.reached_at.append(0)
+            self.accepted_at.append(0)
+        for j in range(drafted):
+            self.drafted_at[j] += 1
+            self.reached_at[j] += j <= accepted
+            self.accepted_at[j] += j < accepted
+
+    def merge(self, other: SpecStats) -> None:
+        for name in ("drafted", "accepted", "emitted", "target_passes", "output_tokens"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        for name in ("drafted_at", "reached_at", "accepted_at"):
+            mine, theirs = getattr(self, name), getattr(other, name)
+            n = max(len(mine), len(theirs))
+            setattr(self, name, [(mine[j] if j < len(mine) else 0) + (theirs[j] if j < len(theirs) else 0)
+                                 for j in range(n)])
+
+    @property
+    def acceptance_rate(self) -> float:
+        """alpha-hat: accepted / drafted (pooled over positions)."""
+        return self.accepted / self.drafted if self.drafted else float("nan")
+
+    @property
+    def tau(self) -> float:
+        """Tokens emitted per target pass (plain decoding: 1)."""
+        return self.emitted / self.target_passes if self.target_passes else float("nan")
+
+    @property
+    def per_position_acceptance(self) -> list[float]:
+        """P(draft j accepted | drafts 0..j-1 accepted) = accepted_at[j] / reached_at[j]."""
+        return [a / r if r else float("nan") for a, r in zip(self.accepted_at, self.reached_at)]
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.output_tokens / self.wall_time if self.wall_time > 0 else float("nan")
+
+    def summary(self) -> dict:
+        return {
+            "output_tokens": self.output_tokens, "drafted": self.drafted, "accepted": self.accepted,
+            "target_passes": self.target_passes, "acceptance_rate": self.acceptance_rate, "tau": self.tau,
+            "per_position_acceptance": self.per_position_acceptance, "tokens_per_second": self.tokens_per_second,
+            "wall_time_s": self.wall_time, "draft_time_s": self.draft_time, "verify_time_s": self.verify_time,
+            "other_time_s": self.other_time,
+        }

@@ -1,0 +1,53 @@
+"""Tiny random models and a locally built tokenizer for engine tests (no downloads)."""
+
+from __future__ import annotations
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+from verispec.engine.loading import LoadedModel
+
+V = 32
+WORDS = ["<unk>", "<s>", "</s>"] + [chr(97 + i) for i in range(26)] + ["x0", "x1", "x2"]  # 32 tokens
+EOS = 2
+
+
+def make_tokenizer(words=WORDS) -> PreTrainedTokenizerFast:
+    tk = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    tk.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}{% if add_generation_prompt %}x0{% endif %}"
+    return tok
+
+
+def make_model(seed: int, family: str = "llama", layers: int = 2, scale: float = 4.0, vocab: int = V,
+               max_positions: int = 256, dtype=torch.float32) -> torch.nn.Module:
+    """A random 2-layer model; `scale` sharpens the output layer so distributions are far from uniform."""
+    torch.manual_seed(seed)
+    kw = dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=max_positions, eos_token_id=EOS, bos_token_id=1,
+              tie_word_embeddings=False)
+    model = (Qwen2ForCausalLM(Qwen2Config(**kw)) if family == "qwen2" else LlamaForCausalLM(LlamaConfig(**kw)))
+    with torch.no_grad():
+        model.lm_head.weight.mul_(scale)
+    return model.to(dtype).eval()
+
+
+def loaded(seed: int, family: str = "llama", layers: int = 2, **kw) -> LoadedModel:
+    return LoadedModel(make_model(seed, family, layers, **kw), make_tokenizer(), f"tiny-{family}-{seed}")
+
+
+@torch.no_grad()
+def greedy_reference(model, prompt: list[int], n: int, eos: int | None = EOS) -> list[int]:
+    """Plain greedy decoding with full forwards and no cache: independent of verispec's runner."""
+    seq = list(prompt)
+    out = []
+    for _ in range(n):
+        t = int(model(torch.tensor([seq])).logits[0, -1].argmax())
+        if t == eos:
+            break
+        out.append(t)
+        seq.append(t)
+    return out
