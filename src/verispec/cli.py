@@ -56,6 +56,100 @@ def _cmd_explain(args: argparse.Namespace) -> int:
     return 0
 
 
+def _gamma(text: str) -> int | str:
+    if text == "auto":
+        return "auto"
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--gamma must be an integer >= 0 or 'auto', got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"--gamma must be an integer >= 0 or 'auto', got {text!r}")
+    return value
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", help="target model: hub id, local directory or .gguf file (default: "
+                                    "SmolLM2-135M-Instruct, fetched once into ~/.cache/verispec)")
+    p.add_argument("--draft", default="ngram",
+                   help="draft model (hub id, directory, .gguf), 'ngram' (prompt lookup, default) or 'none'")
+    p.add_argument("--gamma", type=_gamma, default="auto", help="drafts per step, or 'auto' (default)")
+    p.add_argument("--max-gamma", type=int, default=8, help="upper bound for --gamma auto (default 8)")
+    p.add_argument("--dtype", default="float32", help="float32 (default), bfloat16 or float16")
+    p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    p.add_argument("--threads", type=int, help="torch CPU threads")
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default 1.0)")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--presence-penalty", type=float, default=0.0)
+    p.add_argument("--frequency-penalty", type=float, default=0.0)
+    p.add_argument("--seed", type=int)
+
+
+def _sampling_params(args: argparse.Namespace):
+    from .sampling import SamplingParams
+
+    try:
+        return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                              repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+                              frequency_penalty=args.frequency_penalty, seed=args.seed)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+
+
+def build_generator(args: argparse.Namespace):
+    """Load the models named on the command line and build a SpeculativeGenerator."""
+    from .engine.generator import SpeculativeGenerator
+    from .engine.loading import ModelLoadError, load_model
+
+    from .engine.loading import DEFAULT_MODEL_NAME
+
+    print(f"loading {args.target or DEFAULT_MODEL_NAME} ...", file=sys.stderr, flush=True)
+    try:
+        target = load_model(args.target, dtype=args.dtype, device=args.device, threads=args.threads)
+        draft = args.draft
+        if draft not in ("ngram", "none"):
+            draft = load_model(draft, dtype=args.dtype, device=args.device)
+        return SpeculativeGenerator(target, draft, gamma=args.gamma, max_gamma=args.max_gamma)
+    except (ModelLoadError, ValueError) as e:
+        raise UsageError(str(e)) from None
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    params = _sampling_params(args)
+    if args.max_new_tokens < 1:
+        raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    prompt = args.prompt if args.prompt != "-" else sys.stdin.read()
+    if not prompt:
+        raise UsageError("the prompt is empty")
+    gen = build_generator(args)
+    kwargs = dict(max_new_tokens=args.max_new_tokens, stop=args.stop or (), chat=args.chat)
+    try:
+        if args.json:
+            out = gen.generate(prompt, params, **kwargs)[0]
+            print(json.dumps({"text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason,
+                              "logprobs": out.logprobs, "raw_logprobs": out.raw_logprobs,
+                              "stats": out.stats.summary() | {"tokens_per_second": gen.last_stats.tokens_per_second}},
+                             indent=2))
+            return 0
+        for event in gen.stream(prompt, params, **kwargs):
+            sys.stdout.write(event.delta)
+            sys.stdout.flush()
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    s = gen.last_stats
+    draft = gen.proposer.name if gen.proposer is not None else "none"
+    print(f"\n[{s.output_tokens} tokens, {s.tokens_per_second:.1f} tok/s, draft={draft}, "
+          f"acceptance={s.acceptance_rate:.2f}, tau={s.tau:.2f} tokens/pass, "
+          f"draft {s.draft_time:.1f}s / verify {s.verify_time:.1f}s / other {s.other_time:.1f}s]", file=sys.stderr)
+    return 0
+
+
 def _parse_shape(text: str) -> tuple[int, int, int]:
     try:
         b, k, v = (int(x) for x in text.lower().split("x"))
@@ -98,6 +192,18 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--wrong", action="store_true", help="also show two classic wrong resampling rules")
     ex.add_argument("--json", action="store_true", help="print JSON instead of tables")
     ex.set_defaults(func=_cmd_explain)
+
+    gen = sub.add_parser("generate", help="generate text with speculative decoding (streams to the terminal)",
+                         description="Generate from the target model; every token follows the target's "
+                                     "distribution exactly. With no --target, uses the built-in default model.")
+    gen.add_argument("prompt", help="the prompt ('-' reads standard input)")
+    _add_model_args(gen)
+    _add_sampling_args(gen)
+    gen.add_argument("--max-new-tokens", type=int, default=128)
+    gen.add_argument("--stop", action="append", help="stop string (repeatable)")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
+    gen.add_argument("--json", action="store_true", help="print one JSON object (text, tokens, logprobs, stats)")
+    gen.set_defaults(func=_cmd_generate)
 
     bench = sub.add_parser("bench", help="benchmarks, side by side in one run")
     bsub = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCH")

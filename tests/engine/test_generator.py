@@ -1,0 +1,183 @@
+"""SpeculativeGenerator on tiny random models: greedy equality, seeds, batches, stops, streaming, errors."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from verispec.engine.generator import SpeculativeGenerator
+from verispec.engine.loading import LoadedModel, ModelLoadError
+from verispec.sampling import SamplingParams
+
+from .tiny import EOS, greedy_reference, loaded, make_model, make_tokenizer, noisy_copy
+
+TARGET = loaded(0)
+DRAFT = loaded(1, layers=1)
+NOISY = LoadedModel(noisy_copy(TARGET.model, 0.3), TARGET.tokenizer, "noisy")  # agrees often, not always
+PROMPTS = [[3, 4, 5, 3, 4, 5, 3, 4], [9, 10], [20, 21, 22, 23, 24, 25, 20, 21, 22, 23, 24], [7]]
+GREEDY = SamplingParams(temperature=0)
+
+
+@pytest.mark.parametrize("draft", ["ngram", "model", "noisy", "self"])
+@pytest.mark.parametrize("batch", [1, 4])
+def test_greedy_equals_target_greedy(draft, batch):
+    d = {"ngram": "ngram", "model": DRAFT, "noisy": NOISY, "self": TARGET}[draft]  # "self": the target drafts for itself
+    gen = SpeculativeGenerator(TARGET, d, gamma=3)
+    prompts = PROMPTS[:batch]
+    outs = gen.generate(prompts, GREEDY, max_new_tokens=24)
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == greedy_reference(TARGET.model, prompt, 24)
+    if draft == "noisy":  # partial acceptance: both caches were rolled back mid-chain
+        assert 0.2 < gen.last_stats.acceptance_rate < 1.0
+    if draft == "self":  # a perfect draft: every draft accepted, tau = gamma + 1 until the budget binds
+        assert gen.last_stats.acceptance_rate == 1.0
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_greedy_equals_target_greedy_per_family(family):
+    target = loaded(3, family)
+    gen = SpeculativeGenerator(target, loaded(4, family, layers=1), gamma=4)
+    outs = gen.generate(PROMPTS, GREEDY, max_new_tokens=16)
+    for prompt, out in zip(PROMPTS, outs):
+        assert out.token_ids == greedy_reference(target.model, prompt, 16)
+
+
+@pytest.mark.parametrize("draft", ["ngram", "model", "noisy", "none"])
+def test_seeded_rows_are_batch_invariant(draft):
+    d = {"ngram": "ngram", "model": DRAFT, "noisy": NOISY, "none": None}[draft]
+    gen = SpeculativeGenerator(TARGET, d, gamma=3)
+    params = [SamplingParams(temperature=1.0, top_p=0.95, seed=s) for s in (11, 12, 13, 14)]
+    batch = gen.generate(PROMPTS, params, max_new_tokens=20, ignore_eos=True)
+    alone = [gen.generate([p], [sp], max_new_tokens=20, ignore_eos=True)[0] for p, sp in zip(PROMPTS, params)]
+    reordered = gen.generate(PROMPTS[::-1], params[::-1], max_new_tokens=20, ignore_eos=True)[::-1]
+    for a, b, c in zip(batch, alone, reordered):
+        assert a.token_ids == b.token_ids == c.token_ids
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+
+
+def test_same_seed_same_output_other_seed_other_output():
+    gen = SpeculativeGenerator(TARGET, DRAFT, gamma=2)
+    sp = SamplingParams(temperature=1.0, seed=7)
+    a = gen.generate(PROMPTS[0], sp, max_new_tokens=30, ignore_eos=True)[0]
+    b = gen.generate(PROMPTS[0], sp, max_new_tokens=30, ignore_eos=True)[0]
+    c = gen.generate(PROMPTS[0], replace(sp, seed=8), max_new_tokens=30, ignore_eos=True)[0]
+    assert a.token_ids == b.token_ids and a.token_ids != c.token_ids
+
+
+def test_max_new_tokens_eos_and_finish_reasons():
+    gen = SpeculativeGenerator(TARGET, DRAFT, gamma=4)
+    out = gen.generate(PROMPTS[0], SamplingParams(seed=1), max_new_tokens=5, ignore_eos=True)[0]
+    assert len(out.token_ids) == 5 and out.finish_reason == "length"
+    # find a seed whose sample hits EOS, then check the EOS token ends the row and is not returned
+    for seed in range(200):
+        out = gen.generate(PROMPTS[1], SamplingParams(temperature=1.5, seed=seed), max_new_tokens=40)[0]
+        if out.finish_reason == "stop":
+            break
+    assert out.finish_reason == "stop" and out.stop_reason == EOS and EOS not in out.token_ids
+    assert len(out.token_ids) < 40
+    again = gen.generate(PROMPTS[1], SamplingParams(temperature=1.5, seed=seed), max_new_tokens=40, ignore_eos=True)[0]
+    assert again.token_ids[: len(out.token_ids) + 1] == out.token_ids + [EOS]
+
+
+def test_stop_strings_cut_text_and_tokens():
+    gen = SpeculativeGenerator(TARGET, "ngram", gamma=3)
+    full = gen.generate(PROMPTS[2], GREEDY, max_new_tokens=20, ignore_eos=True)[0]
+    words = full.text.split()
+    assert len(words) >= 4
+    stop = " ".join(words[2:4])
+    out = gen.generate(PROMPTS[2], GREEDY, max_new_tokens=20, ignore_eos=True, stop=[stop, "zzzz"])[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == full.text[: full.text.find(stop)]
+    assert out.token_ids == full.token_ids[:4] and len(out.logprobs) == 4
+
+
+def test_streaming_deltas_add_up_to_the_text():
+    gen = SpeculativeGenerator(TARGET, DRAFT, gamma=3)
+    params = [SamplingParams(seed=s) for s in (1, 2)]
+    texts = {0: "", 1: ""}
+    finals = {}
+    for ev in gen.stream(PROMPTS[:2], params, max_new_tokens=15, ignore_eos=True):
+        texts[ev.index] += ev.delta
+        if ev.completion is not None:
+            finals[ev.index] = ev.completion
+    assert set(finals) == {0, 1}
+    for i in (0, 1):
+        assert texts[i] == finals[i].text and finals[i].text != ""
+
+
+def test_logprobs_conventions():
+    gen = SpeculativeGenerator(TARGET, DRAFT, gamma=3)
+    out = gen.generate(PROMPTS[0], SamplingParams(temperature=0.5, seed=3), max_new_tokens=6, ignore_eos=True)[0]
+    seq = PROMPTS[0] + out.token_ids
+    with torch.no_grad():
+        logits = TARGET.model(torch.tensor([seq])).logits[0, len(PROMPTS[0]) - 1: -1]  # [6, V]
+    toks = torch.tensor(out.token_ids)
+    raw = torch.log_softmax(logits, -1)[torch.arange(6), toks]
+    processed = torch.log_softmax(logits / 0.5, -1)[torch.arange(6), toks]
+    assert out.raw_logprobs == pytest.approx(raw.tolist(), abs=1e-4)
+    assert out.logprobs == pytest.approx(processed.tolist(), abs=1e-4)
+    greedy = gen.generate(PROMPTS[0], GREEDY, max_new_tokens=4, ignore_eos=True)[0]
+    assert greedy.logprobs == [0.0] * 4
+
+
+def test_stats():
+    gen = SpeculativeGenerator(TARGET, TARGET, gamma=3)  # perfect draft
+    out = gen.generate(PROMPTS[0], SamplingParams(seed=2), max_new_tokens=12, ignore_eos=True)[0]
+    s = out.stats
+    assert s.acceptance_rate == 1.0 and s.tau == pytest.approx(4.0) and s.per_position_acceptance == [1, 1, 1]
+    assert s.output_tokens == 12 and s.target_passes == 3
+    plain = SpeculativeGenerator(TARGET, None).generate(PROMPTS[0], SamplingParams(seed=2), max_new_tokens=5,
+                                                        ignore_eos=True)[0]
+    assert plain.stats.tau == 1.0 and plain.stats.drafted == 0
+
+
+def test_adaptive_gamma_runs_and_stays_exact_under_greedy():
+    gen = SpeculativeGenerator(TARGET, DRAFT, gamma="auto", max_gamma=6)
+    outs = gen.generate(PROMPTS, GREEDY, max_new_tokens=20)
+    for prompt, out in zip(PROMPTS, outs):
+        assert out.token_ids == greedy_reference(TARGET.model, prompt, 20)
+
+
+def test_chat_prompts_use_the_template():
+    gen = SpeculativeGenerator(TARGET, "ngram")
+    assert gen.encode("a b", chat=True) == [3, 4, 29]  # template appends x0 (id 29)
+
+
+# ---- bad input -------------------------------------------------------------------------------------------
+
+def test_bad_input():
+    gen = SpeculativeGenerator(TARGET, DRAFT)
+    with pytest.raises(ValueError, match="prompt is empty"):
+        gen.generate("", GREEDY)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        gen.generate("a b", GREEDY, max_new_tokens=0)
+    with pytest.raises(ValueError, match="context is 256"):
+        gen.generate([3] * 300, GREEDY)
+    with pytest.raises(ValueError, match="SamplingParams.top_p"):
+        gen.generate("a b", SamplingParams(top_p=2.0))
+    with pytest.raises(ValueError, match="one per prompt"):
+        gen.generate(["a", "b"], [GREEDY])
+    with pytest.raises(ValueError, match="stop strings"):
+        gen.generate("a", GREEDY, stop=[""])
+    with pytest.raises(ValueError, match="gamma"):
+        SpeculativeGenerator(TARGET, DRAFT, gamma=-1)
+    with pytest.raises(ValueError, match="draft must be"):
+        SpeculativeGenerator(TARGET, "medusa")
+    with pytest.raises(ValueError, match=r"token ids must lie in \[0, 32\)"):
+        gen.generate([[40, 1]], GREEDY)
+
+
+def test_different_tokenizers_are_refused():
+    other = make_tokenizer(["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(29)])
+    with pytest.raises(ModelLoadError, match="different tokenizers"):
+        SpeculativeGenerator(TARGET, LoadedModel(make_model(1), other, "other"))
+
+
+def test_padded_embeddings_are_sliced_to_the_shared_vocabulary():
+    big = LoadedModel(make_model(6, vocab=40), make_tokenizer(), "padded-40")  # 40 embedding rows, 32 tokens
+    gen = SpeculativeGenerator(TARGET, big, gamma=2)
+    assert gen.vocab_size == 32
+    out = gen.generate(PROMPTS[0], GREEDY, max_new_tokens=8)[0]
+    assert out.token_ids == greedy_reference(TARGET.model, PROMPTS[0], 8)
