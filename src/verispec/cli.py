@@ -179,6 +179,46 @@ def _cmd_bench_kernel(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench_e2e(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from .bench import e2e
+    from .engine.loading import DEFAULT_MODEL_NAME, ModelLoadError, load_model
+
+    try:
+        temps = tuple(float(t) for t in args.temperatures.split(","))
+        prompts = e2e.load_prompts(args.prompts)
+    except (ValueError, OSError) as e:
+        raise UsageError(str(e)) from None
+    if any(t < 0 for t in temps):
+        raise UsageError("--temperatures must be >= 0")
+    methods = tuple(args.methods.split(",")) if args.methods else e2e.E2EConfig.methods
+    unknown = set(methods) - set(e2e.E2EConfig.methods)
+    if unknown:
+        raise UsageError(f"unknown method(s) {sorted(unknown)}; choose from {', '.join(e2e.E2EConfig.methods)}")
+    cfg = e2e.E2EConfig(max_new_tokens=args.max_new_tokens, temperatures=temps, num_prompts=args.num_prompts,
+                        batch=args.batch, gamma=args.gamma, seed=args.seed, chat=not args.no_chat, methods=methods)
+    try:
+        print(f"loading {args.target or DEFAULT_MODEL_NAME} ...", file=sys.stderr, flush=True)
+        target = load_model(args.target, dtype=args.dtype, device=args.device, threads=args.threads)
+        draft = None
+        if args.draft not in (None, "none", "ngram"):  # prompt lookup always runs; a model is optional
+            print(f"loading {args.draft} ...", file=sys.stderr, flush=True)
+            draft = load_model(args.draft, dtype=args.dtype, device=args.device)
+        result = e2e.run_e2e(target, draft, prompts, cfg, log=lambda m: print(m, file=sys.stderr, flush=True))
+    except (ModelLoadError, ValueError) as e:
+        raise UsageError(str(e)) from None
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "e2e.json").write_text(json.dumps(result, indent=2))
+    md = e2e.to_markdown(result)
+    (out / "e2e.md").write_text(md + "\n")
+    e2e.plot(result, out / "e2e.png")
+    print(md)
+    print(f"wrote {out / 'e2e.json'}, {out / 'e2e.md'}, {out / 'e2e.png'}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="verispec", description="Lossless speculative decoding.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -214,6 +254,24 @@ def build_parser() -> argparse.ArgumentParser:
     bk.add_argument("--no-reference", action="store_true", help="skip the slow reference implementation")
     bk.add_argument("--json", metavar="FILE", help="also write the raw timings as JSON")
     bk.set_defaults(func=_cmd_bench_kernel)
+
+    be = bsub.add_parser("e2e", help="end-to-end tokens/s: verispec (plain, draft, ngram) vs HF generate")
+    be.add_argument("--target", help="target model (default: the built-in default model)")
+    be.add_argument("--draft", help="draft model for verispec-draft and hf-assisted (omit: those are skipped)")
+    be.add_argument("--prompts", nargs="+", required=True, help="JSONL prompt files ({'prompt', 'category'})")
+    be.add_argument("--num-prompts", type=int, default=2, help="prompts per category at batch 1 (default 2)")
+    be.add_argument("--batch", type=int, default=4, help="batch size of the batched verispec runs (default 4)")
+    be.add_argument("--max-new-tokens", type=int, default=64)
+    be.add_argument("--temperatures", default="0,1", help="comma-separated (default 0,1)")
+    be.add_argument("--gamma", type=_gamma, default=4, help="drafts per step for verispec, or auto (default 4)")
+    be.add_argument("--methods", help="comma-separated subset of the methods")
+    be.add_argument("--seed", type=int, default=0)
+    be.add_argument("--no-chat", action="store_true", help="feed prompts raw instead of through the chat template")
+    be.add_argument("--dtype", default="float32")
+    be.add_argument("--device", default="cpu")
+    be.add_argument("--threads", type=int)
+    be.add_argument("--out", default="bench-out", help="folder for e2e.json, e2e.md and e2e.png")
+    be.set_defaults(func=_cmd_bench_e2e)
     return parser
 
 

@@ -1,8 +1,9 @@
 """Draft length control: a fixed gamma, or one chosen each step from measured acceptance and costs.
 
 The adaptive rule maximises the expected speedup of `verispec.sampling.theory.speedup_cost_curve`, with
-  * alpha per row: (accepted + 1) / (accepted + rejections + 2) over the row's steps so far, where each
-    step contributes its accepted drafts as successes and a rejection (if any) as one failure;
+  * alpha per row: (accepted + m * a0) / (accepted + rejections + m) over the row's steps so far, where each
+    step contributes its accepted drafts as successes and a rejection (if any) as one failure, shrunk
+    towards a0, the acceptance pooled over all rows seen so far (m = 4 pseudo-observations);
   * draft cost: the measured seconds of one draft forward (EMA);
   * verify cost T(n): measured seconds of a target pass over n tokens (EMA per n), a least-squares line
     through the measured n's filling the others (CPU verify cost grows with n).
@@ -31,6 +32,7 @@ class GammaController:
         self.ema = ema
         self.draft_cost: float | None = None  # seconds per draft forward
         self.verify_cost: dict[int, float] = {}  # n tokens per row -> seconds per target pass
+        self.pooled = [0, 0]  # successes, failures over every row (the prior for new rows)
 
     def _blend(self, old: float | None, new: float) -> float:
         return new if old is None else (1 - self.ema) * old + self.ema * new
@@ -40,6 +42,10 @@ class GammaController:
 
     def observe_verify(self, n_tokens: int, seconds: float) -> None:
         self.verify_cost[n_tokens] = self._blend(self.verify_cost.get(n_tokens), seconds)
+
+    def observe_acceptance(self, successes: int, failures: int) -> None:
+        self.pooled[0] += successes
+        self.pooled[1] += failures
 
     def curve(self) -> list[float]:
         """T(1..max_gamma + 1) from the measurements (a line through them; flat if only one)."""
@@ -64,6 +70,8 @@ class GammaController:
             return 0
         if self.draft_cost is None or not self.verify_cost:
             return min(4, cap)  # warm-up until both costs are measured
-        alpha = (successes + 1) / (successes + failures + 2)
+        s0, f0 = self.pooled
+        prior = (s0 + 1) / (s0 + f0 + 2)
+        alpha = (successes + 4 * prior) / (successes + failures + 4)
         gamma, _ = optimal_gamma_cost_curve(min(alpha, 0.999), self.draft_cost, self.curve(), max_gamma=cap)
         return max(gamma, 1)  # keep drafting at least one token so alpha stays measured

@@ -246,6 +246,7 @@ class SpeculativeGenerator:
                 pooled.observe(nd[b], na[b])
                 r.successes += na[b]
                 r.failures += int(na[b] < nd[b])
+                self.controller.observe_acceptance(na[b], int(na[b] < nd[b]))
             if self.proposer is not None:
                 self.proposer.update(self._view(rows, penalties, prompt_mask, counts), old_lengths, na, nd)
 

@@ -18,6 +18,7 @@ class SpecStats:
     drafted_at: list[int] = field(default_factory=list)  # [j]: steps that drafted a position j
     reached_at: list[int] = field(default_factory=list)  # [j]: of which drafts 0..j-1 were all accepted
     accepted_at: list[int] = field(default_factory=list)  # [j]: of which draft j was accepted too
+    steps_by_drafted: dict[int, int] = field(default_factory=dict)  # drafts in a step -> number of such steps
     draft_time: float = 0.0
     verify_time: float = 0.0
     other_time: float = 0.0
@@ -30,6 +31,7 @@ class SpecStats:
         self.accepted += accepted
         self.emitted += accepted + 1
         self.target_passes += 1
+        self.steps_by_drafted[drafted] = self.steps_by_drafted.get(drafted, 0) + 1
         while len(self.drafted_at) < drafted:
             self.drafted_at.append(0)
             self.reached_at.append(0)
@@ -42,6 +44,8 @@ class SpecStats:
     def merge(self, other: SpecStats) -> None:
         for name in ("drafted", "accepted", "emitted", "target_passes", "output_tokens"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
+        for g, n in other.steps_by_drafted.items():
+            self.steps_by_drafted[g] = self.steps_by_drafted.get(g, 0) + n
         for name in ("drafted_at", "reached_at", "accepted_at"):
             mine, theirs = getattr(self, name), getattr(other, name)
             n = max(len(mine), len(theirs))

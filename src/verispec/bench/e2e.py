@@ -1,0 +1,261 @@
+"""`verispec bench e2e`: end-to-end decoding speed, every method side by side in one process and one run.
+
+Methods (same target, prompts, max_new_tokens, temperature and seeds):
+    verispec-plain    plain decoding through verispec's loop (the baseline speedups are relative to)
+    verispec-draft    verispec with the draft model
+    verispec-ngram    verispec with prompt lookup
+    hf-plain          HF transformers generate()
+    hf-assisted       HF transformers generate(assistant_model=draft)
+at each temperature, at batch 1 (all methods) and batch 4 (verispec methods). Every run generates exactly
+max_new_tokens per prompt (EOS ignored by verispec, suppressed by min_new_tokens in HF) so token counts
+match. Per prompt category it reports tokens/s, speedup over verispec-plain at the same temperature and
+batch, tau (tokens per target pass; HF's counted with a forward hook), alpha, per-position acceptance,
+and the theoretical speedup from the measured alpha and the measured cost curve (draft step cost and
+target cost T(n) over n tokens, calibrated at the start of the run).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..engine.generator import SpeculativeGenerator
+from ..engine.loading import LoadedModel
+from ..engine.runner import HFRunner
+from ..sampling import SamplingParams
+from ..sampling.theory import expected_tokens_per_pass
+
+__all__ = ["E2EConfig", "load_prompts", "run_e2e", "to_markdown", "plot"]
+
+
+@dataclass(frozen=True)
+class E2EConfig:
+    max_new_tokens: int = 64
+    temperatures: tuple[float, ...] = (0.0, 1.0)
+    num_prompts: int = 2  # per category at batch 1
+    batch: int = 4  # the batched verispec runs use the first `batch` prompts of each category
+    gamma: int | str = 4
+    seed: int = 0
+    chat: bool = True
+    methods: tuple[str, ...] = ("verispec-plain", "verispec-draft", "verispec-ngram", "hf-plain", "hf-assisted")
+
+
+def load_prompts(paths: list[str]) -> dict[str, list[str]]:
+    """JSONL files with {"prompt": ..., "category": ...} per line -> category -> prompts (file order)."""
+    out: dict[str, list[str]] = defaultdict(list)
+    for path in paths:
+        with open(path) as fh:
+            for n, line in enumerate(fh, 1):
+                if not line.strip():
+                    continue
+                try:
+                    rec = json.loads(line)
+                    out[rec.get("category") or Path(path).stem].append(rec["prompt"])
+                except (json.JSONDecodeError, KeyError, TypeError):
+                    raise ValueError(f"{path}:{n}: expected a JSON object with a 'prompt' field") from None
+    if not out:
+        raise ValueError("no prompts found")
+    return dict(out)
+
+
+@torch.inference_mode()
+def calibrate(model, vocab: int, max_n: int, context: int = 64, repeats: int = 5) -> list[float]:
+    """Median seconds of one forward over n = 1..max_n new tokens after `context` cached tokens (batch 1)."""
+    runner = HFRunner(model, vocab)
+    runner.start(1, context + max_n + 1)
+    g = torch.Generator().manual_seed(0)
+    runner.prefill([torch.randint(0, vocab, (context,), generator=g).tolist()])
+    curve = []
+    for n in range(1, max_n + 1):
+        times = []
+        for _ in range(repeats):
+            toks = torch.randint(0, vocab, (n,), generator=g).tolist()
+            t0 = time.perf_counter()
+            runner.forward([toks])
+            times.append(time.perf_counter() - t0)
+            runner.truncate([context])
+        curve.append(statistics.median(times))
+    return curve
+
+
+def theory_speedup(alpha: float, steps_by_drafted: dict[int, int], draft_cost: float, curve: list[float]) -> float:
+    """Expected speedup over plain decoding for the run's own mix of draft lengths: each step with g drafts
+    yields tau(alpha, g) tokens for g draft steps plus one target pass over g + 1 tokens (cost T(g + 1))."""
+    a = min(alpha, 0.9999)
+    tokens = sum(n * expected_tokens_per_pass(a, g) for g, n in steps_by_drafted.items())
+    cost = sum(n * (g * draft_cost + curve[min(g, len(curve) - 1)]) for g, n in steps_by_drafted.items())
+    return tokens * curve[0] / cost
+
+
+class _CallCounter:
+    def __init__(self, module):
+        self.calls = 0
+        self.handle = module.register_forward_pre_hook(self._hook)
+
+    def _hook(self, *_):
+        self.calls += 1
+
+    def close(self):
+        self.handle.remove()
+
+
+def _hf_generate(target: LoadedModel, draft: LoadedModel | None, prompts_ids: list[list[int]], temperature: float,
+                 max_new: int, seed: int) -> tuple[int, float, int]:
+    """(tokens, seconds, target forward calls) for HF generate over prompts one at a time."""
+    tokens = calls = 0
+    seconds = 0.0
+    counter = _CallCounter(target.model)
+    try:
+        for i, ids in enumerate(prompts_ids):
+            torch.manual_seed(seed + i)
+            kwargs = dict(max_new_tokens=max_new, min_new_tokens=max_new, do_sample=temperature > 0,
+                          pad_token_id=target.tokenizer.pad_token_id or target.tokenizer.eos_token_id)
+            if temperature > 0:
+                kwargs.update(temperature=temperature, top_k=None, top_p=None)
+            if draft is not None:
+                kwargs["assistant_model"] = draft.model
+            x = torch.tensor([ids], device=target.device)
+            t0 = time.perf_counter()
+            with torch.inference_mode():
+                out = target.model.generate(x, attention_mask=torch.ones_like(x), **kwargs)
+            seconds += time.perf_counter() - t0
+            tokens += out.shape[1] - x.shape[1]
+        calls = counter.calls
+    finally:
+        counter.close()
+    return tokens, seconds, calls
+
+
+def run_e2e(target: LoadedModel, draft: LoadedModel | None, prompts: dict[str, list[str]], cfg: E2EConfig,
+            log=print) -> dict:
+    methods = [m for m in cfg.methods if draft is not None or m not in ("verispec-draft", "hf-assisted")]
+    gens = {
+        "verispec-plain": SpeculativeGenerator(target, None),
+        "verispec-ngram": SpeculativeGenerator(target, "ngram", gamma=cfg.gamma),
+    }
+    if draft is not None:
+        gens["verispec-draft"] = SpeculativeGenerator(target, draft, gamma=cfg.gamma)
+    vocab = gens["verispec-plain"].vocab_size
+    max_gamma = cfg.gamma if isinstance(cfg.gamma, int) else 8
+    log("calibrating the cost curve ...")
+    target_curve = calibrate(target.model, vocab, max_gamma + 1)
+    draft_step = calibrate(draft.model, vocab, 1)[0] if draft is not None else 0.0
+    log("T(n) target seconds: " + ", ".join(f"{t:.3f}" for t in target_curve) + f"; draft step {draft_step:.3f}s")
+
+    records = []
+    encode = gens["verispec-plain"].encode
+    for temp in cfg.temperatures:
+        for cat, texts in prompts.items():
+            ids = [encode(t, chat=cfg.chat) for t in texts]
+            for batch in sorted({1, cfg.batch}):
+                chosen = ids[: cfg.num_prompts] if batch == 1 else ids[: cfg.batch]
+                if batch > 1 and len(chosen) < batch:
+                    continue
+                for method in methods:
+                    if batch > 1 and method.startswith("hf-"):
+                        continue
+                    rec = {"temperature": temp, "category": cat, "batch": batch, "method": method,
+                           "prompts": len(chosen)}
+                    if method.startswith("hf-"):
+                        tok, sec, calls = _hf_generate(target, draft if method == "hf-assisted" else None, chosen,
+                                                       temp, cfg.max_new_tokens, cfg.seed)
+                        rec.update(tokens=tok, seconds=sec, tau=tok / calls if calls else None)
+                    else:
+                        gen = gens[method]
+                        params = [SamplingParams(temperature=temp, seed=cfg.seed + i) for i in range(len(chosen))]
+                        tok, sec = 0, 0.0
+                        stats = None
+                        for start in range(0, len(chosen), batch):
+                            gen.generate(chosen[start:start + batch], params[start:start + batch],
+                                         max_new_tokens=cfg.max_new_tokens, ignore_eos=True)
+                            s = gen.last_stats
+                            tok += s.output_tokens
+                            sec += s.wall_time
+                            if stats is None:
+                                stats = s
+                            else:
+                                stats.merge(s)
+                                for f in ("draft_time", "verify_time", "other_time"):
+                                    setattr(stats, f, getattr(stats, f) + getattr(s, f))
+                        rec.update(tokens=tok, seconds=sec, tau=stats.tau, alpha=stats.acceptance_rate,
+                                   per_position=stats.per_position_acceptance, drafted=stats.drafted,
+                                   steps=stats.target_passes, draft_s=stats.draft_time, verify_s=stats.verify_time)
+                        if method != "verispec-plain" and stats.drafted:
+                            step_draft = (draft_step if method == "verispec-draft"
+                                          else stats.draft_time / max(stats.drafted, 1))
+                            rec["theory_speedup"] = theory_speedup(stats.acceptance_rate, stats.steps_by_drafted,
+                                                                   step_draft, target_curve)
+                    rec["tokens_per_s"] = rec["tokens"] / rec["seconds"] if rec["seconds"] else None
+                    records.append(rec)
+                    log(f"T={temp} {cat:5s} batch {batch} {method:15s} {rec['tokens_per_s']:.2f} tok/s"
+                        + (f" tau {rec['tau']:.2f}" if rec.get("tau") else ""))
+    for rec in records:  # speedups relative to verispec-plain at the same temperature, category, batch
+        base = next((r for r in records if r["method"] == "verispec-plain" and r["temperature"] == rec["temperature"]
+                     and r["category"] == rec["category"] and r["batch"] == rec["batch"]), None)
+        rec["speedup"] = rec["tokens_per_s"] / base["tokens_per_s"] if base and base["tokens_per_s"] else None
+        if rec.get("theory_speedup") and rec["speedup"]:
+            rec["measured_over_theory"] = rec["speedup"] / rec["theory_speedup"]
+        hf = next((r for r in records if r["method"] == "hf-assisted" and r["temperature"] == rec["temperature"]
+                   and r["category"] == rec["category"] and r["batch"] == 1), None)
+        if hf and hf["tokens_per_s"]:
+            rec["vs_hf_assisted"] = rec["tokens_per_s"] / hf["tokens_per_s"]
+    return {"config": cfg.__dict__ | {"temperatures": list(cfg.temperatures), "methods": list(cfg.methods)},
+            "target": target.name, "draft": draft.name if draft else None, "threads": torch.get_num_threads(),
+            "torch": torch.__version__, "cost_curve_s": target_curve, "draft_step_s": draft_step,
+            "records": records}
+
+
+def _fmt(x, spec=".2f"):
+    return "-" if x is None else format(x, spec)
+
+
+def to_markdown(result: dict) -> str:
+    lines = [f"target: {result['target']}; draft: {result['draft']}; torch {result['torch']}, "
+             f"{result['threads']} threads; max_new_tokens {result['config']['max_new_tokens']}; "
+             f"gamma {result['config']['gamma']}",
+             "cost curve T(1..n) s: " + ", ".join(f"{t:.3f}" for t in result["cost_curve_s"])
+             + f"; draft step {result['draft_step_s']:.3f} s", "",
+             "| T | category | batch | method | tok/s | speedup | vs HF assisted | tau | alpha | per-position acceptance "
+             "| theory speedup | measured / theory |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in result["records"]:
+        pp = r.get("per_position")
+        lines.append(
+            f"| {r['temperature']:g} | {r['category']} | {r['batch']} | {r['method']} | {_fmt(r['tokens_per_s'])} | "
+            f"{_fmt(r.get('speedup'))} | {_fmt(r.get('vs_hf_assisted'))} | {_fmt(r.get('tau'))} | "
+            f"{_fmt(r.get('alpha'))} | {' '.join(f'{x:.2f}' for x in pp) if pp else '-'} | "
+            f"{_fmt(r.get('theory_speedup'))} | {_fmt(r.get('measured_over_theory'))} |")
+    return "\n".join(lines)
+
+
+def plot(result: dict, path: str | Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    recs = [r for r in result["records"] if r["batch"] == 1]
+    temps = sorted({r["temperature"] for r in recs})
+    cats = list(dict.fromkeys(r["category"] for r in recs))
+    methods = list(dict.fromkeys(r["method"] for r in recs))
+    fig, axes = plt.subplots(1, len(temps), figsize=(6 * len(temps), 4), squeeze=False)
+    width = 0.8 / len(methods)
+    for ax, temp in zip(axes[0], temps):
+        for i, m in enumerate(methods):
+            vals = [next((r["speedup"] or 0 for r in recs if r["temperature"] == temp and r["category"] == c
+                          and r["method"] == m), 0) for c in cats]
+            ax.bar([x + i * width for x in range(len(cats))], vals, width, label=m)
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_xticks([x + width * (len(methods) - 1) / 2 for x in range(len(cats))], cats)
+        ax.set_title(f"temperature {temp:g}, batch 1")
+        ax.set_ylabel("speedup over verispec-plain (tokens/s)")
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
