@@ -123,7 +123,7 @@ def test_logprobs_conventions():
 
 
 def test_stats():
-    gen = SpeculativeGenerator(TARGET, TARGET, gamma=3)  # perfect draft
+    gen = SpeculativeGenerator(TARGET, TARGET, gamma=3, draft_stop_below=None)  # perfect draft, full gamma
     out = gen.generate(PROMPTS[0], SamplingParams(seed=2), max_new_tokens=12, ignore_eos=True)[0]
     s = out.stats
     assert s.acceptance_rate == 1.0 and s.tau == pytest.approx(4.0) and s.per_position_acceptance == [1, 1, 1]
@@ -131,6 +131,16 @@ def test_stats():
     plain = SpeculativeGenerator(TARGET, None).generate(PROMPTS[0], SamplingParams(seed=2), max_new_tokens=5,
                                                         ignore_eos=True)[0]
     assert plain.stats.tau == 1.0 and plain.stats.drafted == 0
+
+
+def test_draft_stops_early_when_unsure():
+    sure = SpeculativeGenerator(TARGET, DRAFT, gamma=4, draft_stop_below=None)
+    unsure = SpeculativeGenerator(TARGET, DRAFT, gamma=4, draft_stop_below=0.9)
+    for g in (sure, unsure):
+        g.generate(PROMPTS, SamplingParams(seed=4), max_new_tokens=16, ignore_eos=True)
+    full = sure.last_stats.drafted / sure.last_stats.target_passes
+    short = unsure.last_stats.drafted / unsure.last_stats.target_passes
+    assert 0 < short < full
 
 
 def test_adaptive_gamma_runs_and_stays_exact_under_greedy():

@@ -19,8 +19,15 @@ __all__ = ["DraftModelProposer"]
 class DraftModelProposer(Proposer):
     name = "draft-model"
 
-    def __init__(self, model, vocab_size: int):
+    def __init__(self, model, vocab_size: int, stop_below: float | None = 0.3):
+        """stop_below: a row stops drafting once a draft token's probability under the draft's own
+        (temperature-1) distribution is below stop_below (the draft is unsure, so later drafts would
+        likely be rejected). Any such stopping rule that looks only at
+        the draft's own tokens and distributions keeps verification exact. None drafts the full gamma."""
+        if stop_below is not None and not 0.0 <= stop_below <= 1.0:
+            raise ValueError(f"stop_below must be in [0, 1] or None, got {stop_below}")
         self.runner = HFRunner(model, vocab_size)
+        self.stop_below = stop_below
 
     def start(self, view: BatchView, capacity: int) -> None:
         self.runner.start(len(view.seqs), capacity)
@@ -52,9 +59,17 @@ class DraftModelProposer(Proposer):
                     u[b] = torch.rand((), dtype=torch.float64, generator=view.generators[b])
             tok = sample_from_weights(q, u.to(dev))  # [B]
             ids[:, j] = torch.where(torch.tensor(active, device=dev), tok, -1)
+            if self.stop_below is not None:
+                # confidence from the draft's own unprocessed distribution (a greedy q is always one-hot)
+                conf = logits.softmax(-1).gather(1, tok.unsqueeze(1)).squeeze(1)
+                unsure = (conf < self.stop_below).tolist()
+                gammas = [j + 1 if (a and low) else g for g, a, low in zip(gammas, active, unsure)]
             if j + 1 < k:
+                if max(gammas) <= j + 1:
+                    break
                 feed = [[int(tok[b])] if g > j + 1 else [] for b, g in enumerate(gammas)]
-        return Proposal(ids, probs, [min(g, k) for g in gammas])
+        k_used = max(min(g, k) for g in gammas)
+        return Proposal(ids[:, :k_used], probs[:, :k_used], [min(g, k) for g in gammas])
 
     def update(self, view: BatchView, old_lengths: list[int], num_accepted: list[int],
                num_draft: list[int]) -> None:

@@ -48,18 +48,20 @@ class GammaController:
         self.pooled[1] += failures
 
     def curve(self) -> list[float]:
-        """T(1..max_gamma + 1) from the measurements (a line through them; flat if only one)."""
+        """T(1..max_gamma + 1): measured values where there are some; linear interpolation between
+        measured n; beyond the largest measured n, that value (optimistic, so longer drafts get tried and
+        measured: CPU cost curves are far from linear, e.g. M = 2, 3 slower than M = 8)."""
         pts = sorted(self.verify_cost.items())
-        if len(pts) == 1:
-            n0, t0 = pts[0]
-            slope, icpt = 0.1 * t0, t0 - 0.1 * t0 * n0  # prior: +10% per token until measured
-        else:
-            xs, ys = [p[0] for p in pts], [p[1] for p in pts]
-            mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-            slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
-            slope = max(slope, 0.0)
-            icpt = my - slope * mx
-        return [max(self.verify_cost.get(n, icpt + slope * n), 1e-9) for n in range(1, self.max_gamma + 2)]
+        out = []
+        for n in range(1, self.max_gamma + 2):
+            lo = [(m, t) for m, t in pts if m <= n]
+            hi = [(m, t) for m, t in pts if m >= n]
+            if lo and hi:
+                (m0, t0), (m1, t1) = lo[-1], hi[0]
+                out.append(t0 if m1 == m0 else t0 + (t1 - t0) * (n - m0) / (m1 - m0))
+            else:
+                out.append((lo[-1] if lo else hi[0])[1])
+        return [max(t, 1e-9) for t in out]
 
     def choose(self, successes: int, failures: int, cap: int) -> int:
         """gamma for one row, given its acceptance record and a cap (remaining budget, context)."""

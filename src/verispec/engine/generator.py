@@ -78,16 +78,19 @@ class SpeculativeGenerator:
     """Speculative decoding with a target model and a drafter.
 
     draft: a `LoadedModel` (draft model), "ngram" (prompt lookup), a `Proposer`, or None / "none"
-    (plain decoding through the same loop: the honest baseline). gamma: drafts per step, or "auto".
+    (plain decoding through the same loop: the honest baseline). gamma: drafts per step (an upper bound
+    when a draft model stops early), or "auto". draft_stop_below: a draft model stops drafting for a row
+    once its own probability of a drafted token falls below this (None: always draft gamma tokens).
     """
 
     def __init__(self, target: LoadedModel, draft: LoadedModel | Proposer | str | None = "ngram", *,
-                 gamma: int | str = "auto", max_gamma: int = 8, ngram_sizes: Sequence[int] = (3, 2, 1)):
+                 gamma: int | str = "auto", max_gamma: int = 8, ngram_sizes: Sequence[int] = (3, 2, 1),
+                 draft_stop_below: float | None = 0.3):
         self.target = target
         self.tokenizer = target.tokenizer
         if isinstance(draft, LoadedModel):
             self.vocab_size = shared_vocab_size(target, draft)
-            self.proposer: Proposer | None = DraftModelProposer(draft.model, self.vocab_size)
+            self.proposer: Proposer | None = DraftModelProposer(draft.model, self.vocab_size, draft_stop_below)
         else:
             self.vocab_size = shared_vocab_size(target, None)
             if draft is None or draft == "none":
