@@ -154,3 +154,12 @@ def test_greedy_target_is_exact_match():
     for b in range(B):
         n = int(match[b])
         assert out.token_ids[b, : n + 1].tolist() == argmax[b, : n + 1].tolist()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["random", "adversarial", "truncated"])
+def test_large_sample_large_vocabulary(name):
+    """Slow tier: V = 128, k = 8, 2M trials per case (deviations of ~1e-3 in TV become detectable)."""
+    p, q, onehot = make_case(name, 8, v=128, seed=21)
+    tok, na, nd = run_case(correct, p, q, 2_000_000, onehot_ids=onehot, seed=23)
+    assert failing(position_tests(p, q, tok, na, nd, onehot_ids=onehot)) == []
