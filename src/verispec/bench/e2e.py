@@ -181,8 +181,6 @@ def run_e2e(target: LoadedModel, draft: LoadedModel | None, prompts: dict[str, l
                                 stats = s
                             else:
                                 stats.merge(s)
-                                for f in ("draft_time", "verify_time", "other_time"):
-                                    setattr(stats, f, getattr(stats, f) + getattr(s, f))
                         rec.update(tokens=tok, seconds=sec, tau=stats.tau, alpha=stats.acceptance_rate,
                                    per_position=stats.per_position_acceptance, drafted=stats.drafted,
                                    steps=stats.target_passes, draft_s=stats.draft_time, verify_s=stats.verify_time)

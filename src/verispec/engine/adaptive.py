@@ -7,19 +7,21 @@ The adaptive rule maximises the expected speedup of `verispec.sampling.theory.sp
   * draft cost: the measured seconds of one draft forward (EMA);
   * verify cost T(n): measured seconds of a target pass over n tokens (EMA per n), a least-squares line
     through the measured n's filling the others (CPU verify cost grows with n).
+When no draft length is expected to pay (a poor draft, or a verify cost that grows fast with n), the
+row decodes plainly and drafts again every `probe_every` steps to keep alpha measured.
 Any gamma is lossless; the choice only moves speed. With gamma="auto" the realised samples depend on
 timings, so seeded outputs are reproducible only with a fixed gamma.
 """
 
 from __future__ import annotations
 
-from ..sampling.theory import optimal_gamma_cost_curve
+from ..sampling.theory import optimal_gamma_cost_curve, speedup_cost_curve
 
 __all__ = ["GammaController"]
 
 
 class GammaController:
-    def __init__(self, gamma: int | str, max_gamma: int = 8, ema: float = 0.3):
+    def __init__(self, gamma: int | str, max_gamma: int = 8, ema: float = 0.3, probe_every: int = 8):
         if gamma == "auto":
             self.fixed = None
         elif isinstance(gamma, int) and not isinstance(gamma, bool) and gamma >= 0:
@@ -30,6 +32,7 @@ class GammaController:
             raise ValueError(f"max_gamma must be >= 1, got {max_gamma}")
         self.max_gamma = max_gamma if self.fixed is None else max(self.fixed, 1)
         self.ema = ema
+        self.probe_every = probe_every
         self.draft_cost: float | None = None  # seconds per draft forward
         self.verify_cost: dict[int, float] = {}  # n tokens per row -> seconds per target pass
         self.pooled = [0, 0]  # successes, failures over every row (the prior for new rows)
@@ -63,8 +66,10 @@ class GammaController:
                 out.append((lo[-1] if lo else hi[0])[1])
         return [max(t, 1e-9) for t in out]
 
-    def choose(self, successes: int, failures: int, cap: int) -> int:
-        """gamma for one row, given its acceptance record and a cap (remaining budget, context)."""
+    def choose(self, successes: int, failures: int, cap: int, step: int = 0) -> int:
+        """gamma for one row, given its acceptance record, a cap (remaining budget, context) and the
+        row's step count. When no draft length is expected to beat plain decoding, the row decodes
+        plainly (gamma 0), drafting again every `probe_every`-th step so its alpha stays measured."""
         cap = max(0, min(cap, self.max_gamma))
         if self.fixed is not None:
             return min(self.fixed, cap)
@@ -75,5 +80,10 @@ class GammaController:
         s0, f0 = self.pooled
         prior = (s0 + 1) / (s0 + f0 + 2)
         alpha = (successes + 4 * prior) / (successes + failures + 4)
-        gamma, _ = optimal_gamma_cost_curve(min(alpha, 0.999), self.draft_cost, self.curve(), max_gamma=cap)
-        return max(gamma, 1)  # keep drafting at least one token so alpha stays measured
+        gamma, speedup = optimal_gamma_cost_curve(min(alpha, 0.999), self.draft_cost, self.curve(), max_gamma=cap)
+        if gamma == 0 or speedup < 1.0:
+            if step % self.probe_every:
+                return 0
+            gamma, _ = max(((g, speedup_cost_curve(min(alpha, 0.999), g, self.draft_cost, self.curve()))
+                            for g in range(1, cap + 1)), key=lambda gs: gs[1])
+        return gamma

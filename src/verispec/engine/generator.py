@@ -213,38 +213,11 @@ class SpeculativeGenerator:
 
         while rows:
             view = self._view(rows, penalties, prompt_mask, counts)
-            caps = [min(max_new - len(r.tokens), (self.max_positions or 1 << 30) - len(r.seq)) - 1 for r in rows]
-            gammas = [self.controller.choose(r.successes, r.failures, c) for r, c in zip(rows, caps)]
-            t0 = time.perf_counter()
-            prop = self.proposer.propose(view, gammas) if self.proposer is not None and max(gammas) > 0 \
-                else Proposal.empty(len(rows), dev)
-            t1 = time.perf_counter()
-            nd = prop.num_draft
-            k = max(nd)
-            drafts = prop.token_ids[:, :k]
-            q = prop.probs[:, :k] if prop.probs is not None else None
-            logits = self.runner.forward([[r.seq[-1]] + drafts[b, : nd[b]].tolist() for b, r in enumerate(rows)])
-            p_counts = counts_at_draft_positions(counts, drafts) if penalties else None
-            p = probs_from_logits(logits[:, : k + 1], view.params, prompt_mask=prompt_mask, output_counts=p_counts)
-            out = verify_chain(p, drafts, q, torch.tensor(nd, device=dev), view.generators, check=False)
-            t2 = time.perf_counter()
-            pooled.draft_time += t1 - t0
-            pooled.verify_time += t2 - t1
-            if k > 0 and isinstance(self.proposer, DraftModelProposer):
-                self.controller.observe_draft((t1 - t0) / k)
-            self.controller.observe_verify(k + 1, t2 - t1)
-
-            na = out.num_accepted.tolist()
-            emitted = out.token_ids.tolist()
+            nd, na, emitted, lp, raw = self._step(rows, view, max_new, pooled)
             old_lengths = [len(r.seq) for r in rows]
             self.runner.truncate([n + a for n, a in zip(old_lengths, na)])  # pending + accepted drafts
-            tok = out.token_ids.clamp(min=0).unsqueeze(-1)  # [B, k+1, 1] (padding -> 0, never read)
-            lp = p.gather(-1, tok).squeeze(-1).log().tolist()  # log p(x): processed distribution
-            target_logits = logits[:, : k + 1]
-            raw = (target_logits.gather(-1, tok).squeeze(-1) - target_logits.logsumexp(-1)).tolist()  # raw log-softmax
             for b, r in enumerate(rows):
-                new = emitted[b][: na[b] + 1]
-                r.seq.extend(new)
+                r.seq.extend(emitted[b])
                 r.stats.observe(nd[b], na[b])
                 pooled.observe(nd[b], na[b])
                 r.successes += na[b]
@@ -255,28 +228,13 @@ class SpeculativeGenerator:
 
             keep: list[int] = []
             for b, r in enumerate(rows):
-                new = emitted[b][: na[b] + 1]
-                accepted_now: list[int] = []
-                for j, t in enumerate(new):
-                    if not ignore_eos and t in self.eos_ids:
-                        self._finish(r, "stop", t)
-                        break
-                    r.tokens.append(t)
-                    r.logprobs.append(lp[b][j])
-                    r.raw_logprobs.append(raw[b][j])
-                    accepted_now.append(t)
-                    if penalties:
-                        counts[b, t] += 1
-                    if len(r.tokens) >= max_new:
-                        self._finish(r, "length", None)
-                        break
-                if r.done is None and self.max_positions is not None and len(r.seq) >= self.max_positions:
-                    self._finish(r, "length", None)
-                event = self._text_event(r, accepted_now, stop)
+                returned = self._take(r, emitted[b], lp[b], raw[b], max_new, ignore_eos)
+                if penalties and returned:
+                    counts[b].index_add_(0, torch.tensor(returned, device=dev), torch.ones(len(returned), device=dev))
+                event = self._text_event(r, returned, stop)
                 if r.done is not None:
                     r.stats.output_tokens = len(r.done.token_ids)
                     pooled.output_tokens += len(r.done.token_ids)
-                    r.done.stats = r.stats
                     event.completion = r.done
                     yield event
                 else:
@@ -296,8 +254,59 @@ class SpeculativeGenerator:
         pooled.other_time = pooled.wall_time - pooled.draft_time - pooled.verify_time
         self.last_stats = pooled
         self.stats.merge(pooled)
-        for name in ("draft_time", "verify_time", "other_time", "wall_time"):
-            setattr(self.stats, name, getattr(self.stats, name) + getattr(pooled, name))
+
+    def _step(self, rows: list[_Row], view: BatchView, max_new: int, pooled: SpecStats):
+        """Draft, verify in one target pass. Returns per row: drafts, accepted drafts, emitted tokens, and
+        the processed and raw target logprobs at the emitted positions."""
+        dev = self.device
+        caps = [min(max_new - len(r.tokens), (self.max_positions or 1 << 30) - len(r.seq)) - 1 for r in rows]
+        gammas = [self.controller.choose(r.successes, r.failures, c, r.stats.target_passes) for r, c in zip(rows, caps)]
+        t0 = time.perf_counter()
+        if self.proposer is not None and max(gammas) > 0:
+            prop = self.proposer.propose(view, gammas)
+        else:
+            prop = Proposal.empty(len(rows), dev)
+        t1 = time.perf_counter()
+        nd = prop.num_draft
+        k = max(nd)
+        drafts = prop.token_ids[:, :k]  # [B, k]
+        q = prop.probs[:, :k] if prop.probs is not None else None  # [B, k, V]
+        logits = self.runner.forward([[r.seq[-1]] + drafts[b, : nd[b]].tolist() for b, r in enumerate(rows)])
+        logits = logits[:, : k + 1]  # [B, k+1, V]
+        counts = counts_at_draft_positions(view.output_counts, drafts) if view.output_counts is not None else None
+        p = probs_from_logits(logits, view.params, prompt_mask=view.prompt_mask, output_counts=counts)
+        out = verify_chain(p, drafts, q, torch.tensor(nd, device=dev), view.generators, check=False)
+        t2 = time.perf_counter()
+        pooled.draft_time += t1 - t0
+        pooled.verify_time += t2 - t1
+        if k > 0 and isinstance(self.proposer, DraftModelProposer):
+            self.controller.observe_draft((t1 - t0) / k)
+        self.controller.observe_verify(k + 1, t2 - t1)
+        tok = out.token_ids.clamp(min=0).unsqueeze(-1)  # [B, k+1, 1] (padding -> 0, never read)
+        lp = p.gather(-1, tok).squeeze(-1).log().tolist()  # log p(x) under the processed distribution
+        raw = (logits.gather(-1, tok).squeeze(-1) - logits.logsumexp(-1)).tolist()  # raw log-softmax
+        na = out.num_accepted.tolist()
+        emitted = [row[: a + 1] for row, a in zip(out.token_ids.tolist(), na)]
+        return nd, na, emitted, lp, raw
+
+    def _take(self, r: _Row, new: list[int], lp: list[float], raw: list[float], max_new: int,
+              ignore_eos: bool) -> list[int]:
+        """Append a step's tokens to the row's output until EOS, the budget or the context end."""
+        returned: list[int] = []
+        for j, t in enumerate(new):
+            if not ignore_eos and t in self.eos_ids:
+                self._finish(r, "stop", t)
+                break
+            r.tokens.append(t)
+            r.logprobs.append(lp[j])
+            r.raw_logprobs.append(raw[j])
+            returned.append(t)
+            if len(r.tokens) >= max_new:
+                self._finish(r, "length", None)
+                break
+        if r.done is None and self.max_positions is not None and len(r.seq) >= self.max_positions:
+            self._finish(r, "length", None)
+        return returned
 
     def _finish(self, r: _Row, reason: str, stop_reason) -> None:
         r.done = Completion(index=r.index, prompt_token_ids=r.prompt, token_ids=list(r.tokens), text="",

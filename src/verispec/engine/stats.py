@@ -42,7 +42,9 @@ class SpecStats:
             self.accepted_at[j] += j < accepted
 
     def merge(self, other: SpecStats) -> None:
-        for name in ("drafted", "accepted", "emitted", "target_passes", "output_tokens"):
+        """Add another run's counts and times (e.g. pool several calls)."""
+        for name in ("drafted", "accepted", "emitted", "target_passes", "output_tokens", "draft_time",
+                     "verify_time", "other_time", "wall_time"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for g, n in other.steps_by_drafted.items():
             self.steps_by_drafted[g] = self.steps_by_drafted.get(g, 0) + n

@@ -1,0 +1,52 @@
+"""The adaptive draft-length rule, on synthetic costs (no timing involved)."""
+
+from __future__ import annotations
+
+import pytest
+
+from verispec.engine.adaptive import GammaController
+from verispec.sampling import optimal_gamma_cost_curve
+
+
+def controller(curve, draft_cost, successes=0, failures=0):
+    c = GammaController("auto", max_gamma=8)
+    for n, t in enumerate(curve, 1):
+        c.observe_verify(n, t)
+    c.observe_draft(draft_cost)
+    c.observe_acceptance(successes, failures)
+    return c
+
+
+def test_good_draft_flat_curve_drafts_long():
+    c = controller([1.0] * 9, 0.05, successes=900, failures=50)
+    assert c.choose(95, 5, cap=8, step=1) >= 6
+
+
+def test_matches_the_theory_optimum():
+    curve = [1.0, 1.9, 2.8, 1.9, 2.0, 2.1, 2.9, 2.0, 2.4]  # a measured CPU-like curve (M = 2, 3 slow)
+    c = controller(curve, 0.1, successes=800, failures=200)
+    alpha = (80 + 4 * (801 / 1002)) / (100 + 4)
+    expect, _ = optimal_gamma_cost_curve(alpha, 0.1, curve, max_gamma=8)
+    assert c.choose(80, 20, cap=8, step=1) == expect
+    assert c.choose(80, 20, cap=2, step=1) <= 2
+
+
+def test_unprofitable_draft_decodes_plainly_but_probes():
+    c = controller([1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0], 0.5, successes=10, failures=90)
+    assert [c.choose(1, 9, cap=8, step=s) for s in range(1, 8)] == [0] * 7
+    assert c.choose(1, 9, cap=8, step=8) >= 1  # probe step keeps alpha measured
+
+
+def test_interpolation_is_optimistic_beyond_measurements():
+    c = GammaController("auto", max_gamma=6)
+    c.observe_verify(1, 1.0)
+    c.observe_verify(3, 2.0)
+    assert c.curve() == pytest.approx([1.0, 1.5, 2.0, 2.0, 2.0, 2.0, 2.0])
+
+
+def test_fixed_and_bad_values():
+    assert GammaController(3).choose(0, 0, cap=2) == 2
+    with pytest.raises(ValueError):
+        GammaController("fast")
+    with pytest.raises(ValueError):
+        GammaController("auto", max_gamma=0)
