@@ -75,6 +75,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="draft model (hub id, directory, .gguf), 'ngram' (prompt lookup, default) or 'none'")
     p.add_argument("--gamma", type=_gamma, default="auto", help="drafts per step, or 'auto' (default)")
     p.add_argument("--max-gamma", type=int, default=8, help="upper bound for --gamma auto (default 8)")
+    p.add_argument("--ngram-sizes", default="3,2,1", help="prompt-lookup n-gram sizes, longest first (default 3,2,1)")
     p.add_argument("--dtype", default="float32", help="float32 (default), bfloat16 or float16")
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     p.add_argument("--threads", type=int, help="torch CPU threads")
@@ -115,7 +116,11 @@ def build_generator(args: argparse.Namespace):
         draft = args.draft
         if draft not in ("ngram", "none"):
             draft = load_model(draft, dtype=args.dtype, device=args.device)
-        return SpeculativeGenerator(target, draft, gamma=args.gamma, max_gamma=args.max_gamma)
+        try:
+            sizes = tuple(int(n) for n in args.ngram_sizes.split(","))
+        except ValueError:
+            raise UsageError(f"--ngram-sizes must be comma-separated integers, got {args.ngram_sizes!r}") from None
+        return SpeculativeGenerator(target, draft, gamma=args.gamma, max_gamma=args.max_gamma, ngram_sizes=sizes)
     except (ModelLoadError, ValueError) as e:
         raise UsageError(str(e)) from None
 

@@ -25,7 +25,7 @@ def test_good_draft_flat_curve_drafts_long():
 def test_matches_the_theory_optimum():
     curve = [1.0, 1.9, 2.8, 1.9, 2.0, 2.1, 2.9, 2.0, 2.4]  # a measured CPU-like curve (M = 2, 3 slow)
     c = controller(curve, 0.1, successes=800, failures=200)
-    alpha = (80 + 4 * (801 / 1002)) / (100 + 4)
+    alpha = (80 + 4 * (803 / 1004)) / (100 + 4)
     expect, _ = optimal_gamma_cost_curve(alpha, 0.1, curve, max_gamma=8)
     assert c.choose(80, 20, cap=8, step=1) == expect
     assert c.choose(80, 20, cap=2, step=1) <= 2
@@ -35,6 +35,14 @@ def test_unprofitable_draft_decodes_plainly_but_probes():
     c = controller([1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0], 0.5, successes=10, failures=90)
     assert [c.choose(1, 9, cap=8, step=s) for s in range(1, 8)] == [0] * 7
     assert c.choose(1, 9, cap=8, step=8) >= 1  # probe step keeps alpha measured
+
+
+def test_no_plain_decoding_before_evidence():
+    c = GammaController("auto", max_gamma=8)
+    for n in (2, 5):
+        c.observe_verify(n, 3.0)
+    c.observe_draft(0.5)
+    assert c.choose(0, 1, cap=8, step=3) >= 1  # T(1) unmeasured, no pooled evidence: keep drafting
 
 
 def test_interpolation_is_optimistic_beyond_measurements():

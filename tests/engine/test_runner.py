@@ -58,3 +58,27 @@ def test_select_rows_and_bad_calls():
         r.forward([[1]])
     with pytest.raises(RuntimeError, match="capacity"):
         r.forward([[1] * 7, [1]])
+
+
+@pytest.mark.parametrize("family", ["mistral", "qwen2-sliding"])
+def test_sliding_window_models_keep_their_window(family):
+    """The runner builds its own 4D mask, so it must apply a model's sliding window itself."""
+    from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    kw = dict(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=64, sliding_window=3)
+    if family == "mistral":
+        model = MistralForCausalLM(MistralConfig(**kw)).eval()
+    else:  # one full-attention and one sliding layer: the model takes one mask per layer type
+        model = Qwen2ForCausalLM(Qwen2Config(**kw, use_sliding_window=True, max_window_layers=1,
+                                             layer_types=["full_attention", "sliding_attention"])).eval()
+    seq = [1, 5, 7, 3, 9, 2, 4, 11, 6, 8, 10, 12]
+    with torch.no_grad():
+        ref = model(torch.tensor([seq])).logits[0]
+        unwindowed = model(torch.tensor([seq]), attention_mask=torch.ones(1, 1, 12, 12).tril().log()).logits[0]
+    assert (ref - unwindowed).abs().max() > 1e-3  # the window matters for this sequence
+    r = HFRunner(model)
+    r.start(1, 16)
+    r.prefill([seq[:5]])
+    torch.testing.assert_close(r.forward([seq[5:]])[0], ref[5:], atol=1e-5, rtol=1e-5)

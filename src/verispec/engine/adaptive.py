@@ -3,11 +3,13 @@
 The adaptive rule maximises the expected speedup of `verispec.sampling.theory.speedup_cost_curve`, with
   * alpha per row: (accepted + m * a0) / (accepted + rejections + m) over the row's steps so far, where each
     step contributes its accepted drafts as successes and a rejection (if any) as one failure, shrunk
-    towards a0, the acceptance pooled over all rows seen so far (m = 4 pseudo-observations);
+    towards a0, the acceptance pooled over all rows seen so far (m = 4 pseudo-observations; a0 starts
+    optimistic at 0.75);
   * draft cost: the measured seconds of one draft forward (EMA);
   * verify cost T(n): measured seconds of a target pass over n tokens (EMA per n), a least-squares line
     through the measured n's filling the others (CPU verify cost grows with n).
-When no draft length is expected to pay (a poor draft, or a verify cost that grows fast with n), the
+When no draft length is expected to pay (a poor draft, or a verify cost that grows fast with n) — judged
+only once `min_evidence` acceptance observations and the plain-decoding cost T(1) are measured — the
 row decodes plainly and drafts again every `probe_every` steps to keep alpha measured.
 Any gamma is lossless; the choice only moves speed. With gamma="auto" the realised samples depend on
 timings, so seeded outputs are reproducible only with a fixed gamma.
@@ -21,7 +23,8 @@ __all__ = ["GammaController"]
 
 
 class GammaController:
-    def __init__(self, gamma: int | str, max_gamma: int = 8, ema: float = 0.3, probe_every: int = 8):
+    def __init__(self, gamma: int | str, max_gamma: int = 8, ema: float = 0.3, probe_every: int = 8,
+                 min_evidence: int = 32):
         if gamma == "auto":
             self.fixed = None
         elif isinstance(gamma, int) and not isinstance(gamma, bool) and gamma >= 0:
@@ -33,6 +36,7 @@ class GammaController:
         self.max_gamma = max_gamma if self.fixed is None else max(self.fixed, 1)
         self.ema = ema
         self.probe_every = probe_every
+        self.min_evidence = min_evidence  # pooled acceptance observations before a row may stop drafting
         self.draft_cost: float | None = None  # seconds per draft forward
         self.verify_cost: dict[int, float] = {}  # n tokens per row -> seconds per target pass
         self.pooled = [0, 0]  # successes, failures over every row (the prior for new rows)
@@ -78,12 +82,14 @@ class GammaController:
         if self.draft_cost is None or not self.verify_cost:
             return min(4, cap)  # warm-up until both costs are measured
         s0, f0 = self.pooled
-        prior = (s0 + 1) / (s0 + f0 + 2)
+        prior = (s0 + 3) / (s0 + f0 + 4)  # optimistic before any evidence (0.75), then the pooled rate
         alpha = (successes + 4 * prior) / (successes + failures + 4)
         gamma, speedup = optimal_gamma_cost_curve(min(alpha, 0.999), self.draft_cost, self.curve(), max_gamma=cap)
-        if gamma == 0 or speedup < 1.0:
+        evidence = s0 + f0 >= self.min_evidence and 1 in self.verify_cost  # alpha and plain cost both measured
+        if evidence and (gamma == 0 or speedup < 1.0):
             if step % self.probe_every:
                 return 0
+        if gamma == 0:  # probing, or not enough evidence yet to stop drafting: best positive length
             gamma, _ = max(((g, speedup_cost_curve(min(alpha, 0.999), g, self.draft_cost, self.curve()))
                             for g in range(1, cap + 1)), key=lambda gs: gs[1])
         return gamma

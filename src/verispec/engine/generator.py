@@ -9,7 +9,9 @@ Every emitted token follows the target's distribution exactly (verify_chain); th
 rolled back to the accepted prefix after each step, the draft's too. Rows finish independently (EOS,
 stop strings, max_new_tokens, the context end) and leave the batch. Each request draws its randomness
 from its own generator (SamplingParams.seed, or a seed drawn from torch's global RNG), so with a fixed
-gamma a seeded request gives the same tokens alone or in any batch.
+gamma a seeded request gives the same tokens alone or in any batch — bit for bit as far as the kernels
+are batch-invariant: padding changes summation order in the last bits, which can flip a token only at a
+near-exact tie (the distribution is unaffected).
 
 Logprobs convention (both under the target, at each returned token):
     logprobs[i]     = log p(x_i): the processed distribution actually sampled from (penalties, temperature,
@@ -208,8 +210,9 @@ class SpeculativeGenerator:
             counts = torch.zeros((len(rows), V), dtype=torch.float32, device=dev)
         self.runner.start(len(rows), capacity)
         self.runner.prefill([r.seq[:-1] for r in rows])
-        if self.proposer is not None:
-            self.proposer.start(self._view(rows, penalties, prompt_mask, counts), capacity)
+        if self.proposer is not None:  # a row that decodes plainly for a while feeds its backlog in one chunk
+            self.proposer.start(self._view(rows, penalties, prompt_mask, counts),
+                                capacity + self.controller.probe_every + 2)
 
         while rows:
             view = self._view(rows, penalties, prompt_mask, counts)
@@ -234,6 +237,7 @@ class SpeculativeGenerator:
                 event = self._text_event(r, returned, stop)
                 if r.done is not None:
                     r.stats.output_tokens = len(r.done.token_ids)
+                    r.stats.wall_time = time.perf_counter() - t_start  # this request's latency
                     pooled.output_tokens += len(r.done.token_ids)
                     event.completion = r.done
                     yield event
@@ -279,7 +283,7 @@ class SpeculativeGenerator:
         t2 = time.perf_counter()
         pooled.draft_time += t1 - t0
         pooled.verify_time += t2 - t1
-        if k > 0 and isinstance(self.proposer, DraftModelProposer):
+        if k > 0:
             self.controller.observe_draft((t1 - t0) / k)
         self.controller.observe_verify(k + 1, t2 - t1)
         tok = out.token_ids.clamp(min=0).unsqueeze(-1)  # [B, k+1, 1] (padding -> 0, never read)

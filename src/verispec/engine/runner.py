@@ -74,13 +74,29 @@ class HFRunner:
                         + torch.arange(T, device=self.device))  # [B, T]: absolute positions
         cache.begin_chunk(T)
         keys = torch.arange(cache._used, device=self.device)  # [L]
-        visible = keys.view(1, 1, -1) <= position_ids.unsqueeze(-1)  # [B, T, L]
-        mask = torch.zeros(visible.shape, dtype=self.dtype, device=self.device)
-        mask.masked_fill_(~visible, torch.finfo(self.dtype).min)  # finite: padded queries never give NaN
-        out = self._base(input_ids=ids, attention_mask=mask.unsqueeze(1), position_ids=position_ids,
+        distance = position_ids.unsqueeze(-1) - keys.view(1, 1, -1)  # [B, T, L]: query position - key slot
+        out = self._base(input_ids=ids, attention_mask=self._masks(distance >= 0, distance), position_ids=position_ids,
                          cache=cache, use_cache=True)
         cache.commit(n_new)
         return out.last_hidden_state, n_new
+
+    def _additive(self, visible: Tensor) -> Tensor:  # [B, T, L] bool -> [B, 1, T, L] additive float mask
+        mask = torch.zeros(visible.shape, dtype=self.dtype, device=self.device)
+        mask.masked_fill_(~visible, torch.finfo(self.dtype).min)  # finite: padded queries never give NaN
+        return mask.unsqueeze(1)
+
+    def _masks(self, causal: Tensor, distance: Tensor):
+        """The 4D mask(s) the model gets: causal, and for sliding-window layers also within the window
+        (HF convention: a key is visible when query - key < sliding_window). Models with both kinds of
+        layers (Qwen2 with use_sliding_window) take a dict keyed by layer type."""
+        window = getattr(self.config, "sliding_window", None)
+        types = set(getattr(self.config, "layer_types", None) or [])
+        if not window or (types and "sliding_attention" not in types):
+            return self._additive(causal)
+        windowed = self._additive(causal & (distance < window))
+        if types and types != {"sliding_attention"}:
+            return {"full_attention": self._additive(causal), "sliding_attention": windowed}
+        return windowed
 
     def _logits(self, hidden: Tensor) -> Tensor:
         logits = self._head(hidden)[..., : self.vocab_size].float()
