@@ -92,7 +92,6 @@ def run(shapes: Sequence[tuple[int, int, int]] = DEFAULT_SHAPES, repeats: int = 
             tp, di, dp = target_probs.cpu(), draft_ids.cpu(), draft_probs.cpu()
             r["reference_s"] = _time(lambda: reference_verify_chain(tp, di, dp), max(2, repeats // 4), 0.0)
         rows.append(r)
-        del target_probs, draft_probs
     return rows
 
 
