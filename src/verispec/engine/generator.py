@@ -226,8 +226,8 @@ class SpeculativeGenerator:
                 r.successes += na[b]
                 r.failures += int(na[b] < nd[b])
                 self.controller.observe_acceptance(na[b], int(na[b] < nd[b]))
-            if self.proposer is not None:
-                self.proposer.update(self._view(rows, penalties, prompt_mask, counts), old_lengths, na, nd)
+            if self.proposer is not None:  # view.seqs are the rows' own lists, already extended
+                self.proposer.update(view, old_lengths, na, nd)
 
             keep: list[int] = []
             for b, r in enumerate(rows):
