@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 __all__ = ["main"]
 
@@ -72,7 +73,12 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", help="target model: hub id, local directory or .gguf file (default: "
                                     "SmolLM2-135M-Instruct, fetched once into ~/.cache/verispec)")
     p.add_argument("--draft", default="ngram",
-                   help="draft model (hub id, directory, .gguf), 'ngram' (prompt lookup, default) or 'none'")
+                   help="draft model (hub id, directory, .gguf), 'self' (the target's weights quantized: with "
+                        "--draft-quant), 'ngram' (prompt lookup, default) or 'none'")
+    p.add_argument("--draft-quant", choices=["int8", "int4"],
+                   help="weight-only quantize the draft model's linear layers (lossless: q is what it sampled from)")
+    p.add_argument("--runner", choices=["auto", "fast", "hf"], default="auto",
+                   help="model forward: verispec's fast runner where supported (auto, default), fast, or hf")
     p.add_argument("--gamma", type=_gamma, default="auto", help="drafts per step, or 'auto' (default)")
     p.add_argument("--max-gamma", type=int, default=8, help="upper bound for --gamma auto (default 8)")
     p.add_argument("--ngram-sizes", default="3,2,1", help="prompt-lookup n-gram sizes, longest first (default 3,2,1)")
@@ -114,13 +120,14 @@ def build_generator(args: argparse.Namespace):
     try:
         target = load_model(args.target, dtype=args.dtype, device=args.device, threads=args.threads)
         draft = args.draft
-        if draft not in ("ngram", "none"):
+        if draft not in ("ngram", "none", "self"):
             draft = load_model(draft, dtype=args.dtype, device=args.device)
         try:
             sizes = tuple(int(n) for n in args.ngram_sizes.split(","))
         except ValueError:
             raise UsageError(f"--ngram-sizes must be comma-separated integers, got {args.ngram_sizes!r}") from None
-        return SpeculativeGenerator(target, draft, gamma=args.gamma, max_gamma=args.max_gamma, ngram_sizes=sizes)
+        return SpeculativeGenerator(target, draft, gamma=args.gamma, max_gamma=args.max_gamma, ngram_sizes=sizes,
+                                    runner=args.runner, draft_quant=args.draft_quant)
     except (ModelLoadError, ValueError) as e:
         raise UsageError(str(e)) from None
 
@@ -185,7 +192,6 @@ def _cmd_bench_kernel(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench_e2e(args: argparse.Namespace) -> int:
-    from pathlib import Path
 
     from .bench import e2e
     from .engine.loading import DEFAULT_MODEL_NAME, ModelLoadError, load_model
@@ -202,7 +208,8 @@ def _cmd_bench_e2e(args: argparse.Namespace) -> int:
     if unknown:
         raise UsageError(f"unknown method(s) {sorted(unknown)}; choose from {', '.join(e2e.E2EConfig.methods)}")
     cfg = e2e.E2EConfig(max_new_tokens=args.max_new_tokens, temperatures=temps, num_prompts=args.num_prompts,
-                        batch=args.batch, gamma=args.gamma, seed=args.seed, chat=not args.no_chat, methods=methods)
+                        batch=args.batch, gamma=args.gamma, seed=args.seed, chat=not args.no_chat, methods=methods,
+                        runner=args.runner, draft_quant=args.draft_quant, self_quant=args.self_quant)
     try:
         print(f"loading {args.target or DEFAULT_MODEL_NAME} ...", file=sys.stderr, flush=True)
         target = load_model(args.target, dtype=args.dtype, device=args.device, threads=args.threads)
@@ -221,6 +228,32 @@ def _cmd_bench_e2e(args: argparse.Namespace) -> int:
     e2e.plot(result, out / "e2e.png")
     print(md)
     print(f"wrote {out / 'e2e.json'}, {out / 'e2e.md'}, {out / 'e2e.png'}")
+    return 0
+
+
+def _cmd_bench_runner(args: argparse.Namespace) -> int:
+    from .bench import runner as bench_runner
+    from .engine.loading import DEFAULT_MODEL_NAME, ModelLoadError, load_model, shared_vocab_size
+
+    paths = tuple(args.paths.split(","))
+    unknown = set(paths) - set(bench_runner.PATHS)
+    if unknown:
+        raise UsageError(f"unknown path(s) {sorted(unknown)}; choose from {', '.join(bench_runner.PATHS)}")
+    if args.max_k < 1 or args.context < 1 or args.repeats < 1:
+        raise UsageError("--max-k, --context and --repeats must be >= 1")
+    try:
+        print(f"loading {args.model or DEFAULT_MODEL_NAME} ...", file=sys.stderr, flush=True)
+        loaded = load_model(args.model, dtype=args.dtype, device=args.device, threads=args.threads)
+        res = bench_runner.run(loaded.model, shared_vocab_size(loaded, None), max_k=args.max_k, context=args.context,
+                               repeats=args.repeats, paths=paths,
+                               log=lambda m: print(m, file=sys.stderr, flush=True))
+    except (ModelLoadError, ValueError) as e:
+        raise UsageError(str(e)) from None
+    res["model"] = loaded.name
+    md = bench_runner.to_markdown(res)
+    print(f"Model: {loaded.name}\n\n{md}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=2))
     return 0
 
 
@@ -272,11 +305,29 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--methods", help="comma-separated subset of the methods")
     be.add_argument("--seed", type=int, default=0)
     be.add_argument("--no-chat", action="store_true", help="feed prompts raw instead of through the chat template")
+    be.add_argument("--runner", choices=["auto", "fast", "hf"], default="auto", help="verispec's model forward")
+    be.add_argument("--draft-quant", choices=["int8", "int4"], help="quantize the draft model (verispec-draft)")
+    be.add_argument("--self-quant", choices=["int8", "int4"], default="int4",
+                    help="quantization of the self-draft (verispec-self; default int4)")
     be.add_argument("--dtype", default="float32")
     be.add_argument("--device", default="cpu")
     be.add_argument("--threads", type=int)
     be.add_argument("--out", default="bench-out", help="folder for e2e.json, e2e.md and e2e.png")
     be.set_defaults(func=_cmd_bench_e2e)
+
+    br = bsub.add_parser("runner", help="decode(1) / verify(k) cost curves: transformers vs fast runner vs "
+                                        "quantized self-drafts")
+    br.add_argument("--model", help="model (hub id, directory, .gguf; default: the built-in default model)")
+    br.add_argument("--paths", default="hf,fast,int8-self,int4-self",
+                    help="comma-separated subset of hf, fast, int8-self, int4-self (default: all)")
+    br.add_argument("--max-k", type=int, default=16, help="largest verify length (default 16)")
+    br.add_argument("--context", type=int, default=64, help="cached tokens before each step (default 64)")
+    br.add_argument("--repeats", type=int, default=7, help="timed repeats per k and path (default 7)")
+    br.add_argument("--dtype", default="float32")
+    br.add_argument("--device", default="cpu")
+    br.add_argument("--threads", type=int)
+    br.add_argument("--json", metavar="FILE", help="also write the raw timings as JSON")
+    br.set_defaults(func=_cmd_bench_runner)
     return parser
 
 

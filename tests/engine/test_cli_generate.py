@@ -61,6 +61,9 @@ def test_generate_streams_and_prints_stats(model_dirs):
     (["--dtype", "int3"], "unknown dtype"),
     (["--top-k", "-2"], "SamplingParams.top_k"),
     (["--device", "cuda:7"], "CUDA|cuda"),
+    (["--draft", "self"], "needs draft_quant"),
+    (["--draft-quant", "int4"], "applies to a draft model"),
+    (["--runner", "turbo"], "invalid choice"),
 ])
 def test_generate_bad_arguments_one_line(model_dirs, extra, msg):
     extra = [str(model_dirs["other"]) if x == "OTHER" else x for x in extra]
@@ -68,6 +71,29 @@ def test_generate_bad_arguments_one_line(model_dirs, extra, msg):
     assert proc.returncode == 2
     last = proc.stderr.strip().splitlines()[-1]
     assert "Traceback" not in proc.stderr and re.search(msg, last), proc.stderr
+
+
+def test_generate_with_an_int4_self_draft(model_dirs, capsys):
+    argv = ["generate", "a b c a b", "--target", str(model_dirs["target"]), "--draft", "self", "--draft-quant", "int4",
+            "--temperature", "0", "--max-new-tokens", "12", "--gamma", "3", "--json"]
+    assert main(argv) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["token_ids"] == greedy_reference(make_model(0), [3, 4, 5, 3, 4], 12)
+    assert doc["stats"]["drafted"] > 0
+
+
+def test_bench_runner_prints_the_cost_curves(model_dirs, tmp_path):
+    out = tmp_path / "runner.json"
+    proc = run_cli("bench", "runner", "--model", str(model_dirs["target"]), "--max-k", "5", "--repeats", "2",
+                   "--context", "8", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert "hf / fast" in proc.stdout and "read bandwidth" in proc.stdout and "int4-self" in proc.stdout
+    doc = json.loads(out.read_text())
+    assert set(doc["curves"]) == {"hf", "fast", "int8-self", "int4-self"}
+    assert all(len(c) == 5 and min(c) > 0 for c in doc["curves"].values())
+    assert doc["paths"]["int4-self"]["bytes_per_step"] < doc["paths"]["fast"]["bytes_per_step"] / 3
+    bad = run_cli("bench", "runner", "--model", str(model_dirs["target"]), "--paths", "fast,turbo")
+    assert bad.returncode == 2 and "unknown path" in bad.stderr
 
 
 def test_generate_prompt_longer_than_context(model_dirs):

@@ -90,13 +90,17 @@ SETTINGS = {
 }
 
 
-CASES = [("draft-model", s) for s in SETTINGS] + [("ngram", "temperature"), ("ngram", "penalties")]
+CASES = ([("draft-model", s) for s in SETTINGS] + [("ngram", "temperature"), ("ngram", "penalties")]
+         + [("self-int4", "top_k_top_p")])  # the target's own weights, int4-quantized, bfloat16 compute
 
 
 @pytest.mark.parametrize("drafter,setting", CASES, ids=[f"{d}-{s}" for d, s in CASES])
 def test_engine_matches_target_sequence_distribution(drafter, setting):
     params = SETTINGS[setting]
-    gen = SpeculativeGenerator(TARGET, DRAFT if drafter == "draft-model" else "ngram", gamma=2)
+    if drafter == "self-int4":
+        gen = SpeculativeGenerator(TARGET, "self", draft_quant="int4", gamma=2)
+    else:
+        gen = SpeculativeGenerator(TARGET, DRAFT if drafter == "draft-model" else "ngram", gamma=2)
     seqs = sample_sequences(gen, params)
     result = gof(seqs, exact_sequence_probs(TARGET.model, PROMPT, params))
     assert not result.rejects(LEVEL), result

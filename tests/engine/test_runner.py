@@ -1,22 +1,31 @@
-"""The model runner and its row-wise KV cache against plain full forwards of the same HF model."""
+"""The model runners (transformers forward and verispec's fast forward) and the row-wise KV cache against
+plain full forwards of the same HF model."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from verispec.engine.fast import FastRunner
 from verispec.engine.runner import HFRunner
 
 from .tiny import make_model
 
+RUNNERS = {"hf": HFRunner, "fast": FastRunner}
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_ragged_chunks_and_rollback_match_fresh_forward(family):
+
+@pytest.mark.parametrize("runner", list(RUNNERS))
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
+def test_ragged_chunks_and_rollback_match_fresh_forward(family, runner):
     model = make_model(0, family)
+    with torch.no_grad():  # non-zero biases (qwen2's q/k/v), so the fused bias path is exercised
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.5)
     seqs = [[1, 5, 7, 3, 9, 2, 4, 11], [3, 3, 1], [8, 6, 5, 4, 3, 2, 1, 0, 2, 9]]
     with torch.no_grad():
         ref = [model(torch.tensor([s])).logits[0] for s in seqs]
-    r = HFRunner(model)
+    r = RUNNERS[runner](model)
     r.start(3, 32)
     r.prefill([s[:2] for s in seqs])
     lo = r.forward([s[2:5] for s in seqs])  # 3, 1 and 3 new tokens
@@ -33,9 +42,10 @@ def test_ragged_chunks_and_rollback_match_fresh_forward(family):
     assert last.shape == (3, 32)
 
 
-def test_rollback_then_different_continuation():
+@pytest.mark.parametrize("runner", list(RUNNERS))
+def test_rollback_then_different_continuation(runner):
     model = make_model(1)
-    r = HFRunner(model)
+    r = RUNNERS[runner](model)
     r.start(1, 16)
     r.forward([[1, 2, 3, 4, 5, 6]])
     r.truncate([3])
@@ -45,9 +55,10 @@ def test_rollback_then_different_continuation():
     torch.testing.assert_close(lo[0], fresh, atol=1e-5, rtol=1e-5)
 
 
-def test_select_rows_and_bad_calls():
+@pytest.mark.parametrize("runner", list(RUNNERS))
+def test_select_rows_and_bad_calls(runner):
     model = make_model(2)
-    r = HFRunner(model)
+    r = RUNNERS[runner](model)
     r.start(3, 8)
     r.forward([[1, 2], [3], [4, 5]])
     r.select([2, 0])
@@ -60,8 +71,9 @@ def test_select_rows_and_bad_calls():
         r.forward([[1] * 7, [1]])
 
 
+@pytest.mark.parametrize("runner", list(RUNNERS))
 @pytest.mark.parametrize("family", ["mistral", "qwen2-sliding"])
-def test_sliding_window_models_keep_their_window(family):
+def test_sliding_window_models_keep_their_window(family, runner):
     """The runner builds its own 4D mask, so it must apply a model's sliding window itself."""
     from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
@@ -78,7 +90,7 @@ def test_sliding_window_models_keep_their_window(family):
         ref = model(torch.tensor([seq])).logits[0]
         unwindowed = model(torch.tensor([seq]), attention_mask=torch.ones(1, 1, 12, 12).tril().log()).logits[0]
     assert (ref - unwindowed).abs().max() > 1e-3  # the window matters for this sequence
-    r = HFRunner(model)
+    r = RUNNERS[runner](model)
     r.start(1, 16)
     r.prefill([seq[:5]])
     torch.testing.assert_close(r.forward([seq[5:]])[0], ref[5:], atol=1e-5, rtol=1e-5)

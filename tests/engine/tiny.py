@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, PreTrainedTokenizerFast,
+                          Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
 from verispec.engine.loading import LoadedModel
 
@@ -22,14 +23,22 @@ def make_tokenizer(words=WORDS) -> PreTrainedTokenizerFast:
     return tok
 
 
+FAMILIES = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+            "qwen3": (Qwen3Config, Qwen3ForCausalLM), "mistral": (MistralConfig, MistralForCausalLM)}
+
+
 def make_model(seed: int, family: str = "llama", layers: int = 2, scale: float = 4.0, vocab: int = V,
-               max_positions: int = 256, dtype=torch.float32) -> torch.nn.Module:
-    """A random 2-layer model; `scale` sharpens the output layer so distributions are far from uniform."""
+               max_positions: int = 256, dtype=torch.float32, **extra) -> torch.nn.Module:
+    """A random 2-layer model; `scale` sharpens the output layer so distributions are far from uniform.
+    family: llama, qwen2 (q/k/v biases), qwen3 (q/k norms), mistral; `extra` goes to the config."""
     torch.manual_seed(seed)
     kw = dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=max_positions, eos_token_id=EOS, bos_token_id=1,
               tie_word_embeddings=False)
-    model = (Qwen2ForCausalLM(Qwen2Config(**kw)) if family == "qwen2" else LlamaForCausalLM(LlamaConfig(**kw)))
+    if family == "qwen3":
+        kw["head_dim"] = 8
+    config_cls, model_cls = FAMILIES[family]
+    model = model_cls(config_cls(**kw, **extra))
     with torch.no_grad():
         model.lm_head.weight.mul_(scale)
     return model.to(dtype).eval()

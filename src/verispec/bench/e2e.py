@@ -4,6 +4,7 @@ Methods (same target, prompts, max_new_tokens, temperature and seeds):
     verispec-plain    plain decoding through verispec's loop (the baseline speedups are relative to)
     verispec-draft    verispec with the draft model
     verispec-ngram    verispec with prompt lookup
+    verispec-self     verispec with the target's own weights, int4-quantized, as the draft (`self_quant`)
     hf-plain          HF transformers generate()
     hf-assisted       HF transformers generate(assistant_model=draft)
 at each temperature, at batch 1 (all methods) and batch 4 (verispec methods). Every run generates exactly
@@ -27,7 +28,7 @@ import torch
 
 from ..engine.generator import SpeculativeGenerator
 from ..engine.loading import LoadedModel
-from ..engine.runner import HFRunner
+from ..engine.fast import fast_path_unsupported
 from ..sampling import SamplingParams
 from ..sampling.theory import expected_tokens_per_pass
 
@@ -43,7 +44,11 @@ class E2EConfig:
     gamma: int | str = 4
     seed: int = 0
     chat: bool = True
-    methods: tuple[str, ...] = ("verispec-plain", "verispec-draft", "verispec-ngram", "hf-plain", "hf-assisted")
+    runner: str = "auto"  # verispec's model forward (see verispec.engine.fast.make_runner)
+    draft_quant: str | None = None  # weight-only quantization of the draft model (verispec-draft)
+    self_quant: str = "int4"  # quantization of the self-draft (verispec-self)
+    methods: tuple[str, ...] = ("verispec-plain", "verispec-draft", "verispec-ngram", "verispec-self", "hf-plain",
+                                "hf-assisted")
 
 
 def load_prompts(paths: list[str]) -> dict[str, list[str]]:
@@ -65,9 +70,8 @@ def load_prompts(paths: list[str]) -> dict[str, list[str]]:
 
 
 @torch.inference_mode()
-def calibrate(model, vocab: int, max_n: int, context: int = 64, repeats: int = 5) -> list[float]:
+def calibrate(runner, vocab: int, max_n: int, context: int = 64, repeats: int = 5) -> list[float]:
     """Median seconds of one forward over n = 1..max_n new tokens after `context` cached tokens (batch 1)."""
-    runner = HFRunner(model, vocab)
     runner.start(1, context + max_n + 1)
     g = torch.Generator().manual_seed(0)
     runner.prefill([torch.randint(0, vocab, (context,), generator=g).tolist()])
@@ -135,18 +139,29 @@ def _hf_generate(target: LoadedModel, draft: LoadedModel | None, prompts_ids: li
 def run_e2e(target: LoadedModel, draft: LoadedModel | None, prompts: dict[str, list[str]], cfg: E2EConfig,
             log=print) -> dict:
     methods = [m for m in cfg.methods if draft is not None or m not in ("verispec-draft", "hf-assisted")]
-    gens = {
-        "verispec-plain": SpeculativeGenerator(target, None),
-        "verispec-ngram": SpeculativeGenerator(target, "ngram", gamma=cfg.gamma),
-    }
-    if draft is not None:
-        gens["verispec-draft"] = SpeculativeGenerator(target, draft, gamma=cfg.gamma)
+    if "verispec-self" in methods and (cfg.runner == "hf" or fast_path_unsupported(target.model)):
+        methods.remove("verispec-self")
+        log("verispec-self skipped: a quantized self-draft needs the fast runner, "
+            + ("and runner='hf' was asked for" if cfg.runner == "hf" else fast_path_unsupported(target.model)))
+    gens = {"verispec-plain": SpeculativeGenerator(target, None, runner=cfg.runner)}
+    if "verispec-ngram" in methods:
+        gens["verispec-ngram"] = SpeculativeGenerator(target, "ngram", gamma=cfg.gamma, runner=cfg.runner)
+    if "verispec-draft" in methods:
+        gens["verispec-draft"] = SpeculativeGenerator(target, draft, gamma=cfg.gamma, runner=cfg.runner,
+                                                      draft_quant=cfg.draft_quant)
+    if "verispec-self" in methods:
+        log(f"quantizing the target's weights ({cfg.self_quant}) for the self-draft ...")
+        gens["verispec-self"] = SpeculativeGenerator(target, "self", gamma=cfg.gamma, runner=cfg.runner,
+                                                     draft_quant=cfg.self_quant)
     vocab = gens["verispec-plain"].vocab_size
     max_gamma = cfg.gamma if isinstance(cfg.gamma, int) else 8
     log("calibrating the cost curve ...")
-    target_curve = calibrate(target.model, vocab, max_gamma + 1)
-    draft_step = calibrate(draft.model, vocab, 1)[0] if draft is not None else 0.0
-    log("T(n) target seconds: " + ", ".join(f"{t:.3f}" for t in target_curve) + f"; draft step {draft_step:.3f}s")
+    target_curve = calibrate(gens["verispec-plain"].runner, vocab, max_gamma + 1)
+    draft_steps = {m: calibrate(gens[m].proposer.runner, vocab, 1)[0]
+                   for m in ("verispec-draft", "verispec-self") if m in gens}
+    draft_step = draft_steps.get("verispec-draft", 0.0)
+    log("T(n) target seconds: " + ", ".join(f"{t:.3f}" for t in target_curve) + "; draft step "
+        + ", ".join(f"{m} {t:.3f}s" for m, t in draft_steps.items()))
 
     records = []
     encode = gens["verispec-plain"].encode
@@ -185,8 +200,7 @@ def run_e2e(target: LoadedModel, draft: LoadedModel | None, prompts: dict[str, l
                                    per_position=stats.per_position_acceptance, drafted=stats.drafted,
                                    steps=stats.target_passes, draft_s=stats.draft_time, verify_s=stats.verify_time)
                         if method != "verispec-plain" and stats.drafted:
-                            step_draft = (draft_step if method == "verispec-draft"
-                                          else stats.draft_time / max(stats.drafted, 1))
+                            step_draft = draft_steps.get(method, stats.draft_time / max(stats.drafted, 1))
                             rec["theory_speedup"] = theory_speedup(stats.acceptance_rate, stats.steps_by_drafted,
                                                                    step_draft, target_curve)
                     rec["tokens_per_s"] = rec["tokens"] / rec["seconds"] if rec["seconds"] else None
@@ -206,7 +220,7 @@ def run_e2e(target: LoadedModel, draft: LoadedModel | None, prompts: dict[str, l
     return {"config": cfg.__dict__ | {"temperatures": list(cfg.temperatures), "methods": list(cfg.methods)},
             "target": target.name, "draft": draft.name if draft else None, "threads": torch.get_num_threads(),
             "torch": torch.__version__, "cost_curve_s": target_curve, "draft_step_s": draft_step,
-            "records": records}
+            "draft_steps_s": draft_steps, "runner": type(gens["verispec-plain"].runner).__name__, "records": records}
 
 
 def _fmt(x, spec=".2f"):
@@ -217,8 +231,9 @@ def to_markdown(result: dict) -> str:
     lines = [f"target: {result['target']}; draft: {result['draft']}; torch {result['torch']}, "
              f"{result['threads']} threads; max_new_tokens {result['config']['max_new_tokens']}; "
              f"gamma {result['config']['gamma']}",
-             "cost curve T(1..n) s: " + ", ".join(f"{t:.3f}" for t in result["cost_curve_s"])
-             + f"; draft step {result['draft_step_s']:.3f} s", "",
+             f"verispec runner: {result.get('runner', 'HFRunner')}; cost curve T(1..n) s: "
+             + ", ".join(f"{t:.3f}" for t in result["cost_curve_s"]) + "; draft step "
+             + (", ".join(f"{m} {t:.3f} s" for m, t in result.get("draft_steps_s", {}).items()) or "-"), "",
              "| T | category | batch | method | tok/s | speedup | vs HF assisted | tau | alpha | per-position acceptance "
              "| theory speedup | measured / theory |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]

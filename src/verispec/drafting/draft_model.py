@@ -1,7 +1,7 @@
 """Draft-model drafting: a smaller model samples gamma tokens autoregressively with the request's own
 SamplingParams, through the same `probs_from_logits` as the target, so q is exactly what it sampled from.
 
-The draft keeps its own KV cache (a `HFRunner`): after verification it is rolled back to the accepted
+The draft keeps its own KV cache (its runner's): after verification it is rolled back to the accepted
 prefix; after a fully accepted step it catches up on the last draft token in the next step's first pass.
 """
 
@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import torch
 
-from ..engine.runner import HFRunner
 from ..sampling import counts_at_draft_positions, probs_from_logits, sample_from_weights
 from .base import BatchView, Proposal, Proposer
 
@@ -19,14 +18,18 @@ __all__ = ["DraftModelProposer"]
 class DraftModelProposer(Proposer):
     name = "draft-model"
 
-    def __init__(self, model, vocab_size: int, stop_below: float | None = 0.3):
+    def __init__(self, model, vocab_size: int, stop_below: float | None = 0.3, *, runner: str = "auto",
+                 quant: str | None = None):
         """stop_below: a row stops drafting once a draft token's probability under the draft's own
         (temperature-1) distribution is below stop_below (the draft is unsure, so later drafts would
         likely be rejected). Any such stopping rule that looks only at
-        the draft's own tokens and distributions keeps verification exact. None drafts the full gamma."""
+        the draft's own tokens and distributions keeps verification exact. None drafts the full gamma.
+        runner / quant: see `verispec.engine.fast.make_runner` (quant: weight-only int8 / int4 draft weights)."""
         if stop_below is not None and not 0.0 <= stop_below <= 1.0:
             raise ValueError(f"stop_below must be in [0, 1] or None, got {stop_below}")
-        self.runner = HFRunner(model, vocab_size)
+        from ..engine.fast import make_runner  # engine imports drafting: import here, not at module load
+
+        self.runner = make_runner(model, vocab_size, runner=runner, quant=quant)
         self.stop_below = stop_below
 
     def start(self, view: BatchView, capacity: int) -> None:

@@ -32,7 +32,7 @@ from ..drafting import BatchView, DraftModelProposer, PromptLookupProposer, Prop
 from ..sampling import SamplingParams, counts_at_draft_positions, probs_from_logits, verify_chain
 from .adaptive import GammaController
 from .loading import LoadedModel, shared_vocab_size
-from .runner import HFRunner
+from .fast import make_runner
 from .stats import SpecStats
 
 __all__ = ["Completion", "SpeculativeGenerator", "StreamEvent"]
@@ -79,20 +79,31 @@ class _Row:
 class SpeculativeGenerator:
     """Speculative decoding with a target model and a drafter.
 
-    draft: a `LoadedModel` (draft model), "ngram" (prompt lookup), a `Proposer`, or None / "none"
-    (plain decoding through the same loop: the honest baseline). gamma: drafts per step (an upper bound
-    when a draft model stops early), or "auto". draft_stop_below: a draft model stops drafting for a row
-    once its own probability of a drafted token falls below this (None: always draft gamma tokens).
+    draft: a `LoadedModel` (draft model), "self" (the target's own weights, quantized: needs draft_quant),
+    "ngram" (prompt lookup), a `Proposer`, or None / "none" (plain decoding through the same loop: the
+    honest baseline). gamma: drafts per step (an upper bound when a draft model stops early), or "auto".
+    draft_stop_below: a draft model stops drafting for a row once its own probability of a drafted token
+    falls below this (None: always draft gamma tokens). runner: "auto" (verispec's fast forward where the
+    architecture is supported, else transformers'), "fast" or "hf", for target and draft model.
+    draft_quant: None, "int8" or "int4": weight-only quantized draft weights (lossless: q is what the
+    quantized draft sampled from).
     """
 
     def __init__(self, target: LoadedModel, draft: LoadedModel | Proposer | str | None = "ngram", *,
                  gamma: int | str = "auto", max_gamma: int = 8, ngram_sizes: Sequence[int] = (3, 2, 1),
-                 draft_stop_below: float | None = 0.3):
+                 draft_stop_below: float | None = 0.3, runner: str = "auto", draft_quant: str | None = None):
         self.target = target
         self.tokenizer = target.tokenizer
-        if isinstance(draft, LoadedModel):
-            self.vocab_size = shared_vocab_size(target, draft)
-            self.proposer: Proposer | None = DraftModelProposer(draft.model, self.vocab_size, draft_stop_below)
+        if draft_quant is not None and not (isinstance(draft, LoadedModel) or draft == "self"):
+            raise ValueError(f"draft_quant={draft_quant!r} applies to a draft model or draft='self', not to {draft!r}")
+        if draft == "self" and draft_quant is None:
+            raise ValueError("draft='self' needs draft_quant ('int8' or 'int4'): an unquantized copy of the target "
+                             "costs as much as the target")
+        if isinstance(draft, LoadedModel) or draft == "self":
+            draft_model = target if draft == "self" else draft
+            self.vocab_size = shared_vocab_size(target, draft_model)
+            self.proposer: Proposer | None = DraftModelProposer(
+                draft_model.model, self.vocab_size, draft_stop_below, runner=runner, quant=draft_quant)
         else:
             self.vocab_size = shared_vocab_size(target, None)
             if draft is None or draft == "none":
@@ -102,9 +113,9 @@ class SpeculativeGenerator:
             elif isinstance(draft, Proposer):
                 self.proposer = draft
             else:
-                raise ValueError(f"draft must be a loaded model, 'ngram', 'none' or a Proposer, got {draft!r}")
+                raise ValueError(f"draft must be a loaded model, 'self', 'ngram', 'none' or a Proposer, got {draft!r}")
         self.controller = GammaController(0 if self.proposer is None else gamma, max_gamma)
-        self.runner = HFRunner(target.model, self.vocab_size)
+        self.runner = make_runner(target.model, self.vocab_size, runner=runner)
         self.device = self.runner.device
         eos = set()
         for source in (getattr(self.tokenizer, "eos_token_id", None),

@@ -75,10 +75,14 @@ class HFRunner:
         cache.begin_chunk(T)
         keys = torch.arange(cache._used, device=self.device)  # [L]
         distance = position_ids.unsqueeze(-1) - keys.view(1, 1, -1)  # [B, T, L]: query position - key slot
-        out = self._base(input_ids=ids, attention_mask=self._masks(distance >= 0, distance), position_ids=position_ids,
-                         cache=cache, use_cache=True)
+        hidden = self._body(ids, self._masks(distance >= 0, distance), position_ids)
         cache.commit(n_new)
-        return out.last_hidden_state, n_new
+        return hidden, n_new
+
+    def _body(self, ids: Tensor, masks, position_ids: Tensor) -> Tensor:
+        """ids [B, T], masks (see `_masks`), position_ids [B, T] -> final hidden states [B, T, H]."""
+        return self._base(input_ids=ids, attention_mask=masks, position_ids=position_ids, cache=self.cache,
+                          use_cache=True).last_hidden_state
 
     def _additive(self, visible: Tensor) -> Tensor:  # [B, T, L] bool -> [B, 1, T, L] additive float mask
         mask = torch.zeros(visible.shape, dtype=self.dtype, device=self.device)

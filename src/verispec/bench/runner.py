@@ -1,0 +1,147 @@
+"""`verispec bench runner`: the cost of decode(1) and verify(k) per model forward, side by side in one run.
+
+Paths (same model, same context, interleaved measurements so machine noise hits all alike):
+    hf          transformers' forward (`HFRunner`)
+    fast        verispec's fast runner (`FastRunner`: fused, oneDNN/cuBLAS linears)
+    int8-self   the fast runner on int8 weight-only copies of the same weights (a self-draft)
+    int4-self   the same with int4 weights
+For each path: median seconds of one forward over k = 1..max_k new tokens after `context` cached tokens
+(batch 1), the weight bytes one step reads, and the achieved read rate of decode(1), next to the machine's
+measured read bandwidth (a streaming sum over a buffer far larger than the caches).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from ..engine.fast import FastRunner
+from ..engine.runner import HFRunner
+
+__all__ = ["PATHS", "measure_curve", "read_bandwidth", "run", "to_markdown"]
+
+PATHS = ("hf", "fast", "int8-self", "int4-self")
+
+
+def read_bandwidth(nbytes: int = 1 << 30, repeats: int = 5, device: str | torch.device = "cpu") -> float:
+    """Bytes per second of a streaming read (torch.sum over an nbytes float32 buffer), best of `repeats`."""
+    buf = torch.ones(nbytes // 4, dtype=torch.float32, device=device)  # touched: pages are resident
+    best = float("inf")
+    for _ in range(repeats + 1):
+        _sync(device)
+        t0 = time.perf_counter()
+        buf.sum()
+        _sync(device)
+        best = min(best, time.perf_counter() - t0)
+    return buf.numel() * 4 / best
+
+
+def _sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _prepare(runner: HFRunner, vocab: int, context: int, max_k: int) -> None:
+    runner.start(1, context + max_k + 1)
+    g = torch.Generator().manual_seed(0)
+    runner.prefill([torch.randint(0, vocab, (context,), generator=g).tolist()])
+
+
+@torch.inference_mode()
+def measure_curve(runners: dict[str, HFRunner], vocab: int, ks: list[int], context: int = 64,
+                  repeats: int = 7) -> dict[str, list[float]]:
+    """Median seconds of a forward over k new tokens (each k in ks) after `context` cached tokens, per runner.
+    Measurements are interleaved: for each k and repeat, every runner runs once before the next repeat."""
+    for r in runners.values():
+        _prepare(r, vocab, context, max(ks))
+    g = torch.Generator().manual_seed(1)
+    times: dict[str, dict[int, list[float]]] = {name: {k: [] for k in ks} for name in runners}
+    for k in ks:
+        for rep in range(repeats + 1):  # the first round warms up
+            toks = torch.randint(0, vocab, (k,), generator=g).tolist()
+            for name, r in runners.items():
+                _sync(r.device)
+                t0 = time.perf_counter()
+                r.forward([toks], logits_at="all")
+                _sync(r.device)
+                if rep:
+                    times[name][k].append(time.perf_counter() - t0)
+                r.truncate([context])
+    return {name: [statistics.median(times[name][k]) for k in ks] for name in runners}
+
+
+def _hf_weight_bytes(model, vocab: int) -> int:
+    """Bytes the transformers forward reads per decode step: every parameter except the input embedding
+    (a single row is gathered) — the output layer counts with all its rows."""
+    emb = model.get_input_embeddings().weight
+    head = model.get_output_embeddings().weight
+    # model.parameters() yields a tied embedding / output matrix once; it is read whole by the output layer
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p is not emb or p is head)
+
+
+def run(model, vocab: int, *, max_k: int = 16, context: int = 64, repeats: int = 7,
+        paths: tuple[str, ...] = PATHS, bandwidth_bytes: int = 1 << 30, log=lambda m: None) -> dict:
+    """Build the runners for `paths` on one model and measure them side by side."""
+    unknown = set(paths) - set(PATHS)
+    if unknown:
+        raise ValueError(f"unknown path(s) {sorted(unknown)}; choose from {', '.join(PATHS)}")
+    if max_k < 1 or context < 1 or repeats < 1:
+        raise ValueError("max_k, context and repeats must be >= 1")
+    runners: dict[str, HFRunner] = {}
+    for name in paths:
+        log(f"building {name} ...")
+        if name == "hf":
+            runners[name] = HFRunner(model, vocab)
+        else:
+            quant = {"fast": None, "int8-self": "int8", "int4-self": "int4"}[name]
+            runners[name] = FastRunner(model, vocab, quant=quant)
+    device = next(model.parameters()).device
+    log("measuring read bandwidth ...")
+    bandwidth = read_bandwidth(bandwidth_bytes, device=device)
+    ks = list(range(1, max_k + 1))
+    log(f"measuring k = 1..{max_k} ({repeats} repeats, interleaved) ...")
+    curves = measure_curve(runners, vocab, ks, context, repeats)
+    info = {}
+    for name, r in runners.items():
+        wbytes = _hf_weight_bytes(model, vocab) if name == "hf" else r.weight_bytes()
+        kv = 2 * r.num_layers * r.num_kv_heads * r.head_dim * context * torch.tensor([], dtype=r.dtype).element_size()
+        step_bytes = wbytes + kv
+        info[name] = {
+            "kernels": getattr(r, "kernels", {"transformers": 1}),
+            "compute_dtype": str(r.dtype).replace("torch.", ""),
+            "bytes_per_step": step_bytes,
+            "decode_gbps": step_bytes / curves[name][0] / 1e9,
+            "fraction_of_bandwidth": step_bytes / curves[name][0] / bandwidth,
+        }
+    return {"device": str(device), "threads": torch.get_num_threads(), "context": context, "repeats": repeats,
+            "ks": ks, "read_bandwidth_gbps": bandwidth / 1e9, "curves": curves, "paths": info}
+
+
+def to_markdown(res: dict) -> str:
+    names = list(res["curves"])
+    curves = res["curves"]
+    ref = "fast" if "fast" in curves else names[0]
+    lines = [f"Device {res['device']}, {res['threads']} threads, context {res['context']} tokens, median of "
+             f"{res['repeats']} (interleaved). Measured read bandwidth: {res['read_bandwidth_gbps']:.1f} GB/s.", ""]
+    head = "| k | " + " | ".join(f"{n} ms" for n in names) + " | " + " | ".join(f"{n} T(k)/T(1)" for n in names)
+    if "hf" in curves and "fast" in curves:
+        head += " | hf / fast"
+    lines += [head + " |", "|" + "---|" * (head.count("|") - 1)]
+    for i, k in enumerate(res["ks"]):
+        row = [str(k)] + [f"{curves[n][i] * 1e3:.1f}" for n in names] + [f"{curves[n][i] / curves[n][0]:.2f}"
+                                                                           for n in names]
+        if "hf" in curves and "fast" in curves:
+            row.append(f"{curves['hf'][i] / curves['fast'][i]:.2f}")
+        lines.append("| " + " | ".join(row) + " |")
+    lines += ["", "| path | compute dtype | kernels | MB read per step | decode GB/s | of read bandwidth | "
+                  f"verify5 / decode1 | decode1 / {ref} decode1 |", "|---|---|---|---|---|---|---|---|"]
+    for n in names:
+        p = res["paths"][n]
+        kern = ", ".join(f"{k}×{v}" for k, v in p["kernels"].items())
+        v5 = f"{curves[n][4] / curves[n][0]:.2f}" if len(res["ks"]) >= 5 else "-"
+        lines.append(f"| {n} | {p['compute_dtype']} | {kern} | {p['bytes_per_step'] / 1e6:.0f} | "
+                     f"{p['decode_gbps']:.1f} | {p['fraction_of_bandwidth']:.0%} | {v5} | "
+                     f"{curves[n][0] / curves[ref][0]:.2f} |")
+    return "\n".join(lines)
