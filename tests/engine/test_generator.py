@@ -35,7 +35,7 @@ def test_greedy_equals_target_greedy(draft, batch):
         assert gen.last_stats.acceptance_rate == 1.0
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
 def test_greedy_equals_target_greedy_per_family(family):
     target = loaded(3, family)
     gen = SpeculativeGenerator(target, loaded(4, family, layers=1), gamma=4)

@@ -94,3 +94,47 @@ def test_sliding_window_models_keep_their_window(family, runner):
     r.start(1, 16)
     r.prefill([seq[:5]])
     torch.testing.assert_close(r.forward([seq[5:]])[0], ref[5:], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("runner", list(RUNNERS))
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_tree_masked_logits_equal_separate_branch_forwards(family, runner):
+    """One pass over a token tree (row 0) next to a chain (row 1, a chain written as a tree) gives, at every
+    node, the logits of a plain forward over prefix + the node's branch; keeping one path then continues
+    exactly like a fresh forward over prefix + that path."""
+    model = make_model(3, family)
+    prefix = [[1, 5, 7, 3], [9, 2]]
+    tree = [10, 11, 12, 13, 14, 15]
+    parents = [-1, 0, 0, 1, 3, -1]  # branches: 10-11-13-14, 10-12, 15
+    branch = {0: [10], 1: [10, 11], 2: [10, 12], 3: [10, 11, 13], 4: [10, 11, 13, 14], 5: [15]}
+    chain = [20, 21, 22]
+    r = RUNNERS[runner](model)
+    r.start(2, 32)
+    r.prefill(prefix)
+    logits = r.forward([tree, chain], parents=[parents, [-1, 0, 1]])
+    with torch.no_grad():
+        for node, toks in branch.items():
+            ref = model(torch.tensor([prefix[0] + toks])).logits[0, -1]
+            torch.testing.assert_close(logits[0, node], ref, atol=1e-5, rtol=1e-5)
+        ref_chain = model(torch.tensor([prefix[1] + chain])).logits[0, -3:]
+    torch.testing.assert_close(logits[1, :3], ref_chain, atol=1e-5, rtol=1e-5)
+    r.keep_paths([4, 2], [[0, 2], [0, 1, 2]])  # row 0 keeps 10-12 (slots moved), row 1 its whole chain
+    assert r.lengths == [6, 5]
+    nxt = r.forward([[16], [23]])
+    with torch.no_grad():
+        torch.testing.assert_close(nxt[0, 0], model(torch.tensor([prefix[0] + [10, 12, 16]])).logits[0, -1],
+                                   atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(nxt[1, 0], model(torch.tensor([prefix[1] + chain + [23]])).logits[0, -1],
+                                   atol=1e-5, rtol=1e-5)
+
+
+def test_bad_trees():
+    r = HFRunner(make_model(0))
+    r.start(1, 16)
+    with pytest.raises(ValueError, match="earlier node"):
+        r.forward([[1, 2]], parents=[[-1, 1]])
+    with pytest.raises(ValueError, match="2 parents for 3"):
+        r.forward([[1, 2, 3]], parents=[[-1, 0]])
+    r.forward([[1, 2, 3]], parents=[[-1, 0, 0]])
+    with pytest.raises(ValueError, match="increasing nodes"):
+        r.keep_paths([0], [[2, 0]])

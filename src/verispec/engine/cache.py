@@ -61,6 +61,23 @@ class RowKVCache(Cache):
             raise ValueError(f"truncate to {lengths} is not a rollback of {self.lengths}")
         self.lengths = list(lengths)
 
+    def keep_paths(self, old_lengths: list[int], paths) -> None:
+        """Row b keeps chunk slots old_lengths[b] + paths[b][i], moved to old_lengths[b] + i (a tree's accepted
+        path becomes the contiguous continuation of the prefix)."""
+        if len(paths) != len(self.lengths) or len(old_lengths) != len(self.lengths):
+            raise ValueError(f"keep_paths needs one path and one old length per row ({len(self.lengths)})")
+        new_lengths = []
+        for b, (start, path) in enumerate(zip(old_lengths, paths)):
+            path = [int(i) for i in path]
+            if any(not 0 <= start + i < self.lengths[b] for i in path) or path != sorted(set(path)):
+                raise ValueError(f"row {b}: path {path} is not a list of increasing nodes of its last chunk")
+            if path and path != list(range(len(path))):
+                src = torch.tensor([start + i for i in path], device=self.keys[0].device)
+                for buf in (*self.keys, *self.values):
+                    buf[b, :, start:start + len(path)] = buf[b, :, src]
+            new_lengths.append(start + len(path))
+        self.lengths = new_lengths
+
     def select(self, rows: list[int]) -> None:
         """Keep only these rows (finished requests leave the batch)."""
         idx = torch.tensor(rows, device=self.keys[0].device)

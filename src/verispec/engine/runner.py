@@ -19,6 +19,27 @@ from .cache import RowKVCache
 __all__ = ["HFRunner"]
 
 
+def _tree_structure(parents: Sequence[Sequence[int]], n_new: list[int], T: int) -> tuple[Tensor, Tensor]:
+    """Per-row parent lists -> depth [B, T] (0 for roots) and ancestor-or-self [B, T, T] (anc[b, i, j]: node j
+    is node i or one of its ancestors). Padding nodes get depth 0 and see only themselves."""
+    B = len(n_new)
+    if len(parents) != B:
+        raise ValueError(f"got {len(parents)} parent lists for a batch of {B}")
+    depth = torch.zeros((B, T), dtype=torch.int64)
+    anc = torch.eye(T, dtype=torch.bool).repeat(B, 1, 1)
+    for b, par in enumerate(parents):
+        if len(par) != n_new[b]:
+            raise ValueError(f"row {b}: {len(par)} parents for {n_new[b]} new tokens")
+        for i, p in enumerate(par):
+            p = int(p)
+            if not -1 <= p < i:
+                raise ValueError(f"row {b}: parent of node {i} must be -1 or an earlier node, got {p}")
+            if p >= 0:
+                depth[b, i] = depth[b, p] + 1
+                anc[b, i] |= anc[b, p]
+    return depth, anc
+
+
 class HFRunner:
     """Runs one HF causal LM for a batch of rows. `vocab_size` slices the logits to the shared vocabulary."""
 
@@ -55,8 +76,10 @@ class HFRunner:
         self.cache.select(rows)
 
     # --- forward --------------------------------------------------------------------------------------
-    def _run(self, tokens: Sequence[Sequence[int]]) -> tuple[Tensor, list[int]]:
-        """One forward over a ragged chunk; returns hidden states [B, T, H] and the rows' new-token counts."""
+    def _run(self, tokens: Sequence[Sequence[int]],
+             parents: Sequence[Sequence[int]] | None = None) -> tuple[Tensor, list[int]]:
+        """One forward over a ragged chunk (a chain per row, or a tree per row when `parents` is given);
+        returns hidden states [B, T, H] and the rows' new-token counts."""
         cache = self.cache
         B = cache.batch_size
         if len(tokens) != B:
@@ -69,13 +92,27 @@ class HFRunner:
         for b, t in enumerate(tokens):
             if n_new[b]:
                 ids[b, : n_new[b]] = torch.as_tensor(list(t), dtype=torch.int64)
-        ids = ids.to(self.device)
-        position_ids = (torch.tensor(cache.lengths, device=self.device).unsqueeze(1)
-                        + torch.arange(T, device=self.device))  # [B, T]: absolute positions
+        dev = self.device
+        ids = ids.to(dev)
+        lengths = torch.tensor(cache.lengths, device=dev).unsqueeze(1)  # [B, 1]
+        tree = None if parents is None else _tree_structure(parents, n_new, T)  # validated before any write
         cache.begin_chunk(T)
-        keys = torch.arange(cache._used, device=self.device)  # [L]
-        distance = position_ids.unsqueeze(-1) - keys.view(1, 1, -1)  # [B, T, L]: query position - key slot
-        hidden = self._body(ids, self._masks(distance >= 0, distance), position_ids)
+        slots = torch.arange(cache._used, device=dev)  # [L]
+        if tree is None:  # a chain: chunk token i sits at position lengths + i and sees every slot before it
+            position_ids = lengths + torch.arange(T, device=dev)  # [B, T]: absolute positions
+            distance = position_ids.unsqueeze(-1) - slots.view(1, 1, -1)  # [B, T, L]: query pos - key pos
+            visible = distance >= 0
+        else:
+            depth, anc = (x.to(dev) for x in tree)  # [B, T], [B, T, T]: ancestor-or-self
+            position_ids = lengths + depth  # a node's position is its depth below the committed prefix
+            rel = slots.view(1, -1) - lengths  # [B, L]: chunk index of each slot (< 0: committed)
+            in_chunk = (rel >= 0) & (rel < T)
+            j = rel.clamp(0, T - 1)
+            key_pos = torch.where(in_chunk, lengths + depth.gather(1, j), slots.view(1, -1))  # [B, L]
+            visible = (rel < 0).unsqueeze(1) | (anc.gather(2, j.unsqueeze(1).expand(B, T, -1))
+                                                & in_chunk.unsqueeze(1))  # [B, T, L]
+            distance = position_ids.unsqueeze(-1) - key_pos.unsqueeze(1)
+        hidden = self._body(ids, self._masks(visible, distance), position_ids)
         cache.commit(n_new)
         return hidden, n_new
 
@@ -109,19 +146,30 @@ class HFRunner:
         return logits
 
     @torch.inference_mode()
-    def forward(self, tokens: Sequence[Sequence[int]], logits_at: str = "all") -> Tensor:
+    def forward(self, tokens: Sequence[Sequence[int]], logits_at: str = "all",
+                parents: Sequence[Sequence[int]] | None = None) -> Tensor:
         """Append tokens[b] to row b (rows may differ in length, even be empty) and return float32 logits.
 
         logits_at="all":  [B, T, V] for every chunk position (T = longest row; padding positions are junk);
         logits_at="last": [B, V] at each row's last new token (a row with no new tokens gets junk).
+        parents: None (each row's tokens are a chain) or, per row, the parent of each new token: -1 (it
+        follows the committed prefix) or the index of an earlier token of the same chunk — a token tree,
+        checked in one pass (tree attention: a node sees the prefix and its own ancestors; its position is
+        the prefix length plus its depth). All nodes are written to the cache; `keep_paths` then keeps one
+        root-to-node path per row.
         """
         if logits_at not in ("all", "last"):
             raise ValueError(f"logits_at must be 'all' or 'last', got {logits_at!r}")
-        hidden, n_new = self._run(tokens)  # [B, T, H]
+        hidden, n_new = self._run(tokens, parents)  # [B, T, H]
         if logits_at == "last":
             last = torch.tensor([max(n - 1, 0) for n in n_new], device=self.device)
             hidden = hidden[torch.arange(len(n_new), device=self.device), last]  # [B, H]
         return self._logits(hidden)
+
+    def keep_paths(self, old_lengths: list[int], paths: Sequence[Sequence[int]]) -> None:
+        """After a tree forward from `old_lengths`: row b keeps the chunk nodes paths[b] (indices into its
+        chunk, root first), moved to the slots right after its prefix; everything else is dropped."""
+        self.cache.keep_paths(old_lengths, paths)
 
     @torch.inference_mode()
     def prefill(self, tokens: Sequence[Sequence[int]], chunk: int = 512) -> None:
