@@ -51,6 +51,9 @@ class Proposer:
     def start(self, view: BatchView, capacity: int) -> None:
         """A new batch begins (prompts in view.seqs); capacity bounds any sequence length."""
 
+    def add(self, view: BatchView, capacity: int) -> None:
+        """New rows (only they are in view) join after the current ones (continuous batching)."""
+
     def propose(self, view: BatchView, gammas: list[int]) -> Proposal:  # pragma: no cover - interface
         raise NotImplementedError
 

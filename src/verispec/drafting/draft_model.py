@@ -36,6 +36,9 @@ class DraftModelProposer(Proposer):
         self.runner.start(len(view.seqs), capacity)
         self.runner.prefill([s[:-1] for s in view.seqs])  # invariant: the cache holds all but the pending token
 
+    def add(self, view: BatchView, capacity: int) -> None:
+        self.runner.add_rows([s[:-1] for s in view.seqs], capacity)
+
     def propose(self, view: BatchView, gammas: list[int]) -> Proposal:
         B = len(view.seqs)
         k = max(gammas, default=0)

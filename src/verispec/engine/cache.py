@@ -78,6 +78,20 @@ class RowKVCache(Cache):
             new_lengths.append(start + len(path))
         self.lengths = new_lengths
 
+    def extend(self, other: RowKVCache) -> None:
+        """Append other's rows after this cache's rows (continuous batching: requests join between steps).
+        The capacity becomes the larger of the two; buffers are reallocated once per join."""
+        cap = max(self.capacity, other.capacity)
+
+        def fit(buf: Tensor) -> Tensor:
+            extra = cap - buf.shape[2]
+            return buf if extra == 0 else torch.cat([buf, buf.new_zeros((*buf.shape[:2], extra, buf.shape[3]))], 2)
+
+        self.keys = [torch.cat([fit(a), fit(b)]) for a, b in zip(self.keys, other.keys)]
+        self.values = [torch.cat([fit(a), fit(b)]) for a, b in zip(self.values, other.values)]
+        self.capacity = cap
+        self.lengths = self.lengths + other.lengths
+
     def select(self, rows: list[int]) -> None:
         """Keep only these rows (finished requests leave the batch)."""
         idx = torch.tensor(rows, device=self.keys[0].device)

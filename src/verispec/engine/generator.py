@@ -35,7 +35,7 @@ from .loading import LoadedModel, shared_vocab_size
 from .fast import make_runner
 from .stats import SpecStats
 
-__all__ = ["Completion", "SpeculativeGenerator", "StreamEvent"]
+__all__ = ["Completion", "GenerationSession", "SpeculativeGenerator", "StreamEvent"]
 
 
 @dataclass
@@ -49,6 +49,8 @@ class Completion:
     logprobs: list[float] | None  # log p(x) under the processed target distribution
     raw_logprobs: list[float] | None  # log softmax(target logits)(x), temperature 1, no truncation
     stats: SpecStats
+    top_logprobs: list[list[tuple[int, float]]] | None = None  # per position: (token, raw logprob), best first
+    key: object = None  # the handle given to GenerationSession.add
 
 
 @dataclass
@@ -57,6 +59,7 @@ class StreamEvent:
     delta: str  # new text, safe to print (no half characters, no partial stop string)
     token_ids: list[int]  # tokens accepted in this step
     completion: Completion | None = None  # set on the request's last event
+    key: object = None  # the handle given to GenerationSession.add
 
 
 @dataclass
@@ -66,9 +69,17 @@ class _Row:
     params: SamplingParams
     generator: torch.Generator
     seq: list[int]
+    max_new: int = 128
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    gamma: int | None = None  # this request's draft length (0: no speculation); None: the generator's choice
+    top_logprobs: int = 0  # alternatives per position to return (raw target log-softmax)
+    key: object = None  # the caller's handle (abort)
+    t_start: float = 0.0
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     raw_logprobs: list[float] = field(default_factory=list)
+    top: list[list[tuple[int, float]]] = field(default_factory=list)
     sent: str = ""  # text already streamed
     successes: int = 0  # accepted drafts (adaptive gamma)
     failures: int = 0  # rejections (adaptive gamma)
@@ -153,6 +164,17 @@ class SpeculativeGenerator:
             enc = enc["input_ids"]
         return [int(t) for t in enc]
 
+    def _row(self, index: int, prompt, params: SamplingParams, chat: bool) -> _Row:
+        if not isinstance(params, SamplingParams):
+            raise ValueError("params must be one SamplingParams, or one per prompt")
+        ids = self.encode(prompt, chat)
+        if not ids:
+            raise ValueError(f"prompt {index} is empty after tokenization")
+        if self.max_positions is not None and len(ids) >= self.max_positions:
+            raise ValueError(f"prompt {index} has {len(ids)} tokens; the model's context is {self.max_positions}")
+        seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()))
+        return _Row(index, ids, params, torch.Generator().manual_seed(seed), list(ids))
+
     def _rows(self, prompts, params, chat: bool) -> list[_Row]:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -164,16 +186,7 @@ class SpeculativeGenerator:
         params = list(params)
         if len(params) != len(prompts) or not all(isinstance(p, SamplingParams) for p in params):
             raise ValueError("params must be one SamplingParams, or one per prompt")
-        rows = []
-        for i, (prompt, sp) in enumerate(zip(prompts, params)):
-            ids = self.encode(prompt, chat)
-            if not ids:
-                raise ValueError(f"prompt {i} is empty after tokenization")
-            if self.max_positions is not None and len(ids) >= self.max_positions:
-                raise ValueError(f"prompt {i} has {len(ids)} tokens; the model's context is {self.max_positions}")
-            seed = sp.seed if sp.seed is not None else int(torch.randint(0, 2**62, ()))
-            rows.append(_Row(i, ids, sp, torch.Generator().manual_seed(seed), list(ids)))
-        return rows
+        return [self._row(i, prompt, sp, chat) for i, (prompt, sp) in enumerate(zip(prompts, params))]
 
     # --- public API -----------------------------------------------------------------------------------
     def generate(self, prompts, params: SamplingParams | Sequence[SamplingParams] = SamplingParams(), *,
@@ -191,91 +204,50 @@ class SpeculativeGenerator:
                max_new_tokens: int = 128, stop: Sequence[str] = (), chat: bool = False,
                ignore_eos: bool = False) -> Iterator[StreamEvent]:
         """Like generate, but yields text deltas per request as steps are accepted."""
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-        stop = tuple(stop)
-        if any(not isinstance(s, str) or s == "" for s in stop):
-            raise ValueError("stop strings must be non-empty strings")
+        max_new_tokens, stop = _check_limits(max_new_tokens, stop)
         rows = self._rows(prompts, params, chat)
-        return self._loop(rows, max_new_tokens, stop, ignore_eos)
+        for r in rows:
+            r.max_new, r.stop, r.ignore_eos = max_new_tokens, stop, ignore_eos
+        return self._loop(rows)
 
-    # --- the loop -------------------------------------------------------------------------------------
-    def _view(self, rows: list[_Row], penalties: bool, prompt_mask, counts) -> BatchView:
-        return BatchView(seqs=[r.seq for r in rows], params=[r.params for r in rows],
-                         generators=[r.generator for r in rows], prompt_mask=prompt_mask if penalties else None,
-                         output_counts=counts if penalties else None, vocab_size=self.vocab_size, device=self.device)
+    def session(self) -> GenerationSession:
+        """A continuous-batching session: requests join (`add`) and leave (finish, `abort`) between steps."""
+        return GenerationSession(self)
 
-    def _loop(self, rows: list[_Row], max_new: int, stop: tuple[str, ...], ignore_eos: bool) -> Iterator[StreamEvent]:
+    def _loop(self, rows: list[_Row]) -> Iterator[StreamEvent]:
         t_start = time.perf_counter()
-        V, dev = self.vocab_size, self.device
-        pooled = SpecStats()
-        capacity = max(len(r.prompt) for r in rows) + max_new + self.controller.max_gamma + 2
-        if self.max_positions is not None:
-            capacity = min(capacity, self.max_positions + self.controller.max_gamma + 2)
-        penalties = any(r.params.uses_penalties for r in rows)
-        prompt_mask = counts = None
-        if penalties:
-            prompt_mask = torch.zeros((len(rows), V), dtype=torch.bool, device=dev)
-            for b, r in enumerate(rows):
-                prompt_mask[b, torch.as_tensor(r.prompt, device=dev)] = True
-            counts = torch.zeros((len(rows), V), dtype=torch.float32, device=dev)
-        self.runner.start(len(rows), capacity)
-        self.runner.prefill([r.seq[:-1] for r in rows])
-        if self.proposer is not None:  # a row that decodes plainly for a while feeds its backlog in one chunk
-            self.proposer.start(self._view(rows, penalties, prompt_mask, counts),
-                                capacity + self.controller.probe_every + 2)
-
-        while rows:
-            view = self._view(rows, penalties, prompt_mask, counts)
-            nd, na, emitted, lp, raw = self._step(rows, view, max_new, pooled)
-            old_lengths = [len(r.seq) for r in rows]
-            self.runner.truncate([n + a for n, a in zip(old_lengths, na)])  # pending + accepted drafts
-            for b, r in enumerate(rows):
-                r.seq.extend(emitted[b])
-                r.stats.observe(nd[b], na[b])
-                pooled.observe(nd[b], na[b])
-                r.successes += na[b]
-                r.failures += int(na[b] < nd[b])
-                self.controller.observe_acceptance(na[b], int(na[b] < nd[b]))
-            if self.proposer is not None:  # view.seqs are the rows' own lists, already extended
-                self.proposer.update(view, old_lengths, na, nd)
-
-            keep: list[int] = []
-            for b, r in enumerate(rows):
-                returned = self._take(r, emitted[b], lp[b], raw[b], max_new, ignore_eos)
-                if penalties and returned:
-                    counts[b].index_add_(0, torch.tensor(returned, device=dev), torch.ones(len(returned), device=dev))
-                event = self._text_event(r, returned, stop)
-                if r.done is not None:
-                    r.stats.output_tokens = len(r.done.token_ids)
-                    r.stats.wall_time = time.perf_counter() - t_start  # this request's latency
-                    pooled.output_tokens += len(r.done.token_ids)
-                    event.completion = r.done
-                    yield event
-                else:
-                    keep.append(b)
-                    if event.delta or event.token_ids:
-                        yield event
-            if len(keep) < len(rows):
-                rows = [rows[b] for b in keep]
-                if rows:
-                    self.runner.select(keep)
-                    if self.proposer is not None:
-                        self.proposer.select(keep)
-                    if penalties:
-                        idx = torch.tensor(keep, device=dev)
-                        prompt_mask, counts = prompt_mask.index_select(0, idx), counts.index_select(0, idx)
+        sess = GenerationSession(self)
+        sess.pending.extend(rows)
+        while sess.num_active:
+            yield from sess.step()
+        pooled = sess.stats
         pooled.wall_time = time.perf_counter() - t_start
         pooled.other_time = pooled.wall_time - pooled.draft_time - pooled.verify_time
         self.last_stats = pooled
         self.stats.merge(pooled)
 
-    def _step(self, rows: list[_Row], view: BatchView, max_new: int, pooled: SpecStats):
-        """Draft, verify in one target pass. Returns per row: drafts, accepted drafts, emitted tokens, and
-        the processed and raw target logprobs at the emitted positions."""
+    # --- one step -------------------------------------------------------------------------------------
+    def _view(self, rows: list[_Row], penalties: bool, prompt_mask, counts) -> BatchView:
+        return BatchView(seqs=[r.seq for r in rows], params=[r.params for r in rows],
+                         generators=[r.generator for r in rows], prompt_mask=prompt_mask if penalties else None,
+                         output_counts=counts if penalties else None, vocab_size=self.vocab_size, device=self.device)
+
+    def _capacity(self, rows: list[_Row]) -> int:
+        """KV slots the rows can need: prompt, budget, the longest draft chunk and the pending token."""
+        slack = self.controller.max_gamma + 2
+        capacity = max(len(r.prompt) + r.max_new + slack for r in rows)
+        if self.max_positions is not None:
+            capacity = min(capacity, self.max_positions + slack)
+        return capacity
+
+    def _step(self, rows: list[_Row], view: BatchView, pooled: SpecStats):
+        """Draft, verify in one target pass. Returns per row: drafts, accepted drafts, emitted tokens, the
+        processed and raw target logprobs at the emitted positions, and the top raw alternatives (or None)."""
         dev = self.device
-        caps = [min(max_new - len(r.tokens), (self.max_positions or 1 << 30) - len(r.seq)) - 1 for r in rows]
-        gammas = [self.controller.choose(r.successes, r.failures, c, r.stats.target_passes) for r, c in zip(rows, caps)]
+        caps = [min(r.max_new - len(r.tokens), (self.max_positions or 1 << 30) - len(r.seq)) - 1 for r in rows]
+        gammas = [max(0, min(r.gamma, c)) if r.gamma is not None
+                  else self.controller.choose(r.successes, r.failures, c, r.stats.target_passes)
+                  for r, c in zip(rows, caps)]
         t0 = time.perf_counter()
         if self.proposer is not None and max(gammas) > 0:
             prop = self.proposer.propose(view, gammas)
@@ -299,24 +271,33 @@ class SpeculativeGenerator:
         self.controller.observe_verify(k + 1, t2 - t1)
         tok = out.token_ids.clamp(min=0).unsqueeze(-1)  # [B, k+1, 1] (padding -> 0, never read)
         lp = p.gather(-1, tok).squeeze(-1).log().tolist()  # log p(x) under the processed distribution
-        raw = (logits.gather(-1, tok).squeeze(-1) - logits.logsumexp(-1)).tolist()  # raw log-softmax
+        log_z = logits.logsumexp(-1, keepdim=True)  # [B, k+1, 1]
+        raw = (logits.gather(-1, tok) - log_z).squeeze(-1).tolist()  # raw log-softmax
+        top = None
+        n_top = max(r.top_logprobs for r in rows)
+        if n_top:
+            values, ids = logits.topk(n_top, dim=-1)  # [B, k+1, n_top]
+            top = ((values - log_z).tolist(), ids.tolist())
         na = out.num_accepted.tolist()
         emitted = [row[: a + 1] for row, a in zip(out.token_ids.tolist(), na)]
-        return nd, na, emitted, lp, raw
+        return nd, na, emitted, lp, raw, top
 
-    def _take(self, r: _Row, new: list[int], lp: list[float], raw: list[float], max_new: int,
-              ignore_eos: bool) -> list[int]:
-        """Append a step's tokens to the row's output until EOS, the budget or the context end."""
+    def _take(self, r: _Row, new: list[int], lp: list[float], raw: list[float], top) -> list[int]:
+        """Append a step's tokens to the row's output until EOS, the budget or the context end.
+        top: None or (values [k+1][n], ids [k+1][n]) for this row."""
         returned: list[int] = []
         for j, t in enumerate(new):
-            if not ignore_eos and t in self.eos_ids:
+            if not r.ignore_eos and t in self.eos_ids:
                 self._finish(r, "stop", t)
                 break
             r.tokens.append(t)
             r.logprobs.append(lp[j])
             r.raw_logprobs.append(raw[j])
+            if r.top_logprobs:
+                values, ids = top
+                r.top.append(list(zip(ids[j][: r.top_logprobs], values[j][: r.top_logprobs])))
             returned.append(t)
-            if len(r.tokens) >= max_new:
+            if len(r.tokens) >= r.max_new:
                 self._finish(r, "length", None)
                 break
         if r.done is None and self.max_positions is not None and len(r.seq) >= self.max_positions:
@@ -326,10 +307,12 @@ class SpeculativeGenerator:
     def _finish(self, r: _Row, reason: str, stop_reason) -> None:
         r.done = Completion(index=r.index, prompt_token_ids=r.prompt, token_ids=list(r.tokens), text="",
                             finish_reason=reason, stop_reason=stop_reason, logprobs=list(r.logprobs),
-                            raw_logprobs=list(r.raw_logprobs), stats=r.stats)
+                            raw_logprobs=list(r.raw_logprobs), stats=r.stats,
+                            top_logprobs=list(r.top) if r.top_logprobs else None, key=r.key)
 
-    def _text_event(self, r: _Row, new_tokens: list[int], stop: tuple[str, ...]) -> StreamEvent:
+    def _text_event(self, r: _Row, new_tokens: list[int]) -> StreamEvent:
         """Decode, apply stop strings, and return the safe text delta for this step."""
+        stop = r.stop
         text = self.tokenizer.decode(r.tokens, skip_special_tokens=True)
         hit = min(((text.find(s), s) for s in stop if s in text), default=None)
         if hit is not None:
@@ -338,15 +321,16 @@ class SpeculativeGenerator:
             n = len(r.tokens) - len(new_tokens)  # shortest token prefix whose text contains the stop string
             while n < len(r.tokens) and s not in self.tokenizer.decode(r.tokens[:n], skip_special_tokens=True):
                 n += 1
-            del r.tokens[n:], r.logprobs[n:], r.raw_logprobs[n:]
+            del r.tokens[n:], r.logprobs[n:], r.raw_logprobs[n:], r.top[n:]
             self._finish(r, "stop", s)
         if r.done is not None:
             r.done.text = text
             r.done.token_ids = list(r.tokens)
             r.done.logprobs, r.done.raw_logprobs = list(r.logprobs), list(r.raw_logprobs)
+            r.done.top_logprobs = list(r.top) if r.top_logprobs else None
             delta = text[len(r.sent):] if text.startswith(r.sent) else ""
             r.sent = text
-            return StreamEvent(r.index, delta, new_tokens)
+            return StreamEvent(r.index, delta, new_tokens, key=r.key)
         safe = text.rstrip("\ufffd")  # an incomplete multi-byte character waits for its next token
         for s in stop:  # hold back a suffix that may be the start of a stop string
             for m in range(min(len(s) - 1, len(safe)), 0, -1):
@@ -357,4 +341,153 @@ class SpeculativeGenerator:
         if safe.startswith(r.sent) and len(safe) > len(r.sent):
             delta = safe[len(r.sent):]
             r.sent = safe
-        return StreamEvent(r.index, delta, new_tokens)
+        return StreamEvent(r.index, delta, new_tokens, key=r.key)
+
+
+def _check_limits(max_new_tokens, stop) -> tuple[int, tuple[str, ...]]:
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    stop = tuple(stop)
+    if any(not isinstance(s, str) or s == "" for s in stop):
+        raise ValueError("stop strings must be non-empty strings")
+    return max_new_tokens, stop
+
+
+class GenerationSession:
+    """Continuous batching over one SpeculativeGenerator: requests join (`add`) and leave (they finish, or
+    `abort`) between steps; `step()` runs one draft + verify step for every active request.
+
+    A request's randomness is its own generator, and with a fixed draft length its tokens do not depend on
+    which other requests share the batch (as far as the kernels are batch-invariant; see the module doc).
+    Not thread-safe: drive it from one thread (the server's engine thread does).
+    """
+
+    def __init__(self, gen: SpeculativeGenerator):
+        self.gen = gen
+        self.rows: list[_Row] = []  # in the batch, in cache row order
+        self.pending: list[_Row] = []  # join at the next step
+        self.stats = SpecStats()  # pooled over this session
+        self.prompt_mask: torch.Tensor | None = None  # [B, V] bool: tokens in each row's prompt
+        self.counts: torch.Tensor | None = None  # [B, V] float32: each row's generated-token counts
+        self._aborted: set = set()
+
+    @property
+    def num_active(self) -> int:
+        return len(self.rows) + len(self.pending)
+
+    def add(self, prompt, params: SamplingParams = SamplingParams(), *, max_new_tokens: int = 128,
+            stop: Sequence[str] = (), chat: bool = False, ignore_eos: bool = False, gamma: int | None = None,
+            top_logprobs: int = 0, key: object = None, index: int = 0) -> object:
+        """Queue a request (validated now; it joins the batch at the next step). Returns its key.
+        gamma: this request's draft length (0 turns speculation off), None for the generator's setting;
+        top_logprobs: how many best alternatives (raw target logprobs) to return per position."""
+        max_new_tokens, stop = _check_limits(max_new_tokens, stop)
+        if gamma is not None and (isinstance(gamma, bool) or not isinstance(gamma, int) or gamma < 0):
+            raise ValueError(f"gamma must be None or an integer >= 0, got {gamma!r}")
+        if isinstance(top_logprobs, bool) or not isinstance(top_logprobs, int) or not 0 <= top_logprobs <= 20:
+            raise ValueError(f"top_logprobs must be an integer in [0, 20], got {top_logprobs!r}")
+        row = self.gen._row(index, prompt, params, chat)
+        row.max_new, row.stop, row.ignore_eos = max_new_tokens, stop, ignore_eos
+        row.gamma = None if gamma is None else min(gamma, self.gen.controller.max_gamma)
+        if self.gen.proposer is None:
+            row.gamma = 0
+        row.top_logprobs = top_logprobs
+        row.key = key if key is not None else object()
+        self.pending.append(row)
+        return row.key
+
+    def abort(self, key: object) -> None:
+        """Drop a request before the next step (its compute stops there)."""
+        self._aborted.add(key)
+
+    # --- membership ---------------------------------------------------------------------------------
+    def _keep(self, keep: list[int]) -> None:
+        if len(keep) == len(self.rows):
+            return
+        self.rows = [self.rows[b] for b in keep]
+        if not self.rows:
+            return  # the next admission starts fresh caches
+        gen = self.gen
+        gen.runner.select(keep)
+        if gen.proposer is not None:
+            gen.proposer.select(keep)
+        idx = torch.tensor(keep, device=gen.device)
+        self.prompt_mask, self.counts = self.prompt_mask.index_select(0, idx), self.counts.index_select(0, idx)
+
+    def _admit(self) -> None:
+        gen = self.gen
+        new, self.pending = self.pending, []
+        V, dev = gen.vocab_size, gen.device
+        mask = torch.zeros((len(new), V), dtype=torch.bool, device=dev)
+        for b, r in enumerate(new):
+            mask[b, torch.as_tensor(r.prompt, device=dev)] = True
+        counts = torch.zeros((len(new), V), dtype=torch.float32, device=dev)
+        capacity = gen._capacity(new)
+        draft_capacity = capacity + gen.controller.probe_every + 2  # a plain-decoding backlog, fed in one chunk
+        view = gen._view(new, True, mask, counts)
+        if not self.rows:
+            gen.runner.start(len(new), capacity)
+            gen.runner.prefill([r.seq[:-1] for r in new])
+            if gen.proposer is not None:
+                gen.proposer.start(view, draft_capacity)
+            self.prompt_mask, self.counts = mask, counts
+        else:
+            gen.runner.add_rows([r.seq[:-1] for r in new], capacity)
+            if gen.proposer is not None:
+                gen.proposer.add(view, draft_capacity)
+            self.prompt_mask, self.counts = torch.cat([self.prompt_mask, mask]), torch.cat([self.counts, counts])
+        now = time.perf_counter()
+        for r in new:
+            r.t_start = now
+        self.rows.extend(new)
+
+    # --- one step -----------------------------------------------------------------------------------
+    def step(self) -> list[StreamEvent]:
+        """Admit queued requests, drop aborted ones, run one step; returns this step's events (a finished
+        request's last event carries its Completion)."""
+        gen = self.gen
+        if self._aborted:
+            self.pending = [r for r in self.pending if r.key not in self._aborted]
+            self._keep([b for b, r in enumerate(self.rows) if r.key not in self._aborted])
+            self._aborted.clear()
+        if self.pending:
+            self._admit()
+        rows = self.rows
+        if not rows:
+            return []
+        dev = gen.device
+        penalties = any(r.params.uses_penalties for r in rows)
+        view = gen._view(rows, penalties, self.prompt_mask, self.counts)
+        nd, na, emitted, lp, raw, top = gen._step(rows, view, self.stats)
+        old_lengths = [len(r.seq) for r in rows]
+        gen.runner.truncate([n + a for n, a in zip(old_lengths, na)])  # pending + accepted drafts
+        for b, r in enumerate(rows):
+            r.seq.extend(emitted[b])
+            r.stats.observe(nd[b], na[b])
+            self.stats.observe(nd[b], na[b])
+            r.successes += na[b]
+            r.failures += int(na[b] < nd[b])
+            gen.controller.observe_acceptance(na[b], int(na[b] < nd[b]))
+        if gen.proposer is not None:  # view.seqs are the rows' own lists, already extended
+            gen.proposer.update(view, old_lengths, na, nd)
+
+        events: list[StreamEvent] = []
+        keep: list[int] = []
+        for b, r in enumerate(rows):
+            row_top = None if top is None else (top[0][b], top[1][b])
+            returned = gen._take(r, emitted[b], lp[b], raw[b], row_top)
+            if returned:
+                self.counts[b].index_add_(0, torch.tensor(returned, device=dev), torch.ones(len(returned), device=dev))
+            event = gen._text_event(r, returned)
+            if r.done is not None:
+                r.stats.output_tokens = len(r.done.token_ids)
+                r.stats.wall_time = time.perf_counter() - r.t_start  # this request's latency
+                self.stats.output_tokens += len(r.done.token_ids)
+                event.completion = r.done
+                events.append(event)
+            else:
+                keep.append(b)
+                if event.delta or event.token_ids:
+                    events.append(event)
+        self._keep(keep)
+        return events

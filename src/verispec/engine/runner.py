@@ -65,6 +65,15 @@ class HFRunner:
         self.cache = RowKVCache(self.num_layers, batch, self.num_kv_heads, self.head_dim, capacity,
                                 self.dtype, self.device)
 
+    def add_rows(self, seqs: Sequence[Sequence[int]], capacity: int) -> None:
+        """New rows join the batch after the existing ones, with seqs[i] prefilled into their cache."""
+        old = self.cache
+        self.start(len(seqs), capacity)
+        self.prefill(seqs)
+        if old is not None and old.batch_size:
+            old.extend(self.cache)
+            self.cache = old
+
     @property
     def lengths(self) -> list[int]:
         return self.cache.lengths
