@@ -257,6 +257,28 @@ def _cmd_bench_runner(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    import logging
+
+    import uvicorn
+
+    from .engine.loading import DEFAULT_MODEL_NAME
+    from .serve import create_app
+
+    if args.max_batch < 1 or args.max_queue < 0:
+        raise UsageError("--max-batch must be >= 1 and --max-queue >= 0")
+    if not 0 < args.port < 65536:
+        raise UsageError(f"--port must be in 1..65535, got {args.port}")
+    gen = build_generator(args)
+    name = args.served_model_name or args.target or DEFAULT_MODEL_NAME
+    app = create_app(gen, name, max_batch=args.max_batch, max_queue=args.max_queue)
+    logging.basicConfig(level=logging.INFO)
+    print(f"serving {name!r} on http://{args.host}:{args.port}/v1 (draft={args.draft}, gamma={args.gamma})",
+          file=sys.stderr, flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="verispec", description="Lossless speculative decoding.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -282,6 +304,17 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     gen.add_argument("--json", action="store_true", help="print one JSON object (text, tokens, logprobs, stats)")
     gen.set_defaults(func=_cmd_generate)
+
+    sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, streaming, metrics)")
+    _add_model_args(sv)
+    sv.add_argument("--host", default="127.0.0.1")
+    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--served-model-name", help="the model id clients send (default: --target)")
+    sv.add_argument("--max-batch", type=int, default=8, help="rows (choices) decoded together (default 8)")
+    sv.add_argument("--max-queue", type=int, default=64,
+                    help="requests allowed to wait for a batch slot; beyond, 429 with Retry-After (default 64)")
+    sv.add_argument("--log-level", default="warning", help="uvicorn log level (default warning)")
+    sv.set_defaults(func=_cmd_serve)
 
     bench = sub.add_parser("bench", help="benchmarks, side by side in one run")
     bsub = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCH")

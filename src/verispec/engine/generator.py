@@ -60,6 +60,8 @@ class StreamEvent:
     token_ids: list[int]  # tokens accepted in this step
     completion: Completion | None = None  # set on the request's last event
     key: object = None  # the handle given to GenerationSession.add
+    raw_logprobs: list[float] = field(default_factory=list)  # raw target logprob of each of token_ids
+    top_logprobs: list[list[tuple[int, float]]] | None = None  # per token: (id, raw logprob) alternatives
 
 
 @dataclass
@@ -370,6 +372,7 @@ class GenerationSession:
         self.prompt_mask: torch.Tensor | None = None  # [B, V] bool: tokens in each row's prompt
         self.counts: torch.Tensor | None = None  # [B, V] float32: each row's generated-token counts
         self._aborted: set = set()
+        self.last_step: list[tuple[int, int]] = []
 
     @property
     def num_active(self) -> int:
@@ -471,14 +474,20 @@ class GenerationSession:
         if gen.proposer is not None:  # view.seqs are the rows' own lists, already extended
             gen.proposer.update(view, old_lengths, na, nd)
 
+        self.last_step = list(zip(nd, na))  # (drafted, accepted) per row of this step, for metrics
         events: list[StreamEvent] = []
         keep: list[int] = []
         for b, r in enumerate(rows):
             row_top = None if top is None else (top[0][b], top[1][b])
+            before = len(r.tokens)
             returned = gen._take(r, emitted[b], lp[b], raw[b], row_top)
             if returned:
                 self.counts[b].index_add_(0, torch.tensor(returned, device=dev), torch.ones(len(returned), device=dev))
             event = gen._text_event(r, returned)
+            kept = min(before, len(r.tokens))  # a stop string may cut tokens of this step
+            event.token_ids = r.tokens[kept:]
+            event.raw_logprobs = r.raw_logprobs[kept:]
+            event.top_logprobs = r.top[kept:] if r.top_logprobs else None
             if r.done is not None:
                 r.stats.output_tokens = len(r.done.token_ids)
                 r.stats.wall_time = time.perf_counter() - r.t_start  # this request's latency

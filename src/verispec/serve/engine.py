@@ -1,0 +1,160 @@
+"""The server's engine thread: one `GenerationSession` driven step by step, requests joining and leaving
+between steps (continuous batching), a bounded waiting queue, and cancellation.
+
+HTTP handlers run on the asyncio loop; the model runs on this one thread. A handler `submit`s a `Job`
+(one request, n choices) and reads its events from `job.events` (an asyncio.Queue fed with
+`call_soon_threadsafe`). Admission is bounded: at most `max_batch` rows run, at most `max_queue` jobs
+wait; past that `submit` raises `Overloaded` (the handler answers 429). A cancelled job (client gone)
+leaves the batch before the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from ..engine.generator import SpeculativeGenerator
+
+__all__ = ["EngineThread", "Job", "Overloaded"]
+
+log = logging.getLogger("verispec.serve")
+
+
+class Overloaded(Exception):
+    """The waiting queue is full."""
+
+
+@dataclass
+class Job:
+    """One HTTP request: `choices` holds the keyword arguments of GenerationSession.add per choice."""
+
+    id: str
+    choices: list[dict]
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    created: float = field(default_factory=time.time)
+    cancelled: bool = False
+    finished: int = 0
+
+    def push(self, item) -> None:
+        """From the engine thread: hand an event (StreamEvent) or an Exception to the handler."""
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, item)
+        except RuntimeError:  # the loop is closed (server shutting down)
+            pass
+
+
+class EngineThread:
+    def __init__(self, gen: SpeculativeGenerator, *, max_batch: int = 8, max_queue: int = 64, metrics=None):
+        if max_batch < 1 or max_queue < 0:
+            raise ValueError("max_batch must be >= 1 and max_queue >= 0")
+        self.gen = gen
+        self.max_batch = max_batch
+        self.max_queue = max_queue
+        self.metrics = metrics
+        self.session = gen.session()
+        self._cond = threading.Condition()
+        self._waiting: deque[Job] = deque()
+        self._cancel: list[Job] = []
+        self._jobs: dict[tuple[str, int], Job] = {}  # row key -> job
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="verispec-engine", daemon=True)
+
+    # --- called from the asyncio side ----------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify()
+        self._thread.join(timeout=30)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._jobs)
+
+    def submit(self, job: Job) -> None:
+        with self._cond:
+            if len(self._waiting) >= self.max_queue:
+                raise Overloaded(f"{len(self._waiting)} requests are waiting (the queue holds {self.max_queue})")
+            self._waiting.append(job)
+            self._cond.notify()
+        self._gauges()
+
+    def cancel(self, job: Job) -> None:
+        with self._cond:
+            if not job.cancelled:
+                job.cancelled = True
+                self._cancel.append(job)
+                self._cond.notify()
+
+    # --- the engine thread ---------------------------------------------------------------------------
+    def _gauges(self) -> None:
+        if self.metrics is not None:
+            self.metrics.set_queue(len(self._waiting), len(self._jobs))
+
+    def _admit(self) -> None:
+        """Under the lock: move waiting jobs into the session while rows are free."""
+        running = self.session.num_active
+        while self._waiting:
+            job = self._waiting[0]
+            if job.cancelled:
+                self._waiting.popleft()
+                continue
+            if running and running + len(job.choices) > self.max_batch:
+                break
+            self._waiting.popleft()
+            try:
+                for i, kwargs in enumerate(job.choices):
+                    self.session.add(**kwargs, key=(job.id, i), index=i)
+                    self._jobs[(job.id, i)] = job
+                running += len(job.choices)
+            except Exception as e:  # validated by the handler already; never let one request kill the loop
+                for i in range(len(job.choices)):
+                    if self._jobs.pop((job.id, i), None) is not None:
+                        self.session.abort((job.id, i))
+                job.push(e)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not (self._stop or self._waiting or self._cancel or self.session.num_active):
+                    self._cond.wait()
+                if self._stop:
+                    break
+                for job in self._cancel:
+                    for i in range(len(job.choices)):
+                        if self._jobs.pop((job.id, i), None) is not None:
+                            self.session.abort((job.id, i))
+                self._cancel.clear()
+                self._admit()
+            self._gauges()
+            if not self.session.num_active:
+                continue
+            try:
+                events = self.session.step()
+            except Exception as e:  # a bug or a device error: fail the running requests, keep serving
+                log.exception("engine step failed")
+                for job in set(self._jobs.values()):
+                    job.push(RuntimeError(f"engine step failed: {e}"))
+                self._jobs.clear()
+                self.session = self.gen.session()
+                continue
+            if self.metrics is not None:
+                self.metrics.observe_step(self.session.last_step)
+            for ev in events:
+                job = self._jobs.get(ev.key)
+                if job is None:
+                    continue
+                if ev.completion is not None:
+                    del self._jobs[ev.key]
+                job.push(ev)

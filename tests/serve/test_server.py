@@ -1,0 +1,245 @@
+"""verispec serve against the official openai client: a live server on 127.0.0.1 over tiny random models."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from verispec.engine.generator import SpeculativeGenerator
+from verispec.sampling import SamplingParams
+from verispec.serve import create_app
+
+from ..engine.tiny import loaded
+
+TARGET = loaded(0)
+DRAFT = loaded(1, layers=1)
+MODEL = "tiny"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LiveServer:
+    def __init__(self, gen, **kw):
+        self.app = create_app(gen, MODEL, **kw)
+        self.port = _free_port()
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="error"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self):
+        self.thread.start()
+        deadline = time.time() + 30
+        while time.time() < deadline:
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                time.sleep(0.05)
+        raise RuntimeError("server did not start")
+
+    def __exit__(self, *exc):
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+    def client(self, **kw) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, **kw)
+
+    @property
+    def engine(self):
+        return self.app.state.engine
+
+
+@pytest.fixture(scope="module")
+def server():
+    with LiveServer(SpeculativeGenerator(TARGET, DRAFT, gamma=3), max_batch=8, max_queue=256) as s:
+        yield s
+
+
+def test_models_and_health(server):
+    models = server.client().models.list()
+    assert [m.id for m in models.data] == [MODEL]
+
+
+def test_completion_greedy_equals_the_engine_and_reports_speculation(server):
+    out = server.client().completions.create(model=MODEL, prompt="a b c a b", max_tokens=12, temperature=0)
+    ref = SpeculativeGenerator(TARGET, None).generate("a b c a b", SamplingParams(temperature=0), max_new_tokens=12)[0]
+    assert out.choices[0].text == ref.text and out.choices[0].finish_reason == ref.finish_reason
+    assert out.usage.completion_tokens == len(ref.token_ids)
+    spec = out.usage.model_extra["speculation"]
+    assert spec["draft_tokens"] > 0 and spec["target_passes"] > 0 and spec["tokens_per_pass"] >= 1
+
+
+def test_chat_completion(server):
+    out = server.client().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "a b c"}],
+                                                  max_completion_tokens=8, seed=1)
+    msg = out.choices[0].message
+    assert msg.role == "assistant" and isinstance(msg.content, str)
+    assert out.choices[0].finish_reason in ("stop", "length")
+    assert out.usage.prompt_tokens > 0
+
+
+def test_streaming_equals_non_streaming_and_includes_usage(server):
+    c = server.client()
+    kw = dict(model=MODEL, prompt="d e f d e", max_tokens=16, seed=7, temperature=1.0)
+    full = c.completions.create(**kw).choices[0].text
+    chunks = list(c.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == full
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] in ("stop", "length")
+    ckw = dict(model=MODEL, messages=[{"role": "user", "content": "x y"}], max_tokens=10, seed=3)
+    chat_full = c.chat.completions.create(**ckw).choices[0].message.content
+    parts = [ch.choices[0].delta.content or "" for ch in c.chat.completions.create(**ckw, stream=True) if ch.choices]
+    assert "".join(parts) == chat_full
+
+
+def test_logprobs(server):
+    c = server.client()
+    out = c.completions.create(model=MODEL, prompt="a b", max_tokens=6, logprobs=3, seed=2)
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == out.usage.completion_tokens
+    assert all(v <= 0 for v in lp.token_logprobs) and all(len(d) == 3 for d in lp.top_logprobs)
+    chat = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "a"}], max_tokens=5,
+                                     logprobs=True, top_logprobs=2, seed=2)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    for entry in content:
+        assert len(entry.top_logprobs) == 2 and entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
+        assert entry.logprob <= entry.top_logprobs[0].logprob + 1e-6  # the best alternative is at least as likely
+
+
+def test_seeds_reproduce_alone_and_under_concurrency(server):
+    c = server.client()
+
+    def ask(seed):
+        return c.completions.create(model=MODEL, prompt="a b c d", max_tokens=20, seed=seed,
+                                    extra_body={"ignore_eos": True}).choices[0].text
+
+    alone = [ask(s) for s in range(8)]
+    assert len(set(alone)) > 1  # different seeds, different samples
+    with ThreadPoolExecutor(8) as pool:
+        together = list(pool.map(ask, range(8)))
+    assert together == alone
+
+
+def test_stop_sequences_and_n(server):
+    c = server.client()
+    base = c.completions.create(model=MODEL, prompt="a b c", max_tokens=12, temperature=0,
+                                extra_body={"ignore_eos": True}).choices[0].text
+    words = base.split()
+    assert len(words) >= 4
+    stop = words[3]
+    cut = c.completions.create(model=MODEL, prompt="a b c", max_tokens=12, temperature=0, stop=[stop],
+                               extra_body={"ignore_eos": True}).choices[0]
+    assert cut.finish_reason == "stop" and cut.text == base[: base.find(stop)]
+    two = c.completions.create(model=MODEL, prompt="a b c", max_tokens=5, n=2, seed=11)
+    assert [ch.index for ch in two.choices] == [0, 1]
+
+
+def test_speculation_can_be_switched_off_per_request(server):
+    out = server.client().completions.create(model=MODEL, prompt="a b a b", max_tokens=10, temperature=0,
+                                             extra_body={"num_speculative_tokens": 0})
+    assert out.usage.model_extra["speculation"]["draft_tokens"] == 0
+
+
+@pytest.mark.parametrize("kwargs,status,param", [
+    ({"model": "gpt-9"}, 404, "model"),
+    ({"temperature": -1.0}, 400, "temperature"),
+    ({"top_p": 2.0}, 400, "top_p"),
+    ({"extra_body": {"logit_bias": {"1": 5}}}, 400, "logit_bias"),
+    ({"prompt": " ".join(["a"] * 300)}, 400, "prompt"),
+    ({"max_tokens": 1000}, 400, "max_tokens"),
+    ({"stop": [""]}, 400, "stop"),
+    ({"extra_body": {"num_speculative_tokens": -1}}, 400, "num_speculative_tokens"),
+])
+def test_errors_are_openai_style_and_name_the_field(server, kwargs, status, param):
+    args = {"model": MODEL, "prompt": "a b", "max_tokens": 4} | kwargs
+    with pytest.raises(openai.APIStatusError) as info:
+        server.client().completions.create(**args)
+    assert info.value.status_code == status
+    assert info.value.body["param"] == param and info.value.body["message"]
+
+
+def test_bad_json_and_bad_messages(server):
+    r = httpx.post(server.url + "/v1/chat/completions", content=b"{not json", headers={"content-type":
+                                                                                       "application/json"})
+    assert r.status_code == 400 and "error" in r.json()
+    r = httpx.post(server.url + "/v1/chat/completions", json={"model": MODEL, "messages": []})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+
+
+def test_metrics(server):
+    server.client().completions.create(model=MODEL, prompt="a b a b a b", max_tokens=8, temperature=0)
+    text = httpx.get(server.url + "/metrics").text
+    values = {}
+    for line in text.splitlines():
+        if line.startswith("verispec:") and " " in line:
+            name, value = line.rsplit(" ", 1)
+            values[name] = float(value)
+    assert values['verispec:spec_decode_num_draft_tokens_total{model_name="tiny"}'] > 0
+    assert values['verispec:spec_decode_num_drafts_total{model_name="tiny"}'] > 0
+    assert any(k.startswith("verispec:spec_decode_num_accepted_tokens_per_pos_total") for k in values)
+    assert 'verispec:num_requests_waiting{model_name="tiny"}' in values
+    assert values['verispec:e2e_request_latency_seconds_count{model_name="tiny"}'] >= 1
+
+
+def test_load_32_clients_no_errors_no_lost_requests(server):
+    c = server.client(timeout=120)
+
+    def client(i):
+        texts = []
+        for j in range(8):
+            out = c.completions.create(model=MODEL, prompt=f"a b {chr(97 + (i + j) % 26)}", max_tokens=6,
+                                       seed=1000 * i + j)
+            assert out.choices[0].finish_reason in ("stop", "length")
+            texts.append(out.choices[0].text)
+        return len(texts)
+
+    with ThreadPoolExecutor(32) as pool:
+        counts = list(pool.map(client, range(32)))
+    assert sum(counts) == 256
+    assert server.engine.num_running == 0 and server.engine.num_waiting == 0
+
+
+def test_overload_returns_429_with_retry_after():
+    with LiveServer(SpeculativeGenerator(TARGET, DRAFT, gamma=3), max_batch=1, max_queue=1) as s:
+        def ask(_):
+            return httpx.post(s.url + "/v1/completions", timeout=120,
+                              json={"model": MODEL, "prompt": "a b", "max_tokens": 60, "ignore_eos": True})
+
+        with ThreadPoolExecutor(12) as pool:
+            replies = list(pool.map(ask, range(12)))
+        codes = [r.status_code for r in replies]
+        assert codes.count(200) >= 2 and codes.count(429) >= 1 and set(codes) <= {200, 429}
+        busy = next(r for r in replies if r.status_code == 429)
+        assert busy.headers["retry-after"] == "1" and busy.json()["error"]["type"] == "rate_limit_error"
+
+
+def test_client_disconnect_mid_stream_stops_the_request():
+    with LiveServer(SpeculativeGenerator(TARGET, None), max_batch=4, max_queue=8) as s:
+        body = {"model": MODEL, "prompt": "a b", "max_tokens": 240, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    json.loads(line[6:])
+                    break  # one chunk, then hang up
+        deadline = time.time() + 10
+        while time.time() < deadline and (s.engine.num_running or s.engine.session.num_active):
+            time.sleep(0.02)
+        assert s.engine.session.num_active == 0
+        finished = [ln for ln in httpx.get(s.url + "/metrics").text.splitlines()
+                    if ln.startswith("verispec:request_success_total")]
+        assert finished == []  # the request was dropped, not run to its 240 tokens
+        ok = httpx.post(s.url + "/v1/completions", json={"model": MODEL, "prompt": "a", "max_tokens": 3})
+        assert ok.status_code == 200  # and the server goes on
