@@ -243,3 +243,36 @@ def test_client_disconnect_mid_stream_stops_the_request():
         assert finished == []  # the request was dropped, not run to its 240 tokens
         ok = httpx.post(s.url + "/v1/completions", json={"model": MODEL, "prompt": "a", "max_tokens": 3})
         assert ok.status_code == 200  # and the server goes on
+
+
+def test_cli_serve_starts_and_answers(tmp_path):
+    """`verispec serve` end to end: a tiny model saved to disk, a real process, curl-like calls."""
+    import subprocess
+    import sys
+
+    from ..engine.tiny import make_model, make_tokenizer
+
+    make_model(0).save_pretrained(tmp_path)
+    make_tokenizer().save_pretrained(tmp_path)
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "verispec.cli", "serve", "--target", str(tmp_path), "--port",
+                             str(port), "--served-model-name", "m", "--draft", "ngram", "--gamma", "2"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                assert proc.poll() is None, proc.stderr.read()
+                time.sleep(0.2)
+        r = httpx.post(url + "/v1/completions", json={"model": "m", "prompt": "a b a b", "max_tokens": 5})
+        assert r.status_code == 200 and r.json()["object"] == "text_completion"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    bad = subprocess.run([sys.executable, "-m", "verispec.cli", "serve", "--port", "0"], capture_output=True,
+                         text=True)
+    assert bad.returncode == 2 and "--port" in bad.stderr.strip().splitlines()[-1]
