@@ -58,3 +58,17 @@ def test_fixed_and_bad_values():
         GammaController("fast")
     with pytest.raises(ValueError):
         GammaController("auto", max_gamma=0)
+
+
+def test_costs_are_kept_per_batch_size():
+    """A batch of 4 rows makes each verify pass costlier: batch-4 costs must not leak into batch-1 choices."""
+    c = GammaController("auto", max_gamma=8)
+    for n in range(1, 10):
+        c.observe_verify(n, 1.0 + 0.02 * n, batch=1)  # batch 1: nearly flat curve
+        c.observe_verify(n, 1.0 + 0.5 * n, batch=4)  # batch 4: cost grows fast with n
+    c.observe_draft(0.05, batch=1)
+    c.observe_draft(0.15, batch=4)
+    c.observe_acceptance(800, 200)
+    assert c.choose(80, 20, cap=8, step=1, batch=1) >= 5
+    assert c.choose(80, 20, cap=8, step=1, batch=4) <= 2
+    assert c.curve(batch=3) == c.curve(batch=4)  # unmeasured batch size: the nearest measured one

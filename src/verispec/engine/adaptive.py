@@ -6,8 +6,10 @@ The adaptive rule maximises the expected speedup of `verispec.sampling.theory.sp
     towards a0, the acceptance pooled over all rows seen so far (m = 4 pseudo-observations; a0 starts
     optimistic at 0.75);
   * draft cost: the measured seconds of one draft forward (EMA);
-  * verify cost T(n): measured seconds of a target pass over n tokens (EMA per n), a least-squares line
-    through the measured n's filling the others (CPU verify cost grows with n).
+  * verify cost T(n): measured seconds of a target pass over n tokens per row (EMA per n), interpolated
+    between the measured n's (CPU verify cost grows with n).
+Both costs are kept per batch size (a pass over B rows of n tokens costs what B * n positions cost; a
+server's batch size changes from step to step); a batch size not measured yet borrows the nearest one's.
 When no draft length is expected to pay (a poor draft, or a verify cost that grows fast with n) — judged
 only once `min_evidence` acceptance observations and the plain-decoding cost T(1) are measured — the
 row decodes plainly and drafts again every `probe_every` steps to keep alpha measured.
@@ -37,28 +39,41 @@ class GammaController:
         self.ema = ema
         self.probe_every = probe_every
         self.min_evidence = min_evidence  # pooled acceptance observations before a row may stop drafting
-        self.draft_cost: float | None = None  # seconds per draft forward
-        self.verify_cost: dict[int, float] = {}  # n tokens per row -> seconds per target pass
+        self.draft_costs: dict[int, float] = {}  # batch size -> seconds per draft forward
+        self.verify_costs: dict[int, dict[int, float]] = {}  # batch size -> n tokens per row -> seconds per pass
         self.pooled = [0, 0]  # successes, failures over every row (the prior for new rows)
 
     def _blend(self, old: float | None, new: float) -> float:
         return new if old is None else (1 - self.ema) * old + self.ema * new
 
-    def observe_draft(self, seconds_per_step: float) -> None:
-        self.draft_cost = self._blend(self.draft_cost, seconds_per_step)
+    def observe_draft(self, seconds_per_step: float, batch: int = 1) -> None:
+        self.draft_costs[batch] = self._blend(self.draft_costs.get(batch), seconds_per_step)
 
-    def observe_verify(self, n_tokens: int, seconds: float) -> None:
-        self.verify_cost[n_tokens] = self._blend(self.verify_cost.get(n_tokens), seconds)
+    def observe_verify(self, n_tokens: int, seconds: float, batch: int = 1) -> None:
+        costs = self.verify_costs.setdefault(batch, {})
+        costs[n_tokens] = self._blend(costs.get(n_tokens), seconds)
+
+    @staticmethod
+    def _nearest(table: dict, batch: int):
+        if not table:
+            return None
+        return table[min(table, key=lambda b: (abs(b - batch), -b))]
+
+    def draft_cost(self, batch: int = 1) -> float | None:
+        return self._nearest(self.draft_costs, batch)
+
+    def verify_cost(self, batch: int = 1) -> dict[int, float]:
+        return self._nearest(self.verify_costs, batch) or {}
 
     def observe_acceptance(self, successes: int, failures: int) -> None:
         self.pooled[0] += successes
         self.pooled[1] += failures
 
-    def curve(self) -> list[float]:
+    def curve(self, batch: int = 1) -> list[float]:
         """T(1..max_gamma + 1): measured values where there are some; linear interpolation between
         measured n; beyond the largest measured n, that value (optimistic, so longer drafts get tried and
         measured: CPU cost curves are far from linear, e.g. M = 2, 3 slower than M = 8)."""
-        pts = sorted(self.verify_cost.items())
+        pts = sorted(self.verify_cost(batch).items())
         out = []
         for n in range(1, self.max_gamma + 2):
             lo = [(m, t) for m, t in pts if m <= n]
@@ -70,26 +85,28 @@ class GammaController:
                 out.append((lo[-1] if lo else hi[0])[1])
         return [max(t, 1e-9) for t in out]
 
-    def choose(self, successes: int, failures: int, cap: int, step: int = 0) -> int:
-        """gamma for one row, given its acceptance record, a cap (remaining budget, context) and the
-        row's step count. When no draft length is expected to beat plain decoding, the row decodes
+    def choose(self, successes: int, failures: int, cap: int, step: int = 0, batch: int = 1) -> int:
+        """gamma for one row, given its acceptance record, a cap (remaining budget, context), the
+        row's step count and the current batch size. When no draft length is expected to beat plain decoding, the row decodes
         plainly (gamma 0), drafting again every `probe_every`-th step so its alpha stays measured."""
         cap = max(0, min(cap, self.max_gamma))
         if self.fixed is not None:
             return min(self.fixed, cap)
         if cap == 0:
             return 0
-        if self.draft_cost is None or not self.verify_cost:
+        draft_cost, verify = self.draft_cost(batch), self.verify_cost(batch)
+        if draft_cost is None or not verify:
             return min(4, cap)  # warm-up until both costs are measured
+        curve = self.curve(batch)
         s0, f0 = self.pooled
         prior = (s0 + 3) / (s0 + f0 + 4)  # optimistic before any evidence (0.75), then the pooled rate
         alpha = (successes + 4 * prior) / (successes + failures + 4)
-        gamma, speedup = optimal_gamma_cost_curve(min(alpha, 0.999), self.draft_cost, self.curve(), max_gamma=cap)
-        evidence = s0 + f0 >= self.min_evidence and 1 in self.verify_cost  # alpha and plain cost both measured
+        gamma, speedup = optimal_gamma_cost_curve(min(alpha, 0.999), draft_cost, curve, max_gamma=cap)
+        evidence = s0 + f0 >= self.min_evidence and 1 in verify  # alpha and plain cost both measured
         if evidence and (gamma == 0 or speedup < 1.0):
             if step % self.probe_every:
                 return 0
         if gamma == 0:  # probing, or not enough evidence yet to stop drafting: best positive length
-            gamma, _ = max(((g, speedup_cost_curve(min(alpha, 0.999), g, self.draft_cost, self.curve()))
+            gamma, _ = max(((g, speedup_cost_curve(min(alpha, 0.999), g, draft_cost, curve))
                             for g in range(1, cap + 1)), key=lambda gs: gs[1])
         return gamma

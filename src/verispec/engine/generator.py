@@ -248,7 +248,7 @@ class SpeculativeGenerator:
         dev = self.device
         caps = [min(r.max_new - len(r.tokens), (self.max_positions or 1 << 30) - len(r.seq)) - 1 for r in rows]
         gammas = [max(0, min(r.gamma, c)) if r.gamma is not None
-                  else self.controller.choose(r.successes, r.failures, c, r.stats.target_passes)
+                  else self.controller.choose(r.successes, r.failures, c, r.stats.target_passes, batch=len(rows))
                   for r, c in zip(rows, caps)]
         t0 = time.perf_counter()
         if self.proposer is not None and max(gammas) > 0:
@@ -269,8 +269,8 @@ class SpeculativeGenerator:
         pooled.draft_time += t1 - t0
         pooled.verify_time += t2 - t1
         if k > 0:
-            self.controller.observe_draft((t1 - t0) / k)
-        self.controller.observe_verify(k + 1, t2 - t1)
+            self.controller.observe_draft((t1 - t0) / k, len(rows))
+        self.controller.observe_verify(k + 1, t2 - t1, len(rows))
         tok = out.token_ids.clamp(min=0).unsqueeze(-1)  # [B, k+1, 1] (padding -> 0, never read)
         lp = p.gather(-1, tok).squeeze(-1).log().tolist()  # log p(x) under the processed distribution
         log_z = logits.logsumexp(-1, keepdim=True)  # [B, k+1, 1]
