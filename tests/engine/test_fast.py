@@ -148,3 +148,13 @@ def test_both_runners_give_the_target_greedy_output(runner):
     outs = gen.generate(PROMPTS, SamplingParams(temperature=0), max_new_tokens=16)
     for prompt, out in zip(PROMPTS, outs):
         assert out.token_ids == greedy_reference(TARGET.model, prompt, 16)
+
+
+def test_second_fast_runner_reuses_the_fused_weights():
+    model = make_model(0)
+    a, b = FastRunner(model), FastRunner(model)
+    assert a.layers[0].qkv.weight.data_ptr() == b.layers[0].qkv.weight.data_ptr()  # no second copy
+    assert a.layers[1].gate_up.weight.data_ptr() == b.layers[1].gate_up.weight.data_ptr()
+    a.start(1, 8)
+    b.start(1, 8)
+    torch.testing.assert_close(a.forward([[1, 2, 3]]), b.forward([[1, 2, 3]]))

@@ -81,7 +81,18 @@ class _Layer:
 @torch.no_grad()
 def _fuse(modules, share: bool) -> tuple[Tensor, Tensor | None]:
     """Concatenate the weights (and biases) of linear modules along the output dimension; with `share`,
-    re-point the modules' parameters at views of the fused tensor so nothing is stored twice."""
+    re-point the modules' parameters at views of the fused tensor so nothing is stored twice. A second
+    runner on the same model finds the modules already fused and reuses the same tensor (no copy)."""
+    cached = getattr(modules[0], "_verispec_fused", None)
+    if cached is not None:
+        weight, bias = cached
+        start, ok = 0, True
+        for m in modules:
+            n = m.weight.shape[0]
+            ok &= m.weight.data_ptr() == weight[start].data_ptr() and m.weight.shape == weight[start:start + n].shape
+            start += n
+        if ok and start == weight.shape[0]:
+            return weight, bias
     weight = torch.cat([m.weight for m in modules])  # [sum N, K]
     biases = [m.bias for m in modules]
     bias = None
@@ -96,6 +107,7 @@ def _fuse(modules, share: bool) -> tuple[Tensor, Tensor | None]:
             if m.bias is not None:
                 m.bias.data = bias[start:start + n]
             start += n
+        object.__setattr__(modules[0], "_verispec_fused", (weight, bias))  # not a registered submodule / param
     return weight, bias
 
 
