@@ -72,3 +72,14 @@ def test_costs_are_kept_per_batch_size():
     assert c.choose(80, 20, cap=8, step=1, batch=1) >= 5
     assert c.choose(80, 20, cap=8, step=1, batch=4) <= 2
     assert c.curve(batch=3) == c.curve(batch=4)  # unmeasured batch size: the nearest measured one
+
+
+def test_plain_cost_is_measured_once_per_batch_size():
+    c = GammaController("auto", max_gamma=8)
+    assert not c.wants_plain_probe(4)  # nothing measured yet: warm up by drafting
+    c.observe_draft(0.1, batch=4)
+    c.observe_verify(5, 2.0, batch=4)
+    assert c.wants_plain_probe(4)  # drafting costs known, T(1) at batch 4 not: probe plain decoding
+    c.observe_verify(1, 1.0, batch=4)
+    assert not c.wants_plain_probe(4)
+    assert not GammaController(3).wants_plain_probe(1)  # a fixed gamma never probes

@@ -69,6 +69,14 @@ class GammaController:
         self.pooled[0] += successes
         self.pooled[1] += failures
 
+    def wants_plain_probe(self, batch: int) -> bool:
+        """True once per batch size, after its draft and verify costs are measured but its plain-decoding
+        cost T(1) is not: the whole batch then decodes plainly for one step, so that "is drafting worth
+        it at this batch size" is judged on a measured T(1), not on an optimistic extrapolation."""
+        if self.fixed is not None or batch not in self.draft_costs:
+            return False
+        return 1 not in self.verify_costs.get(batch, {})
+
     def curve(self, batch: int = 1) -> list[float]:
         """T(1..max_gamma + 1): measured values where there are some; linear interpolation between
         measured n; beyond the largest measured n, that value (optimistic, so longer drafts get tried and

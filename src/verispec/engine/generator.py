@@ -247,7 +247,9 @@ class SpeculativeGenerator:
         processed and raw target logprobs at the emitted positions, and the top raw alternatives (or None)."""
         dev = self.device
         caps = [min(r.max_new - len(r.tokens), (self.max_positions or 1 << 30) - len(r.seq)) - 1 for r in rows]
+        probe = self.controller.wants_plain_probe(len(rows))  # measure T(1) at this batch size once
         gammas = [max(0, min(r.gamma, c)) if r.gamma is not None
+                  else 0 if probe
                   else self.controller.choose(r.successes, r.failures, c, r.stats.target_passes, batch=len(rows))
                   for r, c in zip(rows, caps)]
         t0 = time.perf_counter()
