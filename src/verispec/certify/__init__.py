@@ -1,5 +1,10 @@
-"""Statistical certification that a sampler reproduces the target distribution."""
+"""Statistical certification that a sampler or a generator reproduces the target distribution.
 
-from .stats import GofResult, chisquare_gof, chisquare_power, merge_small_bins
+kernel: any chain-verification function against exactly known laws (`verispec certify kernel`);
+generate: a generator's continuations against the target model's own conditionals (`verispec certify generate`);
+bugs: deliberately broken verifiers that prove the tests bite (`--inject`).
+"""
 
-__all__ = ["GofResult", "chisquare_gof", "chisquare_power", "merge_small_bins"]
+from .stats import GofResult, chisquare_gof, chisquare_power, detectable_tv, holm, merge_small_bins
+
+__all__ = ["GofResult", "chisquare_gof", "chisquare_power", "detectable_tv", "holm", "merge_small_bins"]

@@ -12,7 +12,9 @@ from dataclasses import dataclass
 import numpy as np
 from scipy import stats
 
-__all__ = ["GofResult", "chisquare_gof", "chisquare_power", "merge_small_bins"]
+__all__ = ["GofResult", "LikelihoodResult", "UniformityResult", "chisquare_gof", "chisquare_power",
+           "chisquare_two_sample", "detectable_tv", "holm", "loglik_test", "merge_small_bins", "pit_uniformity",
+           "randomized_pit"]
 
 
 @dataclass(frozen=True)
@@ -96,3 +98,154 @@ def chisquare_power(probs: np.ndarray, alt_probs: np.ndarray, n: int, level: flo
     crit = stats.chi2.isf(level, dof)
     power_gof = float(stats.ncx2.sf(crit, dof, lam)) if lam > 0 else level
     return 1.0 - (1.0 - power_gof) * (1.0 - impossible_mass) ** n
+
+
+# --- multiple testing and detectable effects ------------------------------------------------------------
+
+def holm(pvalues) -> np.ndarray:
+    """Holm's step-down adjusted p-values (family-wise error control, any dependence between the tests).
+
+    Reject test i at family-wise level a iff adjusted[i] < a.
+    """
+    p = np.asarray(pvalues, dtype=np.float64).ravel()
+    m = p.size
+    if m == 0:
+        return p
+    order = np.argsort(p, kind="stable")
+    adj_sorted = np.minimum(1.0, np.maximum.accumulate((m - np.arange(m)) * p[order]))
+    adjusted = np.empty(m)
+    adjusted[order] = adj_sorted
+    return adjusted
+
+
+def _ncx2_lambda_for_power(dof: int, level: float, power: float) -> float:
+    """Noncentrality lambda at which a chi-square test with `dof` degrees of freedom at `level` has `power`."""
+    from scipy.optimize import brentq
+
+    crit = stats.chi2.isf(level, dof)
+    hi = 1.0
+    while stats.ncx2.sf(crit, dof, hi) < power:
+        hi *= 2
+    return float(brentq(lambda lam: stats.ncx2.sf(crit, dof, lam) - power, 1e-9, hi))
+
+
+def detectable_tv(probs: np.ndarray, n: float, level: float, power: float = 0.99,
+                  min_expected: float = 5.0) -> float:
+    """Smallest total-variation deviation from `probs` that `chisquare_gof` detects with `power` at `level`.
+
+    Any alternative a with TV(a, p) = d on the merged bins has chi-square divergence sum (a - p)^2 / p >= 4 d^2
+    (Cauchy-Schwarz), so its noncentrality n * divergence is at least 4 n d^2; the test reaches `power` once
+    that exceeds lambda*(dof, level, power). The bound holds for every direction of deviation (worst case),
+    measured on the merged bins. For two-sample tests pass the effective size n1 n2 / (n1 + n2).
+    Returns inf when the test has no degrees of freedom (nothing can be detected) and clips at 1.
+    """
+    probs = np.asarray(probs, dtype=np.float64).ravel()
+    if n <= 0:
+        return float("inf")
+    labels = merge_small_bins(probs * n, min_expected)
+    dof = int(labels.max()) if labels.size and labels.max() >= 0 else 0
+    if dof < 1:
+        return float("inf")
+    lam = _ncx2_lambda_for_power(dof, level, power)
+    return float(min(1.0, 0.5 * np.sqrt(lam / n)))
+
+
+# --- two-sample, PIT and likelihood tests (the generator certificate) -----------------------------------
+
+def chisquare_two_sample(counts_a: np.ndarray, counts_b: np.ndarray, min_expected: float = 5.0) -> GofResult:
+    """Chi-square test of homogeneity: are two count vectors (same outcome space) draws from one law?
+
+    Outcomes are merged (by pooled frequency) until every expected cell count is >= min_expected.
+    """
+    a = np.asarray(counts_a, dtype=np.float64).ravel()
+    b = np.asarray(counts_b, dtype=np.float64).ravel()
+    if a.shape != b.shape:
+        raise ValueError(f"count vectors differ in length: {a.shape} vs {b.shape}")
+    na, nb = a.sum(), b.sum()
+    if na == 0 or nb == 0:
+        return GofResult(0.0, 0, 1.0, int(na + nb), 0)
+    pooled = (a + b) / (na + nb)
+    labels = merge_small_bins(pooled * min(na, nb), min_expected)
+    g = int(labels.max()) + 1
+    if g < 2:
+        return GofResult(0.0, 0, 1.0, int(na + nb), 0)
+    keep = labels >= 0
+    table = np.stack([np.bincount(labels[keep], weights=a[keep], minlength=g),
+                      np.bincount(labels[keep], weights=b[keep], minlength=g)])
+    stat, pvalue, dof, _ = stats.chi2_contingency(table, correction=False)
+    return GofResult(float(stat), int(dof), float(pvalue), int(na + nb), 0)
+
+
+def randomized_pit(probs: np.ndarray, token: int, v: float) -> float:
+    """Randomized probability integral transform of `token` under `probs` (token order): F(x-) + v p(x).
+
+    For tokens drawn from the conditionals of the true law, the values of successive positions are i.i.d.
+    U(0, 1) (Rosenblatt's transform), whatever the vocabulary.
+    """
+    probs = np.asarray(probs, dtype=np.float64)
+    return float(probs[:token].sum() + v * probs[token])
+
+
+@dataclass(frozen=True)
+class UniformityResult:
+    statistic: float  # Kolmogorov-Smirnov distance of the PIT values from U(0, 1)
+    pvalue: float
+    n: int
+
+    def detectable(self, level: float, power: float = 0.99) -> float:
+        """Smallest sup-distance between the PIT law and U(0, 1) detected with `power` (DKW inequality)."""
+        if self.n == 0:
+            return float("inf")
+        crit = stats.kstwo.isf(level, self.n)
+        return float(min(1.0, crit + np.sqrt(np.log(2 / (1 - power)) / (2 * self.n))))
+
+
+def pit_uniformity(u: np.ndarray) -> UniformityResult:
+    u = np.asarray(u, dtype=np.float64).ravel()
+    if u.size == 0:
+        return UniformityResult(0.0, 1.0, 0)
+    res = stats.kstest(u, "uniform")
+    return UniformityResult(float(res.statistic), float(res.pvalue), int(u.size))
+
+
+@dataclass(frozen=True)
+class LikelihoodResult:
+    z: float  # standardized sum of log p(x_t) - E[log p] (negative: the sampler emits less likely tokens)
+    pvalue: float  # two-sided
+    n: int  # tokens
+    mean_excess: float  # mean over tokens of log p(x_t) - E_p[log p] (nats)
+    sd_per_token: float  # sqrt(mean conditional variance)
+    impossible: int  # tokens with p = 0
+
+    def detectable(self, level: float, power: float = 0.99) -> float:
+        """Smallest |mean shift| of log p per token (nats) detected with `power` at `level` (normal approx)."""
+        if self.n == 0:
+            return float("inf")
+        return float((stats.norm.isf(level / 2) + stats.norm.isf(1 - power)) * self.sd_per_token / np.sqrt(self.n))
+
+
+def loglik_test(logp: np.ndarray, expected: np.ndarray, variance: np.ndarray) -> LikelihoodResult:
+    """Test that emitted tokens have the log-likelihood the target expects.
+
+    logp[t] = log p_t(x_t), expected[t] = sum_x p_t(x) log p_t(x), variance[t] = Var_{x ~ p_t}[log p_t(x)].
+    Under the null the terms logp - expected are martingale differences with the given conditional variances,
+    so Z = sum(logp - expected) / sqrt(sum variance) is asymptotically N(0, 1). A sampler that sharpens the
+    distribution (temperature too low) drives Z up, one that flattens it drives Z down.
+    """
+    logp = np.asarray(logp, dtype=np.float64).ravel()
+    expected = np.asarray(expected, dtype=np.float64).ravel()
+    variance = np.asarray(variance, dtype=np.float64).ravel()
+    n = logp.size
+    impossible = int(np.isneginf(logp).sum())
+    if n == 0:
+        return LikelihoodResult(0.0, 1.0, 0, 0.0, 0.0, 0)
+    if impossible:
+        return LikelihoodResult(float("-inf"), 0.0, n, float("-inf"), 0.0, impossible)
+    total_var = float(variance.sum())
+    excess = logp - expected
+    if total_var <= 0:  # every conditional is one-hot: the tokens must be exactly those
+        bad = bool(np.abs(excess).max() > 1e-9)
+        return LikelihoodResult(0.0, 0.0 if bad else 1.0, n, float(excess.mean()), 0.0, 0)
+    z = float(excess.sum() / np.sqrt(total_var))
+    return LikelihoodResult(z, float(2 * stats.norm.sf(abs(z))), n, float(excess.mean()),
+                            float(np.sqrt(total_var / n)), 0)

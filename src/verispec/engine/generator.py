@@ -104,8 +104,12 @@ class SpeculativeGenerator:
 
     def __init__(self, target: LoadedModel, draft: LoadedModel | Proposer | str | None = "ngram", *,
                  gamma: int | str = "auto", max_gamma: int = 8, ngram_sizes: Sequence[int] = (3, 2, 1),
-                 draft_stop_below: float | None = 0.3, runner: str = "auto", draft_quant: str | None = None):
+                 draft_stop_below: float | None = 0.3, runner: str = "auto", draft_quant: str | None = None,
+                 verifier=verify_chain):
         self.target = target
+        # the chain-verification function (verify_chain's interface); `verispec certify --inject` and the lossy
+        # variants of the study swap it, nothing else should
+        self.verifier = verifier
         self.tokenizer = target.tokenizer
         if draft_quant is not None and not (isinstance(draft, LoadedModel) or draft == "self"):
             raise ValueError(f"draft_quant={draft_quant!r} applies to a draft model or draft='self', not to {draft!r}")
@@ -266,7 +270,7 @@ class SpeculativeGenerator:
         logits = logits[:, : k + 1]  # [B, k+1, V]
         counts = counts_at_draft_positions(view.output_counts, drafts) if view.output_counts is not None else None
         p = probs_from_logits(logits, view.params, prompt_mask=view.prompt_mask, output_counts=counts)
-        out = verify_chain(p, drafts, q, torch.tensor(nd, device=dev), view.generators, check=False)
+        out = self.verifier(p, drafts, q, torch.tensor(nd, device=dev), view.generators, check=False)
         t2 = time.perf_counter()
         pooled.draft_time += t1 - t0
         pooled.verify_time += t2 - t1

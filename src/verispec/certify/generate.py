@@ -1,0 +1,492 @@
+"""Generator-level certificate: do a generator's continuations follow the target model's own distribution?
+
+Draw N continuations of L tokens per prompt from a method (verispec in any configuration, plain decoding, HF
+transformers `generate` with or without `assistant_model`, or a user callable), score every emitted token under
+the target's processed conditionals (transformers forward, the reference precision), and test:
+  (a) first token: chi-square goodness of fit against p(. | prompt), exactly; for small vocabularies also the
+      whole first m-token sequence against its exact law (all V^m sequences enumerated from the target);
+  (b) randomized PIT: u_t = F_t(x_t - 1) + v p_t(x_t) is i.i.d. U(0, 1) over all positions (Rosenblatt);
+      Kolmogorov-Smirnov test;
+  (c) log-likelihood: sum_t log p_t(x_t) against its expectation -sum_t H(p_t), standardized by the conditional
+      variances (catches sharpened / flattened output, e.g. a temperature mismatch);
+  (d) two-sample: tokens at positions 1..m against as many samples of plain decoding (chi-square homogeneity).
+All p-values are Holm-corrected into one verdict at a stated family-wise level, with each test's detectable
+effect at power 0.99.
+
+Samples are independent (sample i of prompt j uses seed base + j * N + i whatever the batching), so `workers`
+processes can share them and the result does not depend on how many there are.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..sampling import SamplingParams, probs_from_logits
+from .stats import (chisquare_gof, chisquare_two_sample, detectable_tv, holm, loglik_test, pit_uniformity)
+
+__all__ = ["MethodSpec", "GenerateReport", "certify_generate", "build_method", "METHODS", "write_report"]
+
+DEFAULT_SAMPLES = 2000  # continuations per prompt
+DEFAULT_LENGTH = 8  # tokens per continuation
+METHODS = ("verispec", "plain", "hf", "hf-assisted", "callable")
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """What to certify, as plain data (rebuilt inside each worker process)."""
+
+    method: str = "verispec"  # one of METHODS
+    target: str | None = None  # model path / hub id (None: verispec's default model)
+    draft: str = "ngram"  # verispec: draft model path, 'ngram', 'self' or 'none'; hf-assisted: the assistant model
+    draft_quant: str | None = None
+    gamma: int | str = 4
+    runner: str = "auto"
+    dtype: str = "float32"  # the method's target precision (the reference score is always float32)
+    draft_dtype: str = "float32"
+    callable: str | None = None  # method 'callable': module:function mapping (prompt_ids, params, seed) -> tokens
+    verifier: str | None = None  # a bug from verispec.certify.bugs, or 'lenient:L' / 'typical' (lossy variants)
+    threads: int | None = None
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise ValueError(f"method must be one of {', '.join(METHODS)}, got {self.method!r}")
+        if self.method == "callable" and not self.callable:
+            raise ValueError("method 'callable' needs callable='module:function'")
+        if self.method == "hf-assisted" and self.draft in ("ngram", "self", "none", None):
+            raise ValueError("method 'hf-assisted' needs a draft model (draft=PATH)")
+        if self.verifier is not None and self.method != "verispec":
+            raise ValueError(f"a verifier override (--inject) applies to method 'verispec', not {self.method!r}")
+        if self.verifier is not None:
+            _verifier(self.verifier)  # validate the name early
+
+    def label(self) -> str:
+        if self.method == "verispec":
+            d = self.draft + (f" ({self.draft_quant})" if self.draft_quant else "")
+            extra = f", verifier {self.verifier}" if self.verifier else ""
+            return f"verispec (draft {d}, gamma {self.gamma}, target {self.dtype}{extra})"
+        if self.method == "hf-assisted":
+            return f"transformers generate(assistant_model={self.draft})"
+        if self.method == "callable":
+            return f"callable {self.callable}"
+        return {"plain": "verispec plain decoding", "hf": "transformers generate (plain sampling)"}[self.method]
+
+
+def _verifier(name: str):
+    from ..sampling.lossy import lenient_verifier, typical_verifier
+    from .bugs import BUGS, broken_verifier
+
+    if name in BUGS:
+        return broken_verifier(name)
+    if name.startswith("lenient"):
+        try:
+            return lenient_verifier(float(name.partition(":")[2] or 0.5))
+        except ValueError:
+            raise ValueError(f"lenient takes a lenience in (0, 1]: 'lenient:0.5', got {name!r}") from None
+    if name == "typical":
+        return typical_verifier()
+    raise ValueError(f"unknown verifier {name!r}: one of {', '.join(BUGS)}, lenient:L, typical")
+
+
+SampleFn = Callable[[list[int], SamplingParams, Sequence[int], int], tuple[list[list[int]], object]]
+
+
+def build_method(spec: MethodSpec) -> SampleFn:
+    """spec -> fn(prompt_ids, params, seeds, length) -> (one token list per seed, SpecStats or None)."""
+    from ..engine.loading import load_model
+
+    if spec.threads:
+        torch.set_num_threads(spec.threads)
+    if spec.method == "callable":
+        from .kernel import load_sampler
+
+        fn = load_sampler(spec.callable)
+
+        def sample_callable(prompt, params, seeds, length):
+            out = []
+            for s in seeds:
+                toks = [int(t) for t in fn(list(prompt), asdict(replace(params, seed=s)) | {"max_tokens": length}, s)]
+                out.append(toks[:length])
+            return out, None
+        return sample_callable
+
+    target = load_model(spec.target, dtype=spec.dtype)
+    if spec.method in ("verispec", "plain"):
+        from ..engine.generator import SpeculativeGenerator
+
+        draft = "none" if spec.method == "plain" else spec.draft
+        if draft not in ("ngram", "none", "self"):
+            draft = load_model(draft, dtype=spec.draft_dtype)
+        kwargs = {"verifier": _verifier(spec.verifier)} if spec.verifier else {}
+        gen = SpeculativeGenerator(target, draft, gamma=spec.gamma if draft != "none" else 0, runner=spec.runner,
+                                   draft_quant=spec.draft_quant, **kwargs)
+
+        def sample_verispec(prompt, params, seeds, length):
+            outs = gen.generate([list(prompt)] * len(seeds), [replace(params, seed=s) for s in seeds],
+                                max_new_tokens=length, ignore_eos=True)
+            return [o.token_ids for o in outs], gen.last_stats
+        return sample_verispec
+
+    # transformers generate: EOS off so every sample has `length` tokens, like ignore_eos in verispec
+    model = target.model
+    model.generation_config.eos_token_id = None
+    assistant = None
+    if spec.method == "hf-assisted":
+        assistant = load_model(spec.draft, dtype=spec.draft_dtype).model
+        assistant.generation_config.eos_token_id = None
+
+    def sample_hf(prompt, params, seeds, length):
+        kw = _hf_sampling_kwargs(params)
+        ids = torch.tensor([list(prompt)], device=model.device)
+        out = []
+        for s in seeds:
+            torch.manual_seed(s)
+            with torch.no_grad():
+                seq = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=length,
+                                     min_new_tokens=0, pad_token_id=0, assistant_model=assistant, **kw)
+            out.append(seq[0, ids.shape[1]:].tolist())
+        return out, None
+    return sample_hf
+
+
+def _hf_sampling_kwargs(params: SamplingParams) -> dict:
+    if params.temperature == 0:
+        return dict(do_sample=False)
+    return dict(do_sample=True, temperature=params.temperature, top_k=params.top_k or None,
+                top_p=params.top_p, min_p=params.min_p or None)
+
+
+# --- scoring ------------------------------------------------------------------------------------------------
+
+@dataclass
+class Scores:
+    """Per emitted token, flattened over samples and positions (in sample order)."""
+
+    logp: list[float] = field(default_factory=list)  # log p_t(x_t)
+    expected: list[float] = field(default_factory=list)  # sum_x p_t(x) log p_t(x)
+    variance: list[float] = field(default_factory=list)  # Var_{x ~ p_t}[log p_t(x)]
+    pit: list[float] = field(default_factory=list)  # randomized PIT value
+    position: list[int] = field(default_factory=list)
+
+
+@torch.no_grad()
+def score(model, prompt: list[int], samples: list[list[int]], params: SamplingParams, rng: np.random.Generator,
+          out: Scores, chunk: int = 8) -> np.ndarray:
+    """Score samples of one prompt under the processed target; returns p(. | prompt) [V] (float64)."""
+    dev = next(model.parameters()).device
+    first = None
+    by_len: dict[int, list[list[int]]] = {}
+    for s in samples:
+        by_len.setdefault(len(s), []).append(s)
+    for length, group in by_len.items():
+        if length == 0:
+            continue
+        for i in range(0, len(group), chunk):
+            part = group[i:i + chunk]
+            ids = torch.tensor([prompt + s[:-1] for s in part], device=dev)  # [b, P + L - 1]
+            logits = model(input_ids=ids, logits_to_keep=length).logits[:, -length:].float()  # [b, L, V]
+            p = probs_from_logits(logits, params).double()  # [b, L, V]
+            if first is None:
+                first = p[0, 0].cpu().numpy()
+            tok = torch.tensor(part, device=dev).unsqueeze(-1)  # [b, L, 1]
+            px = p.gather(-1, tok).squeeze(-1)
+            before = p.cumsum(-1).gather(-1, tok).squeeze(-1) - px
+            logp_all = torch.where(p > 0, p.clamp_min(1e-300).log(), torch.zeros_like(p))
+            e = (p * logp_all).sum(-1)
+            var = (p * logp_all ** 2).sum(-1) - e ** 2
+            v = torch.from_numpy(rng.random(px.shape)).to(dev)
+            out.logp += torch.where(px > 0, px.clamp_min(1e-300).log(), torch.full_like(px, -math.inf)).flatten().tolist()
+            out.expected += e.flatten().tolist()
+            out.variance += var.clamp_min(0).flatten().tolist()
+            out.pit += (before + v * px).flatten().tolist()
+            out.position += list(range(length)) * len(part)
+    if first is None:
+        logits = model(input_ids=torch.tensor([prompt], device=dev), logits_to_keep=1).logits[:, -1:].float()
+        first = probs_from_logits(logits, params)[0, 0].double().cpu().numpy()
+    return first
+
+
+@torch.no_grad()
+def exact_sequence_law(model, prompt: list[int], params: SamplingParams, m: int) -> np.ndarray:
+    """P(x_1..x_m | prompt) under the processed target, flattened over V^m sequences (small V only)."""
+    dev = next(model.parameters()).device
+    joint = torch.ones(1, dtype=torch.float64, device=dev)
+    prefixes = torch.empty((1, 0), dtype=torch.int64, device=dev)
+    V = None
+    for _ in range(m):
+        n = prefixes.shape[0]
+        ids = torch.cat([torch.tensor(prompt, device=dev).expand(n, -1), prefixes], 1)
+        p = probs_from_logits(model(input_ids=ids, logits_to_keep=1).logits[:, -1].float(), params).double()
+        V = p.shape[-1]
+        joint = (joint.unsqueeze(1) * p).reshape(-1)
+        prefixes = torch.cat([prefixes.repeat_interleave(V, 0),
+                              torch.arange(V, device=dev).repeat(n).unsqueeze(1)], 1)
+    return joint.cpu().numpy()
+
+
+# --- the certificate -----------------------------------------------------------------------------------------
+
+@dataclass
+class TestResult:
+    name: str
+    kind: str  # first-token, sequence, pit, loglik, two-sample
+    statistic: float
+    pvalue: float
+    n: int
+    detectable: float  # smallest effect detected with power 0.99 (unit in `effect`)
+    effect: str
+    holm_pvalue: float = float("nan")
+
+
+@dataclass
+class GenerateReport:
+    method: str
+    target: str | None
+    params: dict
+    prompts: int
+    samples: int
+    length: int
+    level: float
+    power: float
+    seed: int
+    tests: list[TestResult]
+    acceptance: list[float]  # per-position acceptance of the speculative method (empty otherwise)
+    acceptance_rate: float
+    tau: float
+    pit: list[float]  # all PIT values (for the histogram)
+    seconds: float
+    errors: list[str] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return not self.errors and all(t.holm_pvalue >= self.level for t in self.tests)
+
+    @property
+    def verdict(self) -> str:
+        return "PASS" if self.passed else "FAIL"
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["verdict"] = self.verdict
+        d.pop("pit")
+        return d
+
+    def to_markdown(self) -> str:
+        lines = [f"# verispec certify generate: **{self.verdict}**", "",
+                 f"method: {self.method}; target `{self.target}`; params {self.params}", "",
+                 f"{self.prompts} prompt(s) x N = {self.samples} continuations x L = {self.length} tokens; "
+                 f"{len(self.tests)} tests, Holm-corrected at family-wise level {self.level}; power {self.power} for "
+                 f"the detectable effects (each at the Bonferroni level); seed {self.seed}; {self.seconds:.0f} s."]
+        if self.acceptance:
+            lines += ["", f"acceptance rate {self.acceptance_rate:.3f}, tau {self.tau:.2f} tokens per target pass; "
+                          f"per position: {' '.join(f'{a:.2f}' for a in self.acceptance)}"]
+        if self.errors:
+            lines += ["", "## Errors", ""] + [f"- {e}" for e in self.errors]
+        lines += ["", "| test | kind | statistic | n | p-value | Holm p | detectable effect | verdict |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for t in self.tests:
+            mark = "**reject**" if t.holm_pvalue < self.level else "ok"
+            lines.append(f"| {t.name} | {t.kind} | {t.statistic:.3g} | {t.n} | {t.pvalue:.3g} | {t.holm_pvalue:.3g} | "
+                         f"{t.detectable:.4g} {t.effect} | {mark} |")
+        return "\n".join(lines) + "\n"
+
+
+def _progress():
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                    transient=True)
+
+
+_WORKER: dict = {}
+
+
+def _worker_init(spec: MethodSpec) -> None:
+    _WORKER["fn"] = build_method(spec)
+
+
+def _worker_run(task):
+    prompt, params, seeds, length = task
+    tokens, stats = _WORKER["fn"](prompt, params, seeds, length)
+    return tokens, stats
+
+
+def draw_samples(spec: MethodSpec, prompts: list[list[int]], params: SamplingParams, n: int, length: int,
+                 seed: int, workers: int = 1, chunk: int = 16, label: str = "sampling", show_progress: bool = True,
+                 sample_fn: SampleFn | None = None):
+    """N continuations per prompt: returns samples[prompt][i] (token lists) and the pooled SpecStats (or None)."""
+    from ..engine.stats import SpecStats
+
+    tasks = [(j, list(prompts[j]), params, list(range(seed + j * n + i, seed + j * n + min(i + chunk, n))), length)
+             for j in range(len(prompts)) for i in range(0, n, chunk)]
+    samples: list[list[list[int]]] = [[] for _ in prompts]
+    pooled = SpecStats()
+    seen_stats = False
+    bar = _progress() if show_progress else None
+    if bar:
+        bar.start()
+        task_id = bar.add_task(label, total=n * len(prompts))
+    try:
+        if workers > 1 and sample_fn is None:
+            import multiprocessing as mp
+
+            threads = max(1, (os.cpu_count() or 1) // workers)
+            wspec = replace(spec, threads=threads)
+            with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=_worker_init,
+                                     initargs=(wspec,)) as pool:
+                results = pool.map(_worker_run, [t[1:] for t in tasks])
+                for (j, *_), (tokens, stats) in zip(tasks, results):
+                    samples[j] += tokens
+                    if stats is not None:
+                        pooled.merge(stats)
+                        seen_stats = True
+                    if bar:
+                        bar.advance(task_id, len(tokens))
+        else:
+            fn = sample_fn or build_method(spec)
+            for j, prompt, p_, seeds, length_ in tasks:
+                tokens, stats = fn(prompt, p_, seeds, length_)
+                samples[j] += tokens
+                if stats is not None:
+                    pooled.merge(stats)
+                    seen_stats = True
+                if bar:
+                    bar.advance(task_id, len(tokens))
+    finally:
+        if bar:
+            bar.stop()
+    return samples, (pooled if seen_stats else None)
+
+
+def certify_generate(spec: MethodSpec, prompts: list[list[int]], params: SamplingParams, *, samples: int = DEFAULT_SAMPLES,
+                     length: int = DEFAULT_LENGTH, level: float = 0.01, power: float = 0.99, seed: int = 0, workers: int = 1,
+                     two_sample_tokens: int = 2, sequence_tokens: int = 2, reference=None,
+                     show_progress: bool = True, sample_fn: SampleFn | None = None,
+                     reference_fn: SampleFn | None = None) -> GenerateReport:
+    """Run the generator certificate. `reference`: the scoring model (a LoadedModel in float32; loaded from
+    spec.target when None). `two_sample_tokens`: m for test (d) (0 = off; skipped for plain methods).
+    `sequence_tokens`: m for the whole-sequence test (a) (only when V^m <= 4096)."""
+    from ..engine.loading import load_model
+
+    if params.repetition_penalty != 1.0 or params.presence_penalty or params.frequency_penalty:
+        raise ValueError("certify generate scores tokens under temperature / top-k / top-p / min-p only; penalties "
+                         "make the target's law depend on the whole output and are not supported here")
+    if samples < 20 or length < 1:
+        raise ValueError(f"need samples >= 20 and length >= 1, got {samples} and {length}")
+    if not prompts:
+        raise ValueError("no prompts")
+    if not 0 < level < 1:
+        raise ValueError(f"level must lie in (0, 1), got {level}")
+    t0 = time.perf_counter()
+    ref = reference if reference is not None else load_model(spec.target, dtype="float32")
+    model = ref.model
+    got, stats = draw_samples(spec, prompts, params, samples, length, seed, workers, sample_fn=sample_fn,
+                              show_progress=show_progress, label=spec.label())
+    errors = []
+    V = model.get_output_embeddings().weight.shape[0]
+    for j, group in enumerate(got):
+        for s in group:
+            if len(s) != length:
+                errors.append(f"prompt {j}: a sample has {len(s)} tokens, expected {length}")
+                break
+            if any(not 0 <= t < V for t in s):
+                errors.append(f"prompt {j}: a sample holds a token outside [0, {V})")
+                break
+    rng = np.random.default_rng(seed)
+    sc = Scores()
+    tests: list[TestResult] = []
+    laws = []
+    for j, group in enumerate(got):
+        first = score(model, prompts[j], [s for s in group if s], params, rng, sc)
+        counts = np.bincount([s[0] for s in group if s], minlength=V)[:V]
+        g = chisquare_gof(counts, first / first.sum())
+        tests.append(TestResult(f"prompt{j}/first-token", "first-token", g.statistic, g.pvalue, g.n, 0.0, "TV"))
+        laws.append((tests[-1], first / first.sum(), g.n, 1.0))
+        m = sequence_tokens
+        if m >= 2 and V ** m <= 4096 and all(len(s) >= m for s in group):
+            law = exact_sequence_law(model, prompts[j], params, m)
+            idx = np.array([sum(t * V ** (m - 1 - i) for i, t in enumerate(s[:m])) for s in group])
+            g = chisquare_gof(np.bincount(idx, minlength=V ** m), law / law.sum())
+            tests.append(TestResult(f"prompt{j}/first-{m}-tokens", "sequence", g.statistic, g.pvalue, g.n, 0.0, "TV"))
+            laws.append((tests[-1], law / law.sum(), g.n, 1.0))
+    u = pit_uniformity(sc.pit)
+    tests.append(TestResult("all/pit-uniformity", "pit", u.statistic, u.pvalue, u.n, 0.0, "KS distance"))
+    ll = loglik_test(sc.logp, sc.expected, sc.variance)
+    tests.append(TestResult("all/log-likelihood", "loglik", ll.z, ll.pvalue, ll.n, 0.0, "nats/token"))
+    if two_sample_tokens > 0 and spec.method != "plain":
+        ref_spec = MethodSpec(method="plain", target=spec.target, runner=spec.runner)
+        ref_samples, _ = draw_samples(ref_spec, prompts, params, samples, min(length, two_sample_tokens),
+                                      seed + 7_919_000, workers, sample_fn=reference_fn,
+                                      show_progress=show_progress, label="plain decoding (two-sample reference)")
+        for j, (a, b) in enumerate(zip(got, ref_samples)):
+            for t in range(min(length, two_sample_tokens)):
+                ca = np.bincount([s[t] for s in a if len(s) > t], minlength=V)[:V]
+                cb = np.bincount([s[t] for s in b if len(s) > t], minlength=V)[:V]
+                g = chisquare_two_sample(ca, cb)
+                tests.append(TestResult(f"prompt{j}/two-sample-pos{t}", "two-sample", g.statistic, g.pvalue, g.n,
+                                        0.0, "TV"))
+                pooled = (ca + cb) / max(1, (ca + cb).sum())
+                n_eff = ca.sum() * cb.sum() / max(1, ca.sum() + cb.sum())
+                laws.append((tests[-1], pooled, n_eff, 1.0))
+    per_test = level / len(tests)
+    for t, law, n, _ in laws:
+        t.detectable = detectable_tv(law, n, per_test, power)
+    tests[[t.kind for t in tests].index("pit")].detectable = u.detectable(per_test, power)
+    tests[[t.kind for t in tests].index("loglik")].detectable = ll.detectable(per_test, power)
+    for t, a in zip(tests, holm([t.pvalue for t in tests])):
+        t.holm_pvalue = float(a)
+    acc = stats.per_position_acceptance if stats is not None and stats.drafted else []
+    return GenerateReport(method=spec.label(), target=spec.target, params=asdict(params), prompts=len(prompts),
+                          samples=samples, length=length, level=level, power=power, seed=seed, tests=tests,
+                          acceptance=acc, acceptance_rate=stats.acceptance_rate if acc else float("nan"),
+                          tau=stats.tau if acc else float("nan"), pit=sc.pit, seconds=time.perf_counter() - t0,
+                          errors=errors)
+
+
+def write_report(report: GenerateReport, out: str | Path) -> list[Path]:
+    """generate-certificate.{md,json,png} in `out`: the table, the raw figures, and three plots (PIT histogram,
+    per-position acceptance, Holm-adjusted p-values against the level)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    md, js, png = out / "generate-certificate.md", out / "generate-certificate.json", out / "generate-certificate.png"
+    md.write_text(report.to_markdown() + f"\n![plots]({png.name})\n")
+    js.write_text(json.dumps(report.to_json(), indent=1,
+                             default=lambda x: None if isinstance(x, float) and math.isnan(x) else str(x)))
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    bins = 20
+    axes[0].hist(report.pit, bins=bins, range=(0, 1), color="tab:blue", alpha=0.8)
+    axes[0].axhline(len(report.pit) / bins, color="k", ls="--", lw=1, label="uniform")
+    axes[0].set_title("randomized PIT of emitted tokens")
+    axes[0].legend()
+    if report.acceptance:
+        axes[1].bar(range(len(report.acceptance)), report.acceptance, color="tab:green")
+        axes[1].set_ylim(0, 1)
+    axes[1].set_title("per-position acceptance")
+    axes[1].set_xlabel("draft position")
+    names = [t.name for t in report.tests]
+    vals = [-math.log10(max(t.holm_pvalue, 1e-300)) for t in report.tests]
+    axes[2].barh(range(len(vals)), vals, color=["tab:red" if t.holm_pvalue < report.level else "tab:gray"
+                                                for t in report.tests])
+    axes[2].axvline(-math.log10(report.level), color="k", ls="--", lw=1, label=f"level {report.level}")
+    axes[2].set_yticks(range(len(vals)), names, fontsize=7)
+    axes[2].set_title("-log10 Holm p-value")
+    axes[2].legend()
+    fig.suptitle(f"{report.verdict}: {report.method}")
+    fig.tight_layout()
+    fig.savefig(png, dpi=90)
+    plt.close(fig)
+    return [md, js, png]

@@ -1,0 +1,375 @@
+"""Kernel-level certificate: does a chain-verification function reproduce the target distribution exactly?
+
+A case fixes per-position target distributions p[j] (j = 0..k; row k is the bonus position) and draft
+distributions q[j] (or fixed one-hot drafts) that do not depend on the prefix. Then the exact output of a
+speculative step is known in closed form: the token at every position reached follows p[j]; a token recovered
+at position j follows the residual (p[j] - q[j])+ / Z; the bonus token follows p[k]; the number of accepted
+drafts follows prod(alpha[:m]) (1 - alpha[m]). The certifier draws n independent steps per case from the
+sampler, tests each of these laws with a chi-square goodness of fit, combines every p-value of the run with
+Holm's correction, and reports, for each test, the smallest total-variation deviation it detects with power
+0.99 — so a PASS has a stated strength.
+
+The sampler under test has verify_chain's interface:
+    sampler(target_probs [B, k+1, V], draft_token_ids [B, k], draft_probs [B, k, V] or None (one-hot drafts),
+            num_draft_tokens [B]) -> object with .token_ids [B, k+1] (-1 padded) and .num_accepted [B],
+                                     or a tuple (token_ids, num_accepted)
+and draws its randomness from torch's global generator (seeded by the certifier).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from ..sampling import SamplingParams, probs_from_logits, verify_chain
+from .stats import GofResult, chisquare_gof, detectable_tv, holm
+
+__all__ = ["KernelCase", "KernelReport", "certify_kernel", "default_cases", "load_sampler", "position_tests",
+           "run_case", "DEFAULT_SAMPLES", "DEFAULT_LEVEL", "POWER"]
+
+DEFAULT_SAMPLES = 100_000  # speculative steps per case
+DEFAULT_LEVEL = 0.01  # family-wise significance level of the whole certificate (Holm)
+POWER = 0.99  # the power at which the detectable effect is stated
+
+Sampler = Callable[..., object]
+
+
+@dataclass(frozen=True)
+class KernelCase:
+    name: str
+    p: Tensor  # [k + 1, V] float64: target distribution per position (row k: bonus position)
+    q: Tensor | None  # [k, V] float64: draft distribution per position; None = one-hot drafts `onehot_ids`
+    onehot_ids: Tensor | None = None  # [k] int64: the deterministic drafts when q is None
+    ragged: bool = False  # rows draw their draft count uniformly from 0..k (batch rows with different counts)
+    description: str = ""
+
+    @property
+    def k(self) -> int:
+        return self.p.shape[0] - 1
+
+    @property
+    def vocab(self) -> int:
+        return self.p.shape[1]
+
+
+def _softmax(x: Tensor) -> Tensor:
+    return x.double().softmax(-1)
+
+
+def default_cases(vocab: int = 32, seed: int = 0) -> list[KernelCase]:
+    """The battery: random p / q at several entropies, k in {1, 4, 8}, adversarial q, sparse p and q with
+    disjoint zeros, p == q, one-hot drafts (including a p = 0 draft), top-k / top-p truncation, and batches
+    whose rows carry different draft counts."""
+    g = torch.Generator().manual_seed(seed)
+    V = vocab
+
+    def rnd(rows: int, scale: float) -> Tensor:
+        return _softmax(scale * torch.randn(rows, V, generator=g, dtype=torch.float64))
+
+    cases = []
+    for name, scale, k in [("random", 2.0, 4), ("random-low-entropy", 5.0, 4), ("random-high-entropy", 0.3, 4),
+                           ("random", 2.0, 1), ("random", 2.0, 8)]:
+        cases.append(KernelCase(f"{name}-k{k}", rnd(k + 1, scale), rnd(k, scale),
+                                description=f"p, q = softmax({scale} * N(0, 1))"))
+    p = rnd(5, 2.0)
+    q = (1 / p[:4]) / (1 / p[:4]).sum(-1, keepdim=True)
+    cases.append(KernelCase("adversarial-k4", p, q, description="q proportional to 1 / p"))
+    p, q = rnd(5, 2.0), rnd(4, 2.0)
+    p[:, : V // 2] = 0  # p lives on the upper half, q on the lower three quarters
+    q[:, 3 * V // 4:] = 0
+    cases.append(KernelCase("sparse-disjoint-zeros-k4", p / p.sum(-1, keepdim=True), q / q.sum(-1, keepdim=True),
+                            description="p = 0 on half the tokens, q = 0 on another quarter"))
+    p = rnd(5, 2.0)
+    cases.append(KernelCase("equal-k4", p, p[:4].clone(), description="p == q (Z = 0 everywhere)"))
+    p = rnd(5, 2.0)
+    p[1, 3] = 0
+    p = p / p.sum(-1, keepdim=True)
+    ids = torch.tensor([int(p[0].argmax()), 3, int(p[2].argmin()), int(p[3].argmax())])
+    cases.append(KernelCase("onehot-k4", p, None, ids,
+                            description="deterministic drafts: likely, p = 0, unlikely, likely"))
+    params = SamplingParams(temperature=0.8, top_k=max(2, V // 4), top_p=0.9)
+    pt = probs_from_logits(2 * torch.randn(1, 5, V, generator=g), params)[0].double()
+    qt = probs_from_logits(2 * torch.randn(1, 4, V, generator=g), params)[0].double()
+    cases.append(KernelCase("truncated-k4", pt / pt.sum(-1, keepdim=True), qt / qt.sum(-1, keepdim=True),
+                            description="temperature 0.8, top-k, top-p 0.9 on both"))
+    cases.append(KernelCase("ragged-k8", rnd(9, 2.0), rnd(8, 2.0), ragged=True,
+                            description="rows with 0..8 drafts in one batch"))
+    cases.append(KernelCase("ragged-onehot-k4", cases[8].p, None, cases[8].onehot_ids, ragged=True,
+                            description="one-hot drafts, rows with 0..4 drafts"))
+    return cases
+
+
+def _call(sampler: Sampler, target: Tensor, ids: Tensor, q: Tensor | None, nd: Tensor) -> tuple[Tensor, Tensor]:
+    out = sampler(target, ids, q, nd)
+    if isinstance(out, tuple) and len(out) == 2:
+        tok, na = out
+    elif hasattr(out, "token_ids") and hasattr(out, "num_accepted"):
+        tok, na = out.token_ids, out.num_accepted
+    else:
+        raise TypeError(f"the sampler returned {type(out).__name__}; expected an object with .token_ids and "
+                        ".num_accepted, or a tuple (token_ids, num_accepted)")
+    tok, na = torch.as_tensor(tok).long().cpu(), torch.as_tensor(na).long().cpu()
+    B, k1 = ids.shape[0], ids.shape[1] + 1
+    if tuple(tok.shape) != (B, k1) or tuple(na.shape) != (B,):
+        raise ValueError(f"the sampler returned token_ids {tuple(tok.shape)} and num_accepted {tuple(na.shape)}; "
+                         f"expected [{B}, {k1}] and [{B}]")
+    return tok, na
+
+
+def run_case(sampler: Sampler, case: KernelCase, n: int, seed: int = 0, chunk: int = 50_000,
+             dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor, Tensor]:
+    """Draw n independent speculative steps of `case` from `sampler`, in chunks of `chunk` rows.
+
+    Returns token_ids [n, k + 1], num_accepted [n], num_draft [n] (int64, CPU). Drafts are sampled from q
+    with a generator seeded by `seed`; the sampler's own randomness comes from torch's global generator,
+    seeded with `seed + 1`.
+    """
+    k, V = case.k, case.vocab
+    gen = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed + 1)
+    toks, nas, nds = [], [], []
+    for start in range(0, n, chunk):
+        m = min(chunk, n - start)
+        if case.q is not None:
+            ids = (torch.stack([torch.multinomial(case.q[j], m, replacement=True, generator=gen) for j in range(k)], 1)
+                   if k else torch.empty((m, 0), dtype=torch.int64))
+            q = case.q.to(dtype).unsqueeze(0).expand(m, k, V).contiguous()
+        else:
+            ids = case.onehot_ids.unsqueeze(0).expand(m, k).contiguous()
+            q = None
+        nd = torch.randint(0, k + 1, (m,), generator=gen) if case.ragged else torch.full((m,), k)
+        target = case.p.to(dtype).unsqueeze(0).expand(m, k + 1, V).contiguous()
+        tok, na = _call(sampler, target, ids, q, nd)
+        _check_structure(case, ids, nd, tok, na)
+        toks.append(tok)
+        nas.append(na)
+        nds.append(nd)
+    return torch.cat(toks), torch.cat(nas), torch.cat(nds)
+
+
+class StructureError(AssertionError):
+    """The sampler's output breaks the rules of a speculative step regardless of statistics."""
+
+
+def _check_structure(case: KernelCase, ids: Tensor, nd: Tensor, tok: Tensor, na: Tensor) -> None:
+    k, V = case.k, case.vocab
+    if bool(((na < 0) | (na > nd)).any()):
+        b = int(((na < 0) | (na > nd)).nonzero()[0])
+        raise StructureError(f"row {b}: num_accepted {int(na[b])} outside [0, num_draft = {int(nd[b])}]")
+    pos = torch.arange(k + 1)
+    accepted = pos[:k] < na.unsqueeze(1)
+    if bool((accepted & (tok[:, :k] != ids)).any()):
+        b = int((accepted & (tok[:, :k] != ids)).any(1).nonzero()[0])
+        raise StructureError(f"row {b}: an accepted position holds a token other than the draft")
+    final = tok.gather(1, na.unsqueeze(1)).squeeze(1)
+    if bool(((final < 0) | (final >= V)).any()):
+        b = int(((final < 0) | (final >= V)).nonzero()[0])
+        raise StructureError(f"row {b}: the recovered / bonus token {int(final[b])} is outside [0, {V})")
+
+
+def _residual(p_j: Tensor, q_j: Tensor) -> Tensor:
+    r = (p_j.double() - q_j.double()).clamp_min(0)
+    return r / r.sum()
+
+
+def position_tests(case: KernelCase, token_ids: Tensor, num_accepted: Tensor, num_draft: Tensor
+                   ) -> dict[str, tuple[GofResult, np.ndarray]]:
+    """Chi-square goodness of fit, each with the exact law it tests against:
+    posJ: token at every emitted position J vs p[J]; recoveredJ: token drawn at a rejection at J vs the residual;
+    bonus: token after all k drafts were accepted vs p[k]; num_accepted: accepted drafts (rows with k drafts)."""
+    p = case.p.double()
+    k, V = case.k, case.vocab
+    q = case.q.double() if case.q is not None else torch.nn.functional.one_hot(case.onehot_ids, V).double()
+    tok, na, nd = token_ids.numpy(), num_accepted.numpy(), num_draft.numpy()
+    emitted = na + 1
+    out: dict[str, tuple[GofResult, np.ndarray]] = {}
+    for j in range(k + 1):
+        rows = emitted > j
+        law = p[j].numpy()
+        out[f"pos{j}"] = (chisquare_gof(np.bincount(tok[rows, j], minlength=V), law), law)
+        if j < k:
+            rec = (na == j) & (nd > j)
+            if rec.sum() > 0 and float((p[j] - q[j]).clamp_min(0).sum()) > 1e-12:
+                law = _residual(p[j], q[j]).numpy()
+                out[f"recovered{j}"] = (chisquare_gof(np.bincount(tok[rec, j], minlength=V), law), law)
+    bonus = (na == nd) & (nd == k)
+    out["bonus"] = (chisquare_gof(np.bincount(tok[bonus, k], minlength=V), p[k].numpy()), p[k].numpy())
+    if k > 0:
+        alpha = torch.minimum(p[:k], q).sum(-1).clamp(max=1.0).numpy()  # [k]
+        law = np.array([np.prod(alpha[:m]) * (1 - alpha[m]) for m in range(k)] + [np.prod(alpha)])
+        law = np.clip(law, 0, None)
+        law = law / law.sum()
+        full = nd == k
+        out["num_accepted"] = (chisquare_gof(np.bincount(na[full], minlength=k + 1), law), law)
+    return out
+
+
+@dataclass
+class TestRow:
+    case: str
+    test: str
+    n: int
+    statistic: float
+    dof: int
+    pvalue: float
+    impossible: int
+    detectable_tv: float  # smallest TV deviation detected with power POWER at the per-test level
+    holm_pvalue: float = float("nan")
+
+
+@dataclass
+class KernelReport:
+    sampler: str
+    level: float
+    power: float
+    samples_per_case: int
+    seed: int
+    cases: list[dict]  # name, k, vocab, ragged, description, seconds
+    tests: list[TestRow]
+    errors: list[str]  # structural violations or crashes (each fails the certificate)
+    seconds: float
+
+    @property
+    def passed(self) -> bool:
+        return not self.errors and not any(t.holm_pvalue < self.level for t in self.tests)
+
+    @property
+    def verdict(self) -> str:
+        return "PASS" if self.passed else "FAIL"
+
+    @property
+    def failing(self) -> list[TestRow]:
+        return [t for t in self.tests if t.holm_pvalue < self.level]
+
+    def headline_tv(self) -> float:
+        """Worst (largest) detectable TV over the first-position tests of every case: each case's position-0
+        law is checked at least this finely."""
+        vals = [t.detectable_tv for t in self.tests if t.test == "pos0"]
+        return max(vals) if vals else float("inf")
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["verdict"] = self.verdict
+        d["headline_detectable_tv"] = self.headline_tv()
+        return d
+
+    def to_markdown(self) -> str:
+        lines = [f"# verispec certify kernel: **{self.verdict}**", "",
+                 f"sampler `{self.sampler}`; {len(self.cases)} cases x {self.samples_per_case} speculative steps; "
+                 f"{len(self.tests)} chi-square tests, Holm-corrected at family-wise level {self.level}; seed "
+                 f"{self.seed}; {self.seconds:.1f} s.", "",
+                 f"Detectable effect: every case's first-position distribution is checked to total variation "
+                 f"{self.headline_tv():.4f} with power {self.power} (worst case over cases and directions of "
+                 f"deviation; per test below, at the Bonferroni level {self.level / max(1, len(self.tests)):.2g}).",
+                 ""]
+        if self.errors:
+            lines += ["## Errors", ""] + [f"- {e}" for e in self.errors] + [""]
+        lines += ["| case | test | n | chi2 | dof | p-value | Holm p | detectable TV | verdict |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for t in self.tests:
+            mark = "**reject**" if t.holm_pvalue < self.level else "ok"
+            imp = f" ({t.impossible} impossible)" if t.impossible else ""
+            lines.append(f"| {t.case} | {t.test} | {t.n} | {t.statistic:.1f}{imp} | {t.dof} | {t.pvalue:.3g} | "
+                         f"{t.holm_pvalue:.3g} | {t.detectable_tv:.4f} | {mark} |")
+        lines += ["", "## Cases", ""] + [f"- `{c['name']}` (k = {c['k']}, V = {c['vocab']}"
+                                         f"{', ragged' if c['ragged'] else ''}): {c['description']}"
+                                         for c in self.cases]
+        return "\n".join(lines) + "\n"
+
+
+def certify_kernel(sampler: Sampler, *, cases: Sequence[KernelCase] | None = None, samples: int = DEFAULT_SAMPLES,
+                   level: float = DEFAULT_LEVEL, power: float = POWER, seed: int = 0, name: str | None = None,
+                   progress: Callable[[str], None] | None = None) -> KernelReport:
+    """Run the battery on `sampler` and return the report (verdict, every test, detectable effects)."""
+    if not 0 < level < 1:
+        raise ValueError(f"level must lie in (0, 1), got {level}")
+    if not 0 < power < 1:
+        raise ValueError(f"power must lie in (0, 1), got {power}")
+    if samples < 100:
+        raise ValueError(f"samples must be >= 100 per case, got {samples}")
+    cases = list(default_cases() if cases is None else cases)
+    t0 = time.perf_counter()
+    rows: list[TestRow] = []
+    laws: list[np.ndarray] = []
+    errors: list[str] = []
+    meta = []
+    for i, case in enumerate(cases):
+        if progress:
+            progress(case.name)
+        t1 = time.perf_counter()
+        try:
+            tok, na, nd = run_case(sampler, case, samples, seed=seed + 1000 * i)
+        except StructureError as e:
+            errors.append(f"{case.name}: {e}")
+            continue
+        except Exception as e:  # a sampler that crashes on a valid case fails the certificate, with the reason
+            errors.append(f"{case.name}: the sampler raised {type(e).__name__}: {e}")
+            continue
+        for test, (res, law) in position_tests(case, tok, na, nd).items():
+            rows.append(TestRow(case.name, test, res.n, res.statistic, res.dof, res.pvalue, res.impossible, 0.0))
+            laws.append(law)
+        meta.append(dict(name=case.name, k=case.k, vocab=case.vocab, ragged=case.ragged,
+                         description=case.description, seconds=time.perf_counter() - t1))
+    adjusted = holm([r.pvalue for r in rows])
+    per_test = level / max(1, len(rows))
+    for r, a, law in zip(rows, adjusted, laws):
+        r.holm_pvalue = float(a)
+        r.detectable_tv = detectable_tv(law, r.n, per_test, power)
+    return KernelReport(sampler=name or _name(sampler), level=level, power=power, samples_per_case=samples, seed=seed,
+                        cases=meta, tests=rows, errors=errors, seconds=time.perf_counter() - t0)
+
+
+def _name(fn) -> str:
+    return f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', getattr(fn, '__name__', repr(fn)))}"
+
+
+def load_sampler(spec: str) -> Sampler:
+    """`module:function` or `path/to/file.py:function` -> the callable (a clear error otherwise)."""
+    if ":" not in spec:
+        raise ValueError(f"--sampler must look like module:function or file.py:function, got {spec!r}")
+    mod_name, _, attr = spec.rpartition(":")
+    try:
+        if mod_name.endswith(".py"):
+            path = Path(mod_name)
+            if not path.is_file():
+                raise ValueError(f"sampler file not found: {path}")
+            spec_ = importlib.util.spec_from_file_location(path.stem, path)
+            module = importlib.util.module_from_spec(spec_)
+            spec_.loader.exec_module(module)
+        else:
+            module = importlib.import_module(mod_name)
+    except ImportError as e:
+        raise ValueError(f"cannot import {mod_name!r}: {e}") from None
+    fn = module
+    for part in attr.split("."):
+        fn = getattr(fn, part, None)
+        if fn is None:
+            raise ValueError(f"{mod_name!r} has no attribute {attr!r}")
+    if not callable(fn):
+        raise ValueError(f"{spec!r} is not callable")
+    return fn
+
+
+def verispec_sampler(target_probs, draft_token_ids, draft_probs=None, num_draft_tokens=None):
+    """verispec's own verify_chain with input checks on (the default sampler of `certify kernel`)."""
+    return verify_chain(target_probs, draft_token_ids, draft_probs, num_draft_tokens)
+
+
+def write_report(report: KernelReport, out: str | Path) -> tuple[Path, Path]:
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    md, js = out / "kernel-certificate.md", out / "kernel-certificate.json"
+    md.write_text(report.to_markdown())
+    js.write_text(json.dumps(report.to_json(), indent=1, default=lambda x: None if isinstance(x, float) and
+                             math.isnan(x) else str(x)))
+    return md, js

@@ -1,0 +1,106 @@
+"""Lossy acceptance rules, opt-in and labelled: they trade exactness for acceptance.
+
+They exist so that `verispec certify study` can measure how far each moves the output from the target's
+distribution and show that the certificate catches them. The engine never uses them unless told to
+(SpeculativeGenerator(verifier=...)). Same interface as verify_chain.
+
+  lenient(l)            accept t with probability min(1, p(t) / (l q(t))), l in (0, 1] (Leviathan et al.'s
+                        "lenience"; l = 1 is exact); at a rejection draw from (p - q)+ / Z as usual
+  typical(eps, delta)   Medusa's typical acceptance: accept t iff p(t) > min(eps, delta exp(-H(p))); at the
+                        first rejection draw from p (no residual)
+
+`one_step_law_*` give the exact law of the token emitted at the first draft position, for measuring deviations.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from .chain import ChainVerifyOutput, _normalise_args, draw_uniforms, sample_from_weights
+
+__all__ = ["lenient_verifier", "typical_verifier", "one_step_law_lenient", "one_step_law_typical",
+           "one_step_law_mismatched_q"]
+
+
+def _verify(target_probs, draft_token_ids, draft_probs, num_draft_tokens, generators, accept_fn, residual_fn):
+    B, k, V, ids, nd = _normalise_args(target_probs, draft_token_ids, draft_probs, num_draft_tokens)
+    dev = target_probs.device
+    accept_u, final_u = draw_uniforms(nd, k, generators, dev)
+    p = target_probs.double()  # [B, k + 1, V]
+    q = draft_probs.double() if draft_probs is not None else torch.nn.functional.one_hot(ids.clamp(0, V - 1), V).double()
+    safe = ids.clamp(0, V - 1).unsqueeze(-1)
+    accept = accept_fn(accept_u, p[:, :k], q, safe) & (torch.arange(k, device=dev) < nd.unsqueeze(1))
+    na = accept.long().cumprod(1).sum(1)
+    rows = torch.arange(B, device=dev)
+    rejected = na < nd
+    p_row = p[rows, na]  # [B, V]
+    if k > 0:
+        q_row = q[rows, na.clamp(max=k - 1)]
+        w = torch.where(rejected.unsqueeze(1), residual_fn(p_row, q_row), p_row)
+    else:
+        w = p_row
+    w = torch.where(w.sum(1, keepdim=True) > 0, w, p_row)
+    final = sample_from_weights(w, final_u)
+    tok = torch.where(torch.arange(k, device=dev) < na.unsqueeze(1), ids, -1)
+    tok = torch.cat([tok, torch.full((B, 1), -1, dtype=torch.int64, device=dev)], 1)
+    tok.scatter_(1, na.unsqueeze(1), final.unsqueeze(1))
+    return ChainVerifyOutput(token_ids=tok, num_accepted=na)
+
+
+def lenient_verifier(lenience: float):
+    if not 0 < lenience <= 1:
+        raise ValueError(f"lenience must lie in (0, 1], got {lenience}")
+
+    def verify(target_probs: Tensor, draft_token_ids: Tensor, draft_probs: Tensor | None = None,
+               num_draft_tokens: Tensor | None = None, generators: Sequence[torch.Generator | None] | None = None,
+               *, check: bool = True) -> ChainVerifyOutput:
+        def accept(u, p, q, safe):  # u [B, k], p / q [B, k, V]
+            return u * lenience * q.gather(-1, safe).squeeze(-1) < p.gather(-1, safe).squeeze(-1)
+        return _verify(target_probs, draft_token_ids, draft_probs, num_draft_tokens, generators, accept,
+                       lambda p, q: (p - q).clamp_min(0))
+    verify.__name__ = f"lenient_{lenience:g}"
+    return verify
+
+
+def _typical_threshold(p: Tensor, eps: float, delta: float) -> Tensor:  # p [..., V] -> [...]
+    ent = -(p * p.clamp_min(1e-300).log()).sum(-1)
+    return torch.minimum(torch.full_like(ent, eps), delta * torch.exp(-ent))
+
+
+def typical_verifier(eps: float = 0.3, delta: float = 0.09):
+    def verify(target_probs: Tensor, draft_token_ids: Tensor, draft_probs: Tensor | None = None,
+               num_draft_tokens: Tensor | None = None, generators: Sequence[torch.Generator | None] | None = None,
+               *, check: bool = True) -> ChainVerifyOutput:
+        def accept(u, p, q, safe):
+            return p.gather(-1, safe).squeeze(-1) > _typical_threshold(p, eps, delta)
+        return _verify(target_probs, draft_token_ids, draft_probs, num_draft_tokens, generators, accept,
+                       lambda p, q: p)
+    verify.__name__ = f"typical_{eps:g}_{delta:g}"
+    return verify
+
+
+def one_step_law_lenient(p: Tensor, q: Tensor, lenience: float) -> Tensor:  # p, q [..., V] -> [..., V]
+    a = torch.where(q > 0, torch.minimum(torch.ones_like(p), p / (lenience * q).clamp_min(1e-300)), torch.zeros_like(p))
+    acc = q * a
+    r = (p - q).clamp_min(0)
+    z = r.sum(-1, keepdim=True)
+    r = torch.where(z > 0, r / z.clamp_min(1e-300), p)
+    return acc + (1 - acc.sum(-1, keepdim=True)) * r
+
+
+def one_step_law_typical(p: Tensor, q: Tensor, eps: float = 0.3, delta: float = 0.09) -> Tensor:
+    acc = q * (p > _typical_threshold(p, eps, delta).unsqueeze(-1))
+    return acc + (1 - acc.sum(-1, keepdim=True)) * p
+
+
+def one_step_law_mismatched_q(p: Tensor, q_sampled: Tensor, q_used: Tensor) -> Tensor:
+    """Drafts sampled from q_sampled, verified as if from q_used (the exact rule otherwise)."""
+    a = torch.where(q_used > 0, torch.minimum(torch.ones_like(p), p / q_used.clamp_min(1e-300)), torch.zeros_like(p))
+    acc = q_sampled * a
+    r = (p - q_used).clamp_min(0)
+    z = r.sum(-1, keepdim=True)
+    r = torch.where(z > 0, r / z.clamp_min(1e-300), p)
+    return acc + (1 - acc.sum(-1, keepdim=True)) * r
