@@ -279,7 +279,100 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_certify_kernel(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from .certify.bugs import broken_verifier
+    from .certify.kernel import certify_kernel, default_cases, load_sampler, verispec_sampler, write_report
+
+    if args.sampler and args.inject:
+        raise UsageError("--sampler and --inject exclude each other (--inject replaces verispec's own verifier)")
+    try:
+        sampler = (load_sampler(args.sampler) if args.sampler else broken_verifier(args.inject) if args.inject
+                   else verispec_sampler)
+        name = args.sampler or (f"verispec.certify.bugs:{args.inject}" if args.inject else "verispec.sampling:verify_chain")
+        cases = default_cases(vocab=args.vocab, seed=args.seed)
+        if args.cases:
+            wanted = [c.strip() for c in args.cases.split(",")]
+            known = {c.name for c in cases}
+            unknown = [w for w in wanted if w not in known]
+            if unknown:
+                raise UsageError(f"unknown case(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+            cases = [c for c in cases if c.name in wanted]
+        console = Console(stderr=True)
+        with console.status("certifying") as status:
+            report = certify_kernel(sampler, cases=cases, samples=args.samples, level=args.level, seed=args.seed,
+                                    name=name, progress=lambda c: status.update(f"case {c}"))
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    md, js = write_report(report, args.out)
+    print(report.to_markdown() if args.verbose else _kernel_summary(report))
+    print(f"report: {md}, {js}", file=sys.stderr)
+    return 0 if report.passed else 1
+
+
+def _kernel_summary(report) -> str:
+    lines = [f"verispec certify kernel: {report.verdict} ({report.sampler})",
+             f"  {len(report.cases)} cases x {report.samples_per_case} steps, {len(report.tests)} chi-square tests, "
+             f"Holm family-wise level {report.level}",
+             f"  detects any deviation of the first-position law with TV >= {report.headline_tv():.4f} "
+             f"(power {report.power}, every case)"]
+    for e in report.errors:
+        lines.append(f"  error: {e}")
+    for t in sorted(report.failing, key=lambda t: t.pvalue)[:10]:
+        lines.append(f"  rejected: {t.case} / {t.test}: p = {t.pvalue:.3g} (Holm {t.holm_pvalue:.3g})")
+    return "\n".join(lines)
+
+
+def _certify_prompts(args, tokenizer) -> list[list[int]]:
+    from .certify.generate import encode_prompt
+
+    texts = list(args.prompt or [])
+    for path in args.prompts or []:
+        try:
+            rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+        except (OSError, json.JSONDecodeError) as e:
+            raise UsageError(f"cannot read prompts from {path}: {e}") from None
+        texts += [r["prompt"] for r in rows[: args.num_prompts]]
+    if not texts:
+        texts = ["def fibonacci(n):"]
+    return [encode_prompt(tokenizer, t, args.chat) for t in texts]
+
+
+def _cmd_certify_generate(args: argparse.Namespace) -> int:
+    from .certify.generate import MethodSpec, _load, certify_generate, write_report
+    from .engine.loading import ModelLoadError
+    from .sampling import SamplingParams
+
+    try:
+        params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p)
+        spec = MethodSpec(method=args.method, target=args.target, draft=args.draft, draft_quant=args.draft_quant,
+                          gamma=args.gamma, runner=args.runner, dtype=args.dtype, draft_dtype=args.draft_dtype,
+                          callable=args.callable, verifier=args.inject)
+        if args.workers < 1:
+            raise UsageError(f"--workers must be >= 1, got {args.workers}")
+        if args.threads:
+            import torch
+            torch.set_num_threads(args.threads)
+        print("loading the reference target (float32) ...", file=sys.stderr, flush=True)
+        ref = _load(args.target, "float32")
+        prompts = _certify_prompts(args, ref.tokenizer)
+        report = certify_generate(spec, prompts, params, samples=args.samples, length=args.length, level=args.level,
+                                  seed=args.seed, workers=args.workers, two_sample_tokens=args.two_sample_tokens,
+                                  reference=ref)
+    except (ModelLoadError, ValueError) as e:
+        raise UsageError(str(e)) from None
+    files = write_report(report, args.out)
+    print(report.to_markdown())
+    print(f"report: {', '.join(str(f) for f in files)}", file=sys.stderr)
+    return 0 if report.passed else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from .certify.bugs import BUGS
+    from .certify.generate import DEFAULT_LENGTH as GEN_LENGTH, DEFAULT_SAMPLES as GEN_SAMPLES, METHODS
+    from .certify.kernel import DEFAULT_SAMPLES as KERNEL_SAMPLES
+
     parser = argparse.ArgumentParser(prog="verispec", description="Lossless speculative decoding.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -361,6 +454,61 @@ def build_parser() -> argparse.ArgumentParser:
     br.add_argument("--threads", type=int)
     br.add_argument("--json", metavar="FILE", help="also write the raw timings as JSON")
     br.set_defaults(func=_cmd_bench_runner)
+
+    cert = sub.add_parser("certify", help="statistical certificate that a sampler / generator is lossless")
+    csub = cert.add_subparsers(dest="certify_command", required=True, metavar="CERTIFY")
+    ck = csub.add_parser("kernel", help="certify a chain-verification function against exactly known laws",
+                         description="Run a battery of (p, q) cases through a chain verifier (verispec's, or "
+                                     "--sampler module:function with verify_chain's interface) and test every "
+                                     "emitted position's distribution. Exit status 0 = PASS, 1 = FAIL.")
+    ck.add_argument("--sampler", help="module:function or file.py:function with verify_chain's interface")
+    ck.add_argument("--inject", choices=BUGS, help="certify a deliberately broken verifier instead (must FAIL)")
+    ck.add_argument("--samples", type=int, default=KERNEL_SAMPLES,
+                    help=f"speculative steps per case (default {KERNEL_SAMPLES})")
+    ck.add_argument("--level", type=float, default=0.01, help="family-wise significance level (default 0.01)")
+    ck.add_argument("--vocab", type=int, default=32, help="vocabulary of the cases (default 32)")
+    ck.add_argument("--cases", help="comma-separated subset of the cases")
+    ck.add_argument("--seed", type=int, default=0)
+    ck.add_argument("--out", default="certify-out", help="folder for kernel-certificate.{md,json}")
+    ck.add_argument("--verbose", action="store_true", help="print every test, not just the summary")
+    ck.set_defaults(func=_cmd_certify_kernel)
+
+    cg = csub.add_parser("generate", help="certify a generator's continuations against the target's conditionals",
+                         description="Draw N continuations of L tokens per prompt from a method and test them "
+                                     "against the target model's own distribution (first-token and sequence "
+                                     "goodness of fit, PIT uniformity, log-likelihood, two-sample vs plain "
+                                     "decoding). Exit status 0 = PASS, 1 = FAIL.")
+    cg.add_argument("--target", help="target model (default: the built-in default model)")
+    cg.add_argument("--method", choices=METHODS, default="verispec",
+                    help="verispec (default), plain (verispec without drafts), hf (transformers generate), "
+                         "hf-assisted (generate(assistant_model=--draft)), callable (--callable)")
+    cg.add_argument("--draft", default="ngram", help="verispec: draft model, ngram, self or none; hf-assisted: "
+                                                    "the assistant model")
+    cg.add_argument("--draft-quant", choices=["int8", "int4"])
+    cg.add_argument("--gamma", type=_gamma, default=4, help="verispec drafts per step (default 4)")
+    cg.add_argument("--runner", choices=["auto", "fast", "hf"], default="auto")
+    cg.add_argument("--dtype", default="float32", help="the method's target precision (scoring is float32)")
+    cg.add_argument("--draft-dtype", default="float32")
+    cg.add_argument("--callable", help="module:function mapping (prompt_ids, params dict, seed) -> token ids")
+    cg.add_argument("--inject", choices=BUGS, help="verispec with a deliberately broken verifier (must FAIL)")
+    cg.add_argument("--temperature", type=float, default=1.0)
+    cg.add_argument("--top-k", type=int, default=0)
+    cg.add_argument("--top-p", type=float, default=1.0)
+    cg.add_argument("--min-p", type=float, default=0.0)
+    cg.add_argument("--prompt", action="append", help="prompt text (repeatable)")
+    cg.add_argument("--prompts", nargs="+", help="JSONL prompt files ({'prompt': ...})")
+    cg.add_argument("--num-prompts", type=int, default=1, help="prompts taken from each file (default 1)")
+    cg.add_argument("--chat", action="store_true", help="wrap prompts in the tokenizer's chat template")
+    cg.add_argument("--samples", type=int, default=GEN_SAMPLES, help=f"continuations per prompt (default {GEN_SAMPLES})")
+    cg.add_argument("--length", type=int, default=GEN_LENGTH, help=f"tokens per continuation (default {GEN_LENGTH})")
+    cg.add_argument("--level", type=float, default=0.01, help="family-wise significance level (default 0.01)")
+    cg.add_argument("--two-sample-tokens", type=int, default=2,
+                    help="positions compared with plain decoding samples (0 = off; default 2)")
+    cg.add_argument("--workers", type=int, default=1, help="processes drawing samples (default 1)")
+    cg.add_argument("--threads", type=int)
+    cg.add_argument("--seed", type=int, default=0)
+    cg.add_argument("--out", default="certify-out", help="folder for generate-certificate.{md,json,png}")
+    cg.set_defaults(func=_cmd_certify_generate)
     return parser
 
 

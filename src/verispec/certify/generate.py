@@ -97,13 +97,24 @@ def _verifier(name: str):
     raise ValueError(f"unknown verifier {name!r}: one of {', '.join(BUGS)}, lenient:L, typical")
 
 
+_LOADED: dict = {}
+
+
+def _load(path: str | None, dtype: str):
+    """Load once per process: the float32 reference target doubles as the method's float32 target."""
+    from ..engine.loading import load_model
+
+    key = (path, dtype)
+    if key not in _LOADED:
+        _LOADED[key] = load_model(path, dtype=dtype)
+    return _LOADED[key]
+
+
 SampleFn = Callable[[list[int], SamplingParams, Sequence[int], int], tuple[list[list[int]], object]]
 
 
 def build_method(spec: MethodSpec) -> SampleFn:
     """spec -> fn(prompt_ids, params, seeds, length) -> (one token list per seed, SpecStats or None)."""
-    from ..engine.loading import load_model
-
     if spec.threads:
         torch.set_num_threads(spec.threads)
     if spec.method == "callable":
@@ -119,13 +130,13 @@ def build_method(spec: MethodSpec) -> SampleFn:
             return out, None
         return sample_callable
 
-    target = load_model(spec.target, dtype=spec.dtype)
+    target = _load(spec.target, spec.dtype)
     if spec.method in ("verispec", "plain"):
         from ..engine.generator import SpeculativeGenerator
 
         draft = "none" if spec.method == "plain" else spec.draft
         if draft not in ("ngram", "none", "self"):
-            draft = load_model(draft, dtype=spec.draft_dtype)
+            draft = _load(draft, spec.draft_dtype)
         kwargs = {"verifier": _verifier(spec.verifier)} if spec.verifier else {}
         gen = SpeculativeGenerator(target, draft, gamma=spec.gamma if draft != "none" else 0, runner=spec.runner,
                                    draft_quant=spec.draft_quant, **kwargs)
@@ -141,7 +152,7 @@ def build_method(spec: MethodSpec) -> SampleFn:
     model.generation_config.eos_token_id = None
     assistant = None
     if spec.method == "hf-assisted":
-        assistant = load_model(spec.draft, dtype=spec.draft_dtype).model
+        assistant = _load(spec.draft, spec.draft_dtype).model
         assistant.generation_config.eos_token_id = None
 
     def sample_hf(prompt, params, seeds, length):
@@ -375,8 +386,6 @@ def certify_generate(spec: MethodSpec, prompts: list[list[int]], params: Samplin
     """Run the generator certificate. `reference`: the scoring model (a LoadedModel in float32; loaded from
     spec.target when None). `two_sample_tokens`: m for test (d) (0 = off; skipped for plain methods).
     `sequence_tokens`: m for the whole-sequence test (a) (only when V^m <= 4096)."""
-    from ..engine.loading import load_model
-
     if params.repetition_penalty != 1.0 or params.presence_penalty or params.frequency_penalty:
         raise ValueError("certify generate scores tokens under temperature / top-k / top-p / min-p only; penalties "
                          "make the target's law depend on the whole output and are not supported here")
@@ -387,7 +396,7 @@ def certify_generate(spec: MethodSpec, prompts: list[list[int]], params: Samplin
     if not 0 < level < 1:
         raise ValueError(f"level must lie in (0, 1), got {level}")
     t0 = time.perf_counter()
-    ref = reference if reference is not None else load_model(spec.target, dtype="float32")
+    ref = reference if reference is not None else _load(spec.target, "float32")
     model = ref.model
     got, stats = draw_samples(spec, prompts, params, samples, length, seed, workers, sample_fn=sample_fn,
                               show_progress=show_progress, label=spec.label())
@@ -490,3 +499,17 @@ def write_report(report: GenerateReport, out: str | Path) -> list[Path]:
     fig.savefig(png, dpi=90)
     plt.close(fig)
     return [md, js, png]
+
+
+def encode_prompt(tokenizer, text: str, chat: bool) -> list[int]:
+    """Token ids of a prompt as verispec's generator builds them (chat: the tokenizer's chat template)."""
+    if not text:
+        raise ValueError("a prompt is empty")
+    if not chat:
+        return list(tokenizer(text, add_special_tokens=True)["input_ids"])
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError("--chat given but the tokenizer has no chat template")
+    enc = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
+    if hasattr(enc, "keys"):
+        enc = enc["input_ids"]
+    return [int(t) for t in enc]
