@@ -368,6 +368,37 @@ def _cmd_certify_generate(args: argparse.Namespace) -> int:
     return 0 if report.passed else 1
 
 
+def _cmd_certify_study(args: argparse.Namespace) -> int:
+    from dataclasses import asdict
+
+    from .certify.generate import _load
+    from .certify.study import run_study, study_markdown
+    from .engine.loading import ModelLoadError
+    from .sampling import SamplingParams
+
+    try:
+        params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+        ref = _load(args.target, "float32")
+        prompts = _certify_prompts(args, ref.tokenizer)
+        variants = [v.strip() for v in args.variants.split(",")] if args.variants else None
+        rows = run_study(args.target, args.draft, prompts, params, variants=variants, contexts=args.contexts,
+                         length=args.length, certify_samples=args.certify_samples, certify_length=args.length,
+                         gamma=args.gamma, level=args.level, seed=args.seed)
+    except (ModelLoadError, ValueError) as e:
+        raise UsageError(str(e)) from None
+    header = (f"# verispec certify study\n\ntarget `{args.target}`, draft `{args.draft}`; {params}; {len(prompts)} "
+              f"prompt(s) x {args.contexts} contexts x {args.length} positions for the deviations; certificate: "
+              + (f"N = {args.certify_samples}, L = {args.length}, level {args.level}" if args.certify_samples
+                 else "not run (--certify-samples 0)"))
+    md = study_markdown(rows, header)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "study.md").write_text(md)
+    (out / "study.json").write_text(json.dumps([asdict(r) for r in rows], indent=1))
+    print(md)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .certify.bugs import BUGS
     from .certify.generate import DEFAULT_LENGTH as GEN_LENGTH, DEFAULT_SAMPLES as GEN_SAMPLES, METHODS
@@ -509,6 +540,28 @@ def build_parser() -> argparse.ArgumentParser:
     cg.add_argument("--seed", type=int, default=0)
     cg.add_argument("--out", default="certify-out", help="folder for generate-certificate.{md,json,png}")
     cg.set_defaults(func=_cmd_certify_generate)
+
+    cs = csub.add_parser("study", help="measure the seed's failure modes (temperature mismatch, bf16 / fp16, lossy "
+                                       "acceptance) and the certificate's verdict on each")
+    cs.add_argument("--target", help="target model (default: the built-in default model)")
+    cs.add_argument("--draft", required=True, help="draft model (sharing the target's tokenizer)")
+    cs.add_argument("--variants", help="comma-separated subset (default: all)")
+    cs.add_argument("--temperature", type=float, default=0.7, help="default 0.7")
+    cs.add_argument("--top-k", type=int, default=0)
+    cs.add_argument("--top-p", type=float, default=1.0)
+    cs.add_argument("--prompt", action="append", help="prompt text (repeatable)")
+    cs.add_argument("--prompts", nargs="+", help="JSONL prompt files ({'prompt': ...})")
+    cs.add_argument("--num-prompts", type=int, default=1, help="prompts taken from each file (default 1)")
+    cs.add_argument("--chat", action="store_true")
+    cs.add_argument("--contexts", type=int, default=16, help="target continuations per prompt used as contexts")
+    cs.add_argument("--length", type=int, default=8, help="tokens per continuation (default 8)")
+    cs.add_argument("--certify-samples", type=int, default=0,
+                    help="N of the generator certificate run on each variant (0 = deviations only, default)")
+    cs.add_argument("--gamma", type=int, default=4)
+    cs.add_argument("--level", type=float, default=0.01)
+    cs.add_argument("--seed", type=int, default=0)
+    cs.add_argument("--out", default="certify-out", help="folder for study.{md,json}")
+    cs.set_defaults(func=_cmd_certify_study)
     return parser
 
 

@@ -1,0 +1,125 @@
+"""The kernel certifier: verispec's verify_chain PASSES, every injected bug FAILS at the default sample size, the
+false-positive rate over many seeds stays within a binomial bound of the stated level, and the stated
+detectable effect is what the test really detects.
+
+Levels: the certificate's family-wise level is DEFAULT_LEVEL = 0.01 (Holm over ~130 chi-square tests).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+
+from verispec.certify.bugs import BUGS, broken_verifier
+from verispec.certify.kernel import (DEFAULT_LEVEL, DEFAULT_SAMPLES, KernelCase, certify_kernel, default_cases,
+                                     load_sampler, verispec_sampler)
+from verispec.certify.stats import chisquare_gof, chisquare_power, detectable_tv
+from verispec.cli import main
+
+
+def test_verispec_passes_with_stated_strength():
+    report = certify_kernel(verispec_sampler)
+    assert report.passed, report.to_markdown()
+    assert report.samples_per_case == DEFAULT_SAMPLES and report.level == DEFAULT_LEVEL
+    assert len(report.cases) == 12 and len(report.tests) > 100
+    assert {c["k"] for c in report.cases} == {1, 4, 8}
+    assert report.headline_tv() < 0.02  # every case's first-position law is checked to TV 0.02 at power 0.99
+
+
+def test_reference_control_passes():
+    """The straightforward re-implementation the bugs are injected into passes without a bug."""
+    assert certify_kernel(broken_verifier(None)).passed
+
+
+@pytest.mark.parametrize("bug", BUGS)
+def test_injected_bug_fails_at_default_size(bug):
+    report = certify_kernel(broken_verifier(bug))
+    assert not report.passed
+    assert report.failing  # a statistical rejection, not a crash
+    assert not report.errors
+
+
+def _cheap_case(seed: int) -> list[KernelCase]:
+    g = torch.Generator().manual_seed(seed)
+    p = torch.randn(2, 8, generator=g, dtype=torch.float64).mul(1.5).softmax(-1)
+    q = torch.randn(1, 8, generator=g, dtype=torch.float64).mul(1.5).softmax(-1)
+    return [KernelCase("cheap-k1", p, q)]
+
+
+def test_false_positive_rate_within_binomial_bound():
+    """60 seeds of a correct sampler at family-wise level 0.05: FAIL count <= the 99.9% binomial quantile."""
+    level, seeds = 0.05, 60
+    fails = sum(not certify_kernel(verispec_sampler, cases=_cheap_case(s), samples=3000, level=level, seed=s).passed
+                for s in range(seeds))
+    assert fails <= stats.binom.ppf(0.999, seeds, level), fails
+
+
+def test_same_cheap_setup_has_power_against_a_bug():
+    """The cheap setup above is not toothless: resample-from-p fails on (almost) every seed."""
+    fails = sum(not certify_kernel(broken_verifier("resample_from_p"), cases=_cheap_case(s), samples=3000,
+                                   level=0.05, seed=s).passed for s in range(20))
+    assert fails >= 18
+
+
+def test_detectable_tv_is_detected():
+    """An alternative at exactly the stated detectable TV (in the hardest direction, |a - p| proportional to p)
+    is rejected with power >= 0.99: analytically (noncentral chi-square) and by simulation."""
+    rng = np.random.default_rng(0)
+    p = rng.dirichlet(np.ones(16))
+    n, level = 20_000, 1e-3
+    d = detectable_tv(p, n, level)
+    order = np.argsort(p)
+    half = np.cumsum(p[order]) <= 0.5
+    sign = np.where(np.isin(np.arange(16), order[half]), 1.0, -1.0)
+    mass_up = p[sign > 0].sum()
+    a = np.where(sign > 0, p * (1 + d / mass_up), p * (1 - d / (1 - mass_up)))
+    assert np.isclose(0.5 * np.abs(a - p).sum(), d)
+    assert chisquare_power(p, a, n, level) >= 0.99
+    rejections = sum(chisquare_gof(rng.multinomial(n, a), p).pvalue < level for _ in range(300))
+    assert rejections >= 0.97 * 300
+
+
+def test_user_samplers_load_by_name(tmp_path):
+    assert load_sampler("verispec.certify.kernel:verispec_sampler") is verispec_sampler
+    f = tmp_path / "engine_adapter.py"
+    f.write_text("from verispec.sampling import verify_chain\n"
+                 "def verify(t, ids, q, nd):\n    return verify_chain(t, ids, q, nd)\n")
+    fn = load_sampler(f"{f}:verify")
+    assert certify_kernel(fn, cases=default_cases()[:2], samples=5000).passed
+    for bad in ["verispec.sampling", "no_such_module:x", "verispec.sampling:no_such", f"{tmp_path}/missing.py:f"]:
+        with pytest.raises(ValueError):
+            load_sampler(bad)
+
+
+def test_structural_violation_fails_with_reason():
+    def cheat(t, ids, q, nd):  # reports acceptances but emits other tokens there
+        out = verify_chain_ = verispec_sampler(t, ids, q, nd)
+        tok = verify_chain_.token_ids.clone()
+        tok[:, 0] = torch.where(out.num_accepted > 0, (ids[:, 0] + 1) % t.shape[-1], tok[:, 0])
+        return tok, out.num_accepted
+
+    report = certify_kernel(cheat, cases=default_cases()[:1], samples=2000)
+    assert not report.passed and "accepted position" in report.errors[0]
+
+
+def test_crashing_sampler_fails_with_reason():
+    def crash(t, ids, q, nd):
+        raise RuntimeError("boom")
+    report = certify_kernel(crash, cases=default_cases()[:1], samples=1000)
+    assert not report.passed and "boom" in report.errors[0]
+
+
+def test_cli(tmp_path, capsys):
+    assert main(["certify", "kernel", "--cases", "random-k1,onehot-k4", "--samples", "20000",
+                 "--out", str(tmp_path)]) == 0
+    assert "PASS" in capsys.readouterr().out
+    assert (tmp_path / "kernel-certificate.md").exists() and (tmp_path / "kernel-certificate.json").exists()
+    assert main(["certify", "kernel", "--inject", "swap_p_q", "--cases", "random-k4", "--out", str(tmp_path)]) == 1
+    assert "FAIL" in capsys.readouterr().out
+    assert main(["certify", "kernel", "--cases", "nope", "--out", str(tmp_path)]) == 2
+    assert main(["certify", "kernel", "--sampler", "nope", "--out", str(tmp_path)]) == 2
+    assert main(["certify", "kernel", "--samples", "10", "--out", str(tmp_path)]) == 2
+    with pytest.raises(SystemExit):
+        main(["certify", "kernel", "--inject", "not_a_bug"])
