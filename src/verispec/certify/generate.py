@@ -347,32 +347,27 @@ def draw_samples(spec: MethodSpec, prompts: list[list[int]], params: SamplingPar
         bar.start()
         task_id = bar.add_task(label, total=n * len(prompts))
     try:
+        pool = None
         if workers > 1 and sample_fn is None:
             import multiprocessing as mp
 
-            threads = max(1, (os.cpu_count() or 1) // workers)
-            wspec = replace(spec, threads=threads)
-            with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=_worker_init,
-                                     initargs=(wspec,)) as pool:
-                results = pool.map(_worker_run, [t[1:] for t in tasks])
-                for (j, *_), (tokens, stats) in zip(tasks, results):
-                    samples[j] += tokens
-                    if stats is not None:
-                        pooled.merge(stats)
-                        seen_stats = True
-                    if bar:
-                        bar.advance(task_id, len(tokens))
+            wspec = replace(spec, threads=max(1, (os.cpu_count() or 1) // workers))
+            pool = ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=_worker_init,
+                                       initargs=(wspec,))
+            results = pool.map(_worker_run, [t[1:] for t in tasks])
         else:
             fn = sample_fn or build_method(spec)
-            for j, prompt, p_, seeds, length_ in tasks:
-                tokens, stats = fn(prompt, p_, seeds, length_)
-                samples[j] += tokens
-                if stats is not None:
-                    pooled.merge(stats)
-                    seen_stats = True
-                if bar:
-                    bar.advance(task_id, len(tokens))
+            results = (fn(*t[1:]) for t in tasks)
+        for (j, *_), (tokens, stats) in zip(tasks, results):  # one collection loop for both ways of sampling
+            samples[j] += tokens
+            if stats is not None:
+                pooled.merge(stats)
+                seen_stats = True
+            if bar:
+                bar.advance(task_id, len(tokens))
     finally:
+        if pool is not None:
+            pool.shutdown()
         if bar:
             bar.stop()
     return samples, (pooled if seen_stats else None)
