@@ -282,16 +282,34 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 def _cmd_certify_kernel(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from .certify.bugs import broken_verifier
-    from .certify.kernel import certify_kernel, default_cases, load_sampler, verispec_sampler, write_report
+    from .certify.bugs import BUGS, TREE_BUGS, TREE_NON_BUGS, broken_tree_verifier, broken_verifier
+    from .certify.kernel import (DEFAULT_SAMPLES, certify_kernel, default_cases, load_sampler, verispec_sampler,
+                                 write_report)
+    from .certify.tree_kernel import (DEFAULT_TREE_SAMPLES, certify_tree_kernel, default_tree_cases,
+                                      verispec_tree_sampler)
+    from .sampling.tree import TREE_RULES
 
     if args.sampler and args.inject:
         raise UsageError("--sampler and --inject exclude each other (--inject replaces verispec's own verifier)")
+    tree = args.tree is not None
+    if args.inject and args.inject not in (TREE_BUGS + TREE_NON_BUGS if tree else BUGS):
+        kind = "tree" if tree else "chain"
+        raise UsageError(f"--inject {args.inject} is not a {kind} bug; {kind} bugs: "
+                         f"{', '.join(TREE_BUGS + TREE_NON_BUGS if tree else BUGS)}")
     try:
-        sampler = (load_sampler(args.sampler) if args.sampler else broken_verifier(args.inject) if args.inject
-                   else verispec_sampler)
-        name = args.sampler or (f"verispec.certify.bugs:{args.inject}" if args.inject else "verispec.sampling:verify_chain")
-        cases = default_cases(vocab=args.vocab, seed=args.seed)
+        if tree:
+            rules = TREE_RULES if args.tree == "all" else (args.tree,)
+            sampler = (load_sampler(args.sampler) if args.sampler else broken_tree_verifier(args.inject)
+                       if args.inject else verispec_tree_sampler)
+            name = args.sampler or (f"verispec.certify.bugs:{args.inject}" if args.inject
+                                    else "verispec.sampling.tree:verify_tree")
+            cases = [c for c in default_tree_cases(vocab=args.vocab or 6, seed=args.seed) if c.draw in rules]
+        else:
+            sampler = (load_sampler(args.sampler) if args.sampler else broken_verifier(args.inject) if args.inject
+                       else verispec_sampler)
+            name = args.sampler or (f"verispec.certify.bugs:{args.inject}" if args.inject
+                                    else "verispec.sampling:verify_chain")
+            cases = default_cases(vocab=args.vocab or 32, seed=args.seed)
         if args.cases:
             wanted = [c.strip() for c in args.cases.split(",")]
             known = {c.name for c in cases}
@@ -301,8 +319,14 @@ def _cmd_certify_kernel(args: argparse.Namespace) -> int:
             cases = [c for c in cases if c.name in wanted]
         console = Console(stderr=True)
         with console.status("certifying") as status:
-            report = certify_kernel(sampler, cases=cases, samples=args.samples, level=args.level, seed=args.seed,
-                                    name=name, progress=lambda c: status.update(f"case {c}"))
+            if tree:
+                report = certify_tree_kernel(sampler, rules=rules, cases=cases,
+                                             samples=args.samples or DEFAULT_TREE_SAMPLES, level=args.level,
+                                             seed=args.seed, name=name, progress=lambda c: status.update(f"case {c}"))
+            else:
+                report = certify_kernel(sampler, cases=cases, samples=args.samples or DEFAULT_SAMPLES,
+                                        level=args.level, seed=args.seed, name=name,
+                                        progress=lambda c: status.update(f"case {c}"))
     except ValueError as e:
         raise UsageError(str(e)) from None
     md, js = write_report(report, args.out)
@@ -488,16 +512,23 @@ def build_parser() -> argparse.ArgumentParser:
 
     cert = sub.add_parser("certify", help="statistical certificate that a sampler / generator is lossless")
     csub = cert.add_subparsers(dest="certify_command", required=True, metavar="CERTIFY")
-    ck = csub.add_parser("kernel", help="certify a chain-verification function against exactly known laws",
+    ck = csub.add_parser("kernel", help="certify a chain (or --tree) verification function against exactly known laws",
                          description="Run a battery of (p, q) cases through a chain verifier (verispec's, or "
                                      "--sampler module:function with verify_chain's interface) and test every "
-                                     "emitted position's distribution. Exit status 0 = PASS, 1 = FAIL.")
-    ck.add_argument("--sampler", help="module:function or file.py:function with verify_chain's interface")
-    ck.add_argument("--inject", choices=BUGS, help="certify a deliberately broken verifier instead (must FAIL)")
-    ck.add_argument("--samples", type=int, default=KERNEL_SAMPLES,
-                    help=f"speculative steps per case (default {KERNEL_SAMPLES})")
+                                     "emitted position's distribution. With --tree RULE: trees drafted with that rule "
+                                     "through a tree verifier (verify_tree's interface). Exit status 0 = PASS, "
+                                     "1 = FAIL.")
+    ck.add_argument("--sampler", help="module:function or file.py:function with verify_chain's (or, with --tree, "
+                                      "verify_tree's) interface")
+    ck.add_argument("--tree", choices=["iid", "without_replacement", "deterministic", "all"],
+                    help="certify tree verification for trees whose children were drawn this way")
+    ck.add_argument("--inject", help=f"certify a deliberately broken verifier instead (must FAIL): chain bugs "
+                                     f"{', '.join(BUGS)}; with --tree: tree_stale_residual, tree_topk_as_sampled, "
+                                     "tree_wor_as_iid (and tree_iid_as_deterministic, which is lossless)")
+    ck.add_argument("--samples", type=int, default=None,
+                    help=f"speculative steps per case (default {KERNEL_SAMPLES}; 40000 with --tree)")
     ck.add_argument("--level", type=float, default=0.01, help="family-wise significance level (default 0.01)")
-    ck.add_argument("--vocab", type=int, default=32, help="vocabulary of the cases (default 32)")
+    ck.add_argument("--vocab", type=int, default=None, help="vocabulary of the cases (default 32; 6 with --tree)")
     ck.add_argument("--cases", help="comma-separated subset of the cases")
     ck.add_argument("--seed", type=int, default=0)
     ck.add_argument("--out", default="certify-out", help="folder for kernel-certificate.{md,json}")

@@ -121,5 +121,5 @@ def test_cli(tmp_path, capsys):
     assert main(["certify", "kernel", "--cases", "nope", "--out", str(tmp_path)]) == 2
     assert main(["certify", "kernel", "--sampler", "nope", "--out", str(tmp_path)]) == 2
     assert main(["certify", "kernel", "--samples", "10", "--out", str(tmp_path)]) == 2
-    with pytest.raises(SystemExit):
-        main(["certify", "kernel", "--inject", "not_a_bug"])
+    assert main(["certify", "kernel", "--inject", "not_a_bug"]) == 2
+    assert main(["certify", "kernel", "--inject", "tree_stale_residual"]) == 2  # a tree bug without --tree

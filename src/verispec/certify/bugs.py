@@ -12,6 +12,16 @@ every one FAILS at the default sample size. None of them is ever used outside ce
   le_zero_uniform         `u * q <= p` with a low-resolution uniform that can be exactly 0, so a p = 0 draft can
                           be accepted (SGLang #35771)
   reuse_accept_uniform    the rejected position's acceptance uniform reused for the residual draw (vLLM #9441)
+
+Broken tree verifiers (drop-in replacements for `verify_tree`, for `certify kernel --tree`):
+  tree_stale_residual     after a sibling is rejected, the next sibling is tested against the old residual
+                          (r is not updated to (r - q)+ / Z)
+  tree_topk_as_sampled    deterministic (top-k) children verified as if they had been sampled from q (rule "iid")
+  tree_wor_as_iid         children drawn without replacement verified with q instead of q minus earlier siblings
+Not a bug, although it looks like one: i.i.d.-sampled children verified with the deterministic rule stay lossless
+(that rule accepts x_i with probability r(x_i) and removes it, which samples r exactly for any candidates drawn
+independently of the verifier's uniforms) — it only accepts less. `certify kernel --tree iid --inject
+tree_iid_as_deterministic` PASSES, and the tests check that it does.
 """
 
 from __future__ import annotations
@@ -22,11 +32,15 @@ import torch
 from torch import Tensor
 
 from ..sampling.chain import ChainVerifyOutput, _normalise_args, draw_uniforms, sample_from_weights
+from ..sampling.tree import verify_tree, verify_tree_with_uniforms
 
-__all__ = ["BUGS", "broken_verifier"]
+__all__ = ["BUGS", "TREE_BUGS", "TREE_NON_BUGS", "broken_tree_verifier", "broken_verifier"]
 
 BUGS = ("resample_from_p", "resample_from_abs_diff", "swap_p_q", "q_before_temperature", "le_zero_uniform",
         "reuse_accept_uniform")
+
+TREE_BUGS = ("tree_stale_residual", "tree_topk_as_sampled", "tree_wor_as_iid")
+TREE_NON_BUGS = ("tree_iid_as_deterministic",)  # looks wrong, is lossless (see the module docstring)
 
 _Q_TEMPERATURE = 0.7  # q_before_temperature: the draft sampled at this temperature, the verifier saw q at 1
 _U_LEVELS = 64  # le_zero_uniform: uniforms on the grid {0, 1/64, ..., 63/64}
@@ -84,4 +98,28 @@ def broken_verifier(bug: str | None):
         return ChainVerifyOutput(token_ids=tok, num_accepted=na)
 
     verify.__name__ = f"broken_verifier_{bug}" if bug else "reference_verifier"
+    return verify
+
+
+def broken_tree_verifier(bug: str):
+    """A tree verifier with one deliberate mistake (TREE_BUGS), or the lossless look-alike in TREE_NON_BUGS."""
+    if bug not in TREE_BUGS + TREE_NON_BUGS:
+        raise ValueError(f"unknown tree bug {bug!r}; choose one of: {', '.join(TREE_BUGS + TREE_NON_BUGS)}")
+    wrong_rule = {"tree_topk_as_sampled": ("deterministic", "iid"), "tree_wor_as_iid": ("without_replacement", "iid"),
+                  "tree_iid_as_deterministic": ("iid", "deterministic")}
+
+    def verify(target_probs, draft_token_ids, parents, draft_probs=None, num_nodes=None, generators=None, *,
+               rule: str = "deterministic", check: bool = True):
+        if bug == "tree_stale_residual":
+            B, N = draft_token_ids.shape
+            nn = torch.full((B,), N, dtype=torch.int64) if num_nodes is None else torch.as_tensor(num_nodes).long()
+            accept_u, final_u = draw_uniforms(nn, N, generators, target_probs.device)
+            return verify_tree_with_uniforms(target_probs, draft_token_ids.long(), parents.long(),
+                                             None if rule == "deterministic" else draft_probs, nn, rule, accept_u,
+                                             final_u, _stale_residual=True)
+        used, instead = wrong_rule[bug]
+        return verify_tree(target_probs, draft_token_ids, parents, draft_probs, num_nodes, generators,
+                           rule=instead if rule == used else rule, check=False)
+
+    verify.__name__ = f"broken_tree_verifier_{bug}"
     return verify

@@ -1,0 +1,265 @@
+"""Kernel-level certificate for tree verifiers (`verispec certify kernel --tree RULE`).
+
+A case is a synthetic language model over a small vocabulary: the target p(. | context) and the draft
+q(. | context) are fixed random distributions for every context up to length L (tables [contexts, V]), so
+both depend on the path, as with real models. Each of n independent rows drafts a tree of a fixed shape (widths
+per depth) from q with the case's drafting rule — children i.i.d. from q, without replacement from q, or the
+top-w of q (deterministic) — the verifier under test checks it against p, and the emitted tokens are completed to
+length L by sampling from p itself. Exact laws, hence exact tests:
+  * `pos j | context`: the tokens emitted at position j (accepted, recovered or bonus), grouped by their
+    context, against p(. | context) — a chi-square per context, summed (what the chain certificate checks per
+    position, now with path-dependent p);
+  * `joint`: the completed sequence of length L against prod_j p(x_j | x_<j) — V^L outcomes;
+all Holm-corrected with the detectable total variation at power 0.99, in the chain certificate's report format.
+
+The sampler under test has verify_tree's interface:
+    sampler(target_probs [B, N+1, V], draft_token_ids [B, N], parents [B, N], draft_probs [B, N+1, V],
+            num_nodes [B], rule=RULE) -> object with .token_ids [B, D+1] (-1 padded) and .num_accepted [B]
+and draws its randomness from torch's global generator (seeded by the certifier).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from scipy import stats as sps
+from torch import Tensor
+
+from ..sampling.tree import TREE_RULES, verify_tree
+from .kernel import DEFAULT_LEVEL, POWER, KernelReport, TestRow, _name
+from .stats import chisquare_gof, detectable_tv, holm
+
+__all__ = ["TreeCase", "certify_tree_kernel", "default_tree_cases", "draft_trees", "verispec_tree_sampler",
+           "DEFAULT_TREE_SAMPLES"]
+
+DEFAULT_TREE_SAMPLES = 40_000  # rows (independent speculative steps) per case
+
+
+@dataclass(frozen=True)
+class TreeCase:
+    name: str
+    widths: tuple[int, ...]  # children per node at depth 1, 2, ... (a static tree)
+    draw: str  # how the children were drafted: "iid", "without_replacement" or "deterministic" (top-w of q)
+    p: Tensor  # [C, V] float64: target distribution per context (see _ctx)
+    q: Tensor  # [C, V] float64: draft distribution per context
+    ragged: bool = False  # rows keep a random prefix of their nodes (batch rows with different trees)
+    description: str = ""
+
+    @property
+    def vocab(self) -> int:
+        return self.p.shape[1]
+
+    @property
+    def depth(self) -> int:
+        return len(self.widths)
+
+    @property
+    def length(self) -> int:  # L: emitted tokens at most (path + final)
+        return self.depth + 1
+
+
+def _num_contexts(V: int, L: int) -> int:
+    return sum(V ** i for i in range(L))
+
+
+def _ctx_child(ctx: Tensor, tok: Tensor, V: int) -> Tensor:
+    """Context index of (context, tok): contexts are numbered breadth-first, root = 0, children of c are
+    c * V + 1 .. c * V + V."""
+    return ctx * V + 1 + tok
+
+
+def default_tree_cases(vocab: int = 6, seed: int = 0) -> list[TreeCase]:
+    """For every drafting rule: a 3-2-1 tree and a wide 4-1 tree (different q quality), plus ragged rows and
+    adversarial / sparse q; vocabulary 6, so the joint law of 3-4 tokens is testable exactly."""
+    g = torch.Generator().manual_seed(seed)
+    V = vocab
+
+    def model(depth: int, scale: float) -> Tensor:
+        C = _num_contexts(V, depth + 2)
+        return (scale * torch.randn(C, V, generator=g, dtype=torch.float64)).softmax(-1)
+
+    cases = []
+    for draw in TREE_RULES:
+        p = model(3, 1.5)
+        q = (0.6 * p.log() + 0.8 * torch.randn(p.shape, generator=g, dtype=torch.float64)).softmax(-1)
+        cases.append(TreeCase(f"{draw}-3-2-1", (3, 2, 1), draw, p, q, description="q = a noisy copy of p"))
+        p, q = model(2, 2.0), model(2, 2.0)
+        cases.append(TreeCase(f"{draw}-4-1", (4, 1), draw, p, q, description="p, q independent"))
+        p = model(2, 1.5)
+        q = (1 / p) / (1 / p).sum(-1, keepdim=True)
+        cases.append(TreeCase(f"{draw}-2-2-ragged-adversarial", (2, 2), draw, p, q, ragged=True,
+                              description="q proportional to 1 / p; rows keep a random prefix of their nodes"))
+    p = model(2, 1.5)
+    p[:, :2] = 0
+    p = p / p.sum(-1, keepdim=True)
+    q = model(2, 1.5)
+    cases.append(TreeCase("iid-3-2-sparse", (3, 2), "iid", p, q, description="p = 0 on two tokens q likes"))
+    return cases
+
+
+def draft_trees(case: TreeCase, rows: int, generator: torch.Generator) -> dict[str, Tensor]:
+    """Draft `rows` trees of the case's shape from q; nodes breadth-first, siblings in drafting order."""
+    V = case.vocab
+    tokens, parents, ctxs = [], [], []  # per node: [rows] tensors
+    frontier = [(-1, torch.zeros(rows, dtype=torch.int64))]  # (parent node index, its context [rows])
+    for w in case.widths:
+        nxt = []
+        for par, ctx in frontier:
+            q = case.q[ctx]  # [rows, V]
+            if case.draw == "deterministic":
+                kids = q.topk(w, dim=-1, sorted=True).indices  # [rows, w]
+            else:
+                kids = torch.multinomial(q, w, replacement=case.draw == "iid", generator=generator)  # [rows, w]
+            for i in range(w):
+                tokens.append(kids[:, i])
+                parents.append(torch.full((rows,), par, dtype=torch.int64))
+                ctxs.append(_ctx_child(ctx, kids[:, i], V))
+                nxt.append((len(tokens) - 1, ctxs[-1]))
+        frontier = nxt
+    N = len(tokens)
+    ids = torch.stack(tokens, 1)  # [rows, N]
+    par = torch.stack(parents, 1)  # [rows, N]
+    slot_ctx = torch.cat([torch.zeros(rows, 1, dtype=torch.int64), torch.stack(ctxs, 1)], 1)  # [rows, N + 1]
+    num_nodes = torch.full((rows,), N, dtype=torch.int64)
+    if case.ragged:
+        num_nodes = torch.randint(0, N + 1, (rows,), generator=generator)
+    return dict(target_probs=case.p[slot_ctx], draft_token_ids=ids, parents=par, draft_probs=case.q[slot_ctx],
+                num_nodes=num_nodes)
+
+
+def _complete(case: TreeCase, tok: Tensor, na: Tensor, generator: torch.Generator) -> tuple[Tensor, Tensor]:
+    """Emitted tokens -> sequences of length L completed by sampling from p, and the emitted counts."""
+    rows = tok.shape[0]
+    L = case.length
+    seq = torch.full((rows, L), -1, dtype=torch.int64)
+    emitted = na + 1
+    ctx = torch.zeros(rows, dtype=torch.int64)
+    for j in range(L):
+        draw = torch.multinomial(case.p[ctx], 1, generator=generator).squeeze(1)
+        x = torch.where(j < emitted, tok[:, j] if j < tok.shape[1] else draw, draw)
+        seq[:, j] = x
+        ctx = _ctx_child(ctx, x, case.vocab)
+    return seq, emitted
+
+
+def _tests(case: TreeCase, seq: Tensor, emitted: Tensor) -> list[tuple[str, int, float, int, float, int, np.ndarray]]:
+    """(name, n, statistic, dof, p-value, impossible, the law used for the detectable effect) per test."""
+    V, L = case.vocab, case.length
+    out = []
+    ctx = torch.zeros(seq.shape[0], dtype=torch.int64)
+    for j in range(L):
+        on = emitted > j  # rows that emitted position j
+        c, x = ctx[on].numpy(), seq[on, j].numpy()
+        stat, dof, imp, n_max, law_max = 0.0, 0, 0, 0, None
+        for cv in np.unique(c):
+            sel = x[c == cv]
+            law = case.p[int(cv)].numpy()
+            res = chisquare_gof(np.bincount(sel, minlength=V), law)
+            imp += res.impossible
+            stat += res.statistic
+            dof += res.dof
+            if len(sel) > n_max:
+                n_max, law_max = len(sel), law
+        if n_max:
+            pv = 0.0 if imp else (float(sps.chi2.sf(stat, dof)) if dof else 1.0)
+            out.append((f"pos{j} | context", int(on.sum()), stat if not imp else float("inf"), dof, pv, imp,
+                        law_max, n_max))
+        ctx = _ctx_child(ctx, seq[:, j], V)
+    # the joint law of the completed sequence
+    joint = torch.ones(1, dtype=torch.float64)
+    cidx = torch.zeros(1, dtype=torch.int64)
+    for _ in range(L):
+        joint = (joint.unsqueeze(1) * case.p[cidx]).reshape(-1)  # [V^(j+1)], lexicographic in (x_0, ..., x_j)
+        cidx = _ctx_child(cidx.unsqueeze(1), torch.arange(V).unsqueeze(0), V).reshape(-1)
+    code = torch.zeros(seq.shape[0], dtype=torch.int64)
+    for j in range(L):
+        code = code * V + seq[:, j]
+    law = joint.numpy()
+    res = chisquare_gof(np.bincount(code.numpy(), minlength=V ** L), law)
+    out.append((f"joint (L = {L})", res.n, res.statistic, res.dof, res.pvalue, res.impossible, law, res.n))
+    return out
+
+
+def verispec_tree_sampler(target_probs, draft_token_ids, parents, draft_probs=None, num_nodes=None, *, rule):
+    """verispec's own verify_tree with input checks on (the default sampler of `certify kernel --tree`)."""
+    return verify_tree(target_probs, draft_token_ids, parents, draft_probs, num_nodes, rule=rule)
+
+
+def certify_tree_kernel(sampler: Callable = verispec_tree_sampler, *, rules: Sequence[str] = TREE_RULES,
+                        cases: Sequence[TreeCase] | None = None, samples: int = DEFAULT_TREE_SAMPLES,
+                        level: float = DEFAULT_LEVEL, power: float = POWER, seed: int = 0, name: str | None = None,
+                        progress: Callable[[str], None] | None = None) -> KernelReport:
+    """Run the tree battery (cases whose drafting rule is in `rules`) on `sampler`; the sampler is called with
+    rule = the case's drafting rule."""
+    unknown = [r for r in rules if r not in TREE_RULES]
+    if unknown:
+        raise ValueError(f"unknown tree rule(s) {unknown}; known: {', '.join(TREE_RULES)}")
+    if not 0 < level < 1 or not 0 < power < 1:
+        raise ValueError("level and power must lie in (0, 1)")
+    if samples < 100:
+        raise ValueError(f"samples must be >= 100 per case, got {samples}")
+    cases = [c for c in (default_tree_cases() if cases is None else cases) if c.draw in rules]
+    t0 = time.perf_counter()
+    rows: list[TestRow] = []
+    laws: list[tuple[np.ndarray, int]] = []
+    errors, meta = [], []
+    for i, case in enumerate(cases):
+        if progress:
+            progress(case.name)
+        t1 = time.perf_counter()
+        g = torch.Generator().manual_seed(seed + 7919 * i)
+        tree = draft_trees(case, samples, g)
+        torch.manual_seed(seed + 7919 * i + 1)
+        try:
+            out = sampler(**tree, rule=case.draw)
+            tok, na = (out if isinstance(out, tuple) else (out.token_ids, out.num_accepted))
+            tok, na = tok.cpu().long(), na.cpu().long()
+            bad = _structure_error(tree, tok, na)
+            if bad:
+                errors.append(f"{case.name}: {bad}")
+                continue
+        except Exception as e:  # a crash on a valid case fails the certificate, with the reason
+            errors.append(f"{case.name}: the sampler raised {type(e).__name__}: {e}")
+            continue
+        seq, emitted = _complete(case, tok, na, g)
+        for test, n, stat, dof, pv, imp, law, n_law in _tests(case, seq, emitted):
+            rows.append(TestRow(case.name, test, n, stat, dof, pv, imp, 0.0))
+            laws.append((law, n_law))
+        meta.append(dict(name=case.name, k=sum(np.cumprod(case.widths)), vocab=case.vocab, ragged=case.ragged,
+                         description=f"{'-'.join(map(str, case.widths))} tree, children drawn "
+                                     f"{case.draw}; {case.description}", seconds=time.perf_counter() - t1))
+    adjusted = holm([r.pvalue for r in rows])
+    per_test = level / max(1, len(rows))
+    for r, a, (law, n_law) in zip(rows, adjusted, laws):
+        r.holm_pvalue = float(a)
+        r.detectable_tv = detectable_tv(law, n_law, per_test, power)
+    return KernelReport(sampler=name or _name(sampler), level=level, power=power, samples_per_case=samples,
+                        seed=seed, cases=meta, tests=rows, errors=errors, seconds=time.perf_counter() - t0)
+
+
+def _structure_error(tree: dict[str, Tensor], tok: Tensor, na: Tensor) -> str | None:
+    """An accepted token must be the token of a node on one root-to-node path of the row's tree."""
+    ids, par, nn = tree["draft_token_ids"], tree["parents"], tree["num_nodes"]
+    rows = ids.shape[0]
+    if tok.dim() != 2 or tok.shape[0] != rows or na.shape != (rows,):
+        return f"output shapes {tuple(tok.shape)}, {tuple(na.shape)} do not match {rows} rows"
+    if bool((na < 0).any()) or bool((na + 1 > tok.shape[1]).any()):
+        return "num_accepted outside the output"
+    # the accepted tokens must follow a root-to-node path (with repeated iid siblings, any of the duplicates)
+    N = ids.shape[1]
+    valid = torch.arange(N) < nn.unsqueeze(1)
+    possible = torch.zeros((rows, N), dtype=torch.bool)  # nodes the path can be at after position j - 1
+    for j in range(int(na.max()) if rows else 0):
+        live = na > j
+        under = (par < 0) if j == 0 else (possible.gather(1, par.clamp(min=0)) & (par >= 0))
+        match = valid & under & (ids == tok[:, j].unsqueeze(1))  # [rows, N]
+        ok = match.any(1) | ~live
+        if not bool(ok.all()):
+            b = int((~ok).nonzero()[0])
+            return f"row {b}: accepted token {int(tok[b, j])} at position {j} is not a child on the tree path"
+        possible = match
+    return None

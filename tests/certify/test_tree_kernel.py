@@ -1,0 +1,73 @@
+"""The tree certificate (`certify kernel --tree`): verispec's verify_tree PASSES for every rule, every broken tree
+verifier FAILS at the default sample size, the lossless look-alike PASSES, and the false-positive rate over many
+seeds stays within a binomial bound. Family-wise level DEFAULT_LEVEL = 0.01 (Holm over ~40 chi-square tests)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from scipy import stats
+
+from verispec.certify.bugs import TREE_BUGS, TREE_NON_BUGS, broken_tree_verifier
+from verispec.certify.tree_kernel import (DEFAULT_TREE_SAMPLES, TreeCase, certify_tree_kernel, default_tree_cases,
+                                          verispec_tree_sampler)
+from verispec.cli import main
+from verispec.sampling.tree import TREE_RULES
+
+
+def test_verispec_passes_every_rule():
+    report = certify_tree_kernel(verispec_tree_sampler)
+    assert report.passed, report.to_markdown()
+    assert report.samples_per_case == DEFAULT_TREE_SAMPLES
+    assert {c["name"].split("-")[0] for c in report.cases} == {"iid", "without_replacement", "deterministic"}
+    first = [t.detectable_tv for t in report.tests if t.test.startswith("pos0")]
+    assert max(first) < 0.02  # the first emitted token is checked to TV 0.02 at power 0.99 in every case
+
+
+@pytest.mark.parametrize("bug", TREE_BUGS)
+def test_broken_tree_verifiers_fail(bug):
+    report = certify_tree_kernel(broken_tree_verifier(bug))
+    assert not report.passed and report.failing and not report.errors
+
+
+@pytest.mark.parametrize("bug", TREE_NON_BUGS)
+def test_lossless_look_alike_passes(bug):
+    """i.i.d. children verified with the deterministic (target-only) rule: lossless, only less accepted."""
+    assert certify_tree_kernel(broken_tree_verifier(bug), rules=("iid",)).passed
+
+
+def _cheap(seed: int, draw: str) -> list[TreeCase]:
+    g = torch.Generator().manual_seed(seed)
+    C = 1 + 5 + 25
+    p = torch.randn(C, 5, generator=g, dtype=torch.float64).mul(1.5).softmax(-1)
+    q = torch.randn(C, 5, generator=g, dtype=torch.float64).mul(1.5).softmax(-1)
+    return [TreeCase(f"{draw}-cheap", (2, 1), draw, p, q)]
+
+
+@pytest.mark.parametrize("draw", TREE_RULES)
+def test_false_positive_rate_within_binomial_bound(draw):
+    """50 seeds of a correct verifier at family-wise level 0.05: FAIL count <= the 99.9% binomial quantile; and
+    the same cheap setup catches the stale-residual bug on (almost) every seed."""
+    level, seeds = 0.05, 50
+    fails = sum(not certify_tree_kernel(cases=_cheap(s, draw), samples=2000, level=level, seed=s).passed
+                for s in range(seeds))
+    assert fails <= stats.binom.ppf(0.999, seeds, level), fails
+    caught = sum(not certify_tree_kernel(broken_tree_verifier("tree_stale_residual"), cases=_cheap(s, draw),
+                                         samples=2000, level=level, seed=s).passed for s in range(10))
+    assert caught >= 9
+
+
+def test_crash_is_reported():
+    def crashing(*args, **kwargs):
+        raise RuntimeError("boom")
+    report = certify_tree_kernel(crashing, cases=default_tree_cases()[:1], samples=200)
+    assert not report.passed and "boom" in report.errors[0]
+
+
+def test_cli_tree(tmp_path, capsys):
+    assert main(["certify", "kernel", "--tree", "deterministic", "--samples", "2000", "--out", str(tmp_path)]) == 0
+    assert "PASS" in capsys.readouterr().out
+    assert main(["certify", "kernel", "--tree", "iid", "--inject", "tree_stale_residual", "--samples", "5000",
+                 "--out", str(tmp_path)]) == 1
+    assert main(["certify", "kernel", "--tree", "iid", "--inject", "swap_p_q"]) == 2  # a chain bug: usage error
+    assert "not a tree bug" in capsys.readouterr().err

@@ -1,0 +1,153 @@
+"""Tree verification (verispec.sampling.tree): exact cases, equivalence with the chain rule, greedy, bad input.
+Distributional tests per rule are in tests/certify/test_tree_kernel.py (the tree certificate)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from verispec.sampling import verify_chain
+from verispec.sampling.tree import TREE_RULES, tree_children, verify_tree, verify_tree_with_uniforms
+
+
+def _gens(B, seed=0):
+    return [torch.Generator().manual_seed(seed + b) for b in range(B)]
+
+
+def test_children_and_depth():
+    parents = torch.tensor([[-1, 0, 0, -1, 1, 4], [-1, -1, 0, 2, 0, 0]])
+    children, depth = tree_children(parents, torch.tensor([6, 4]))
+    assert children[0, 0].tolist()[:2] == [0, 3] and children[0, 1].tolist()[:2] == [1, 2]
+    assert children[0, 5].tolist()[0] == 5 and depth[0].tolist() == [1, 2, 2, 1, 3, 4]
+    assert children[1, 1].tolist()[0] == 2 and depth[1].tolist() == [1, 1, 2, 3, 0, 0]  # nodes 4, 5: padding
+
+
+def test_chain_as_tree_equals_verify_chain():
+    """A chain is a tree with parents -1, 0, 1, ...: rule 'iid' is verify_chain's rule, and both consume the same
+    uniforms in the same order, so the outputs agree token for token."""
+    g = torch.Generator().manual_seed(1)
+    B, k, V = 400, 4, 12
+    p = torch.randn(B, k + 1, V, generator=g).mul(2).softmax(-1)
+    q = torch.randn(B, k, V, generator=g).mul(2).softmax(-1)
+    ids = torch.multinomial(q.reshape(-1, V), 1, generator=g).view(B, k)
+    nd = torch.randint(0, k + 1, (B,), generator=g)
+    chain = verify_chain(p, ids, q, nd, _gens(B))
+    parents = torch.arange(-1, k - 1).expand(B, k)
+    q_slots = torch.cat([q, q[:, :1]], 1)  # slot j holds the q node j's child was drawn from; last slot unused
+    tree = verify_tree(p, ids, parents, q_slots, nd, _gens(B), rule="iid")
+    assert torch.equal(tree.num_accepted, chain.num_accepted)
+    same = (tree.token_ids == chain.token_ids).all(1)
+    assert same.float().mean() > 0.99  # float rounding of the residual may move a draw at a CDF boundary
+
+
+def _tiny_tree():
+    # root -> a (0), b (1); a -> c (2)
+    parents = torch.tensor([[-1, -1, 0]])
+    ids = torch.tensor([[0, 1, 2]])
+    return parents, ids
+
+
+def test_deterministic_rule_exact_cases():
+    parents, ids = _tiny_tree()
+    p = torch.tensor([[[0.5, 0.3, 0.2], [0.0, 0.0, 1.0], [0.3, 0.3, 0.4], [1.0, 0.0, 0.0]]])
+    nn = torch.tensor([3])
+    # u(a) = 0.4 < p(a) = 0.5: accept a; at a, c has p = 1: accept; bonus from p after c -> token 0
+    out = verify_tree_with_uniforms(p, ids, parents, None, nn, "deterministic", torch.tensor([[0.4, 0.9, 0.9]],
+                                    dtype=torch.float64), torch.tensor([0.5], dtype=torch.float64))
+    assert out.token_ids.tolist() == [[0, 2, 0]] and out.num_accepted.tolist() == [2] and out.path[0].tolist() == [0, 2]
+    # reject a (u = 0.6 >= 0.5); residual (0, 0.6, 0.4); b: 0.9 >= 0.6 rejected; residual -> token 2 for sure
+    out = verify_tree_with_uniforms(p, ids, parents, None, nn, "deterministic", torch.tensor([[0.6, 0.9, 0.0]],
+                                    dtype=torch.float64), torch.tensor([0.01], dtype=torch.float64))
+    assert out.token_ids.tolist() == [[2, -1, -1]] and out.num_accepted.tolist() == [0]
+    # reject a, accept b (u = 0.5 < 0.6); b is a leaf: bonus from p after b
+    out = verify_tree_with_uniforms(p, ids, parents, None, nn, "deterministic", torch.tensor([[0.6, 0.5, 0.0]],
+                                    dtype=torch.float64), torch.tensor([0.99], dtype=torch.float64))
+    assert out.token_ids.tolist() == [[1, 2, -1]] and out.num_accepted.tolist() == [1]
+
+
+def test_p_zero_node_never_accepted_even_with_u_zero():
+    parents, ids = _tiny_tree()
+    p = torch.tensor([[[0.0, 0.5, 0.5], [0.3, 0.3, 0.4], [0.3, 0.3, 0.4], [0.3, 0.3, 0.4]]])
+    q = torch.tensor([[[0.9, 0.05, 0.05]] * 4])
+    zero = torch.zeros((1, 3), dtype=torch.float64)
+    for rule in ("iid", "deterministic"):
+        out = verify_tree_with_uniforms(p, ids, parents, q, torch.tensor([3]), rule, zero,
+                                        torch.tensor([0.0], dtype=torch.float64))
+        assert out.token_ids[0, 0] != 0
+
+
+@pytest.mark.parametrize("rule", TREE_RULES)
+def test_greedy_target_follows_argmax_path(rule):
+    """With one-hot p every rule accepts exactly the argmax child, for any uniforms."""
+    g = torch.Generator().manual_seed(3)
+    B, V = 64, 10
+    parents = torch.tensor([-1, -1, -1, 0, 0, 1, 3]).expand(B, 7)
+    logits = torch.randn(B, 8, V, generator=g)
+    q = torch.randn(B, 8, V, generator=g).softmax(-1)
+    rows = []
+    for b in range(B):  # distinct siblings; the argmax child exists at the root and below node 0 for most rows
+        perm = torch.randperm(V, generator=g).tolist()
+        for node, slot in ((0, 0), (3, 1)):
+            if b % 4:  # a quarter of the rows keep a random tree
+                want = int(logits[b, slot].argmax())
+                j = perm.index(want)
+                perm[node], perm[j] = perm[j], perm[node]
+        rows.append(perm[:7])
+    ids = torch.tensor(rows)
+    p = torch.nn.functional.one_hot(logits.argmax(-1), V).float()
+    if rule == "without_replacement":
+        q = q.clamp_min(1e-3)
+        q = q / q.sum(-1, keepdim=True)
+    out = verify_tree(p, ids, parents, q, None, _gens(B), rule=rule)
+    for b in range(B):  # reference: walk the argmax
+        cur, emitted = -1, []
+        while True:
+            want = int(logits[b, cur + 1].argmax())
+            emitted.append(want)
+            kids = [n for n in range(7) if int(parents[b, n]) == cur and int(ids[b, n]) == want]
+            if not kids:
+                break
+            cur = kids[0]
+        assert out.token_ids[b, : len(emitted)].tolist() == emitted
+
+
+def test_rows_independent_of_batch():
+    g = torch.Generator().manual_seed(5)
+    B, V = 6, 9
+    parents = torch.tensor([-1, -1, 0, 0, 2]).expand(B, 5)
+    p = torch.randn(B, 6, V, generator=g).softmax(-1)
+    q = torch.randn(B, 6, V, generator=g).softmax(-1)
+    ids = torch.multinomial(q[:, 0], 5, replacement=True, generator=g)
+    nn = torch.tensor([5, 3, 0, 5, 2, 5])
+    full = verify_tree(p, ids, parents, q, nn, _gens(B), rule="iid")
+    for b in range(B):
+        alone = verify_tree(p[b:b + 1], ids[b:b + 1], parents[b:b + 1], q[b:b + 1], nn[b:b + 1], _gens(1, b),
+                            rule="iid")
+        width = alone.token_ids.shape[1]
+        assert full.token_ids[b, :width].tolist() == alone.token_ids[0].tolist()
+
+
+def test_bad_input_is_a_clear_error():
+    parents, ids = _tiny_tree()
+    p = torch.full((1, 4, 3), 1 / 3)
+    with pytest.raises(ValueError, match="rule must be one of"):
+        verify_tree(p, ids, parents, rule="greedy")
+    with pytest.raises(ValueError, match="needs draft_probs"):
+        verify_tree(p, ids, parents, rule="iid")
+    with pytest.raises(ValueError, match="parent must be -1"):
+        verify_tree(p, ids, torch.tensor([[-1, 1, 0]]))
+    with pytest.raises(ValueError, match="outside"):
+        verify_tree(p, torch.tensor([[0, 3, 1]]), parents)
+    with pytest.raises(ValueError, match="not a probability"):
+        verify_tree(p * 2, ids, parents)
+    with pytest.raises(ValueError, match="same token"):
+        verify_tree(p, torch.tensor([[1, 1, 0]]), parents, p, rule="without_replacement")
+    q = torch.tensor([[[1.0, 0.0, 0.0]] * 4])
+    with pytest.raises(ValueError, match="q = 0"):
+        verify_tree(p, ids, parents, q, rule="iid")
+    with pytest.raises(ValueError, match="shape"):
+        verify_tree(p, ids[:, :2], parents)
+    nan = p.clone()
+    nan[0, 2, 0] = float("nan")
+    with pytest.raises(ValueError, match="not a probability"):
+        verify_tree(nan, ids, parents)
