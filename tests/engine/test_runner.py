@@ -128,6 +128,33 @@ def test_tree_masked_logits_equal_separate_branch_forwards(family, runner):
                                    atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("runner", list(RUNNERS))
+def test_tree_grown_over_several_forwards(runner):
+    """A drafter grows its tree level by level (tree_start): the logits equal those of a one-pass tree, and a
+    kept path continues like a fresh forward."""
+    model = make_model(3, "qwen2")
+    prefix = [[1, 5, 7, 3], [9, 2]]
+    r = RUNNERS[runner](model)
+    r.start(2, 40)
+    r.prefill(prefix)
+    one = r.forward([[10, 11, 12, 13, 14], [20, 21]], parents=[[-1, -1, 0, 0, 2], [-1, 0]])
+    r.truncate([4, 2])
+    lv1 = r.forward([[10, 11], [20]], parents=[[-1, -1], [-1]], tree_start=[4, 2])
+    lv2 = r.forward([[12, 13], [21]], parents=[[-1, -1, 0, 0], [-1, 0]], tree_start=[4, 2])
+    lv3 = r.forward([[14], []], parents=[[-1, -1, 0, 0, 2], [-1, 0]], tree_start=[4, 2])
+    torch.testing.assert_close(lv1[0, :2], one[0, :2], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lv2[0, :2], one[0, 2:4], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lv3[0, 0], one[0, 4], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lv2[1, 0], one[1, 1], atol=1e-5, rtol=1e-5)
+    r.keep_paths([4, 2], [[0, 2, 4], [0, 1]])
+    nxt = r.forward([[30], [31]])
+    with torch.no_grad():
+        torch.testing.assert_close(nxt[0, 0], model(torch.tensor([prefix[0] + [10, 12, 14, 30]])).logits[0, -1],
+                                   atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(nxt[1, 0], model(torch.tensor([prefix[1] + [20, 21, 31]])).logits[0, -1],
+                                   atol=1e-5, rtol=1e-5)
+
+
 def test_bad_trees():
     r = HFRunner(make_model(0))
     r.start(1, 16)

@@ -28,8 +28,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..drafting import BatchView, DraftModelProposer, PromptLookupProposer, Proposal, Proposer
-from ..sampling import SamplingParams, counts_at_draft_positions, probs_from_logits, verify_chain
+from ..drafting import BatchView, DraftModelProposer, PromptLookupProposer, Proposal, Proposer, TreeDraftProposer, TreeSpec
+from ..sampling import (SamplingParams, counts_at_draft_positions, counts_at_tree_nodes, probs_from_logits,
+                        verify_chain, verify_tree)
 from .adaptive import GammaController
 from .loading import LoadedModel, shared_vocab_size
 from .fast import make_runner
@@ -100,13 +101,27 @@ class SpeculativeGenerator:
     architecture is supported, else transformers'), "fast" or "hf", for target and draft model.
     draft_quant: None, "int8" or "int4": weight-only quantized draft weights (lossless: q is what the
     quantized draft sampled from).
+    tree: None (chains) or a token tree per step — a `TreeSpec` or its string form ("4-2-2-1": children per
+    node at each depth; "dynamic-D-K-M": EAGLE-2), drafted by the draft model (or, for "ngram", several prompt
+    matches as branches) and verified in one tree-masked target pass with verify_tree; tree_rule: how children
+    are drawn and verified ("deterministic" top-k, "iid", "without_replacement"). With a tree, gamma only
+    switches speculation on or off per request; the tree's shape sets the draft.
     """
 
     def __init__(self, target: LoadedModel, draft: LoadedModel | Proposer | str | None = "ngram", *,
                  gamma: int | str = "auto", max_gamma: int = 8, ngram_sizes: Sequence[int] = (3, 2, 1),
                  draft_stop_below: float | None = 0.3, runner: str = "auto", draft_quant: str | None = None,
-                 verifier=verify_chain):
+                 verifier=verify_chain, tree: TreeSpec | str | None = None, tree_rule: str | None = None,
+                 tree_verifier=verify_tree):
         self.target = target
+        if isinstance(tree, str):
+            tree = TreeSpec.parse(tree, tree_rule)
+        elif tree_rule is not None and (tree is None or tree.rule != tree_rule):
+            raise ValueError("tree_rule needs a tree (or matches the TreeSpec's rule)")
+        if tree is not None and not isinstance(tree, TreeSpec):
+            raise ValueError(f"tree must be a TreeSpec or a string such as '4-2-2-1', got {tree!r}")
+        self.tree = tree
+        self.tree_verifier = tree_verifier  # verify_tree's interface; swapped only by certification
         # the chain-verification function (verify_chain's interface); `verispec certify --inject` and the lossy
         # variants of the study swap it, nothing else should
         self.verifier = verifier
@@ -119,15 +134,23 @@ class SpeculativeGenerator:
         if isinstance(draft, LoadedModel) or draft == "self":
             draft_model = target if draft == "self" else draft
             self.vocab_size = shared_vocab_size(target, draft_model)
-            self.proposer: Proposer | None = DraftModelProposer(
-                draft_model.model, self.vocab_size, draft_stop_below, runner=runner, quant=draft_quant)
+            if tree is not None:
+                self.proposer: Proposer | None = TreeDraftProposer(draft_model.model, self.vocab_size, tree,
+                                                                   runner=runner, quant=draft_quant)
+            else:
+                self.proposer = DraftModelProposer(draft_model.model, self.vocab_size, draft_stop_below,
+                                                   runner=runner, quant=draft_quant)
         else:
             self.vocab_size = shared_vocab_size(target, None)
             if draft is None or draft == "none":
+                if tree is not None:
+                    raise ValueError("a tree needs a drafter (a draft model, 'self' or 'ngram')")
                 self.proposer = None
             elif draft == "ngram":
-                self.proposer = PromptLookupProposer(tuple(ngram_sizes))
+                self.proposer = PromptLookupProposer(tuple(ngram_sizes), tree=tree)
             elif isinstance(draft, Proposer):
+                if tree is not None and not hasattr(draft, "propose_tree"):
+                    raise ValueError(f"{type(draft).__name__} cannot propose trees (no propose_tree)")
                 self.proposer = draft
             else:
                 raise ValueError(f"draft must be a loaded model, 'self', 'ngram', 'none' or a Proposer, got {draft!r}")
@@ -240,7 +263,7 @@ class SpeculativeGenerator:
 
     def _capacity(self, rows: list[_Row]) -> int:
         """KV slots the rows can need: prompt, budget, the longest draft chunk and the pending token."""
-        slack = self.controller.max_gamma + 2
+        slack = max(self.controller.max_gamma, self.tree.max_nodes if self.tree else 0) + 2
         capacity = max(len(r.prompt) + r.max_new + slack for r in rows)
         if self.max_positions is not None:
             capacity = min(capacity, self.max_positions + slack)
@@ -251,6 +274,8 @@ class SpeculativeGenerator:
         processed and raw target logprobs at the emitted positions, and the top raw alternatives (or None)."""
         dev = self.device
         caps = [min(r.max_new - len(r.tokens), (self.max_positions or 1 << 30) - len(r.seq)) - 1 for r in rows]
+        if self.tree is not None:
+            return self._tree_step(rows, view, pooled, caps)
         probe = self.controller.wants_plain_probe(len(rows))  # measure T(1) at this batch size once
         gammas = [max(0, min(r.gamma, c)) if r.gamma is not None
                   else 0 if probe
@@ -288,7 +313,49 @@ class SpeculativeGenerator:
             top = ((values - log_z).tolist(), ids.tolist())
         na = out.num_accepted.tolist()
         emitted = [row[: a + 1] for row, a in zip(out.token_ids.tolist(), na)]
-        return nd, na, emitted, lp, raw, top
+        return nd, na, emitted, lp, raw, top, None
+
+    def _tree_step(self, rows: list[_Row], view: BatchView, pooled: SpecStats, caps: list[int]):
+        """One tree step: draft a tree per row, verify every node in one tree-masked target pass. Returns what
+        _step returns, with drafted = the tree's depth, plus the accepted paths (node indices) per row."""
+        dev = self.device
+        caps = [0 if r.gamma == 0 else c for r, c in zip(rows, caps)]
+        t0 = time.perf_counter()
+        prop = self.proposer.propose_tree(view, caps)
+        t1 = time.perf_counter()
+        nn = prop.num_nodes
+        N = max(nn, default=0)
+        ids, par = prop.token_ids[:, :N], prop.parents[:, :N]  # [B, N]
+        chunk = [[r.seq[-1]] + ids[b, : nn[b]].tolist() for b, r in enumerate(rows)]
+        chunk_par = [[-1] + [p + 1 for p in par[b, : nn[b]].tolist()] for b in range(len(rows))]
+        logits = self.runner.forward(chunk, parents=chunk_par)[:, : N + 1]  # [B, N + 1, V]: root, then nodes
+        counts = counts_at_tree_nodes(view.output_counts, ids, par) if view.output_counts is not None else None
+        p = probs_from_logits(logits, view.params, prompt_mask=view.prompt_mask, output_counts=counts)
+        q = prop.probs[:, : N + 1] if prop.probs is not None else None
+        out = self.tree_verifier(p, ids, par, q, torch.tensor(nn, device=dev), view.generators, rule=prop.rule,
+                                 check=False)
+        t2 = time.perf_counter()
+        pooled.draft_time += t1 - t0
+        pooled.verify_time += t2 - t1
+        na = out.num_accepted.tolist()
+        paths = [row[:a] for row, a in zip(out.path.tolist(), na)]
+        slots = torch.zeros_like(out.token_ids)  # [B, D + 1]: slot of each emitted token's distribution
+        for b, path in enumerate(paths):
+            slots[b, 1: len(path) + 1] = torch.tensor([n + 1 for n in path], dtype=torch.int64)
+        sl = slots.to(dev).unsqueeze(-1).expand(-1, -1, logits.shape[-1])
+        p_e, logits_e = p.gather(1, sl), logits.gather(1, sl)  # [B, D + 1, V] at the emitted positions
+        tok = out.token_ids.clamp(min=0).unsqueeze(-1)
+        lp = p_e.gather(-1, tok).squeeze(-1).log().tolist()
+        log_z = logits_e.logsumexp(-1, keepdim=True)
+        raw = (logits_e.gather(-1, tok) - log_z).squeeze(-1).tolist()
+        top = None
+        n_top = max(r.top_logprobs for r in rows)
+        if n_top:
+            values, top_ids = logits_e.topk(n_top, dim=-1)
+            top = ((values - log_z).tolist(), top_ids.tolist())
+        emitted = [row[: a + 1] for row, a in zip(out.token_ids.tolist(), na)]
+        self._last_nodes = nn
+        return prop.depth, na, emitted, lp, raw, top, paths
 
     def _take(self, r: _Row, new: list[int], lp: list[float], raw: list[float], top) -> list[int]:
         """Append a step's tokens to the row's output until EOS, the budget or the context end.
@@ -467,17 +534,27 @@ class GenerationSession:
         dev = gen.device
         penalties = any(r.params.uses_penalties for r in rows)
         view = gen._view(rows, penalties, self.prompt_mask, self.counts)
-        nd, na, emitted, lp, raw, top = gen._step(rows, view, self.stats)
+        nd, na, emitted, lp, raw, top, paths = gen._step(rows, view, self.stats)
         old_lengths = [len(r.seq) for r in rows]
-        gen.runner.truncate([n + a for n, a in zip(old_lengths, na)])  # pending + accepted drafts
+        if paths is None:
+            gen.runner.truncate([n + a for n, a in zip(old_lengths, na)])  # pending + accepted drafts
+        else:  # the pending token (chunk slot 0) and the accepted path's nodes (slots n + 1)
+            gen.runner.keep_paths([n - 1 for n in old_lengths], [[0] + [n + 1 for n in path] for path in paths])
         for b, r in enumerate(rows):
             r.seq.extend(emitted[b])
             r.stats.observe(nd[b], na[b])
             self.stats.observe(nd[b], na[b])
             r.successes += na[b]
             r.failures += int(na[b] < nd[b])
-            gen.controller.observe_acceptance(na[b], int(na[b] < nd[b]))
-        if gen.proposer is not None:  # view.seqs are the rows' own lists, already extended
+            if paths is None:
+                gen.controller.observe_acceptance(na[b], int(na[b] < nd[b]))
+        if paths is not None:
+            for b, r in enumerate(rows):
+                r.stats.tree_nodes += gen._last_nodes[b]
+                self.stats.tree_nodes += gen._last_nodes[b]
+            if hasattr(gen.proposer, "update_tree"):
+                gen.proposer.update_tree(view, paths)
+        elif gen.proposer is not None:  # view.seqs are the rows' own lists, already extended
             gen.proposer.update(view, old_lengths, na, nd)
 
         self.last_step = list(zip(nd, na))  # (drafted, accepted) per row of this step, for metrics

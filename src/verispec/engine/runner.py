@@ -85,10 +85,12 @@ class HFRunner:
         self.cache.select(rows)
 
     # --- forward --------------------------------------------------------------------------------------
-    def _run(self, tokens: Sequence[Sequence[int]],
-             parents: Sequence[Sequence[int]] | None = None) -> tuple[Tensor, list[int]]:
+    def _run(self, tokens: Sequence[Sequence[int]], parents: Sequence[Sequence[int]] | None = None,
+             tree_start: Sequence[int] | None = None) -> tuple[Tensor, list[int]]:
         """One forward over a ragged chunk (a chain per row, or a tree per row when `parents` is given);
-        returns hidden states [B, T, H] and the rows' new-token counts."""
+        returns hidden states [B, T, H] and the rows' new-token counts. With `tree_start`, row b's tree began at
+        slot tree_start[b] in an earlier forward: parents[b] covers the whole tree (earlier nodes, then the new
+        ones) and indexes into it."""
         cache = self.cache
         B = cache.batch_size
         if len(tokens) != B:
@@ -104,7 +106,14 @@ class HFRunner:
         dev = self.device
         ids = ids.to(dev)
         lengths = torch.tensor(cache.lengths, device=dev).unsqueeze(1)  # [B, 1]
-        tree = None if parents is None else _tree_structure(parents, n_new, T)  # validated before any write
+        tree = None
+        if parents is not None:  # validated before any write
+            start = list(cache.lengths) if tree_start is None else [int(s) for s in tree_start]
+            old = [n - s for n, s in zip(cache.lengths, start)]  # tree nodes already in the cache
+            if len(start) != B or any(o < 0 for o in old):
+                raise ValueError(f"tree_start {start} must give one slot <= each row's length {cache.lengths}")
+            total = [o + n for o, n in zip(old, n_new)]
+            tree = _tree_structure(parents, total, max(total)), start, old, total
         cache.begin_chunk(T)
         slots = torch.arange(cache._used, device=dev)  # [L]
         if tree is None:  # a chain: chunk token i sits at position lengths + i and sees every slot before it
@@ -112,14 +121,19 @@ class HFRunner:
             distance = position_ids.unsqueeze(-1) - slots.view(1, 1, -1)  # [B, T, L]: query pos - key pos
             visible = distance >= 0
         else:
-            depth, anc = (x.to(dev) for x in tree)  # [B, T], [B, T, T]: ancestor-or-self
-            position_ids = lengths + depth  # a node's position is its depth below the committed prefix
-            rel = slots.view(1, -1) - lengths  # [B, L]: chunk index of each slot (< 0: committed)
-            in_chunk = (rel >= 0) & (rel < T)
-            j = rel.clamp(0, T - 1)
-            key_pos = torch.where(in_chunk, lengths + depth.gather(1, j), slots.view(1, -1))  # [B, L]
-            visible = (rel < 0).unsqueeze(1) | (anc.gather(2, j.unsqueeze(1).expand(B, T, -1))
-                                                & in_chunk.unsqueeze(1))  # [B, T, L]
+            (depth, anc), start, old, total = tree
+            depth, anc = depth.to(dev), anc.to(dev)  # [B, Tt], [B, Tt, Tt]: depth, ancestor-or-self
+            Tt = depth.shape[1]
+            start = torch.tensor(start, device=dev).unsqueeze(1)  # [B, 1]
+            node = (torch.tensor(old, device=dev).unsqueeze(1) + torch.arange(T, device=dev)).clamp(max=Tt - 1)
+            position_ids = start + depth.gather(1, node)  # [B, T]: a node's position is its depth below the prefix
+            rel = slots.view(1, -1) - start  # [B, L]: tree index of each slot (< 0: the committed prefix)
+            in_tree = (rel >= 0) & (rel < torch.tensor(total, device=dev).unsqueeze(1))
+            j = rel.clamp(0, Tt - 1)
+            key_pos = torch.where(in_tree, start + depth.gather(1, j), slots.view(1, -1))  # [B, L]
+            anc_q = anc.gather(1, node.unsqueeze(-1).expand(B, T, Tt))  # [B, T, Tt]: the queries' ancestors
+            visible = (rel < 0).unsqueeze(1) | (anc_q.gather(2, j.unsqueeze(1).expand(B, T, -1))
+                                                & in_tree.unsqueeze(1))  # [B, T, L]
             distance = position_ids.unsqueeze(-1) - key_pos.unsqueeze(1)
         hidden = self._body(ids, self._masks(visible, distance), position_ids)
         cache.commit(n_new)
@@ -156,7 +170,7 @@ class HFRunner:
 
     @torch.inference_mode()
     def forward(self, tokens: Sequence[Sequence[int]], logits_at: str = "all",
-                parents: Sequence[Sequence[int]] | None = None) -> Tensor:
+                parents: Sequence[Sequence[int]] | None = None, tree_start: Sequence[int] | None = None) -> Tensor:
         """Append tokens[b] to row b (rows may differ in length, even be empty) and return float32 logits.
 
         logits_at="all":  [B, T, V] for every chunk position (T = longest row; padding positions are junk);
@@ -166,10 +180,15 @@ class HFRunner:
         checked in one pass (tree attention: a node sees the prefix and its own ancestors; its position is
         the prefix length plus its depth). All nodes are written to the cache; `keep_paths` then keeps one
         root-to-node path per row.
+        tree_start: grow a tree over several forwards (a drafter expanding level by level): row b's tree began
+        at slot tree_start[b]; its nodes since then are in the cache, and parents[b] lists the parents of all of
+        its nodes, old and new, as indices into the tree (-1: the prefix before tree_start).
         """
         if logits_at not in ("all", "last"):
             raise ValueError(f"logits_at must be 'all' or 'last', got {logits_at!r}")
-        hidden, n_new = self._run(tokens, parents)  # [B, T, H]
+        if tree_start is not None and parents is None:
+            raise ValueError("tree_start needs parents")
+        hidden, n_new = self._run(tokens, parents, tree_start)  # [B, T, H]
         if logits_at == "last":
             last = torch.tensor([max(n - 1, 0) for n in n_new], device=self.device)
             hidden = hidden[torch.arange(len(n_new), device=self.device), last]  # [B, H]

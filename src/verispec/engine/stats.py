@@ -14,6 +14,7 @@ class SpecStats:
     drafted: int = 0  # draft tokens proposed
     accepted: int = 0  # of which accepted
     emitted: int = 0  # tokens emitted (accepted + recovered / bonus), before stop / length truncation
+    tree_nodes: int = 0  # tree speculation: nodes drafted and verified (drafted then counts tree depths)
     target_passes: int = 0  # verification forward passes that included this row
     drafted_at: list[int] = field(default_factory=list)  # [j]: steps that drafted a position j
     reached_at: list[int] = field(default_factory=list)  # [j]: of which drafts 0..j-1 were all accepted
@@ -43,7 +44,7 @@ class SpecStats:
 
     def merge(self, other: SpecStats) -> None:
         """Add another run's counts and times (e.g. pool several calls)."""
-        for name in ("drafted", "accepted", "emitted", "target_passes", "output_tokens", "draft_time",
+        for name in ("drafted", "accepted", "emitted", "tree_nodes", "target_passes", "output_tokens", "draft_time",
                      "verify_time", "other_time", "wall_time"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for g, n in other.steps_by_drafted.items():
@@ -75,7 +76,7 @@ class SpecStats:
 
     def summary(self) -> dict:
         return {
-            "output_tokens": self.output_tokens, "drafted": self.drafted, "accepted": self.accepted,
+            "output_tokens": self.output_tokens, "drafted": self.drafted, "tree_nodes": self.tree_nodes, "accepted": self.accepted,
             "target_passes": self.target_passes, "acceptance_rate": self.acceptance_rate, "tau": self.tau,
             "per_position_acceptance": self.per_position_acceptance, "tokens_per_second": self.tokens_per_second,
             "wall_time_s": self.wall_time, "draft_time_s": self.draft_time, "verify_time_s": self.verify_time,

@@ -23,7 +23,7 @@ from torch import Tensor
 
 from .params import SamplingParams
 
-__all__ = ["probs_from_logits", "counts_at_draft_positions"]
+__all__ = ["probs_from_logits", "counts_at_draft_positions", "counts_at_tree_nodes"]
 
 
 def _per_row(params: SamplingParams | Sequence[SamplingParams], batch: int) -> list[SamplingParams]:
@@ -138,3 +138,24 @@ def counts_at_draft_positions(
     step = torch.zeros((B, k + 1, output_counts.shape[-1]), dtype=output_counts.dtype, device=output_counts.device)
     step[:, 1:].scatter_(-1, draft_token_ids.clamp(min=0).unsqueeze(-1), valid.unsqueeze(-1).to(step.dtype))
     return output_counts.unsqueeze(1) + step.cumsum(dim=1)
+
+
+def counts_at_tree_nodes(
+    output_counts: Tensor,  # [B, V]: token occurrences in the output before the tree
+    token_ids: Tensor,  # [B, N] int64: node tokens; entries < 0 (padding) are not counted
+    parents: Tensor,  # [B, N] int64: -1 = child of the root, else an earlier node
+) -> Tensor:  # [B, N + 1, V]: counts seen at the root (slot 0) and after node n (slot n + 1, its path included)
+    """Per-node output counts for penalties inside a tree step: node n is conditioned on its own path, so its
+    penalties count the path's tokens (the chain case is counts_at_draft_positions)."""
+    B, N = token_ids.shape
+    V = output_counts.shape[-1]
+    anc = torch.eye(N, dtype=output_counts.dtype, device=output_counts.device).repeat(B, 1, 1)  # [B, N, N]
+    for n in range(N):  # parents precede children
+        par = parents[:, n]
+        has = (par >= 0).to(anc.dtype).view(B, 1)
+        anc[:, n] += has * anc[torch.arange(B), par.clamp(min=0)]
+    onehot = torch.zeros((B, N, V), dtype=output_counts.dtype, device=output_counts.device)
+    onehot.scatter_(-1, token_ids.clamp(min=0).unsqueeze(-1), (token_ids >= 0).unsqueeze(-1).to(onehot.dtype))
+    along = anc @ onehot  # [B, N, V]: tokens on each node's path, itself included
+    root = torch.zeros((B, 1, V), dtype=along.dtype, device=along.device)
+    return output_counts.unsqueeze(1) + torch.cat([root, along], 1)

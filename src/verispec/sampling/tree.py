@@ -172,7 +172,7 @@ def verify_tree_with_uniforms(
     final = sample_from_weights(final_w, final_u)  # [B]
     Dp = path.shape[1]
     on_path = torch.arange(Dp, device=dev) < num_accepted.unsqueeze(1)  # [B, D]
-    tok = torch.where(on_path, ids.gather(1, path.clamp(min=0)), -1)
+    tok = torch.where(on_path, ids.gather(1, path.clamp(min=0)), -1) if N else torch.full_like(path, -1)
     tok = torch.cat([tok, torch.full((B, 1), -1, dtype=torch.int64, device=dev)], 1)  # [B, D + 1]
     tok.scatter_(1, num_accepted.unsqueeze(1), final.unsqueeze(1))
     return TreeVerifyOutput(token_ids=tok, num_accepted=num_accepted, path=path)
@@ -273,6 +273,8 @@ def verify_tree(
         if t.device != dev:
             raise ValueError(f"{name} is on {t.device}, target_probs on {dev}")
     draft_token_ids, parents = draft_token_ids.long(), parents.long()
+    if N == 0:  # no nodes: every row draws its token from p at the root
+        rule, draft_probs = "deterministic", None
     if rule == "deterministic":
         draft_probs = None  # not needed: the children were chosen, q_i is one-hot
     elif draft_probs is None:
