@@ -82,6 +82,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gamma", type=_gamma, default="auto", help="drafts per step, or 'auto' (default)")
     p.add_argument("--max-gamma", type=int, default=8, help="upper bound for --gamma auto (default 8)")
     p.add_argument("--ngram-sizes", default="3,2,1", help="prompt-lookup n-gram sizes, longest first (default 3,2,1)")
+    _tree_args(p)
     p.add_argument("--dtype", default="float32", help="float32 (default), bfloat16 or float16")
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     p.add_argument("--threads", type=int, help="torch CPU threads")
@@ -127,7 +128,8 @@ def build_generator(args: argparse.Namespace):
         except ValueError:
             raise UsageError(f"--ngram-sizes must be comma-separated integers, got {args.ngram_sizes!r}") from None
         return SpeculativeGenerator(target, draft, gamma=args.gamma, max_gamma=args.max_gamma, ngram_sizes=sizes,
-                                    runner=args.runner, draft_quant=args.draft_quant)
+                                    runner=args.runner, draft_quant=args.draft_quant, tree=args.tree,
+                                    tree_rule=args.tree_rule)
     except (ModelLoadError, ValueError) as e:
         raise UsageError(str(e)) from None
 
@@ -335,6 +337,13 @@ def _cmd_certify_kernel(args: argparse.Namespace) -> int:
     return 0 if report.passed else 1
 
 
+def _tree_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tree", help="tree speculation: children per node at each depth (e.g. 4-2-2-1) or "
+                                  "dynamic-D-K-M (EAGLE-2: depth D, top-K expansion, budget of M nodes)")
+    p.add_argument("--tree-rule", choices=["deterministic", "iid", "without_replacement"],
+                   help="how tree children are drawn and verified (default deterministic: the top-k of q)")
+
+
 def _kernel_summary(report) -> str:
     lines = [f"verispec certify kernel: {report.verdict} ({report.sampler})",
              f"  {len(report.cases)} cases x {report.samples_per_case} steps, {len(report.tests)} chi-square tests, "
@@ -372,7 +381,7 @@ def _cmd_certify_generate(args: argparse.Namespace) -> int:
         params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p)
         spec = MethodSpec(method=args.method, target=args.target, draft=args.draft, draft_quant=args.draft_quant,
                           gamma=args.gamma, runner=args.runner, dtype=args.dtype, draft_dtype=args.draft_dtype,
-                          callable=args.callable, verifier=args.inject)
+                          callable=args.callable, verifier=args.inject, tree=args.tree, tree_rule=args.tree_rule)
         if args.workers < 1:
             raise UsageError(f"--workers must be >= 1, got {args.workers}")
         if args.threads:
@@ -552,7 +561,9 @@ def build_parser() -> argparse.ArgumentParser:
     cg.add_argument("--dtype", default="float32", help="the method's target precision (scoring is float32)")
     cg.add_argument("--draft-dtype", default="float32")
     cg.add_argument("--callable", help="module:function mapping (prompt_ids, params dict, seed) -> token ids")
-    cg.add_argument("--inject", choices=BUGS, help="verispec with a deliberately broken verifier (must FAIL)")
+    cg.add_argument("--inject", help=f"verispec with a deliberately broken verifier (must FAIL): {', '.join(BUGS)}; "
+                                     "with --tree: tree_stale_residual, tree_topk_as_sampled, tree_wor_as_iid")
+    _tree_args(cg)
     cg.add_argument("--temperature", type=float, default=1.0)
     cg.add_argument("--top-k", type=int, default=0)
     cg.add_argument("--top-p", type=float, default=1.0)

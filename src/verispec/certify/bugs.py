@@ -114,6 +114,8 @@ def broken_tree_verifier(bug: str):
             B, N = draft_token_ids.shape
             nn = torch.full((B,), N, dtype=torch.int64) if num_nodes is None else torch.as_tensor(num_nodes).long()
             accept_u, final_u = draw_uniforms(nn, N, generators, target_probs.device)
+            if N == 0 or draft_probs is None:
+                rule = "deterministic"
             return verify_tree_with_uniforms(target_probs, draft_token_ids.long(), parents.long(),
                                              None if rule == "deterministic" else draft_probs, nn, rule, accept_u,
                                              final_u, _stale_residual=True)

@@ -56,6 +56,8 @@ class MethodSpec:
     callable: str | None = None  # method 'callable': module:function mapping (prompt_ids, params, seed) -> tokens
     verifier: str | None = None  # a bug from verispec.certify.bugs, or 'lenient:L' / 'typical' (lossy variants)
     threads: int | None = None
+    tree: str | None = None  # verispec: a tree shape ('4-2-2-1', 'dynamic-D-K-M'); None = chains
+    tree_rule: str | None = None  # 'deterministic' (default), 'iid', 'without_replacement'
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -66,13 +68,23 @@ class MethodSpec:
             raise ValueError("method 'hf-assisted' needs a draft model (draft=PATH)")
         if self.verifier is not None and self.method != "verispec":
             raise ValueError(f"a verifier override (--inject) applies to method 'verispec', not {self.method!r}")
+        if self.tree is not None and self.method != "verispec":
+            raise ValueError(f"a tree applies to method 'verispec', not {self.method!r}")
+        if self.tree is not None:
+            from ..drafting import TreeSpec
+            TreeSpec.parse(self.tree, self.tree_rule)  # validate early
+        elif self.tree_rule is not None:
+            raise ValueError("tree_rule needs a tree")
         if self.verifier is not None:
-            _verifier(self.verifier)  # validate the name early
+            _verifier(self.verifier, tree=self.tree is not None)  # validate the name early
 
     def label(self) -> str:
         if self.method == "verispec":
             d = self.draft + (f" ({self.draft_quant})" if self.draft_quant else "")
             extra = f", verifier {self.verifier}" if self.verifier else ""
+            if self.tree:
+                return f"verispec (draft {d}, tree {self.tree} {self.tree_rule or 'deterministic'}, " \
+                       f"target {self.dtype}{extra})"
             return f"verispec (draft {d}, gamma {self.gamma}, target {self.dtype}{extra})"
         if self.method == "hf-assisted":
             return f"transformers generate(assistant_model={self.draft})"
@@ -81,10 +93,16 @@ class MethodSpec:
         return {"plain": "verispec plain decoding", "hf": "transformers generate (plain sampling)"}[self.method]
 
 
-def _verifier(name: str):
+def _verifier(name: str, tree: bool = False):
     from ..sampling.lossy import lenient_verifier, typical_verifier
-    from .bugs import BUGS, broken_verifier
+    from .bugs import BUGS, TREE_BUGS, TREE_NON_BUGS, broken_tree_verifier, broken_verifier
 
+    if tree:
+        if name in TREE_BUGS + TREE_NON_BUGS:
+            return broken_tree_verifier(name)
+        raise ValueError(f"with a tree the verifier override must be a tree bug: {', '.join(TREE_BUGS + TREE_NON_BUGS)}")
+    if name in TREE_BUGS + TREE_NON_BUGS:
+        raise ValueError(f"{name} is a tree bug: it needs a tree")
     if name in BUGS:
         return broken_verifier(name)
     if name.startswith("lenient"):
@@ -137,7 +155,11 @@ def build_method(spec: MethodSpec) -> SampleFn:
         draft = "none" if spec.method == "plain" else spec.draft
         if draft not in ("ngram", "none", "self"):
             draft = _load(draft, spec.draft_dtype)
-        kwargs = {"verifier": _verifier(spec.verifier)} if spec.verifier else {}
+        kwargs = {}
+        if spec.verifier:
+            kwargs["tree_verifier" if spec.tree else "verifier"] = _verifier(spec.verifier, tree=spec.tree is not None)
+        if spec.tree:
+            kwargs.update(tree=spec.tree, tree_rule=spec.tree_rule)
         gen = SpeculativeGenerator(target, draft, gamma=spec.gamma if draft != "none" else 0, runner=spec.runner,
                                    draft_quant=spec.draft_quant, **kwargs)
 
