@@ -206,9 +206,11 @@ def _cmd_bench_e2e(args: argparse.Namespace) -> int:
     if any(t < 0 for t in temps):
         raise UsageError("--temperatures must be >= 0")
     methods = tuple(args.methods.split(",")) if args.methods else e2e.E2EConfig.methods
-    unknown = set(methods) - set(e2e.E2EConfig.methods)
-    if unknown:
-        raise UsageError(f"unknown method(s) {sorted(unknown)}; choose from {', '.join(e2e.E2EConfig.methods)}")
+    try:
+        for m in methods:
+            e2e.check_method(m)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     cfg = e2e.E2EConfig(max_new_tokens=args.max_new_tokens, temperatures=temps, num_prompts=args.num_prompts,
                         batch=args.batch, gamma=args.gamma, seed=args.seed, chat=not args.no_chat, methods=methods,
                         runner=args.runner, draft_quant=args.draft_quant, self_quant=args.self_quant)
@@ -492,7 +494,8 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--max-new-tokens", type=int, default=64)
     be.add_argument("--temperatures", default="0,1", help="comma-separated (default 0,1)")
     be.add_argument("--gamma", type=_gamma, default=4, help="drafts per step for verispec, or auto (default 4)")
-    be.add_argument("--methods", help="comma-separated subset of the methods")
+    be.add_argument("--methods", help="comma-separated methods (default: the six standard ones); also "
+                                      "verispec-draft@G, verispec-tree@SHAPE[/RULE], verispec-ngram-tree@SHAPE")
     be.add_argument("--seed", type=int, default=0)
     be.add_argument("--no-chat", action="store_true", help="feed prompts raw instead of through the chat template")
     be.add_argument("--runner", choices=["auto", "fast", "hf"], default="auto", help="verispec's model forward")

@@ -7,6 +7,11 @@ Methods (same target, prompts, max_new_tokens, temperature and seeds):
     verispec-self     verispec with the target's own weights, int4-quantized, as the draft (`self_quant`)
     hf-plain          HF transformers generate()
     hf-assisted       HF transformers generate(assistant_model=draft)
+  and, named with an argument:
+    verispec-draft@G              the draft model with a fixed draft length G (chains of several lengths side by side)
+    verispec-tree@SHAPE[/RULE]    draft-model trees: SHAPE = widths per depth (4-2-2-1) or dynamic-D-K-M, RULE =
+                                  deterministic (default), iid or without_replacement
+    verispec-ngram-tree@SHAPE     prompt-lookup tries (SHAPE's first width = branches, its depth = length)
 at each temperature, at batch 1 (all methods) and batch 4 (verispec methods). Every run generates exactly
 max_new_tokens per prompt (EOS ignored by verispec, suppressed by min_new_tokens in HF) so token counts
 match. Per prompt category it reports tokens/s, speedup over verispec-plain at the same temperature and
@@ -136,9 +141,44 @@ def _hf_generate(target: LoadedModel, draft: LoadedModel | None, prompts_ids: li
     return tokens, seconds, calls
 
 
+BASE_METHODS = E2EConfig.methods + ("verispec-tree", "verispec-ngram-tree")
+
+
+def check_method(name: str) -> None:
+    """Raise ValueError for a method name run_e2e does not know (see the module docstring)."""
+    from ..drafting import TreeSpec
+
+    base, at, arg = name.partition("@")
+    if base not in BASE_METHODS or (at and base not in ("verispec-draft", "verispec-tree", "verispec-ngram-tree")):
+        raise ValueError(f"unknown method {name!r}; choose from {', '.join(E2EConfig.methods)}, verispec-draft@G, "
+                         "verispec-tree@SHAPE[/RULE], verispec-ngram-tree@SHAPE")
+    if base in ("verispec-tree", "verispec-ngram-tree"):
+        if not arg:
+            raise ValueError(f"{base} needs a shape: {base}@4-2-2-1")
+        shape, _, rule = arg.partition("/")
+        TreeSpec.parse(shape, rule or None)
+    elif at and not arg.isdigit():
+        raise ValueError(f"verispec-draft@G needs an integer draft length, got {name!r}")
+
+
+def _make(method: str, target: LoadedModel, draft: LoadedModel | None, cfg: E2EConfig) -> SpeculativeGenerator:
+    base, _, arg = method.partition("@")
+    if base == "verispec-draft":
+        return SpeculativeGenerator(target, draft, gamma=int(arg) if arg else cfg.gamma, runner=cfg.runner,
+                                    draft_quant=cfg.draft_quant)
+    shape, _, rule = arg.partition("/")
+    if base == "verispec-tree":
+        return SpeculativeGenerator(target, draft, tree=shape, tree_rule=rule or None, runner=cfg.runner,
+                                    draft_quant=cfg.draft_quant)
+    return SpeculativeGenerator(target, "ngram", tree=shape, runner=cfg.runner)  # verispec-ngram-tree
+
+
 def run_e2e(target: LoadedModel, draft: LoadedModel | None, prompts: dict[str, list[str]], cfg: E2EConfig,
             log=print) -> dict:
-    methods = [m for m in cfg.methods if draft is not None or m not in ("verispec-draft", "hf-assisted")]
+    for m in cfg.methods:
+        check_method(m)
+    needs_draft = ("verispec-draft", "hf-assisted", "verispec-tree")
+    methods = [m for m in cfg.methods if draft is not None or m.partition("@")[0] not in needs_draft]
     if "verispec-self" in methods and (cfg.runner == "hf" or fast_path_unsupported(target.model)):
         methods.remove("verispec-self")
         log("verispec-self skipped: a quantized self-draft needs the fast runner, "
@@ -146,19 +186,21 @@ def run_e2e(target: LoadedModel, draft: LoadedModel | None, prompts: dict[str, l
     gens = {"verispec-plain": SpeculativeGenerator(target, None, runner=cfg.runner)}
     if "verispec-ngram" in methods:
         gens["verispec-ngram"] = SpeculativeGenerator(target, "ngram", gamma=cfg.gamma, runner=cfg.runner)
-    if "verispec-draft" in methods:
-        gens["verispec-draft"] = SpeculativeGenerator(target, draft, gamma=cfg.gamma, runner=cfg.runner,
-                                                      draft_quant=cfg.draft_quant)
+    for m in methods:
+        if m.partition("@")[0] in ("verispec-draft", "verispec-tree", "verispec-ngram-tree"):
+            gens[m] = _make(m, target, draft, cfg)
     if "verispec-self" in methods:
         log(f"quantizing the target's weights ({cfg.self_quant}) for the self-draft ...")
         gens["verispec-self"] = SpeculativeGenerator(target, "self", gamma=cfg.gamma, runner=cfg.runner,
                                                      draft_quant=cfg.self_quant)
     vocab = gens["verispec-plain"].vocab_size
     max_gamma = cfg.gamma if isinstance(cfg.gamma, int) else 8
+    widest = max([max_gamma] + [int(m.partition("@")[2]) for m in methods if m.startswith("verispec-draft@")]
+                 + [g.tree.max_nodes for g in gens.values() if g.tree is not None])
     log("calibrating the cost curve ...")
-    target_curve = calibrate(gens["verispec-plain"].runner, vocab, max_gamma + 1)
+    target_curve = calibrate(gens["verispec-plain"].runner, vocab, min(widest, 64) + 1)
     draft_steps = {m: calibrate(gens[m].proposer.runner, vocab, 1)[0]
-                   for m in ("verispec-draft", "verispec-self") if m in gens}
+                   for m in gens if m.startswith(("verispec-draft", "verispec-self"))}
     draft_step = draft_steps.get("verispec-draft", 0.0)
     log("T(n) target seconds: " + ", ".join(f"{t:.3f}" for t in target_curve) + "; draft step "
         + ", ".join(f"{m} {t:.3f}s" for m, t in draft_steps.items()))
@@ -196,10 +238,16 @@ def run_e2e(target: LoadedModel, draft: LoadedModel | None, prompts: dict[str, l
                                 stats = s
                             else:
                                 stats.merge(s)
+                        tree = gen.tree is not None
                         rec.update(tokens=tok, seconds=sec, tau=stats.tau, alpha=stats.acceptance_rate,
                                    per_position=stats.per_position_acceptance, drafted=stats.drafted,
-                                   steps=stats.target_passes, draft_s=stats.draft_time, verify_s=stats.verify_time)
-                        if method != "verispec-plain" and stats.drafted:
+                                   steps=stats.target_passes, draft_s=stats.draft_time, verify_s=stats.verify_time,
+                                   tree_nodes=stats.tree_nodes,
+                                   drafted_per_step=(stats.tree_nodes if tree else stats.drafted)
+                                   / max(stats.target_passes, 1))
+                        if tree:  # alpha of a tree is not one number: per-depth acceptance is per_position
+                            rec["alpha"] = None
+                        if method != "verispec-plain" and stats.drafted and not tree:
                             step_draft = draft_steps.get(method, stats.draft_time / max(stats.drafted, 1))
                             rec["theory_speedup"] = theory_speedup(stats.acceptance_rate, stats.steps_by_drafted,
                                                                    step_draft, target_curve)
@@ -234,14 +282,15 @@ def to_markdown(result: dict) -> str:
              f"verispec runner: {result.get('runner', 'HFRunner')}; cost curve T(1..n) s: "
              + ", ".join(f"{t:.3f}" for t in result["cost_curve_s"]) + "; draft step "
              + (", ".join(f"{m} {t:.3f} s" for m, t in result.get("draft_steps_s", {}).items()) or "-"), "",
-             "| T | category | batch | method | tok/s | speedup | vs HF assisted | tau | alpha | per-position acceptance "
-             "| theory speedup | measured / theory |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| T | category | batch | method | tok/s | speedup | vs HF assisted | tau | drafted / step | alpha "
+             "| per-position (trees: per-depth) acceptance | theory speedup | measured / theory |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["records"]:
         pp = r.get("per_position")
         lines.append(
             f"| {r['temperature']:g} | {r['category']} | {r['batch']} | {r['method']} | {_fmt(r['tokens_per_s'])} | "
             f"{_fmt(r.get('speedup'))} | {_fmt(r.get('vs_hf_assisted'))} | {_fmt(r.get('tau'))} | "
+            f"{_fmt(r.get('drafted_per_step'), '.1f')} | "
             f"{_fmt(r.get('alpha'))} | {' '.join(f'{x:.2f}' for x in pp) if pp else '-'} | "
             f"{_fmt(r.get('theory_speedup'))} | {_fmt(r.get('measured_over_theory'))} |")
     return "\n".join(lines)
