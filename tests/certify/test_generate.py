@@ -179,3 +179,20 @@ def test_tree_options_are_checked(models):
         MethodSpec(target=target, draft=draft, verifier="tree_stale_residual")
     with pytest.raises(ValueError, match="method 'verispec'"):
         MethodSpec(method="plain", target=target, tree="2-2")
+
+
+def test_study_measures_and_certifies_failure_modes(models):
+    """`certify study` on tiny models: the exact rule deviates by float rounding only and PASSES; a temperature
+    mismatch and lenient acceptance deviate measurably and FAIL at N = 2000; the target in bf16 moves the output
+    by ~1e-3 TV, measured, and below what N = 2000 can detect."""
+    from verispec.certify.study import run_study
+
+    target, draft = models
+    rows = {r.variant: r for r in run_study(target, draft, PROMPTS, SamplingParams(temperature=0.7),
+                                            variants=["exact", "temperature-mismatch", "target-bf16", "lenient-0.5"],
+                                            contexts=16, certify_samples=2000, show_progress=False)}
+    assert rows["exact"].mean_tv < 1e-6 and rows["exact"].verdict == "PASS"
+    for name in ("temperature-mismatch", "lenient-0.5"):
+        assert rows[name].mean_tv > 0.02 and rows[name].verdict == "FAIL", name
+    bf16 = rows["target-bf16"]
+    assert 1e-5 < bf16.mean_tv < bf16.detectable_tv
