@@ -99,3 +99,13 @@ def test_bad_tree_options():
         SpeculativeGenerator(TARGET, "ngram", tree="2-2", tree_rule="iid")
     with pytest.raises(ValueError, match="at most 256"):
         TreeSpec.parse("8-8-8")
+
+
+@pytest.mark.parametrize("draft, tree", [("noisy", "dynamic-6-10-10"), ("ngram", "dynamic-8-4-4")])
+def test_wide_trees_fit_their_caches_to_the_end(draft, tree):
+    """A dynamic draft computes up to topk nodes per depth before the budget prunes them, and prompt-lookup tries
+    obey the node budget: both fit the KV caches through a whole generation (review finding)."""
+    gen = SpeculativeGenerator(TARGET, NOISY if draft == "noisy" else "ngram", tree=tree)
+    prompt = list(range(3, 19))
+    out = gen.generate([prompt], SamplingParams(temperature=1.0, seed=0), max_new_tokens=40, ignore_eos=True)[0]
+    assert len(out.token_ids) == 40

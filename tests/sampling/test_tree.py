@@ -22,6 +22,12 @@ def test_children_and_depth():
     assert children[1, 1].tolist()[0] == 2 and depth[1].tolist() == [1, 1, 2, 3, 0, 0]  # nodes 4, 5: padding
 
 
+def test_padding_entries_are_ignored():
+    parents = torch.tensor([[-1, 0, 7, 9]])  # entries beyond num_nodes hold garbage
+    children, depth = tree_children(parents, torch.tensor([2]))
+    assert depth[0].tolist() == [1, 2, 0, 0] and children[0, 0].tolist()[0] == 0
+
+
 def test_chain_as_tree_equals_verify_chain():
     """A chain is a tree with parents -1, 0, 1, ...: rule 'iid' is verify_chain's rule, and both consume the same
     uniforms in the same order, so the outputs agree token for token."""

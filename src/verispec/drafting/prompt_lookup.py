@@ -74,6 +74,8 @@ class PromptLookupProposer(Proposer):
             for cont in conts:
                 node = -1
                 for t in cont:
+                    if (node, t) not in child and len(toks) == self.spec.max_nodes:
+                        break  # the node budget (parents precede children, so the trie stays a tree)
                     if (node, t) not in child:
                         child[(node, t)] = len(toks)
                         toks.append(int(t))

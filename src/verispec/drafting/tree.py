@@ -88,6 +88,12 @@ class TreeSpec:
             total += level
         return total
 
+    @property
+    def cache_slots(self) -> int:
+        """KV slots a step can occupy beyond the committed prefix: the target verifies max_nodes nodes; a
+        dynamic tree's draft computes every expanded node, up to topk per depth, before the budget is applied."""
+        return max(self.max_nodes, self.topk * self.depth) if self.dynamic else self.max_nodes
+
     def __str__(self) -> str:
         shape = f"dynamic-{self.depth}-{self.topk}-{self.budget}" if self.dynamic else "-".join(map(str, self.widths))
         return f"{shape} ({self.rule})"
@@ -156,7 +162,11 @@ class TreeDraftProposer(DraftModelProposer):
         rule = self.spec.rule
         if rule == "deterministic":
             val, kids = q.topk(min(width, V), dim=-1)
-            return kids, val > 0  # a zero-probability token is never accepted: not worth a node
+            ok = val > 0  # a zero-probability token is never accepted: not worth a node
+            if width > V:  # more children than tokens: the extra ones do not exist
+                pad = torch.zeros((M, width - V), dtype=kids.dtype, device=kids.device)
+                kids, ok = torch.cat([kids, pad], 1), torch.cat([ok, pad.bool()], 1)
+            return kids, ok
         u = torch.empty((M, width), dtype=torch.float64)
         for m, b in enumerate(owners):  # each row's randomness from its own generator, in node order
             u[m] = torch.rand(width, dtype=torch.float64, generator=view.generators[b])
@@ -275,16 +285,15 @@ class TreeDraftProposer(DraftModelProposer):
 
     def _path_counts(self, view: BatchView, tokens, parents, new, T: int) -> Tensor:
         """Output counts at each node of the forward chunk (the node's path included): [B, T, V]."""
-        B, V = view.output_counts.shape
-        counts = view.output_counts.unsqueeze(1).repeat(1, T, 1)
+        B = len(tokens)
+        built = build_proposal(tokens, parents, None, "deterministic", view.device)
+        every = counts_at_tree_nodes(view.output_counts, built.token_ids, built.parents)  # [B, N + 1, V]
+        slot = torch.zeros((B, T), dtype=torch.int64)
         pos = [0] * B
         for b, n in new:
-            node = n
-            while node >= 0:
-                counts[b, pos[b], tokens[b][node]] += 1
-                node = parents[b][node]
+            slot[b, pos[b]] = n + 1
             pos[b] += 1
-        return counts
+        return every.gather(1, slot.to(every.device).unsqueeze(-1).expand(-1, -1, every.shape[-1]))
 
     def update_tree(self, view: BatchView, paths: list[list[int]]) -> None:
         """After verification: row b accepted the proposal nodes paths[b]; keep those the draft has computed."""

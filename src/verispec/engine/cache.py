@@ -69,7 +69,7 @@ class RowKVCache(Cache):
         new_lengths = []
         for b, (start, path) in enumerate(zip(old_lengths, paths)):
             path = [int(i) for i in path]
-            if any(not 0 <= start + i < self.lengths[b] for i in path) or path != sorted(set(path)):
+            if any(i < 0 or start + i >= self.lengths[b] for i in path) or path != sorted(set(path)):
                 raise ValueError(f"row {b}: path {path} is not a list of increasing nodes of its last chunk")
             if path and path != list(range(len(path))):
                 src = torch.tensor([start + i for i in path], device=self.keys[0].device)

@@ -149,8 +149,9 @@ class SpeculativeGenerator:
             elif draft == "ngram":
                 self.proposer = PromptLookupProposer(tuple(ngram_sizes), tree=tree)
             elif isinstance(draft, Proposer):
-                if tree is not None and not hasattr(draft, "propose_tree"):
-                    raise ValueError(f"{type(draft).__name__} cannot propose trees (no propose_tree)")
+                if tree is not None and (not hasattr(draft, "propose_tree") or getattr(draft, "spec", None) is None):
+                    raise ValueError(f"{type(draft).__name__} cannot propose trees here: it needs propose_tree and "
+                                     "its own TreeSpec (e.g. PromptLookupProposer(tree=spec))")
                 self.proposer = draft
             else:
                 raise ValueError(f"draft must be a loaded model, 'self', 'ngram', 'none' or a Proposer, got {draft!r}")
@@ -263,7 +264,7 @@ class SpeculativeGenerator:
 
     def _capacity(self, rows: list[_Row]) -> int:
         """KV slots the rows can need: prompt, budget, the longest draft chunk and the pending token."""
-        slack = max(self.controller.max_gamma, self.tree.max_nodes if self.tree else 0) + 2
+        slack = max(self.controller.max_gamma, self.tree.cache_slots if self.tree else 0) + 2
         capacity = max(len(r.prompt) + r.max_new + slack for r in rows)
         if self.max_positions is not None:
             capacity = min(capacity, self.max_positions + slack)

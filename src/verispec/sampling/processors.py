@@ -149,6 +149,7 @@ def counts_at_tree_nodes(
     penalties count the path's tokens (the chain case is counts_at_draft_positions)."""
     B, N = token_ids.shape
     V = output_counts.shape[-1]
+    parents = torch.where(token_ids >= 0, parents, -1)  # padding nodes hang off the root
     anc = torch.eye(N, dtype=output_counts.dtype, device=output_counts.device).repeat(B, 1, 1)  # [B, N, N]
     for n in range(N):  # parents precede children
         par = parents[:, n]

@@ -64,6 +64,7 @@ class TreeVerifyOutput:
     token_ids: Tensor  # [B, D + 1] int64: the accepted path's tokens, then the recovered / bonus token, then -1
     num_accepted: Tensor  # [B] int64: accepted nodes per row (the path's length); emitted = num_accepted + 1
     path: Tensor  # [B, D] int64: node indices of the accepted path, root's child first, -1 padded
+    # (D = the deepest node of the batch, at least 1: an empty tree still gives [B, 2] and [B, 1])
 
     @property
     def num_emitted(self) -> Tensor:  # [B] int64
@@ -78,6 +79,7 @@ def tree_children(
     B, N = parents.shape
     dev = parents.device
     valid = torch.arange(N, device=dev) < num_nodes.unsqueeze(1)  # [B, N]
+    parents = torch.where(valid, parents, -1)  # padding entries may hold anything
     slot = torch.where(valid, parents + 1, -1)  # [B, N]: parent's slot, -1 for padding
     earlier = torch.ones((N, N), dtype=torch.bool, device=dev).tril(-1)  # [n, n']: n' < n
     same = (slot.unsqueeze(2) == slot.unsqueeze(1)) & valid.unsqueeze(1) & earlier  # [B, N, N]
