@@ -109,3 +109,17 @@ def test_wide_trees_fit_their_caches_to_the_end(draft, tree):
     prompt = list(range(3, 19))
     out = gen.generate([prompt], SamplingParams(temperature=1.0, seed=0), max_new_tokens=40, ignore_eos=True)[0]
     assert len(out.token_ids) == 40
+
+
+@pytest.mark.parametrize("rule", ["iid", "without_replacement"])
+def test_single_branch_tree_is_the_chain_token_for_token(rule):
+    """A 1-1-...-1 tree draws the same uniforms in the same order as a chain of the same length (drafts level by
+    level, then num_nodes + 1 for verification), so seeded sampling gives the chain's tokens exactly: the tree
+    drafter's cache, masks and positions reproduce the chain's draft distributions, not only losslessness."""
+    params = [SamplingParams(temperature=1.0, seed=s) for s in (1, 2)]
+    chain = SpeculativeGenerator(TARGET, NOISY, gamma=6, draft_stop_below=None)
+    tree = SpeculativeGenerator(TARGET, NOISY, tree="1-1-1-1-1-1", tree_rule=rule)
+    a = chain.generate(PROMPTS[:2], params, max_new_tokens=40, ignore_eos=True)
+    b = tree.generate(PROMPTS[:2], params, max_new_tokens=40, ignore_eos=True)
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    assert chain.last_stats.tau == pytest.approx(tree.last_stats.tau)
