@@ -109,13 +109,10 @@ class TreeProposal:
 
     @property
     def depth(self) -> list[int]:  # deepest node per row
-        out = []
-        for par, n in zip(self.parents.tolist(), self.num_nodes):
-            d = [0] * n
-            for i in range(n):
-                d[i] = 1 + (d[par[i]] if par[i] >= 0 else 0)
-            out.append(max(d, default=0))
-        return out
+        from ..sampling.tree import tree_children
+
+        return tree_children(self.parents.cpu(), torch.tensor(self.num_nodes))[1].amax(1).tolist() \
+            if self.parents.shape[1] else [0] * len(self.num_nodes)
 
 
 def build_proposal(tokens: list[list[int]], parents: list[list[int]], probs: Tensor | None, rule: str,
@@ -130,18 +127,6 @@ def build_proposal(tokens: list[list[int]], parents: list[list[int]], probs: Ten
     if probs is not None:
         probs = probs[:, : N + 1]
     return TreeProposal(ids.to(device), par.to(device), probs, [len(t) for t in tokens], rule)
-
-
-def limit_depth(tokens: list[int], parents: list[int], max_depth: int) -> tuple[list[int], list[int], list[int]]:
-    """Drop nodes deeper than max_depth; returns tokens, parents (renumbered) and the kept old indices."""
-    depth, keep, new_index = [], [], {}
-    for i, p in enumerate(parents):
-        d = 1 + (depth[p] if p >= 0 else 0)
-        depth.append(d)
-        if d <= max_depth:
-            new_index[i] = len(keep)
-            keep.append(i)
-    return ([tokens[i] for i in keep], [new_index[parents[i]] if parents[i] >= 0 else -1 for i in keep], keep)
 
 
 class TreeDraftProposer(DraftModelProposer):

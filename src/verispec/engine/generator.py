@@ -318,7 +318,7 @@ class SpeculativeGenerator:
 
     def _tree_step(self, rows: list[_Row], view: BatchView, pooled: SpecStats, caps: list[int]):
         """One tree step: draft a tree per row, verify every node in one tree-masked target pass. Returns what
-        _step returns, with drafted = the tree's depth, plus the accepted paths (node indices) per row."""
+        _step returns, with drafted = the tree's depth, plus (accepted paths as node indices, node counts) per row."""
         dev = self.device
         caps = [0 if r.gamma == 0 else c for r, c in zip(rows, caps)]
         t0 = time.perf_counter()
@@ -355,8 +355,7 @@ class SpeculativeGenerator:
             values, top_ids = logits_e.topk(n_top, dim=-1)
             top = ((values - log_z).tolist(), top_ids.tolist())
         emitted = [row[: a + 1] for row, a in zip(out.token_ids.tolist(), na)]
-        self._last_nodes = nn
-        return prop.depth, na, emitted, lp, raw, top, paths
+        return prop.depth, na, emitted, lp, raw, top, (paths, nn)
 
     def _take(self, r: _Row, new: list[int], lp: list[float], raw: list[float], top) -> list[int]:
         """Append a step's tokens to the row's output until EOS, the budget or the context end.
@@ -535,7 +534,8 @@ class GenerationSession:
         dev = gen.device
         penalties = any(r.params.uses_penalties for r in rows)
         view = gen._view(rows, penalties, self.prompt_mask, self.counts)
-        nd, na, emitted, lp, raw, top, paths = gen._step(rows, view, self.stats)
+        nd, na, emitted, lp, raw, top, tree = gen._step(rows, view, self.stats)
+        paths, nodes = tree if tree is not None else (None, None)
         old_lengths = [len(r.seq) for r in rows]
         if paths is None:
             gen.runner.truncate([n + a for n, a in zip(old_lengths, na)])  # pending + accepted drafts
@@ -551,8 +551,8 @@ class GenerationSession:
                 gen.controller.observe_acceptance(na[b], int(na[b] < nd[b]))
         if paths is not None:
             for b, r in enumerate(rows):
-                r.stats.tree_nodes += gen._last_nodes[b]
-                self.stats.tree_nodes += gen._last_nodes[b]
+                r.stats.tree_nodes += nodes[b]
+                self.stats.tree_nodes += nodes[b]
             if hasattr(gen.proposer, "update_tree"):
                 gen.proposer.update_tree(view, paths)
         elif gen.proposer is not None:  # view.seqs are the rows' own lists, already extended

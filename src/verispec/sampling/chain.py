@@ -46,6 +46,23 @@ def _prob_tol(dtype: torch.dtype) -> float:
     return 1e-3 if dtype in (torch.float32, torch.float64) else 2e-2
 
 
+def check_probability_rows(name: str, probs: Tensor, used: Tensor) -> None:
+    """Raise ValueError unless every row probs[b, j] with used[b, j] is a distribution (finite, >= 0, sums to 1).
+    probs [B, T, V], used [B, T] bool."""
+    sums = probs.sum(dim=-1)  # [B, T]; NaN / inf propagate into the sum
+    mins = probs.amin(dim=-1)
+    bad_sum = used & ~((sums - 1.0).abs() <= _prob_tol(probs.dtype))
+    if bool(bad_sum.any()):
+        b, j = (int(i) for i in bad_sum.nonzero()[0])
+        s = float(sums[b, j])
+        what = "contain NaN or inf" if s != s or abs(s) == float("inf") else f"sum to {s:.6g}, not 1"
+        raise ValueError(f"{name}[{b}, {j}] is not a probability distribution: values {what}")
+    bad_min = used & (mins < 0)
+    if bool(bad_min.any()):
+        b, j = (int(i) for i in bad_min.nonzero()[0])
+        raise ValueError(f"{name}[{b}, {j}] has a negative probability ({float(mins[b, j]):.6g})")
+
+
 def _check_inputs(target_probs: Tensor, draft_token_ids: Tensor, draft_probs: Tensor | None,
                   num_draft: Tensor) -> None:
     """Raise ValueError on any input the math cannot honour. Reads each probability tensor twice."""
@@ -55,27 +72,13 @@ def _check_inputs(target_probs: Tensor, draft_token_ids: Tensor, draft_probs: Te
     used_target = pos <= num_draft.unsqueeze(1)  # [B, k + 1]: positions that can be emitted
     used_draft = pos[:k] < num_draft.unsqueeze(1)  # [B, k]: real drafts
 
-    def check_probs(name: str, probs: Tensor, used: Tensor) -> None:
-        sums = probs.sum(dim=-1)  # [B, T]; NaN / inf propagate into the sum
-        mins = probs.amin(dim=-1)
-        bad_sum = used & ~((sums - 1.0).abs() <= _prob_tol(probs.dtype))
-        if bool(bad_sum.any()):
-            b, j = (int(i) for i in bad_sum.nonzero()[0])
-            s = float(sums[b, j])
-            what = "contain NaN or inf" if s != s or abs(s) == float("inf") else f"sum to {s:.6g}, not 1"
-            raise ValueError(f"{name}[{b}, {j}] is not a probability distribution: values {what}")
-        bad_min = used & (mins < 0)
-        if bool(bad_min.any()):
-            b, j = (int(i) for i in bad_min.nonzero()[0])
-            raise ValueError(f"{name}[{b}, {j}] has a negative probability ({float(mins[b, j]):.6g})")
-
-    check_probs("target_probs", target_probs, used_target)
+    check_probability_rows("target_probs", target_probs, used_target)
     ids_bad = used_draft & ((draft_token_ids < 0) | (draft_token_ids >= V))
     if bool(ids_bad.any()):
         b, j = (int(i) for i in ids_bad.nonzero()[0])
         raise ValueError(f"draft_token_ids[{b}, {j}] = {int(draft_token_ids[b, j])} is outside [0, {V})")
     if draft_probs is not None:
-        check_probs("draft_probs", draft_probs, used_draft)
+        check_probability_rows("draft_probs", draft_probs, used_draft)
         q_t = draft_probs.gather(-1, draft_token_ids.clamp(0, V - 1).unsqueeze(-1)).squeeze(-1)
         zero_q = used_draft & (q_t <= 0)
         if bool(zero_q.any()):

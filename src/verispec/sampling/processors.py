@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from .params import SamplingParams
+from .tree import tree_ancestors
 
 __all__ = ["probs_from_logits", "counts_at_draft_positions", "counts_at_tree_nodes"]
 
@@ -150,11 +151,7 @@ def counts_at_tree_nodes(
     B, N = token_ids.shape
     V = output_counts.shape[-1]
     parents = torch.where(token_ids >= 0, parents, -1)  # padding nodes hang off the root
-    anc = torch.eye(N, dtype=output_counts.dtype, device=output_counts.device).repeat(B, 1, 1)  # [B, N, N]
-    for n in range(N):  # parents precede children
-        par = parents[:, n]
-        has = (par >= 0).to(anc.dtype).view(B, 1)
-        anc[:, n] += has * anc[torch.arange(B), par.clamp(min=0)]
+    anc = tree_ancestors(parents)[0].to(output_counts.dtype)  # [B, N, N]
     onehot = torch.zeros((B, N, V), dtype=output_counts.dtype, device=output_counts.device)
     onehot.scatter_(-1, token_ids.clamp(min=0).unsqueeze(-1), (token_ids >= 0).unsqueeze(-1).to(onehot.dtype))
     along = anc @ onehot  # [B, N, V]: tokens on each node's path, itself included

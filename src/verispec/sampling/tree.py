@@ -52,9 +52,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .chain import _prob_tol, draw_uniforms, sample_from_weights
+from .chain import check_probability_rows, draw_uniforms, sample_from_weights
 
-__all__ = ["TREE_RULES", "TreeVerifyOutput", "tree_children", "verify_tree", "verify_tree_with_uniforms"]
+__all__ = ["TREE_RULES", "TreeVerifyOutput", "tree_ancestors", "tree_children", "verify_tree", "verify_tree_with_uniforms"]
 
 TREE_RULES = ("iid", "without_replacement", "deterministic")
 
@@ -69,6 +69,19 @@ class TreeVerifyOutput:
     @property
     def num_emitted(self) -> Tensor:  # [B] int64
         return self.num_accepted + 1
+
+
+def tree_ancestors(
+    parents: Tensor,  # [B, N] int64: -1 = child of the root, else an earlier node (padding: set it to -1)
+) -> tuple[Tensor, Tensor]:  # anc [B, N, N] bool (anc[b, n, m]: m is n or an ancestor of n), depth [B, N] (root's children: 1)
+    """Ancestor-or-self relation and depth of every node; one pass in node order (parents precede children)."""
+    B, N = parents.shape
+    anc = torch.eye(N, dtype=torch.bool, device=parents.device).repeat(B, 1, 1)
+    rows = torch.arange(B, device=parents.device)
+    for n in range(N):
+        par = parents[:, n]
+        anc[:, n] |= anc[rows, par.clamp(min=0)] & (par >= 0).unsqueeze(1)
+    return anc, anc.sum(-1)
 
 
 def tree_children(
@@ -88,10 +101,7 @@ def tree_children(
     children = torch.full((B, N + 1, max(W, 1)), -1, dtype=torch.int64, device=dev)
     b_idx = torch.arange(B, device=dev).unsqueeze(1).expand(B, N)
     children[b_idx[valid], slot[valid], rank[valid]] = torch.arange(N, device=dev).expand(B, N)[valid]
-    depth = torch.zeros((B, N), dtype=torch.int64, device=dev)
-    for n in range(N):  # parents precede children: one pass in node order
-        par = parents[:, n].clamp(min=0)
-        depth[:, n] = torch.where(parents[:, n] < 0, 1, depth.gather(1, par.unsqueeze(1)).squeeze(1) + 1)
+    depth = tree_ancestors(parents)[1]
     return children, depth.masked_fill(~valid, 0)
 
 
@@ -201,18 +211,7 @@ def _check_tree(target_probs: Tensor, draft_token_ids: Tensor, parents: Tensor, 
     has_children = torch.zeros_like(slots)
     has_children[torch.arange(B, device=dev).unsqueeze(1).expand(B, N)[valid], (parents + 1)[valid]] = True
 
-    def check_probs(name: str, probs: Tensor, used: Tensor) -> None:
-        sums, mins = probs.sum(-1), probs.amin(-1)
-        bad = used & ~((sums - 1.0).abs() <= _prob_tol(probs.dtype))
-        if bool(bad.any()):
-            b, j = (int(i) for i in bad.nonzero()[0])
-            raise ValueError(f"{name}[{b}, {j}] is not a probability distribution (sums to {float(sums[b, j]):.6g})")
-        bad = used & (mins < 0)
-        if bool(bad.any()):
-            b, j = (int(i) for i in bad.nonzero()[0])
-            raise ValueError(f"{name}[{b}, {j}] has a negative probability")
-
-    check_probs("target_probs", target_probs, slots)
+    check_probability_rows("target_probs", target_probs, slots)
     ids = draft_token_ids.clamp(0, V - 1)
     same_parent = (parents.unsqueeze(2) == parents.unsqueeze(1)) & valid.unsqueeze(1) & valid.unsqueeze(2)
     dup = same_parent & (ids.unsqueeze(2) == ids.unsqueeze(1)) & torch.ones((N, N), dtype=torch.bool,
@@ -223,7 +222,7 @@ def _check_tree(target_probs: Tensor, draft_token_ids: Tensor, parents: Tensor, 
                          f"{rule!r} needs distinct siblings (only 'iid' children can repeat)")
     if rule == "deterministic":
         return
-    check_probs("draft_probs", draft_probs, has_children)
+    check_probability_rows("draft_probs", draft_probs, has_children)
     q_par = draft_probs.gather(1, (parents + 1).clamp(0, N).unsqueeze(-1).expand(B, N, V))  # [B, N, V]
     q_x = q_par.gather(2, ids.unsqueeze(-1)).squeeze(-1)  # [B, N]
     zero = valid & (q_x <= 0)
