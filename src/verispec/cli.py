@@ -113,9 +113,9 @@ def _sampling_params(args: argparse.Namespace):
 def build_generator(args: argparse.Namespace):
     """Load the models named on the command line and build a SpeculativeGenerator."""
     from .engine.generator import SpeculativeGenerator
-    from .engine.loading import ModelLoadError, load_model
+    from .model.loading import ModelLoadError, load_model
 
-    from .engine.loading import DEFAULT_MODEL_NAME
+    from .model.loading import DEFAULT_MODEL_NAME
 
     print(f"loading {args.target or DEFAULT_MODEL_NAME} ...", file=sys.stderr, flush=True)
     try:
@@ -196,7 +196,7 @@ def _cmd_bench_kernel(args: argparse.Namespace) -> int:
 def _cmd_bench_e2e(args: argparse.Namespace) -> int:
 
     from .bench import e2e
-    from .engine.loading import DEFAULT_MODEL_NAME, ModelLoadError, load_model
+    from .model.loading import DEFAULT_MODEL_NAME, ModelLoadError, load_model
 
     try:
         temps = tuple(float(t) for t in args.temperatures.split(","))
@@ -237,7 +237,7 @@ def _cmd_bench_e2e(args: argparse.Namespace) -> int:
 
 def _cmd_bench_runner(args: argparse.Namespace) -> int:
     from .bench import runner as bench_runner
-    from .engine.loading import DEFAULT_MODEL_NAME, ModelLoadError, load_model, shared_vocab_size
+    from .model.loading import DEFAULT_MODEL_NAME, ModelLoadError, load_model, shared_vocab_size
 
     paths = tuple(args.paths.split(","))
     unknown = set(paths) - set(bench_runner.PATHS)
@@ -266,7 +266,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     import uvicorn
 
-    from .engine.loading import DEFAULT_MODEL_NAME
+    from .model.loading import DEFAULT_MODEL_NAME
     from .serve import create_app
 
     if args.max_batch < 1 or args.max_queue < 0:
@@ -376,7 +376,7 @@ def _certify_prompts(args, tokenizer) -> list[list[int]]:
 
 def _cmd_certify_generate(args: argparse.Namespace) -> int:
     from .certify.generate import MethodSpec, _load, certify_generate, write_report
-    from .engine.loading import ModelLoadError
+    from .model.loading import ModelLoadError
     from .sampling import SamplingParams
 
     try:
@@ -408,7 +408,7 @@ def _cmd_certify_study(args: argparse.Namespace) -> int:
 
     from .certify.generate import _load
     from .certify.study import run_study, study_markdown
-    from .engine.loading import ModelLoadError
+    from .model.loading import ModelLoadError
     from .sampling import SamplingParams
 
     try:

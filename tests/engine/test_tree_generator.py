@@ -10,7 +10,7 @@ import torch
 
 from verispec.drafting import TreeSpec
 from verispec.engine.generator import SpeculativeGenerator
-from verispec.engine.loading import LoadedModel
+from verispec.model.loading import LoadedModel
 from verispec.sampling import SamplingParams
 
 from .tiny import greedy_reference, loaded, noisy_copy

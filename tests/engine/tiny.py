@@ -7,7 +7,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, PreTrainedTokenizerFast,
                           Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
-from verispec.engine.loading import LoadedModel
+from verispec.model.loading import LoadedModel
 
 V = 32
 WORDS = ["<unk>", "<s>", "</s>"] + [chr(97 + i) for i in range(26)] + ["x0", "x1", "x2"]  # 32 tokens

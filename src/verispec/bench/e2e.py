@@ -32,8 +32,8 @@ from pathlib import Path
 import torch
 
 from ..engine.generator import SpeculativeGenerator
-from ..engine.loading import LoadedModel
-from ..engine.fast import fast_path_unsupported
+from ..model.loading import LoadedModel
+from ..model.fast import fast_path_unsupported
 from ..sampling import SamplingParams
 from ..sampling.theory import expected_tokens_per_pass
 
@@ -49,7 +49,7 @@ class E2EConfig:
     gamma: int | str = 4
     seed: int = 0
     chat: bool = True
-    runner: str = "auto"  # verispec's model forward (see verispec.engine.fast.make_runner)
+    runner: str = "auto"  # verispec's model forward (see verispec.model.fast.make_runner)
     draft_quant: str | None = None  # weight-only quantization of the draft model (verispec-draft)
     self_quant: str = "int4"  # quantization of the self-draft (verispec-self)
     methods: tuple[str, ...] = ("verispec-plain", "verispec-draft", "verispec-ngram", "verispec-self", "hf-plain",

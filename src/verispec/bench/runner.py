@@ -17,8 +17,8 @@ import time
 
 import torch
 
-from ..engine.fast import FastRunner
-from ..engine.runner import HFRunner
+from ..model.fast import FastRunner
+from ..model.runner import HFRunner
 
 __all__ = ["PATHS", "measure_curve", "read_bandwidth", "run", "to_markdown"]
 

@@ -120,7 +120,7 @@ _LOADED: dict = {}
 
 def _load(path: str | None, dtype: str):
     """Load once per process: the float32 reference target doubles as the method's float32 target."""
-    from ..engine.loading import load_model
+    from ..model.loading import load_model
 
     key = (path, dtype)
     if key not in _LOADED:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from ..model.fast import make_runner
 from ..sampling import counts_at_draft_positions, probs_from_logits, sample_from_weights
 from .base import BatchView, Proposal, Proposer
 
@@ -24,11 +25,9 @@ class DraftModelProposer(Proposer):
         (temperature-1) distribution is below stop_below (the draft is unsure, so later drafts would
         likely be rejected). Any such stopping rule that looks only at
         the draft's own tokens and distributions keeps verification exact. None drafts the full gamma.
-        runner / quant: see `verispec.engine.fast.make_runner` (quant: weight-only int8 / int4 draft weights)."""
+        runner / quant: see `verispec.model.fast.make_runner` (quant: weight-only int8 / int4 draft weights)."""
         if stop_below is not None and not 0.0 <= stop_below <= 1.0:
             raise ValueError(f"stop_below must be in [0, 1] or None, got {stop_below}")
-        from ..engine.fast import make_runner  # engine imports drafting: import here, not at module load
-
         self.runner = make_runner(model, vocab_size, runner=runner, quant=quant)
         self.stop_below = stop_below
 

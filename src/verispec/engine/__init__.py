@@ -1,7 +1,7 @@
 """Speculative generation on real models: loading, KV cache with rollback, runner, generate loop."""
 
 from .generator import Completion, SpeculativeGenerator, StreamEvent
-from .loading import LoadedModel, ModelLoadError, load_model
+from ..model.loading import LoadedModel, ModelLoadError, load_model
 from .stats import SpecStats
 
 __all__ = ["Completion", "LoadedModel", "ModelLoadError", "SpecStats", "SpeculativeGenerator", "StreamEvent",

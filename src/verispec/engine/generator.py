@@ -32,8 +32,8 @@ from ..drafting import BatchView, DraftModelProposer, PromptLookupProposer, Prop
 from ..sampling import (SamplingParams, counts_at_draft_positions, counts_at_tree_nodes, probs_from_logits,
                         verify_chain, verify_tree)
 from .adaptive import GammaController
-from .loading import LoadedModel, shared_vocab_size
-from .fast import make_runner
+from ..model.loading import LoadedModel, shared_vocab_size
+from ..model.fast import make_runner
 from .stats import SpecStats
 
 __all__ = ["Completion", "GenerationSession", "SpeculativeGenerator", "StreamEvent"]

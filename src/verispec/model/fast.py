@@ -6,7 +6,7 @@ preallocated `RowKVCache` (rollback is a length change) are shared, so both runn
 inputs and keep the same cache layout. The body:
   * fuses q/k/v and gate/up into one matrix each (the model's own parameters become views of the fused
     tensors, so no weight is stored twice and the transformers path keeps working),
-  * runs every linear layer through `verispec.engine.linear` (oneDNN on CPU, cuBLAS on CUDA; or weight-only
+  * runs every linear layer through `verispec.model.linear` (oneDNN on CPU, cuBLAS on CUDA; or weight-only
     int8 / int4 for drafts),
   * computes the output layer only for the shared vocabulary and only where logits are asked for,
   * uses the model's own rotary-embedding module (so every RoPE scaling variant matches transformers) and

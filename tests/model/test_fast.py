@@ -7,16 +7,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from verispec.engine.fast import FastRunner, fast_path_unsupported, make_runner
+from verispec.model.fast import FastRunner, fast_path_unsupported, make_runner
 from verispec.engine.generator import SpeculativeGenerator
-from verispec.engine.linear import (
+from verispec.model.linear import (
     dequantize_int4,
     dequantize_int8,
     make_linear,
     quantize_int4,
     quantize_int8,
 )
-from verispec.engine.runner import HFRunner
+from verispec.model.runner import HFRunner
 from verispec.sampling import SamplingParams
 
 from .tiny import greedy_reference, loaded, make_model

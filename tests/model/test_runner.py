@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from verispec.engine.fast import FastRunner
-from verispec.engine.runner import HFRunner
+from verispec.model.fast import FastRunner
+from verispec.model.runner import HFRunner
 
 from .tiny import make_model
 
