@@ -10,15 +10,25 @@ import math
 from dataclasses import dataclass
 from numbers import Integral, Real
 
-__all__ = ["SamplingParams"]
+__all__ = ["ParamError", "SamplingParams"]
+
+
+class ParamError(ValueError):
+    """A sampling parameter out of range. `field` names the SamplingParams field, so each front end can say it
+    in its own words (the CLI's `--temperature`, the server's request field `temperature`)."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"SamplingParams.{field} {message}")
+        self.field = field
+        self.message = message  # without the field name: "must be >= 0 (0 = greedy), got -1.0"
 
 
 def _real(name: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, Real):
-        raise ValueError(f"SamplingParams.{name} must be a number, got {value!r}")
+        raise ParamError(name, f"must be a number, got {value!r}")
     value = float(value)
     if not math.isfinite(value):
-        raise ValueError(f"SamplingParams.{name} must be finite, got {value!r}")
+        raise ParamError(name, f"must be finite, got {value!r}")
     return value
 
 
@@ -55,31 +65,31 @@ class SamplingParams:
         set_ = object.__setattr__  # frozen: normalise the validated values in place, once
         t = _real("temperature", self.temperature)
         if t < 0:
-            raise ValueError(f"SamplingParams.temperature must be >= 0 (0 = greedy), got {t}")
+            raise ParamError("temperature", f"must be >= 0 (0 = greedy), got {t}")
         set_(self, "temperature", t)
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, Integral) or self.top_k < 0:
-            raise ValueError(f"SamplingParams.top_k must be an integer >= 0 (0 = disabled), got {self.top_k!r}")
+            raise ParamError("top_k", f"must be an integer >= 0 (0 = disabled), got {self.top_k!r}")
         set_(self, "top_k", int(self.top_k))
         top_p = _real("top_p", self.top_p)
         if not 0.0 < top_p <= 1.0:
-            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {top_p}")
+            raise ParamError("top_p", f"must be in (0, 1], got {top_p}")
         set_(self, "top_p", top_p)
         min_p = _real("min_p", self.min_p)
         if not 0.0 <= min_p <= 1.0:
-            raise ValueError(f"SamplingParams.min_p must be in [0, 1], got {min_p}")
+            raise ParamError("min_p", f"must be in [0, 1], got {min_p}")
         set_(self, "min_p", min_p)
         rep = _real("repetition_penalty", self.repetition_penalty)
         if rep <= 0:
-            raise ValueError(f"SamplingParams.repetition_penalty must be > 0 (1 = disabled), got {rep}")
+            raise ParamError("repetition_penalty", f"must be > 0 (1 = disabled), got {rep}")
         set_(self, "repetition_penalty", rep)
         for name in ("presence_penalty", "frequency_penalty"):
             v = _real(name, getattr(self, name))
             if not -2.0 <= v <= 2.0:
-                raise ValueError(f"SamplingParams.{name} must be in [-2, 2], got {v}")
+                raise ParamError(name, f"must be in [-2, 2], got {v}")
             set_(self, name, v)
         if self.seed is not None:
             if isinstance(self.seed, bool) or not isinstance(self.seed, Integral) or not 0 <= self.seed < 2**63:
-                raise ValueError(f"SamplingParams.seed must be None or an integer in [0, 2**63), got {self.seed!r}")
+                raise ParamError("seed", f"must be None or an integer in [0, 2**63), got {self.seed!r}")
             set_(self, "seed", int(self.seed))
 
     @property
