@@ -19,7 +19,7 @@ from verispec.model.linear import (
 from verispec.model.runner import HFRunner
 from verispec.sampling import SamplingParams
 
-from .tiny import greedy_reference, loaded, make_model
+from ..engine.tiny import greedy_reference, loaded, make_model
 
 GEN = torch.Generator().manual_seed(0)
 

@@ -9,7 +9,7 @@ import torch
 from verispec.model.fast import FastRunner
 from verispec.model.runner import HFRunner
 
-from .tiny import make_model
+from ..engine.tiny import make_model
 
 RUNNERS = {"hf": HFRunner, "fast": FastRunner}
 
