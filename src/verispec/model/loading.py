@@ -12,6 +12,7 @@ import functools
 import hashlib
 import os
 import shutil
+import struct
 import subprocess
 import sys
 import tempfile
@@ -114,20 +115,7 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return _DTYPES[dtype]
 
 
-def load_model(spec: str | os.PathLike | None, *, dtype: str | torch.dtype = "float32", device: str = "cpu",
-               threads: int | None = None) -> LoadedModel:
-    """Load a causal LM and its tokenizer.
-
-    spec: None (the default model), a hub id or local directory (`from_pretrained`), or a path to a
-    `.gguf` file (loaded with `gguf_file=`, dequantized to `dtype`).
-    """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
-
-    if threads is not None:
-        if threads < 1:
-            raise ModelLoadError(f"threads must be >= 1, got {threads}")
-        torch.set_num_threads(threads)
+def _check_device(device: str) -> None:
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError):
@@ -138,18 +126,66 @@ def load_model(spec: str | os.PathLike | None, *, dtype: str | torch.dtype = "fl
             raise ModelLoadError(f"device {device!r} requested but torch sees {count} CUDA device(s)")
     elif dev.type != "cpu":
         raise ModelLoadError(f"unsupported device {device!r}; use cpu, cuda or cuda:N")
-    torch_dtype = parse_dtype(dtype)
+
+
+def _looks_like_path(spec: str) -> bool:
+    """A spec that can only mean a local path (a hub id is `name` or `namespace/name`)."""
+    return (os.path.isabs(spec) or spec.startswith((".", "~")) or spec.count("/") > 1 or spec.endswith("/")
+            or (os.sep != "/" and os.sep in spec))
+
+
+def _resolve(spec: str | os.PathLike | None) -> tuple[str, str, dict]:
+    """spec -> (source for from_pretrained, display name, extra kwargs such as gguf_file); a clear
+    ModelLoadError for a path that does not exist or a directory that holds no model."""
     if spec is None:
-        path, name = default_model_path(), DEFAULT_MODEL_NAME
-    else:
-        path, name = Path(os.fspath(spec)), os.fspath(spec)
-    kwargs: dict = {}
+        path = default_model_path()
+        return str(path.parent), DEFAULT_MODEL_NAME, {"gguf_file": path.name}
+    name = os.fspath(spec)
+    path = Path(name).expanduser()
     if path.suffix == ".gguf":
         if not path.is_file():
             raise ModelLoadError(f"GGUF file not found: {path}")
-        source, kwargs["gguf_file"] = str(path.parent), path.name
-    else:
-        source = str(path) if path.exists() else os.fspath(spec)
+        return str(path.parent), name, {"gguf_file": path.name}
+    if not path.exists():
+        if _looks_like_path(name):
+            raise ModelLoadError(f"no such file or directory: {name}")
+        return name, name, {}  # a hub id
+    if not path.is_dir():
+        raise ModelLoadError(f"{name} is a file but not a model: pass a model directory or a .gguf file")
+    if (path / "config.json").is_file():
+        return str(path), name, {}
+    ggufs = sorted(p.name for p in path.glob("*.gguf"))
+    if len(ggufs) == 1:
+        return str(path), name, {"gguf_file": ggufs[0]}
+    if ggufs:
+        raise ModelLoadError(f"{name} holds several GGUF files ({', '.join(ggufs)}): pass the path of one")
+    raise ModelLoadError(f"{name} is a directory but holds no model (no config.json / *.gguf)")
+
+
+# what numpy says when a GGUF tensor's data is cut short
+_NUMPY_SHORT = ("cannot reshape array", "When changing to a larger dtype")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
+
+
+def _load_error(name: str, source: str, kwargs: dict, e: Exception) -> ModelLoadError:
+    """One line that says what is wrong, from an exception raised while loading."""
+    if isinstance(e, (struct.error, EOFError)) or ("gguf_file" in kwargs and any(m in str(e) for m in _NUMPY_SHORT)):
+        return ModelLoadError(f"could not load model {name!r}: the GGUF file {kwargs.get('gguf_file')} is "
+                              f"truncated or corrupt ({e})")
+    src = Path(source)
+    if "gguf_file" not in kwargs and src.is_dir() and not any((src / f).is_file() for f in _TOKENIZER_FILES):
+        return ModelLoadError(f"could not load model {name!r}: the directory has a config.json but no tokenizer "
+                              f"(none of {', '.join(_TOKENIZER_FILES)})")
+    text = " ".join(str(e).split()) or type(e).__name__
+    if len(text) > 300:
+        text = text[:297] + "..."
+    return ModelLoadError(f"could not load model {name!r}: {text}")
+
+
+def _from_pretrained(source: str, name: str, kwargs: dict, torch_dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
     verbosity = hf_logging.get_verbosity()
     bars = hf_logging.is_progress_bar_enabled()
     hf_logging.set_verbosity_error()
@@ -159,13 +195,31 @@ def load_model(spec: str | os.PathLike | None, *, dtype: str | torch.dtype = "fl
         with quiet_gguf:
             tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
             model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, **kwargs)
-    except (OSError, ValueError, ImportError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ModelLoadError(f"could not load model {name!r}: {first}") from None
+    except (OSError, ValueError, ImportError, EOFError, struct.error) as e:
+        raise _load_error(name, source, kwargs, e) from None
     finally:
         hf_logging.set_verbosity(verbosity)
         if bars:
             hf_logging.enable_progress_bar()
+    return model, tokenizer
+
+
+def load_model(spec: str | os.PathLike | None, *, dtype: str | torch.dtype = "float32", device: str = "cpu",
+               threads: int | None = None) -> LoadedModel:
+    """Load a causal LM and its tokenizer.
+
+    spec: None (the default model), a hub id, a local model directory (`from_pretrained`; a directory without
+    config.json but with one `.gguf` file loads that file), or a path to a `.gguf` file (loaded with
+    `gguf_file=`, dequantized to `dtype`).
+    """
+    if threads is not None:
+        if threads < 1:
+            raise ModelLoadError(f"threads must be >= 1, got {threads}")
+        torch.set_num_threads(threads)
+    _check_device(device)
+    torch_dtype = parse_dtype(dtype)
+    source, name, kwargs = _resolve(spec)
+    model, tokenizer = _from_pretrained(source, name, kwargs, torch_dtype)
     model = model.to(device).eval()
     return LoadedModel(model=model, tokenizer=tokenizer, name=name)
 
