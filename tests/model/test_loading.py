@@ -42,11 +42,11 @@ def test_gguf_truncated_inside_its_header_is_a_clear_error(tmp_path):
 
 
 def test_missing_paths_say_so(tmp_path):
-    with pytest.raises(ModelLoadError, match="^no such file or directory: .*missing-dir$"):
+    with pytest.raises(ModelLoadError, match=r"^no such file or directory: .*missing-dir$"):
         load_model(tmp_path / "missing-dir")
-    with pytest.raises(ModelLoadError, match="^no such file or directory: ./not-here$"):
+    with pytest.raises(ModelLoadError, match=r"^no such file or directory: \./not-here$"):
         load_model("./not-here")
-    with pytest.raises(ModelLoadError, match="^GGUF file not found: .*missing.gguf$"):
+    with pytest.raises(ModelLoadError, match=r"^GGUF file not found: .*missing\.gguf$"):
         load_model(tmp_path / "missing.gguf")
 
 
@@ -58,7 +58,7 @@ def test_a_directory_without_a_model_says_what_it_lacks(tmp_path):
     config_only = tmp_path / "config-only"
     config_only.mkdir()
     (config_only / "config.json").write_text(json.dumps({"model_type": "llama"}))
-    with pytest.raises(ModelLoadError, match="has a config.json but no tokenizer") as info:
+    with pytest.raises(ModelLoadError, match=r"has a config\.json but no tokenizer") as info:
         load_model(config_only)
     assert "\n" not in str(info.value) and not str(info.value).endswith(": ")
     two = tmp_path / "two-ggufs"
