@@ -1,5 +1,6 @@
-"""OpenAI-compatible HTTP serving: `create_app(generator, model_name)` and the engine thread behind it."""
+"""OpenAI-compatible HTTP serving: `create_app(generator, model_name)` and the engine thread behind it;
+`served_model_id(name)` is the plain model id a server built from `name` reports and accepts."""
 
-from .app import create_app
+from .app import create_app, served_model_id
 
-__all__ = ["create_app"]
+__all__ = ["create_app", "served_model_id"]

@@ -6,11 +6,16 @@ HTTP handlers run on the asyncio loop; the model runs on this one thread. A hand
 `call_soon_threadsafe`). Admission is bounded: at most `max_batch` rows run, at most `max_queue` jobs
 wait; past that `submit` raises `Overloaded` (the handler answers 429). A cancelled job (client gone)
 leaves the batch before the next step.
+
+Every choice is counted in the metrics exactly once, here where it ends: finished (`stop` / `length`, before
+its last event reaches the handler), dropped because its client went away (`abort`: while running or still
+waiting), or failed by an engine error (`error`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
@@ -42,10 +47,8 @@ class Job:
 
     def push(self, item) -> None:
         """From the engine thread: hand an event (StreamEvent) or an Exception to the handler."""
-        try:
+        with contextlib.suppress(RuntimeError):  # the loop is closed (server shutting down)
             self.loop.call_soon_threadsafe(self.events.put_nowait, item)
-        except RuntimeError:  # the loop is closed (server shutting down)
-            pass
 
 
 class EngineThread:
@@ -102,6 +105,28 @@ class EngineThread:
         if self.metrics is not None:
             self.metrics.set_queue(len(self._waiting), len(self._jobs))
 
+    def _dropped(self, rows: int, reason: str) -> None:
+        if self.metrics is not None and rows:
+            self.metrics.observe_dropped(rows, reason)
+
+    def _finished(self, job: Job, completion) -> None:
+        if self.metrics is not None:
+            self.metrics.observe_request(
+                len(completion.prompt_token_ids),
+                len(completion.token_ids),
+                completion.finish_reason,
+                time.time() - job.created,
+            )
+
+    def _abort(self, job: Job) -> int:
+        """Under the lock: take the job's running rows out of the session; returns how many there were."""
+        n = 0
+        for i in range(len(job.choices)):
+            if self._jobs.pop((job.id, i), None) is not None:
+                self.session.abort((job.id, i))
+                n += 1
+        return n
+
     def _admit(self) -> None:
         """Under the lock: move waiting jobs into the session while rows are free."""
         running = self.session.num_active
@@ -109,6 +134,7 @@ class EngineThread:
             job = self._waiting[0]
             if job.cancelled:
                 self._waiting.popleft()
+                self._dropped(len(job.choices), "abort")
                 continue
             if running and running + len(job.choices) > self.max_batch:
                 break
@@ -119,9 +145,7 @@ class EngineThread:
                     self._jobs[(job.id, i)] = job
                 running += len(job.choices)
             except Exception as e:  # validated by the handler already; never let one request kill the loop
-                for i in range(len(job.choices)):
-                    if self._jobs.pop((job.id, i), None) is not None:
-                        self.session.abort((job.id, i))
+                self._abort(job)
                 job.push(e)
 
     def _run(self) -> None:
@@ -132,29 +156,32 @@ class EngineThread:
                 if self._stop:
                     break
                 for job in self._cancel:
-                    for i in range(len(job.choices)):
-                        if self._jobs.pop((job.id, i), None) is not None:
-                            self.session.abort((job.id, i))
+                    self._dropped(self._abort(job), "abort")
                 self._cancel.clear()
                 self._admit()
             self._gauges()
-            if not self.session.num_active:
+            if self.session.num_active:
+                self._step()
+
+    def _step(self) -> None:
+        """One engine step; hands each event to its job (a finished choice is counted first)."""
+        try:
+            events = self.session.step()
+        except Exception as e:  # a bug or a device error: fail the running requests, keep serving
+            log.exception("engine step failed")
+            for job in {job.id: job for job in self._jobs.values()}.values():  # (a Job is not hashable)
+                job.push(RuntimeError(f"engine step failed: {e}"))
+            self._dropped(len(self._jobs), "error")
+            self._jobs.clear()
+            self.session = self.gen.session()
+            return
+        if self.metrics is not None:
+            self.metrics.observe_step(self.session.last_step)
+        for ev in events:
+            job = self._jobs.get(ev.key)
+            if job is None:
                 continue
-            try:
-                events = self.session.step()
-            except Exception as e:  # a bug or a device error: fail the running requests, keep serving
-                log.exception("engine step failed")
-                for job in set(self._jobs.values()):
-                    job.push(RuntimeError(f"engine step failed: {e}"))
-                self._jobs.clear()
-                self.session = self.gen.session()
-                continue
-            if self.metrics is not None:
-                self.metrics.observe_step(self.session.last_step)
-            for ev in events:
-                job = self._jobs.get(ev.key)
-                if job is None:
-                    continue
-                if ev.completion is not None:
-                    del self._jobs[ev.key]
-                job.push(ev)
+            if ev.completion is not None:
+                del self._jobs[ev.key]
+                self._finished(job, ev.completion)
+            job.push(ev)

@@ -1,6 +1,8 @@
 """Prometheus metrics, named after vLLM's (prefix `verispec:` instead of `vllm:`) so existing dashboards and
 alerts carry over: spec_decode_num_drafts / num_draft_tokens / num_accepted_tokens /
-num_accepted_tokens_per_pos, num_requests_running / waiting, e2e_request_latency_seconds, token counters."""
+num_accepted_tokens_per_pos, num_requests_running / waiting, e2e_request_latency_seconds, token counters, and
+request_success{finished_reason}: "stop" / "length" for finished choices, "abort" for those whose client went
+away, "error" for those an engine fault ended (each choice of a request counts once)."""
 
 from __future__ import annotations
 
@@ -10,35 +12,37 @@ __all__ = ["Metrics"]
 
 
 class Metrics:
+    """The server's metrics, in a registry of its own (two servers in one process do not share counters)."""
+
     def __init__(self, model_name: str):
         self.registry = CollectorRegistry()
-        lbl = {"model_name": model_name}
-        self._lbl = lbl
-        r = self.registry
-        self.running = Gauge("verispec:num_requests_running", "Requests in the running batch", ["model_name"],
-                             registry=r).labels(**lbl)
-        self.waiting = Gauge("verispec:num_requests_waiting", "Requests waiting for a batch slot", ["model_name"],
-                             registry=r).labels(**lbl)
-        self.drafts = Counter("verispec:spec_decode_num_drafts", "Speculative steps that drafted (per row)",
-                              ["model_name"], registry=r).labels(**lbl)
-        self.draft_tokens = Counter("verispec:spec_decode_num_draft_tokens", "Draft tokens proposed",
-                                    ["model_name"], registry=r).labels(**lbl)
-        self.accepted_tokens = Counter("verispec:spec_decode_num_accepted_tokens", "Draft tokens accepted",
-                                       ["model_name"], registry=r).labels(**lbl)
-        self.accepted_per_pos = Counter("verispec:spec_decode_num_accepted_tokens_per_pos",
-                                        "Accepted draft tokens by position in the draft", ["model_name", "position"],
-                                        registry=r)
-        self.prompt_tokens = Counter("verispec:prompt_tokens", "Prompt tokens processed", ["model_name"],
-                                     registry=r).labels(**lbl)
-        self.generation_tokens = Counter("verispec:generation_tokens", "Tokens generated", ["model_name"],
-                                         registry=r).labels(**lbl)
-        self.request_success = Counter("verispec:request_success", "Finished requests", ["model_name",
-                                       "finished_reason"], registry=r)
-        self.rejected = Counter("verispec:request_rejected", "Requests refused because the queue was full",
-                                ["model_name"], registry=r).labels(**lbl)
-        self.latency = Histogram("verispec:e2e_request_latency_seconds", "End-to-end request latency",
-                                 ["model_name"], registry=r,
-                                 buckets=(0.1, 0.3, 0.5, 1, 2.5, 5, 10, 20, 40, 60, 120, 300)).labels(**lbl)
+        self._lbl = {"model_name": model_name}
+        self.running = self._one(Gauge, "num_requests_running", "Requests in the running batch")
+        self.waiting = self._one(Gauge, "num_requests_waiting", "Requests waiting for a batch slot")
+        self.drafts = self._one(Counter, "spec_decode_num_drafts", "Speculative steps that drafted (per row)")
+        self.draft_tokens = self._one(Counter, "spec_decode_num_draft_tokens", "Draft tokens proposed")
+        self.accepted_tokens = self._one(Counter, "spec_decode_num_accepted_tokens", "Draft tokens accepted")
+        self.accepted_per_pos = self._by(
+            "spec_decode_num_accepted_tokens_per_pos", "Accepted draft tokens by position in the draft", "position"
+        )
+        self.prompt_tokens = self._one(Counter, "prompt_tokens", "Prompt tokens processed")
+        self.generation_tokens = self._one(Counter, "generation_tokens", "Tokens generated")
+        self.request_success = self._by("request_success", "Finished requests", "finished_reason")
+        self.rejected = self._one(Counter, "request_rejected", "Requests refused because the queue was full")
+        self.latency = self._one(
+            Histogram,
+            "e2e_request_latency_seconds",
+            "End-to-end request latency",
+            buckets=(0.1, 0.3, 0.5, 1, 2.5, 5, 10, 20, 40, 60, 120, 300),
+        )
+
+    def _one(self, kind, name: str, doc: str, **kw):
+        """A metric of this server's model: `verispec:<name>{model_name}`."""
+        return kind(f"verispec:{name}", doc, ["model_name"], registry=self.registry, **kw).labels(**self._lbl)
+
+    def _by(self, name: str, doc: str, label: str) -> Counter:
+        """A counter with one more label besides model_name (set it and model_name with `.labels`)."""
+        return Counter(f"verispec:{name}", doc, ["model_name", label], registry=self.registry)
 
     def set_queue(self, waiting: int, running: int) -> None:
         self.waiting.set(waiting)
@@ -59,6 +63,10 @@ class Metrics:
         self.generation_tokens.inc(generated)
         self.request_success.labels(finished_reason=reason, **self._lbl).inc()
         self.latency.observe(seconds)
+
+    def observe_dropped(self, choices: int, reason: str = "abort") -> None:
+        """Choices that ended without finishing: "abort" (the client went away) or "error" (an engine fault)."""
+        self.request_success.labels(finished_reason=reason, **self._lbl).inc(choices)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

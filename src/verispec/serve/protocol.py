@@ -1,11 +1,19 @@
-"""OpenAI-compatible request bodies (pydantic). Unknown fields are refused (400 naming the field): a sampling
-option the server cannot honour must never be silently ignored."""
+"""OpenAI-compatible request and response bodies (pydantic).
+
+Requests: unknown fields are refused (400 naming the field): a sampling option the server cannot honour must
+never be silently ignored. Responses: what the handlers return, field for field what OpenAI's API sends
+(plus `usage.speculation`); stream chunks leave out what OpenAI leaves out (a chunk's `usage` until the last,
+a delta's unset `role` / `content`)."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, ClassVar, Generic, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_serializer
+
+MAX_SPECULATIVE_TOKENS = 128  # a per-request draft length above this is refused (the server caps it lower)
+
+# --- requests ----------------------------------------------------------------------------------------------
 
 
 class StreamOptions(BaseModel):
@@ -31,7 +39,8 @@ class _Common(BaseModel):
     top_k: int = 0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
-    num_speculative_tokens: int | None = Field(None, ge=0)  # this request's draft length; 0 turns speculation off
+    # this request's draft length; 0 turns speculation off; the server caps it at its own maximum
+    num_speculative_tokens: StrictInt | None = Field(None, ge=0, le=MAX_SPECULATIVE_TOKENS)
     ignore_eos: bool = False
 
 
@@ -64,3 +73,144 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+
+
+# --- responses ---------------------------------------------------------------------------------------------
+
+
+class _OmitNone(BaseModel):
+    """Serialises without the fields in `omit_if_none` that are None (OpenAI leaves them out, not null)."""
+
+    omit_if_none: ClassVar[tuple[str, ...]] = ()
+
+    @model_serializer(mode="wrap")
+    def _omit(self, handler) -> dict[str, Any]:
+        data = handler(self)
+        return {k: v for k, v in data.items() if v is not None or k not in self.omit_if_none}
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
+
+
+class ModelCard(BaseModel):
+    """One entry of GET /v1/models."""
+
+    id: str
+    object: Literal["model"] = "model"
+    created: int = 0
+    owned_by: str = "verispec"
+    max_model_len: int | None = None  # the context, in tokens (vLLM's field)
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class Speculation(BaseModel):
+    """`usage.speculation`: the request's speculative decoding, summed over its choices."""
+
+    draft_tokens: int
+    accepted_tokens: int
+    acceptance_rate: float | None
+    target_passes: int
+    tokens_per_pass: float | None
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    speculation: Speculation
+
+
+class _Choice(BaseModel):
+    index: int
+    finish_reason: str | None = None  # None in the stream chunks before a choice's last
+
+
+C = TypeVar("C", bound=_Choice)
+
+
+class _Envelope(_OmitNone, Generic[C]):
+    """What every completion response and stream chunk carries; `usage` is left out of the chunks before the
+    last."""
+
+    omit_if_none: ClassVar[tuple[str, ...]] = ("usage",)
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: list[C]
+    usage: Usage | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]] | None
+    text_offset: list[int]  # where each token starts in the choice's text
+
+
+class CompletionChoice(_Choice):
+    text: str
+    logprobs: CompletionLogprobs | None = None
+
+
+class CompletionResponse(_Envelope[CompletionChoice]):
+    """A completion, or (stream) one chunk of it."""
+
+    object: Literal["text_completion"] = "text_completion"
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob]
+
+
+class ChatMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class _ChatChoice(_Choice):
+    logprobs: ChatLogprobs | None = None
+
+
+class ChatChoice(_ChatChoice):
+    message: ChatMessage
+
+
+class ChatCompletionResponse(_Envelope[ChatChoice]):
+    object: Literal["chat.completion"] = "chat.completion"
+
+
+class ChatDelta(_OmitNone):
+    omit_if_none: ClassVar[tuple[str, ...]] = ("role", "content")
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(_ChatChoice):
+    delta: ChatDelta
+
+
+class ChatCompletionChunk(_Envelope[ChatChunkChoice]):
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"

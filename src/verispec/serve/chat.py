@@ -1,0 +1,100 @@
+"""POST /v1/chat/completions: the tokenizer's chat template over the messages, plain or streamed."""
+
+from __future__ import annotations
+
+from functools import partial
+
+from fastapi import APIRouter, Request
+
+from ..engine.generator import Completion, StreamEvent
+from .errors import APIError
+from .jobs import Run, Served, usage
+from .protocol import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChatLogprobs,
+    ChatMessage,
+    TokenLogprob,
+    TopLogprob,
+)
+
+__all__ = ["router"]
+
+router = APIRouter()
+
+
+def chat_logprobs(served: Served, ids: list[int], lps: list[float], tops) -> ChatLogprobs:
+    def top(token: int, logprob: float) -> TopLogprob:
+        s = served.piece(token)
+        return TopLogprob(token=s, logprob=logprob, bytes=list(s.encode()))
+
+    content = []
+    for j, (t, v) in enumerate(zip(ids, lps)):
+        alts = [] if tops is None else [top(a, b) for a, b in tops[j]]
+        content.append(TokenLogprob(**top(t, v).model_dump(), top_logprobs=alts))
+    return ChatLogprobs(content=content)
+
+
+class _Reply:
+    def __init__(self, served: Served, req: ChatCompletionRequest, run: Run):
+        self.served, self.logprobs, self.prompt_tokens = served, req.logprobs, run.prompt_tokens
+        self.id, self.created = f"chatcmpl-{run.job.id}", int(run.job.created)
+        self.chunk = partial(ChatCompletionChunk, id=self.id, created=self.created, model=served.model_id)
+        self.first = [ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content="")) for i in range(run.n)]
+
+    def answer(self, done: list[Completion]) -> ChatCompletionResponse:
+        choices = [
+            ChatChoice(
+                index=i,
+                message=ChatMessage(content=c.text),
+                finish_reason=c.finish_reason,
+                logprobs=chat_logprobs(self.served, c.token_ids, c.raw_logprobs, c.top_logprobs)
+                if self.logprobs
+                else None,
+            )
+            for i, c in enumerate(done)
+        ]
+        return ChatCompletionResponse(
+            id=self.id,
+            created=self.created,
+            model=self.served.model_id,
+            choices=choices,
+            usage=usage(self.prompt_tokens, done),
+        )
+
+    def choice(self, ev: StreamEvent) -> ChatChunkChoice | None:
+        lp = (
+            chat_logprobs(self.served, ev.token_ids, ev.raw_logprobs, ev.top_logprobs)
+            if self.logprobs and ev.token_ids
+            else None
+        )
+        c = ev.completion
+        if not (ev.delta or lp or c is not None):
+            return None
+        return ChatChunkChoice(
+            index=ev.index,
+            delta=ChatDelta(content=ev.delta or None),
+            logprobs=lp,
+            finish_reason=c.finish_reason if c is not None else None,
+        )
+
+
+@router.post("/v1/chat/completions")
+async def chat(req: ChatCompletionRequest, request: Request):
+    served: Served = request.app.state.served
+    messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+    try:
+        ids = served.gen.encode(messages, chat=True)
+    except ValueError as e:
+        raise APIError(400, str(e), "messages") from None
+    if req.top_logprobs and not req.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
+    top_n = (req.top_logprobs or 0) if req.logprobs else 0
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    run = served.submit(req, request, ids, max_tokens, top_n, "messages")
+    reply = _Reply(served, req, run)
+    return await run.respond(reply.answer, reply.choice, reply.chunk, reply.first)
