@@ -82,8 +82,9 @@ def test_completion_greedy_equals_the_engine_and_reports_speculation(server):
 
 
 def test_chat_completion(server):
-    out = server.client().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "a b c"}],
-                                                  max_completion_tokens=8, seed=1)
+    out = server.client().chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "a b c"}], max_completion_tokens=8, seed=1
+    )
     msg = out.choices[0].message
     assert msg.role == "assistant" and isinstance(msg.content, str)
     assert out.choices[0].finish_reason in ("stop", "length")
@@ -110,8 +111,9 @@ def test_logprobs(server):
     lp = out.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == out.usage.completion_tokens
     assert all(v <= 0 for v in lp.token_logprobs) and all(len(d) == 3 for d in lp.top_logprobs)
-    chat = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "a"}], max_tokens=5,
-                                     logprobs=True, top_logprobs=2, seed=2)
+    chat = c.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "a"}], max_tokens=5, logprobs=True, top_logprobs=2, seed=2
+    )
     content = chat.choices[0].logprobs.content
     assert len(content) == chat.usage.completion_tokens
     for entry in content:
@@ -119,12 +121,42 @@ def test_logprobs(server):
         assert entry.logprob <= entry.top_logprobs[0].logprob + 1e-6  # the best alternative is at least as likely
 
 
+def _pieces(text: str, offsets: list[int]) -> list[str]:
+    """text cut at the offsets: what each token contributes to the text."""
+    assert offsets[0] == 0 and offsets == sorted(offsets) and offsets[-1] <= len(text)
+    return [text[a:b] for a, b in zip(offsets, [*offsets[1:], len(text)])]
+
+
+def test_text_offset_indexes_the_text_plain_and_streamed(server):
+    """text_offset[i] is where token i starts in the returned text (the tiny tokenizer joins words with spaces,
+    so decoding each token alone would give 0, 1, 2, ... instead)."""
+    c = server.client()
+    kw = dict(model=MODEL, prompt="a b c", max_tokens=10, logprobs=1, seed=5, extra_body={"ignore_eos": True})
+    choice = c.completions.create(**kw).choices[0]
+    text, lp = choice.text, choice.logprobs
+    assert len(lp.text_offset) == len(lp.tokens) == 10
+    pieces = _pieces(text, lp.text_offset)
+    assert "".join(pieces) == text
+    assert [p.strip() for p in pieces] == lp.tokens  # each token's text sits at its offset
+    chunks = [ch.choices[0] for ch in c.completions.create(**kw, stream=True) if ch.choices]
+    assert "".join(ch.text for ch in chunks) == text
+    assert [o for ch in chunks if ch.logprobs for o in ch.logprobs.text_offset] == lp.text_offset
+    stop = text.split()[4]  # a stop string: the text is cut, the offsets stay inside it
+    cut = c.completions.create(**kw | {"stop": [stop]}).choices[0]
+    assert cut.finish_reason == "stop" and "".join(_pieces(cut.text, cut.logprobs.text_offset)) == cut.text
+
+
 def test_seeds_reproduce_alone_and_under_concurrency(server):
     c = server.client()
 
     def ask(seed):
-        return c.completions.create(model=MODEL, prompt="a b c d", max_tokens=20, seed=seed,
-                                    extra_body={"ignore_eos": True}).choices[0].text
+        return (
+            c.completions.create(
+                model=MODEL, prompt="a b c d", max_tokens=20, seed=seed, extra_body={"ignore_eos": True}
+            )
+            .choices[0]
+            .text
+        )
 
     alone = [ask(s) for s in range(8)]
     assert len(set(alone)) > 1  # different seeds, different samples
@@ -135,45 +167,98 @@ def test_seeds_reproduce_alone_and_under_concurrency(server):
 
 def test_stop_sequences_and_n(server):
     c = server.client()
-    base = c.completions.create(model=MODEL, prompt="a b c", max_tokens=12, temperature=0,
-                                extra_body={"ignore_eos": True}).choices[0].text
+    base = (
+        c.completions.create(model=MODEL, prompt="a b c", max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
+        .choices[0]
+        .text
+    )
     words = base.split()
     assert len(words) >= 4
     stop = words[3]
-    cut = c.completions.create(model=MODEL, prompt="a b c", max_tokens=12, temperature=0, stop=[stop],
-                               extra_body={"ignore_eos": True}).choices[0]
+    cut = c.completions.create(
+        model=MODEL, prompt="a b c", max_tokens=12, temperature=0, stop=[stop], extra_body={"ignore_eos": True}
+    ).choices[0]
     assert cut.finish_reason == "stop" and cut.text == base[: base.find(stop)]
     two = c.completions.create(model=MODEL, prompt="a b c", max_tokens=5, n=2, seed=11)
     assert [ch.index for ch in two.choices] == [0, 1]
 
 
 def test_speculation_can_be_switched_off_per_request(server):
-    out = server.client().completions.create(model=MODEL, prompt="a b a b", max_tokens=10, temperature=0,
-                                             extra_body={"num_speculative_tokens": 0})
+    out = server.client().completions.create(
+        model=MODEL, prompt="a b a b", max_tokens=10, temperature=0, extra_body={"num_speculative_tokens": 0}
+    )
     assert out.usage.model_extra["speculation"]["draft_tokens"] == 0
 
 
-@pytest.mark.parametrize("kwargs,status,param", [
-    ({"model": "gpt-9"}, 404, "model"),
-    ({"temperature": -1.0}, 400, "temperature"),
-    ({"top_p": 2.0}, 400, "top_p"),
-    ({"extra_body": {"logit_bias": {"1": 5}}}, 400, "logit_bias"),
-    ({"prompt": " ".join(["a"] * 300)}, 400, "prompt"),
-    ({"max_tokens": 1000}, 400, "max_tokens"),
-    ({"stop": [""]}, 400, "stop"),
-    ({"extra_body": {"num_speculative_tokens": -1}}, 400, "num_speculative_tokens"),
-])
+@pytest.mark.parametrize(
+    "kwargs,status,param",
+    [
+        ({"model": "gpt-9"}, 404, "model"),
+        ({"temperature": -1.0}, 400, "temperature"),
+        ({"top_p": 2.0}, 400, "top_p"),
+        ({"extra_body": {"logit_bias": {"1": 5}}}, 400, "logit_bias"),
+        ({"prompt": " ".join(["a"] * 300)}, 400, "prompt"),
+        ({"max_tokens": 1000}, 400, "max_tokens"),
+        ({"stop": [""]}, 400, "stop"),
+        ({"extra_body": {"num_speculative_tokens": -1}}, 400, "num_speculative_tokens"),
+        ({"extra_body": {"num_speculative_tokens": 10**6}}, 400, "num_speculative_tokens"),
+        ({"extra_body": {"num_speculative_tokens": 2.5}}, 400, "num_speculative_tokens"),
+        ({"extra_body": {"num_speculative_tokens": "3"}}, 400, "num_speculative_tokens"),
+        ({"prompt": 5}, 400, "prompt"),
+        ({"prompt": [1, "x"]}, 400, "prompt[1]"),
+    ],
+)
 def test_errors_are_openai_style_and_name_the_field(server, kwargs, status, param):
     args = {"model": MODEL, "prompt": "a b", "max_tokens": 4} | kwargs
     with pytest.raises(openai.APIStatusError) as info:
         server.client().completions.create(**args)
     assert info.value.status_code == status
     assert info.value.body["param"] == param and info.value.body["message"]
+    assert "SamplingParams" not in info.value.body["message"]  # the request's words, not the library's
+
+
+@pytest.mark.parametrize(
+    "messages,param",
+    [
+        ([{"role": "user", "content": 5}], "messages[0].content"),
+        ([{"role": "user", "content": "a"}, {"content": "b"}], "messages[1].role"),
+        ([{"role": "user", "content": [{"type": "text", "text": 1}]}], "messages[0].content[0].text"),
+        ([], "messages"),
+    ],
+)
+def test_chat_errors_name_the_field_as_sent(server, messages, param):
+    r = httpx.post(server.url + "/v1/chat/completions", json={"model": MODEL, "messages": messages})
+    assert r.status_code == 400 and set(r.json()["error"]) == {"message", "type", "param", "code"}
+    assert r.json()["error"]["param"] == param and r.json()["error"]["message"].startswith(param)
+
+
+@pytest.mark.parametrize("body", [b"", b"null", b"[]", b'"a"'])
+def test_an_empty_or_non_object_body_gets_an_error_object(server, body):
+    r = httpx.post(server.url + "/v1/completions", content=body, headers={"content-type": "application/json"})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["type"] == "invalid_request_error" and err["param"] is None
+    assert "request body" in err["message"]
+
+
+def test_unknown_routes_get_error_objects(server):
+    r = httpx.get(server.url + "/v1/nowhere")
+    assert r.status_code == 404
+    assert r.json() == {
+        "error": {
+            "message": "Invalid URL (GET /v1/nowhere)",
+            "type": "invalid_request_error",
+            "param": None,
+            "code": None,
+        }
+    }
+    r = httpx.get(server.url + "/v1/completions")
+    assert r.status_code == 405 and r.json()["error"]["message"] and "POST" in r.headers["allow"]
 
 
 def test_bad_json_and_bad_messages(server):
-    r = httpx.post(server.url + "/v1/chat/completions", content=b"{not json", headers={"content-type":
-                                                                                       "application/json"})
+    r = httpx.post(
+        server.url + "/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"}
+    )
     assert r.status_code == 400 and "error" in r.json()
     r = httpx.post(server.url + "/v1/chat/completions", json={"model": MODEL, "messages": []})
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
@@ -200,8 +285,9 @@ def test_load_32_clients_no_errors_no_lost_requests(server):
     def client(i):
         texts = []
         for j in range(8):
-            out = c.completions.create(model=MODEL, prompt=f"a b {chr(97 + (i + j) % 26)}", max_tokens=6,
-                                       seed=1000 * i + j)
+            out = c.completions.create(
+                model=MODEL, prompt=f"a b {chr(97 + (i + j) % 26)}", max_tokens=6, seed=1000 * i + j
+            )
             assert out.choices[0].finish_reason in ("stop", "length")
             texts.append(out.choices[0].text)
         return len(texts)
@@ -214,9 +300,13 @@ def test_load_32_clients_no_errors_no_lost_requests(server):
 
 def test_overload_returns_429_with_retry_after():
     with LiveServer(SpeculativeGenerator(TARGET, DRAFT, gamma=3), max_batch=1, max_queue=1) as s:
+
         def ask(_):
-            return httpx.post(s.url + "/v1/completions", timeout=120,
-                              json={"model": MODEL, "prompt": "a b", "max_tokens": 60, "ignore_eos": True})
+            return httpx.post(
+                s.url + "/v1/completions",
+                timeout=120,
+                json={"model": MODEL, "prompt": "a b", "max_tokens": 60, "ignore_eos": True},
+            )
 
         with ThreadPoolExecutor(12) as pool:
             replies = list(pool.map(ask, range(12)))
@@ -238,9 +328,13 @@ def test_client_disconnect_mid_stream_stops_the_request():
         while time.time() < deadline and (s.engine.num_running or s.engine.session.num_active):
             time.sleep(0.02)
         assert s.engine.session.num_active == 0
-        finished = [ln for ln in httpx.get(s.url + "/metrics").text.splitlines()
-                    if ln.startswith("verispec:request_success_total")]
-        assert finished == []  # the request was dropped, not run to its 240 tokens
+        finished = [
+            ln
+            for ln in httpx.get(s.url + "/metrics").text.splitlines()
+            if ln.startswith("verispec:request_success_total")
+        ]
+        # the request was dropped, not run to its 240 tokens, and /metrics says so
+        assert finished == ['verispec:request_success_total{finished_reason="abort",model_name="tiny"} 1.0']
         ok = httpx.post(s.url + "/v1/completions", json={"model": MODEL, "prompt": "a", "max_tokens": 3})
         assert ok.status_code == 200  # and the server goes on
 
@@ -255,9 +349,27 @@ def test_cli_serve_starts_and_answers(tmp_path):
     make_model(0).save_pretrained(tmp_path)
     make_tokenizer().save_pretrained(tmp_path)
     port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "verispec.cli", "serve", "--target", str(tmp_path), "--port",
-                             str(port), "--served-model-name", "m", "--draft", "ngram", "--gamma", "2"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "verispec.cli",
+            "serve",
+            "--target",
+            str(tmp_path),
+            "--port",
+            str(port),
+            "--served-model-name",
+            "m",
+            "--draft",
+            "ngram",
+            "--gamma",
+            "2",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         url = f"http://127.0.0.1:{port}"
         deadline = time.time() + 120
@@ -273,6 +385,5 @@ def test_cli_serve_starts_and_answers(tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
-    bad = subprocess.run([sys.executable, "-m", "verispec.cli", "serve", "--port", "0"], capture_output=True,
-                         text=True)
+    bad = subprocess.run([sys.executable, "-m", "verispec.cli", "serve", "--port", "0"], capture_output=True, text=True)
     assert bad.returncode == 2 and "--port" in bad.stderr.strip().splitlines()[-1]
