@@ -8,6 +8,8 @@ fails the same test at the same sample size.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -67,22 +69,21 @@ class QBeforeTemperature(Proposer):
     def start(self, view, capacity):
         self.inner.start(view, capacity)
 
-    def propose(self, view, gammas):
-        prop = self.inner.propose(view, gammas)
+    def propose(self, view, caps):
+        draft = self.inner.propose(view, caps)
+        if draft.probs is None:
+            return draft
         t = view.params[0].temperature  # q_T = softmax(l / T)  =>  softmax(l) = normalise(q_T ** T)
-        q1 = prop.probs.double() ** t
-        prop.probs = (q1 / q1.sum(-1, keepdim=True)).float()
-        return prop
+        q1 = draft.probs.double() ** t
+        return dataclasses.replace(draft, probs=(q1 / q1.sum(-1, keepdim=True).clamp_min(1e-300)).float())
 
-    def update(self, view, old_lengths, num_accepted, num_draft):
-        self.inner.update(view, old_lengths, num_accepted, num_draft)
+    def update(self, view, old_lengths, draft, paths):
+        self.inner.update(view, old_lengths, draft, paths)
 
     def select(self, rows):
         self.inner.select(rows)
 
 
-TARGET = loaded(0)
-DRAFT = loaded(1, layers=1)
 SETTINGS = {
     "temperature": SamplingParams(temperature=0.6),
     "top_k_top_p": SamplingParams(temperature=1.0, top_k=12, top_p=0.9),
@@ -95,28 +96,28 @@ CASES = ([("draft-model", s) for s in SETTINGS] + [("ngram", "temperature"), ("n
 
 
 @pytest.mark.parametrize("drafter,setting", CASES, ids=[f"{d}-{s}" for d, s in CASES])
-def test_engine_matches_target_sequence_distribution(drafter, setting):
+def test_engine_matches_target_sequence_distribution(drafter, setting, tiny_target, tiny_draft):
     params = SETTINGS[setting]
     if drafter == "self-int4":
-        gen = SpeculativeGenerator(TARGET, "self", draft_quant="int4", gamma=2)
+        gen = SpeculativeGenerator(tiny_target, "self", draft_quant="int4", gamma=2)
     else:
-        gen = SpeculativeGenerator(TARGET, DRAFT if drafter == "draft-model" else "ngram", gamma=2)
+        gen = SpeculativeGenerator(tiny_target, tiny_draft if drafter == "draft-model" else "ngram", gamma=2)
     seqs = sample_sequences(gen, params)
-    result = gof(seqs, exact_sequence_probs(TARGET.model, PROMPT, params))
+    result = gof(seqs, exact_sequence_probs(tiny_target.model, PROMPT, params))
     assert not result.rejects(LEVEL), result
     assert gen.last_stats.drafted > 0 and gen.last_stats.accepted > 0  # speculation really happened
     assert gen.last_stats.accepted < gen.last_stats.drafted  # ... and rejections too
 
 
-def test_plain_decoding_matches_target_sequence_distribution():
+def test_plain_decoding_matches_target_sequence_distribution(tiny_target):
     params = SETTINGS["temperature"]
-    result = gof(sample_sequences(SpeculativeGenerator(TARGET, None), params),
-                 exact_sequence_probs(TARGET.model, PROMPT, params))
+    result = gof(sample_sequences(SpeculativeGenerator(tiny_target, None), params),
+                 exact_sequence_probs(tiny_target.model, PROMPT, params))
     assert not result.rejects(LEVEL), result
 
 
-def test_broken_engine_fails():
+def test_broken_engine_fails(tiny_target, tiny_draft):
     params = SETTINGS["temperature"]
-    gen = SpeculativeGenerator(TARGET, QBeforeTemperature(DraftModelProposer(DRAFT.model, V)), gamma=2)
-    result = gof(sample_sequences(gen, params), exact_sequence_probs(TARGET.model, PROMPT, params))
+    gen = SpeculativeGenerator(tiny_target, QBeforeTemperature(DraftModelProposer(tiny_draft.model, V)), gamma=2)
+    result = gof(sample_sequences(gen, params), exact_sequence_probs(tiny_target.model, PROMPT, params))
     assert result.rejects(LEVEL), result

@@ -11,24 +11,21 @@ from verispec.engine.generator import SpeculativeGenerator
 from verispec.model.loading import LoadedModel, ModelLoadError
 from verispec.sampling import SamplingParams
 
-from .tiny import EOS, greedy_reference, loaded, make_model, make_tokenizer, noisy_copy
+from .tiny import EOS, greedy_reference, loaded, make_model, make_tokenizer
 
-TARGET = loaded(0)
-DRAFT = loaded(1, layers=1)
-NOISY = LoadedModel(noisy_copy(TARGET.model, 0.3), TARGET.tokenizer, "noisy")  # agrees often, not always
 PROMPTS = [[3, 4, 5, 3, 4, 5, 3, 4], [9, 10], [20, 21, 22, 23, 24, 25, 20, 21, 22, 23, 24], [7]]
 GREEDY = SamplingParams(temperature=0)
 
 
 @pytest.mark.parametrize("draft", ["ngram", "model", "noisy", "self"])
 @pytest.mark.parametrize("batch", [1, 4])
-def test_greedy_equals_target_greedy(draft, batch):
-    d = {"ngram": "ngram", "model": DRAFT, "noisy": NOISY, "self": TARGET}[draft]  # "self": the target drafts for itself
-    gen = SpeculativeGenerator(TARGET, d, gamma=3)
+def test_greedy_equals_target_greedy(draft, batch, tiny_target, tiny_draft, tiny_noisy):
+    d = {"ngram": "ngram", "model": tiny_draft, "noisy": tiny_noisy, "self": tiny_target}[draft]  # "self": the target drafts for itself
+    gen = SpeculativeGenerator(tiny_target, d, gamma=3)
     prompts = PROMPTS[:batch]
     outs = gen.generate(prompts, GREEDY, max_new_tokens=24)
     for prompt, out in zip(prompts, outs):
-        assert out.token_ids == greedy_reference(TARGET.model, prompt, 24)
+        assert out.token_ids == greedy_reference(tiny_target.model, prompt, 24)
     if draft == "noisy":  # partial acceptance: both caches were rolled back mid-chain
         assert 0.2 < gen.last_stats.acceptance_rate < 1.0
     if draft == "self":  # a perfect draft: every draft accepted, tau = gamma + 1 until the budget binds
@@ -45,9 +42,9 @@ def test_greedy_equals_target_greedy_per_family(family):
 
 
 @pytest.mark.parametrize("draft", ["ngram", "model", "noisy", "none"])
-def test_seeded_rows_are_batch_invariant(draft):
-    d = {"ngram": "ngram", "model": DRAFT, "noisy": NOISY, "none": None}[draft]
-    gen = SpeculativeGenerator(TARGET, d, gamma=3)
+def test_seeded_rows_are_batch_invariant(draft, tiny_target, tiny_draft, tiny_noisy):
+    d = {"ngram": "ngram", "model": tiny_draft, "noisy": tiny_noisy, "none": None}[draft]
+    gen = SpeculativeGenerator(tiny_target, d, gamma=3)
     params = [SamplingParams(temperature=1.0, top_p=0.95, seed=s) for s in (11, 12, 13, 14)]
     batch = gen.generate(PROMPTS, params, max_new_tokens=20, ignore_eos=True)
     alone = [gen.generate([p], [sp], max_new_tokens=20, ignore_eos=True)[0] for p, sp in zip(PROMPTS, params)]
@@ -57,8 +54,8 @@ def test_seeded_rows_are_batch_invariant(draft):
         assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
 
 
-def test_same_seed_same_output_other_seed_other_output():
-    gen = SpeculativeGenerator(TARGET, DRAFT, gamma=2)
+def test_same_seed_same_output_other_seed_other_output(tiny_target, tiny_draft):
+    gen = SpeculativeGenerator(tiny_target, tiny_draft, gamma=2)
     sp = SamplingParams(temperature=1.0, seed=7)
     a = gen.generate(PROMPTS[0], sp, max_new_tokens=30, ignore_eos=True)[0]
     b = gen.generate(PROMPTS[0], sp, max_new_tokens=30, ignore_eos=True)[0]
@@ -66,8 +63,8 @@ def test_same_seed_same_output_other_seed_other_output():
     assert a.token_ids == b.token_ids and a.token_ids != c.token_ids
 
 
-def test_max_new_tokens_eos_and_finish_reasons():
-    gen = SpeculativeGenerator(TARGET, DRAFT, gamma=4)
+def test_max_new_tokens_eos_and_finish_reasons(tiny_target, tiny_draft):
+    gen = SpeculativeGenerator(tiny_target, tiny_draft, gamma=4)
     out = gen.generate(PROMPTS[0], SamplingParams(seed=1), max_new_tokens=5, ignore_eos=True)[0]
     assert len(out.token_ids) == 5 and out.finish_reason == "length"
     # find a seed whose sample hits EOS, then check the EOS token ends the row and is not returned
@@ -81,8 +78,8 @@ def test_max_new_tokens_eos_and_finish_reasons():
     assert again.token_ids[: len(out.token_ids) + 1] == out.token_ids + [EOS]
 
 
-def test_stop_strings_cut_text_and_tokens():
-    gen = SpeculativeGenerator(TARGET, "ngram", gamma=3)
+def test_stop_strings_cut_text_and_tokens(tiny_target):
+    gen = SpeculativeGenerator(tiny_target, "ngram", gamma=3)
     full = gen.generate(PROMPTS[2], GREEDY, max_new_tokens=20, ignore_eos=True)[0]
     words = full.text.split()
     assert len(words) >= 4
@@ -93,8 +90,8 @@ def test_stop_strings_cut_text_and_tokens():
     assert out.token_ids == full.token_ids[:4] and len(out.logprobs) == 4
 
 
-def test_streaming_deltas_add_up_to_the_text():
-    gen = SpeculativeGenerator(TARGET, DRAFT, gamma=3)
+def test_streaming_deltas_add_up_to_the_text(tiny_target, tiny_draft):
+    gen = SpeculativeGenerator(tiny_target, tiny_draft, gamma=3)
     params = [SamplingParams(seed=s) for s in (1, 2)]
     texts = {0: "", 1: ""}
     finals = {}
@@ -107,12 +104,12 @@ def test_streaming_deltas_add_up_to_the_text():
         assert texts[i] == finals[i].text and finals[i].text != ""
 
 
-def test_logprobs_conventions():
-    gen = SpeculativeGenerator(TARGET, DRAFT, gamma=3)
+def test_logprobs_conventions(tiny_target, tiny_draft):
+    gen = SpeculativeGenerator(tiny_target, tiny_draft, gamma=3)
     out = gen.generate(PROMPTS[0], SamplingParams(temperature=0.5, seed=3), max_new_tokens=6, ignore_eos=True)[0]
     seq = PROMPTS[0] + out.token_ids
     with torch.no_grad():
-        logits = TARGET.model(torch.tensor([seq])).logits[0, len(PROMPTS[0]) - 1: -1]  # [6, V]
+        logits = tiny_target.model(torch.tensor([seq])).logits[0, len(PROMPTS[0]) - 1: -1]  # [6, V]
     toks = torch.tensor(out.token_ids)
     raw = torch.log_softmax(logits, -1)[torch.arange(6), toks]
     processed = torch.log_softmax(logits / 0.5, -1)[torch.arange(6), toks]
@@ -122,20 +119,20 @@ def test_logprobs_conventions():
     assert greedy.logprobs == [0.0] * 4
 
 
-def test_stats():
-    gen = SpeculativeGenerator(TARGET, TARGET, gamma=3, draft_stop_below=None)  # perfect draft, full gamma
+def test_stats(tiny_target):
+    gen = SpeculativeGenerator(tiny_target, tiny_target, gamma=3, draft_stop_below=None)  # perfect draft, full gamma
     out = gen.generate(PROMPTS[0], SamplingParams(seed=2), max_new_tokens=12, ignore_eos=True)[0]
     s = out.stats
     assert s.acceptance_rate == 1.0 and s.tau == pytest.approx(4.0) and s.per_position_acceptance == [1, 1, 1]
     assert s.output_tokens == 12 and s.target_passes == 3
-    plain = SpeculativeGenerator(TARGET, None).generate(PROMPTS[0], SamplingParams(seed=2), max_new_tokens=5,
+    plain = SpeculativeGenerator(tiny_target, None).generate(PROMPTS[0], SamplingParams(seed=2), max_new_tokens=5,
                                                         ignore_eos=True)[0]
     assert plain.stats.tau == 1.0 and plain.stats.drafted == 0
 
 
-def test_draft_stops_early_when_unsure():
-    sure = SpeculativeGenerator(TARGET, DRAFT, gamma=4, draft_stop_below=None)
-    unsure = SpeculativeGenerator(TARGET, DRAFT, gamma=4, draft_stop_below=0.9)
+def test_draft_stops_early_when_unsure(tiny_target, tiny_draft):
+    sure = SpeculativeGenerator(tiny_target, tiny_draft, gamma=4, draft_stop_below=None)
+    unsure = SpeculativeGenerator(tiny_target, tiny_draft, gamma=4, draft_stop_below=0.9)
     for g in (sure, unsure):
         g.generate(PROMPTS, SamplingParams(seed=4), max_new_tokens=16, ignore_eos=True)
     full = sure.last_stats.drafted / sure.last_stats.target_passes
@@ -143,22 +140,22 @@ def test_draft_stops_early_when_unsure():
     assert 0 < short < full
 
 
-def test_adaptive_gamma_runs_and_stays_exact_under_greedy():
-    gen = SpeculativeGenerator(TARGET, DRAFT, gamma="auto", max_gamma=6)
+def test_adaptive_gamma_runs_and_stays_exact_under_greedy(tiny_target, tiny_draft):
+    gen = SpeculativeGenerator(tiny_target, tiny_draft, gamma="auto", max_gamma=6)
     outs = gen.generate(PROMPTS, GREEDY, max_new_tokens=20)
     for prompt, out in zip(PROMPTS, outs):
-        assert out.token_ids == greedy_reference(TARGET.model, prompt, 20)
+        assert out.token_ids == greedy_reference(tiny_target.model, prompt, 20)
 
 
-def test_chat_prompts_use_the_template():
-    gen = SpeculativeGenerator(TARGET, "ngram")
+def test_chat_prompts_use_the_template(tiny_target):
+    gen = SpeculativeGenerator(tiny_target, "ngram")
     assert gen.encode("a b", chat=True) == [3, 4, 29]  # template appends x0 (id 29)
 
 
 # ---- bad input -------------------------------------------------------------------------------------------
 
-def test_bad_input():
-    gen = SpeculativeGenerator(TARGET, DRAFT)
+def test_bad_input(tiny_target, tiny_draft):
+    gen = SpeculativeGenerator(tiny_target, tiny_draft)
     with pytest.raises(ValueError, match="prompt is empty"):
         gen.generate("", GREEDY)
     with pytest.raises(ValueError, match="max_new_tokens"):
@@ -172,33 +169,33 @@ def test_bad_input():
     with pytest.raises(ValueError, match="stop strings"):
         gen.generate("a", GREEDY, stop=[""])
     with pytest.raises(ValueError, match="gamma"):
-        SpeculativeGenerator(TARGET, DRAFT, gamma=-1)
+        SpeculativeGenerator(tiny_target, tiny_draft, gamma=-1)
     with pytest.raises(ValueError, match="draft must be"):
-        SpeculativeGenerator(TARGET, "medusa")
+        SpeculativeGenerator(tiny_target, "medusa")
     with pytest.raises(ValueError, match=r"token ids must lie in \[0, 32\)"):
         gen.generate([[40, 1]], GREEDY)
 
 
-def test_different_tokenizers_are_refused():
+def test_different_tokenizers_are_refused(tiny_target):
     other = make_tokenizer(["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(29)])
     with pytest.raises(ModelLoadError, match="different tokenizers"):
-        SpeculativeGenerator(TARGET, LoadedModel(make_model(1), other, "other"))
+        SpeculativeGenerator(tiny_target, LoadedModel(make_model(1), other, "other"))
 
 
-def test_padded_embeddings_are_sliced_to_the_shared_vocabulary():
+def test_padded_embeddings_are_sliced_to_the_shared_vocabulary(tiny_target):
     big = LoadedModel(make_model(6, vocab=40), make_tokenizer(), "padded-40")  # 40 embedding rows, 32 tokens
-    gen = SpeculativeGenerator(TARGET, big, gamma=2)
+    gen = SpeculativeGenerator(tiny_target, big, gamma=2)
     assert gen.vocab_size == 32
     out = gen.generate(PROMPTS[0], GREEDY, max_new_tokens=8)[0]
-    assert out.token_ids == greedy_reference(TARGET.model, PROMPTS[0], 8)
+    assert out.token_ids == greedy_reference(tiny_target.model, PROMPTS[0], 8)
 
 
-def test_draft_catches_up_a_backlog_after_plain_steps():
+def test_draft_catches_up_a_backlog_after_plain_steps(tiny_draft):
     """A row that decoded plainly for several steps (gamma 0) feeds its backlog to the draft in one chunk,
     next to a row that drafted every step; the draft's q afterwards equals a fresh forward's."""
     from verispec.drafting import BatchView, DraftModelProposer
 
-    prop = DraftModelProposer(DRAFT.model, 32, stop_below=None)
+    prop = DraftModelProposer(tiny_draft.model, 32, stop_below=None)
     seqs = [list(PROMPTS[2]), list(PROMPTS[2])]
     gens = [torch.Generator().manual_seed(0), torch.Generator().manual_seed(1)]
     view = BatchView(seqs=seqs, params=[GREEDY, GREEDY], generators=gens, vocab_size=32)
@@ -209,9 +206,9 @@ def test_draft_catches_up_a_backlog_after_plain_steps():
         old = [len(s) for s in seqs]
         seqs[0].extend(out.token_ids[0, :2].tolist() + [7])  # row 0: both drafts accepted, bonus 7
         seqs[1].append(5 + step)  # row 1: one plainly decoded token
-        prop.update(view, old, [2, 0], out.num_draft)
+        prop.update(view, old, out, [[0, 1], []])  # row 0 kept both drafts, row 1 had none
         if step == 8:
             with torch.no_grad():
-                fresh = DRAFT.model(torch.tensor([seqs[1][:old[1]]])).logits[0, -1]
+                fresh = tiny_draft.model(torch.tensor([seqs[1][:old[1]]])).logits[0, -1]
             assert out.token_ids[1, 0].item() == int(fresh.argmax())
     assert prop.runner.lengths[1] == len(seqs[1]) - 1  # backlog fed; the rejected draft rolled back

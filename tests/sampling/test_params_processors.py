@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from verispec.sampling import SamplingParams, counts_at_draft_positions, probs_from_logits
+from verispec.sampling import SamplingParams, counts_at_nodes, probs_from_logits
+from verispec.sampling.tree import chain_parents
 
 
 @pytest.mark.parametrize("field,value", [
@@ -88,11 +89,19 @@ def test_per_row_params_and_mixed_greedy_batch():
         probs_from_logits(logits, rows[:2])
 
 
-def test_counts_at_draft_positions():
+def test_counts_at_nodes_of_a_chain():
     base = torch.tensor([[1, 0, 0, 0]])
     drafts = torch.tensor([[2, 2, -1]])
-    c = counts_at_draft_positions(base, drafts)
-    assert c.tolist() == [[[1, 0, 0, 0], [1, 0, 1, 0], [1, 0, 2, 0], [1, 0, 2, 0]]]
+    c = counts_at_nodes(base, drafts, chain_parents(1, 3))  # the padding node's slot is never read: base counts
+    assert c.tolist() == [[[1, 0, 0, 0], [1, 0, 1, 0], [1, 0, 2, 0], [1, 0, 0, 0]]]
+
+
+def test_counts_at_nodes_of_a_tree_follow_each_path():
+    base = torch.tensor([[0, 1, 0, 0]])
+    tokens = torch.tensor([[2, 3, 2, -1]])  # nodes 0 and 1 hang off the root, node 2 below node 1
+    parents = torch.tensor([[-1, -1, 1, -1]])
+    c = counts_at_nodes(base, tokens, parents)
+    assert c.tolist() == [[[0, 1, 0, 0], [0, 1, 1, 0], [0, 1, 0, 1], [0, 1, 1, 1], [0, 1, 0, 0]]]
 
 
 def test_same_function_for_draft_and_target_positions():
@@ -100,7 +109,7 @@ def test_same_function_for_draft_and_target_positions():
     logits = torch.randn(1, 3, 6, dtype=torch.float64)
     sp = SamplingParams(frequency_penalty=1.0)
     drafts = torch.tensor([[4, 4]])
-    counts = counts_at_draft_positions(torch.zeros(1, 6), drafts)
+    counts = counts_at_nodes(torch.zeros(1, 6), drafts, chain_parents(1, 2))
     probs = probs_from_logits(logits, sp, output_counts=counts)
     for j in range(3):
         single = probs_from_logits(logits[:, j], sp, output_counts=counts[:, j])

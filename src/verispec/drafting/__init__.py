@@ -1,9 +1,8 @@
-"""Drafters behind one small interface (`Proposer`): a new drafter is one new file."""
+"""Drafters behind one small interface (`Proposer`, returning a `Draft`): a new drafter is one new file."""
 
-from .base import BatchView, Proposal, Proposer
+from .base import BatchView, Draft, Proposer
 from .draft_model import DraftModelProposer
 from .prompt_lookup import PromptLookupProposer
-from .tree import TreeDraftProposer, TreeProposal, TreeSpec
+from .tree import TreeSpec
 
-__all__ = ["BatchView", "DraftModelProposer", "PromptLookupProposer", "Proposal", "Proposer", "TreeDraftProposer", "TreeProposal",
-           "TreeSpec"]
+__all__ = ["BatchView", "Draft", "DraftModelProposer", "PromptLookupProposer", "Proposer", "TreeSpec"]

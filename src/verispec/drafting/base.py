@@ -1,8 +1,9 @@
 """The proposer interface: every drafter is one class with `propose` and `update` (plus lifecycle hooks).
 
 A proposer sees the batch through `BatchView` (token sequences, per-row sampling parameters and
-generators) and returns a `Proposal`. For losslessness, `Proposal.probs[b, j]` must be exactly the
-distribution draft j of row b was sampled from; deterministic drafters (prompt lookup, greedy) return
+generators) and returns one `Draft`: a token tree per row, of which a chain is the special case with
+parents -1, 0, 1, .... For losslessness, `Draft.probs[b, s]` must be exactly the distribution the children
+of slot s were drawn from; deterministic drafters (prompt lookup, greedy, top-k children) return
 `probs=None`, i.e. one-hot q.
 """
 
@@ -14,8 +15,9 @@ import torch
 from torch import Tensor
 
 from ..sampling import SamplingParams
+from ..sampling.tree import TREE_RULES, chain_parents, tree_ancestors
 
-__all__ = ["BatchView", "Proposal", "Proposer"]
+__all__ = ["BatchView", "Draft", "Proposer"]
 
 
 @dataclass
@@ -32,21 +34,73 @@ class BatchView:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
 
 
-@dataclass
-class Proposal:
-    token_ids: Tensor  # [B, k] int64, -1 beyond num_draft[b]
-    probs: Tensor | None  # [B, k, V] float: the q each draft was sampled from; None = one-hot drafts
-    num_draft: list[int]  # [B] drafts per row, each <= the gamma asked for
+@dataclass(frozen=True)
+class Draft:
+    """One step's drafts: a token tree per row below its pending token (the root).
+
+    Slot s indexes the distributions: slot 0 is the root, slot n + 1 the position after node n. A chain is the
+    tree whose node j hangs below node j - 1 (`chain=True`); it is verified by `verify_chain` (its kernel and its
+    uniform order), a tree by `verify_tree` with `rule`.
+    """
+
+    token_ids: Tensor  # [B, N] int64: node tokens, -1 beyond num_nodes[b]
+    parents: Tensor  # [B, N] int64: -1 = child of the root, else an earlier node; -1 for padding
+    probs: Tensor | None  # [B, N + 1, V] float: q each slot's children were drawn from; None: one-hot (chosen)
+    num_nodes: list[int]  # [B] nodes per row (the tokens the target checks)
+    depth: list[int]  # [B] deepest node per row: the most drafts one step can accept (a chain: its length)
+    rule: str = "deterministic"  # how siblings were drawn: "iid", "without_replacement" or "deterministic"
+    chain: bool = True
+
+    def __post_init__(self):
+        if self.rule not in TREE_RULES:
+            raise ValueError(f"rule must be one of {', '.join(TREE_RULES)}, got {self.rule!r}")
+        if (self.probs is None) != (self.rule == "deterministic"):
+            raise ValueError("a draft has probs exactly when its tokens were sampled (rule 'iid' or "
+                             "'without_replacement'); chosen tokens (rule 'deterministic') have one-hot q")
+
+    @property
+    def width(self) -> int:  # N: node slots in the padded tensors
+        return self.token_ids.shape[1]
 
     @staticmethod
-    def empty(batch: int, device: torch.device) -> Proposal:
-        return Proposal(torch.empty((batch, 0), dtype=torch.int64, device=device), None, [0] * batch)
+    def empty(batch: int, device: torch.device) -> Draft:
+        return Draft.chain_of(torch.empty((batch, 0), dtype=torch.int64, device=device), None, [0] * batch)
+
+    @staticmethod
+    def chain_of(token_ids: Tensor, probs: Tensor | None, num_draft: list[int]) -> Draft:
+        """token_ids [B, k] (-1 beyond num_draft[b]); probs [B, k + 1, V] (row j: q draft j was sampled from;
+        the last row is never read) or None for chosen drafts."""
+        B, k = token_ids.shape
+        return Draft(token_ids, chain_parents(B, k, token_ids.device), probs, list(num_draft), list(num_draft),
+                     "deterministic" if probs is None else "iid", chain=True)
+
+    @staticmethod
+    def tree_of(tokens: list[list[int]], parents: list[list[int]], probs: Tensor | None, rule: str,
+                device: torch.device) -> Draft:
+        """Per-row node tokens and parents (-1: the root) -> a padded tree draft; probs [B, >= N + 1, V] or None."""
+        B = len(tokens)
+        N = max((len(t) for t in tokens), default=0)
+        ids = torch.full((B, N), -1, dtype=torch.int64)
+        par = torch.full((B, N), -1, dtype=torch.int64)
+        for b, (t, p) in enumerate(zip(tokens, parents)):
+            ids[b, : len(t)] = torch.as_tensor(t, dtype=torch.int64)
+            par[b, : len(p)] = torch.as_tensor(p, dtype=torch.int64)
+        if N == 0:  # nothing drafted: every row samples from p at its root
+            probs, rule = None, "deterministic"
+        depth = tree_ancestors(par)[1].masked_fill(ids < 0, 0).amax(1).tolist() if N else [0] * B
+        if probs is not None:
+            probs = probs[:, : N + 1]
+        return Draft(ids.to(device), par.to(device), probs, [len(t) for t in tokens], depth, rule, chain=False)
 
 
 class Proposer:
-    """Base class. Subclasses implement propose (and update when they keep state such as a KV cache)."""
+    """Base class. Subclasses implement propose (and update when they keep state such as a KV cache).
+
+    `tree` is the TreeSpec of the trees the proposer drafts, or None when it drafts chains: for chains the engine
+    chooses each row's draft length (gamma), for trees the spec's shape does."""
 
     name = "proposer"
+    tree = None
 
     def start(self, view: BatchView, capacity: int) -> None:
         """A new batch begins (prompts in view.seqs); capacity bounds any sequence length."""
@@ -54,13 +108,13 @@ class Proposer:
     def add(self, view: BatchView, capacity: int) -> None:
         """New rows (only they are in view) join after the current ones (continuous batching)."""
 
-    def propose(self, view: BatchView, gammas: list[int]) -> Proposal:  # pragma: no cover - interface
+    def propose(self, view: BatchView, caps: list[int]) -> Draft:  # pragma: no cover - interface
+        """Draft for every row: at most caps[b] tokens deep (0: nothing for that row)."""
         raise NotImplementedError
 
-    def update(self, view: BatchView, old_lengths: list[int], num_accepted: list[int],
-               num_draft: list[int]) -> None:
-        """After verification: row b had old_lengths[b] tokens, num_draft[b] drafts of which
-        num_accepted[b] were kept, and view.seqs now holds the committed tokens."""
+    def update(self, view: BatchView, old_lengths: list[int], draft: Draft, paths: list[list[int]]) -> None:
+        """After verification: row b had old_lengths[b] tokens, kept the draft nodes paths[b] (root's child first;
+        a chain's accepted prefix is [0, 1, ..., a - 1]), and view.seqs now holds the committed tokens."""
 
     def select(self, rows: list[int]) -> None:
         """Only these rows stay in the batch."""

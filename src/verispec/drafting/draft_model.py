@@ -1,8 +1,11 @@
-"""Draft-model drafting: a smaller model samples gamma tokens autoregressively with the request's own
-SamplingParams, through the same `probs_from_logits` as the target, so q is exactly what it sampled from.
+"""Draft-model drafting: a smaller model samples tokens with the request's own SamplingParams, through the same
+`probs_from_logits` as the target, so q is exactly what it sampled from — a chain of up to gamma tokens, or
+(with a TreeSpec) a token tree grown level by level (`verispec.drafting.tree`).
 
-The draft keeps its own KV cache (its runner's): after verification it is rolled back to the accepted
-prefix; after a fully accepted step it catches up on the last draft token in the next step's first pass.
+The draft keeps its own KV cache (its runner's): the first forward of a step feeds the tokens the cache lacks
+(the pending token, and after plain steps a backlog); the drafts fed after it form a small tree in the cache
+(a chain's is a path) from which verification's accepted nodes are kept (`keep_paths`) and the rest dropped.
+After a fully accepted chain the last draft was never fed: the next step's first forward catches up on it.
 """
 
 from __future__ import annotations
@@ -10,8 +13,10 @@ from __future__ import annotations
 import torch
 
 from ..model.fast import make_runner
-from ..sampling import counts_at_draft_positions, probs_from_logits, sample_from_weights
-from .base import BatchView, Proposal, Proposer
+from ..sampling import counts_at_nodes, probs_from_logits, sample_from_weights
+from ..sampling.tree import chain_parents
+from .base import BatchView, Draft, Proposer
+from .tree import TreeSpec, grow_tree
 
 __all__ = ["DraftModelProposer"]
 
@@ -19,17 +24,24 @@ __all__ = ["DraftModelProposer"]
 class DraftModelProposer(Proposer):
     name = "draft-model"
 
-    def __init__(self, model, vocab_size: int, stop_below: float | None = 0.3, *, runner: str = "auto",
-                 quant: str | None = None):
-        """stop_below: a row stops drafting once a draft token's probability under the draft's own
+    def __init__(self, model, vocab_size: int, stop_below: float | None = 0.3, *, tree: TreeSpec | None = None,
+                 runner: str = "auto", quant: str | None = None):
+        """stop_below: a chain row stops drafting once a draft token's probability under the draft's own
         (temperature-1) distribution is below stop_below (the draft is unsure, so later drafts would
-        likely be rejected). Any such stopping rule that looks only at
-        the draft's own tokens and distributions keeps verification exact. None drafts the full gamma.
+        likely be rejected). Any such stopping rule that looks only at the draft's own tokens and
+        distributions keeps verification exact. None drafts the full gamma. Trees ignore it (their shape is fixed).
+        tree: draft token trees of this shape instead of chains.
         runner / quant: see `verispec.model.fast.make_runner` (quant: weight-only int8 / int4 draft weights)."""
         if stop_below is not None and not 0.0 <= stop_below <= 1.0:
             raise ValueError(f"stop_below must be in [0, 1] or None, got {stop_below}")
+        if tree is not None and not isinstance(tree, TreeSpec):
+            raise ValueError(f"tree must be a TreeSpec or None, got {tree!r}")
         self.runner = make_runner(model, vocab_size, runner=runner, quant=quant)
-        self.stop_below = stop_below
+        self.stop_below = None if tree is not None else stop_below
+        self.tree = tree
+        self.quant = quant
+        self._start: list[int] = []  # per row: the draft cache's length where this step's fed drafts begin
+        self._fed: list[dict[int, int]] = []  # per row: draft node -> its index among the fed drafts
 
     def start(self, view: BatchView, capacity: int) -> None:
         self.runner.start(len(view.seqs), capacity)
@@ -38,51 +50,68 @@ class DraftModelProposer(Proposer):
     def add(self, view: BatchView, capacity: int) -> None:
         self.runner.add_rows([s[:-1] for s in view.seqs], capacity)
 
-    def propose(self, view: BatchView, gammas: list[int]) -> Proposal:
-        B = len(view.seqs)
-        k = max(gammas, default=0)
-        if k == 0:
-            return Proposal.empty(B, view.device)
-        dev = view.device
+    def propose(self, view: BatchView, caps: list[int]) -> Draft:
+        if self.tree is not None:
+            draft, self._start, self._fed = grow_tree(self.runner, self.tree, view, caps)
+            return draft
+        self._start, self._fed = list(self.runner.lengths), [{} for _ in caps]
+        if max(caps, default=0) == 0:
+            return Draft.empty(len(view.seqs), view.device)
+        return self._chain(view, list(caps))
+
+    def _chain(self, view: BatchView, gammas: list[int]) -> Draft:
+        """Sample up to gammas[b] tokens per row, one draft forward per position."""
+        B, k, dev = len(view.seqs), max(gammas), view.device
         ids = torch.full((B, k), -1, dtype=torch.int64, device=dev)
-        probs = None
-        penalties = any(p.uses_penalties for p in view.params)
+        probs = None  # [B, k + 1, V] once V is known
+        penalties = view.output_counts is not None and any(p.uses_penalties for p in view.params)
         feed = [s[n:] if g > 0 else [] for s, n, g in zip(view.seqs, self.runner.lengths, gammas)]
         for j in range(k):
             logits = self.runner.forward(feed, logits_at="last")  # [B, V]
-            counts = None
-            if penalties:
-                counts = counts_at_draft_positions(view.output_counts, ids[:, :j])[:, j]
+            if j == 0:
+                self._start = list(self.runner.lengths)
+            counts = counts_at_nodes(view.output_counts, ids[:, :j], chain_parents(B, j, dev))[:, j] \
+                if penalties else None
             q = probs_from_logits(logits, view.params, prompt_mask=view.prompt_mask, output_counts=counts)  # [B, V]
             if probs is None:
-                probs = torch.zeros((B, k, q.shape[-1]), dtype=q.dtype, device=dev)
+                probs = torch.zeros((B, k + 1, q.shape[-1]), dtype=q.dtype, device=dev)
             probs[:, j] = q
             active = [g > j for g in gammas]
-            u = torch.zeros(B, dtype=torch.float64)
-            for b in range(B):
-                if active[b]:  # only rows that draft here consume randomness
-                    u[b] = torch.rand((), dtype=torch.float64, generator=view.generators[b])
-            tok = sample_from_weights(q, u.to(dev))  # [B]
+            tok = sample_from_weights(q, _uniforms(view.generators, active).to(dev))  # [B]
             ids[:, j] = torch.where(torch.tensor(active, device=dev), tok, -1)
             if self.stop_below is not None:
                 # confidence from the draft's own unprocessed distribution (a greedy q is always one-hot)
-                conf = logits.softmax(-1).gather(1, tok.unsqueeze(1)).squeeze(1)
-                unsure = (conf < self.stop_below).tolist()
+                unsure = (logits.softmax(-1).gather(1, tok.unsqueeze(1)).squeeze(1) < self.stop_below).tolist()
                 gammas = [j + 1 if (a and low) else g for g, a, low in zip(gammas, active, unsure)]
-            if j + 1 < k:
-                if max(gammas) <= j + 1:
-                    break
-                feed = [[int(tok[b])] if g > j + 1 else [] for b, g in enumerate(gammas)]
-        k_used = max(min(g, k) for g in gammas)
-        return Proposal(ids[:, :k_used], probs[:, :k_used], [min(g, k) for g in gammas])
+            if max(gammas) <= j + 1:
+                break
+            feed = [[t] if g > j + 1 else [] for t, g in zip(tok.tolist(), gammas)]
+            for b, g in enumerate(gammas):
+                if g > j + 1:
+                    self._fed[b][j] = j  # draft j is in the cache now (node j, fed index j)
+        k_used = max(gammas)
+        return Draft.chain_of(ids[:, :k_used], probs[:, : k_used + 1], gammas)
 
-    def update(self, view: BatchView, old_lengths: list[int], num_accepted: list[int],
-               num_draft: list[int]) -> None:
-        # The cache holds the old sequence plus the first (num_draft - 1) drafts that were fed back:
-        # keep the old sequence and the accepted ones among them.
-        keep = [min(cur, n_old + min(a, max(nd - 1, 0))) if nd > 0 else cur
-                for cur, n_old, a, nd in zip(self.runner.lengths, old_lengths, num_accepted, num_draft)]
-        self.runner.truncate(keep)
+    def update(self, view: BatchView, old_lengths: list[int], draft: Draft, paths: list[list[int]]) -> None:
+        """Keep the accepted nodes the draft has computed (a chain: its accepted drafts but the last one fed)."""
+        keep = []
+        for fed, path in zip(self._fed, paths):
+            kept = []
+            for n in path:
+                if n not in fed:
+                    break
+                kept.append(fed[n])
+            keep.append(kept)
+        self.runner.keep_paths(self._start, keep)
 
     def select(self, rows: list[int]) -> None:
         self.runner.select(rows)
+
+
+def _uniforms(generators: list[torch.Generator], active: list[bool]) -> torch.Tensor:  # [B] float64
+    """One uniform per active row from its own generator (rows that do not draft here consume none)."""
+    u = torch.zeros(len(active), dtype=torch.float64)
+    for b, a in enumerate(active):
+        if a:
+            u[b] = torch.rand((), dtype=torch.float64, generator=generators[b])
+    return u

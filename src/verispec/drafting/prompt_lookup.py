@@ -1,7 +1,7 @@
 """Prompt lookup (n-gram) drafting: propose the continuation of the most recent earlier occurrence of the
 sequence's last n tokens, for n from the largest configured size down. Deterministic, so q is one-hot.
 
-As a tree (`propose_tree`, with a TreeSpec): the continuations of several matches (most recent first, longer
+As a tree (with a TreeSpec): the continuations of several matches (most recent first, longer
 n-grams first, up to the tree's first width) become sibling branches of one trie, verified with the
 deterministic rule."""
 
@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import torch
 
-from .base import BatchView, Proposal, Proposer
+from .base import BatchView, Draft, Proposer
+from .tree import TreeSpec
 
-__all__ = ["PromptLookupProposer"]
+__all__ = ["PromptLookupProposer", "lookup", "lookup_all", "trie"]
 
 
 def lookup(seq: torch.Tensor, n_sizes: tuple[int, ...], gamma: int) -> list[int]:
@@ -48,52 +49,59 @@ def lookup_all(seq: torch.Tensor, n_sizes: tuple[int, ...], depth: int, branches
 
 
 class PromptLookupProposer(Proposer):
+    """Prompt lookup: a chain (the latest match's continuation) or, with `tree`, a trie of several matches."""
+
     name = "ngram"
 
-    def __init__(self, ngram_sizes: tuple[int, ...] = (3, 2, 1), tree=None):
+    def __init__(self, ngram_sizes: tuple[int, ...] = (3, 2, 1), tree: TreeSpec | None = None):
         sizes = tuple(sorted({int(n) for n in ngram_sizes}, reverse=True))
         if not sizes or sizes[-1] < 1:
             raise ValueError(f"n-gram sizes must be integers >= 1, got {ngram_sizes}")
         self.ngram_sizes = sizes
         if tree is not None and tree.rule != "deterministic":
             raise ValueError("prompt-lookup trees are deterministic (one-hot q): use tree rule 'deterministic'")
-        self.spec = tree  # TreeSpec or None: branches = its first width, depth = its depth
+        self.tree = tree  # branches = its first width (a dynamic tree's top-k), depth = its depth
 
-    def propose_tree(self, view: BatchView, caps: list[int]):
-        """A trie of up to spec.widths[0] matches' continuations per row, at most caps[b] deep."""
-        from .tree import build_proposal
-
-        branches = self.spec.topk if self.spec.dynamic else self.spec.widths[0]
-        tokens, parents = [], []
-        for seq, cap in zip(view.seqs, caps):
-            toks: list[int] = []
-            pars: list[int] = []
-            child: dict[tuple[int, int], int] = {}  # (parent node, token) -> node
-            conts = lookup_all(torch.as_tensor(seq), self.ngram_sizes, min(cap, self.spec.max_depth), branches) \
-                if cap > 0 else []
-            for cont in conts:
-                node = -1
-                for t in cont:
-                    if (node, t) not in child and len(toks) == self.spec.max_nodes:
-                        break  # the node budget (parents precede children, so the trie stays a tree)
-                    if (node, t) not in child:
-                        child[(node, t)] = len(toks)
-                        toks.append(int(t))
-                        pars.append(node)
-                    node = child[(node, t)]
-            tokens.append(toks)
-            parents.append(pars)
-        return build_proposal(tokens, parents, None, "deterministic", view.device)
-
-    def propose(self, view: BatchView, gammas: list[int]) -> Proposal:
+    def propose(self, view: BatchView, caps: list[int]) -> Draft:
+        if self.tree is not None:
+            return self._trie(view, caps)
         B = len(view.seqs)
-        k = max(gammas, default=0)
-        if k == 0:
-            return Proposal.empty(B, view.device)
+        k = max(caps, default=0)
         ids = torch.full((B, k), -1, dtype=torch.int64)
         counts = []
-        for b, (seq, g) in enumerate(zip(view.seqs, gammas)):
+        for b, (seq, g) in enumerate(zip(view.seqs, caps)):
             found = lookup(torch.as_tensor(seq), self.ngram_sizes, g) if g > 0 else []
             ids[b, : len(found)] = torch.as_tensor(found, dtype=torch.int64)
             counts.append(len(found))
-        return Proposal(ids.to(view.device), None, counts)
+        return Draft.chain_of(ids[:, : max(counts, default=0)].to(view.device), None, counts)
+
+    def _trie(self, view: BatchView, caps: list[int]) -> Draft:
+        """A trie of up to `branches` matches' continuations per row, at most caps[b] deep, within the node budget."""
+        spec = self.tree
+        tokens, parents = [], []
+        for seq, cap in zip(view.seqs, caps):
+            conts = lookup_all(torch.as_tensor(seq), self.ngram_sizes, min(cap, spec.max_depth), spec.branches) \
+                if cap > 0 else []
+            toks, pars = trie(conts, spec.max_nodes)
+            tokens.append(toks)
+            parents.append(pars)
+        return Draft.tree_of(tokens, parents, None, "deterministic", view.device)
+
+
+def trie(continuations: list[list[int]], max_nodes: int) -> tuple[list[int], list[int]]:
+    """Token sequences -> one trie as node tokens and parents (-1: the root), shared prefixes merged, at most
+    max_nodes nodes (a continuation stops where the budget ends; parents precede children, so it stays a tree)."""
+    toks: list[int] = []
+    pars: list[int] = []
+    child: dict[tuple[int, int], int] = {}  # (parent node, token) -> node
+    for cont in continuations:
+        node = -1
+        for t in cont:
+            if (node, t) not in child:
+                if len(toks) == max_nodes:
+                    break
+                child[(node, t)] = len(toks)
+                toks.append(int(t))
+                pars.append(node)
+            node = child[(node, t)]
+    return toks, pars

@@ -21,12 +21,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..sampling import counts_at_tree_nodes, probs_from_logits, sample_from_weights
+from ..sampling import counts_at_nodes, probs_from_logits, sample_from_weights
 from ..sampling.tree import TREE_RULES
-from .base import BatchView
-from .draft_model import DraftModelProposer
+from .base import BatchView, Draft
 
-__all__ = ["TreeDraftProposer", "TreeProposal", "TreeSpec"]
+__all__ = ["TreeSpec", "draw_children", "grow_tree"]
 
 MAX_TREE_NODES = 256
 
@@ -79,14 +78,26 @@ class TreeSpec:
         return self.depth if self.dynamic else len(self.widths)
 
     @property
-    def max_nodes(self) -> int:
+    def branches(self) -> int:
+        """Children of the root: the first width, or a dynamic tree's top-k."""
+        return self.topk if self.dynamic else self.widths[0]
+
+    @property
+    def drafted_nodes(self) -> int:
+        """Nodes drafted before any pruning: a static tree's every node; a dynamic tree's topk children of the
+        root plus topk children for each of the topk nodes expanded at every later depth."""
         if self.dynamic:
-            return min(self.budget, self.topk + (self.depth - 1) * self.topk * self.topk)
+            return self.topk + (self.depth - 1) * self.topk * self.topk
         total, level = 0, 1
         for w in self.widths:
             level *= int(w)
             total += level
         return total
+
+    @property
+    def max_nodes(self) -> int:
+        """Nodes the target verifies: every drafted node, or a dynamic tree's budget."""
+        return min(self.budget, self.drafted_nodes) if self.dynamic else self.drafted_nodes
 
     @property
     def cache_slots(self) -> int:
@@ -99,195 +110,157 @@ class TreeSpec:
         return f"{shape} ({self.rule})"
 
 
-@dataclass
-class TreeProposal:
-    token_ids: Tensor  # [B, N] int64 node tokens, -1 padded
-    parents: Tensor  # [B, N] int64: -1 = child of the root (the pending token), else an earlier node
-    probs: Tensor | None  # [B, N + 1, V]: q each slot's children were drawn from (slot 0 = root); None: deterministic
-    num_nodes: list[int]  # [B]
-    rule: str
-
-    @property
-    def depth(self) -> list[int]:  # deepest node per row
-        from ..sampling.tree import tree_children
-
-        return tree_children(self.parents.cpu(), torch.tensor(self.num_nodes))[1].amax(1).tolist() \
-            if self.parents.shape[1] else [0] * len(self.num_nodes)
 
 
-def build_proposal(tokens: list[list[int]], parents: list[list[int]], probs: Tensor | None, rule: str,
-                   device) -> TreeProposal:
-    B = len(tokens)
-    N = max((len(t) for t in tokens), default=0)
-    ids = torch.full((B, N), -1, dtype=torch.int64)
-    par = torch.full((B, N), -1, dtype=torch.int64)
-    for b, (t, p) in enumerate(zip(tokens, parents)):
-        ids[b, : len(t)] = torch.as_tensor(t, dtype=torch.int64)
-        par[b, : len(p)] = torch.as_tensor(p, dtype=torch.int64)
-    if probs is not None:
-        probs = probs[:, : N + 1]
-    return TreeProposal(ids.to(device), par.to(device), probs, [len(t) for t in tokens], rule)
-
-
-class TreeDraftProposer(DraftModelProposer):
-    """A draft model that proposes trees (`propose_tree`); chains are not its job (use DraftModelProposer)."""
-
-    name = "draft-tree"
-
-    def __init__(self, model, vocab_size: int, spec: TreeSpec, *, runner: str = "auto", quant: str | None = None):
-        super().__init__(model, vocab_size, None, runner=runner, quant=quant)
-        self.spec = spec
-        self._fed: list[dict[int, int]] = []  # per row: proposal node -> its index in the draft cache's tree
-        self._tree_start: list[int] = []
-
-    # --- drawing children --------------------------------------------------------------------------
-    def _children(self, q: Tensor, owners: list[int], width: int, view: BatchView) -> tuple[Tensor, Tensor]:
-        """q [M, V] of M expanded nodes (owners: their rows) -> children [M, width] and validity [M, width]."""
-        M, V = q.shape
-        rule = self.spec.rule
-        if rule == "deterministic":
-            val, kids = q.topk(min(width, V), dim=-1)
-            ok = val > 0  # a zero-probability token is never accepted: not worth a node
-            if width > V:  # more children than tokens: the extra ones do not exist
-                pad = torch.zeros((M, width - V), dtype=kids.dtype, device=kids.device)
-                kids, ok = torch.cat([kids, pad], 1), torch.cat([ok, pad.bool()], 1)
-            return kids, ok
-        u = torch.empty((M, width), dtype=torch.float64)
-        for m, b in enumerate(owners):  # each row's randomness from its own generator, in node order
-            u[m] = torch.rand(width, dtype=torch.float64, generator=view.generators[b])
-        u = u.to(q.device)
-        if rule == "iid":
-            kids = torch.stack([sample_from_weights(q, u[:, i]) for i in range(width)], 1)
-            return kids, torch.ones_like(kids, dtype=torch.bool)
-        left = q.clone()  # without replacement: each child from q minus the earlier siblings
-        kids = torch.zeros((M, width), dtype=torch.int64, device=q.device)
-        ok = torch.zeros((M, width), dtype=torch.bool, device=q.device)
-        for i in range(width):
-            has_mass = left.sum(-1) > 1e-6  # a sibling exists only if q has mass left (decided before drawing)
-            x = sample_from_weights(torch.where(has_mass.unsqueeze(1), left, q), u[:, i])
-            kids[:, i], ok[:, i] = x, has_mass
-            left.scatter_(1, x.unsqueeze(1), 0.0)
-        ok = ok.cumprod(1).bool()
+def draw_children(q: Tensor, owners: list[int], width: int, rule: str,
+                  generators: list[torch.Generator]) -> tuple[Tensor, Tensor]:
+    """q [M, V] of M expanded nodes (owners: their rows) -> children [M, width] and validity [M, width].
+    Sampled rules draw `width` uniforms per node from its row's generator, in node order."""
+    M, V = q.shape
+    if rule == "deterministic":
+        val, kids = q.topk(min(width, V), dim=-1)
+        ok = val > 0  # a zero-probability token is never accepted: not worth a node
+        if width > V:  # more children than tokens: the extra ones do not exist
+            pad = torch.zeros((M, width - V), dtype=kids.dtype, device=kids.device)
+            kids, ok = torch.cat([kids, pad], 1), torch.cat([ok, pad.bool()], 1)
         return kids, ok
+    u = torch.empty((M, width), dtype=torch.float64)
+    for m, b in enumerate(owners):
+        u[m] = torch.rand(width, dtype=torch.float64, generator=generators[b])
+    u = u.to(q.device)
+    if rule == "iid":
+        kids = torch.stack([sample_from_weights(q, u[:, i]) for i in range(width)], 1)
+        return kids, torch.ones_like(kids, dtype=torch.bool)
+    left = q.clone()  # without replacement: each child from q minus the earlier siblings
+    kids = torch.zeros((M, width), dtype=torch.int64, device=q.device)
+    ok = torch.zeros((M, width), dtype=torch.bool, device=q.device)
+    for i in range(width):
+        has_mass = left.sum(-1) > 1e-6  # a sibling exists only if q has mass left (decided before drawing)
+        x = sample_from_weights(torch.where(has_mass.unsqueeze(1), left, q), u[:, i])
+        kids[:, i], ok[:, i] = x, has_mass
+        left.scatter_(1, x.unsqueeze(1), 0.0)
+    return kids, ok.cumprod(1).bool()
 
-    def _q(self, logits: Tensor, view: BatchView, rows: list[int], counts: Tensor | None) -> Tensor:
-        params = [view.params[b] for b in rows]
-        mask = view.prompt_mask[rows] if view.prompt_mask is not None else None
-        return probs_from_logits(logits, params, prompt_mask=mask, output_counts=counts)
 
-    # --- proposing ------------------------------------------------------------------------------------
-    def propose_tree(self, view: BatchView, caps: list[int]) -> TreeProposal:
-        """A tree per row, at most caps[b] deep (0: no tree for that row)."""
-        spec = self.spec
-        B, dev = len(view.seqs), view.device
-        D = spec.max_depth
-        caps = [max(0, min(c, D)) for c in caps]
-        tokens: list[list[int]] = [[] for _ in range(B)]
-        parents: list[list[int]] = [[] for _ in range(B)]
-        scores: list[list[float]] = [[] for _ in range(B)]
-        self._fed = [dict() for _ in range(B)]
-        self._tree_start = list(self.runner.lengths)
-        if max(caps, default=0) == 0:
-            return build_proposal(tokens, parents, None, spec.rule, dev)
-        penalties = any(p.uses_penalties for p in view.params)
-        feed = [s[n:] if c > 0 else [] for s, n, c in zip(view.seqs, self.runner.lengths, caps)]
-        logits = self.runner.forward(feed, logits_at="last")  # [B, V]: the root (after the pending token)
-        self._tree_start = list(self.runner.lengths)
-        q_root = self._q(logits, view, list(range(B)), view.output_counts if penalties else None)  # [B, V]
-        V = q_root.shape[-1]
-        n_max = spec.max_nodes if not spec.dynamic else spec.topk + (spec.depth - 1) * spec.topk * spec.topk
-        keep_q = spec.rule != "deterministic"
-        probs = torch.zeros((B, n_max + 1, V), dtype=q_root.dtype, device=dev) if keep_q else None
-        if keep_q:
-            probs[:, 0] = q_root
-        fed_parents: list[list[int]] = [[] for _ in range(B)]  # the draft cache's tree (fed nodes), by fed index
-        expand = [(b, -1, q_root[b]) for b in range(B) if caps[b] > 0]  # (row, node, q at the node)
-        for d in range(1, D + 1):
-            if not expand:
-                break
-            width = spec.topk if spec.dynamic else spec.widths[d - 1]
-            owners = [b for b, _, _ in expand]
-            kids, ok = self._children(torch.stack([q for _, _, q in expand]), owners, width, view)
-            logq = torch.stack([q for _, _, q in expand]).gather(1, kids).clamp_min(1e-30).log().tolist()
-            kids, ok = kids.tolist(), ok.tolist()
-            new = []  # (row, node) created at this depth
-            for m, (b, node, _) in enumerate(expand):
-                base = scores[b][node] if node >= 0 else 0.0
-                for i in range(width):
-                    if ok[m][i]:
-                        tokens[b].append(kids[m][i])
-                        parents[b].append(node)
-                        scores[b].append(base + logq[m][i])
-                        new.append((b, len(tokens[b]) - 1))
-            if d == D:
-                break
-            if spec.dynamic:  # EAGLE-2: expand the topk best new nodes of each row
-                by_row: dict[int, list[int]] = {}
-                for b, n in new:
-                    by_row.setdefault(b, []).append(n)
-                new = [(b, n) for b, ns in by_row.items()
-                       for n in sorted(ns, key=lambda n: -scores[b][n])[: spec.topk]]
-            new = [(b, n) for b, n in new if caps[b] > d]
-            if not new:
-                break
-            # one draft forward over the nodes to expand: they see the prefix and their ancestors
-            chunk: list[list[int]] = [[] for _ in range(B)]
+class TreeGrowth:
+    """The trees of one step while they grow, per row: node tokens, parents, log path probabilities and depths,
+    and which nodes have been fed to the draft model (their index in the draft cache's tree)."""
+
+    def __init__(self, spec: TreeSpec, batch: int):
+        self.spec = spec
+        self.tokens: list[list[int]] = [[] for _ in range(batch)]
+        self.parents: list[list[int]] = [[] for _ in range(batch)]
+        self.scores: list[list[float]] = [[] for _ in range(batch)]
+        self.depths: list[list[int]] = [[] for _ in range(batch)]
+        self.fed: list[dict[int, int]] = [{} for _ in range(batch)]  # node -> index in the draft cache's tree
+        self.fed_parents: list[list[int]] = [[] for _ in range(batch)]  # the draft cache's tree, by fed index
+
+    def add_children(self, expand: list[tuple[int, int]], kids: Tensor, ok: Tensor, logq: Tensor,
+                     depth: int) -> list[tuple[int, int]]:
+        """Attach kids[m] (where ok) below expand[m] = (row, node); returns the new (row, node)s."""
+        kids, ok, logq = kids.tolist(), ok.tolist(), logq.tolist()
+        new = []
+        for m, (b, node) in enumerate(expand):
+            base = self.scores[b][node] if node >= 0 else 0.0
+            for i, x in enumerate(kids[m]):
+                if ok[m][i]:
+                    self.tokens[b].append(x)
+                    self.parents[b].append(node)
+                    self.scores[b].append(base + logq[m][i])
+                    self.depths[b].append(depth)
+                    new.append((b, len(self.tokens[b]) - 1))
+        return new
+
+    def to_expand(self, new: list[tuple[int, int]], depth: int, caps: list[int]) -> list[tuple[int, int]]:
+        """The new nodes that get children: all of them, or a dynamic tree's topk best per row (EAGLE-2), for
+        rows whose cap allows another level."""
+        if self.spec.dynamic:
+            by_row: dict[int, list[int]] = {}
             for b, n in new:
-                p = parents[b][n]
-                self._fed[b][n] = len(fed_parents[b])
-                fed_parents[b].append(self._fed[b][p] if p >= 0 else -1)
-                chunk[b].append(tokens[b][n])
-            logits = self.runner.forward(chunk, parents=fed_parents, tree_start=self._tree_start)  # [B, T, V]
-            counts = None
-            if penalties:
-                counts = self._path_counts(view, tokens, parents, new, logits.shape[1])
-            q = self._q(logits, view, list(range(B)), counts)  # [B, T, V]
-            pos = [0] * B
-            expand = []
-            for b, n in new:
-                q_n = q[b, pos[b]]
-                pos[b] += 1
-                expand.append((b, n, q_n))
-                if keep_q:
-                    probs[b, n + 1] = q_n
-        if spec.dynamic:
-            for b in range(B):
-                tokens[b], parents[b], kept = self._best(tokens[b], parents[b], scores[b], spec.budget)
-                self._fed[b] = {kept.index(n): f for n, f in self._fed[b].items() if n in kept}
-        return build_proposal(tokens, parents, probs, spec.rule, dev)
+                by_row.setdefault(b, []).append(n)
+            new = [(b, n) for b, ns in by_row.items()
+                   for n in sorted(ns, key=lambda n: -self.scores[b][n])[: self.spec.topk]]
+        return [(b, n) for b, n in new if caps[b] > depth]
 
-    @staticmethod
-    def _best(tokens, parents, scores, budget):
-        """EAGLE-2's re-ranking: the `budget` nodes of highest path probability (a node's ancestors score at
-        least as high; ties go to the shallower node), in drafting order."""
-        depth = []
-        for p in parents:
-            depth.append(1 + (depth[p] if p >= 0 else 0))
-        order = sorted(range(len(tokens)), key=lambda n: (-scores[n], depth[n], n))[:budget]
-        kept = sorted(order)
-        index = {n: i for i, n in enumerate(kept)}
-        return [tokens[n] for n in kept], [index[parents[n]] if parents[n] >= 0 else -1 for n in kept], kept
+    def feed(self, nodes: list[tuple[int, int]]) -> list[list[int]]:
+        """Register nodes as fed to the draft model; returns the chunk of tokens to feed per row."""
+        chunk: list[list[int]] = [[] for _ in self.tokens]
+        for b, n in nodes:
+            p = self.parents[b][n]
+            self.fed[b][n] = len(self.fed_parents[b])
+            self.fed_parents[b].append(self.fed[b][p] if p >= 0 else -1)
+            chunk[b].append(self.tokens[b][n])
+        return chunk
 
-    def _path_counts(self, view: BatchView, tokens, parents, new, T: int) -> Tensor:
-        """Output counts at each node of the forward chunk (the node's path included): [B, T, V]."""
-        B = len(tokens)
-        built = build_proposal(tokens, parents, None, "deterministic", view.device)
-        every = counts_at_tree_nodes(view.output_counts, built.token_ids, built.parents)  # [B, N + 1, V]
+    def path_counts(self, output_counts: Tensor, nodes: list[tuple[int, int]], T: int) -> Tensor:
+        """Output counts after each node of a fed chunk (the node's path included): [B, T, V]."""
+        B = len(self.tokens)
+        built = Draft.tree_of(self.tokens, self.parents, None, "deterministic", output_counts.device)
+        every = counts_at_nodes(output_counts, built.token_ids, built.parents)  # [B, N + 1, V]
         slot = torch.zeros((B, T), dtype=torch.int64)
         pos = [0] * B
-        for b, n in new:
+        for b, n in nodes:
             slot[b, pos[b]] = n + 1
             pos[b] += 1
         return every.gather(1, slot.to(every.device).unsqueeze(-1).expand(-1, -1, every.shape[-1]))
 
-    def update_tree(self, view: BatchView, paths: list[list[int]]) -> None:
-        """After verification: row b accepted the proposal nodes paths[b]; keep those the draft has computed."""
-        keep = []
-        for b, path in enumerate(paths):
-            fed = []
-            for n in path:
-                if n not in self._fed[b]:
-                    break
-                fed.append(self._fed[b][n])
-            keep.append(fed)
-        self.runner.keep_paths(self._tree_start, keep)
+    def prune(self) -> None:
+        """EAGLE-2's re-ranking: keep the `budget` nodes of highest path probability per row (a node's ancestors
+        score at least as high; ties go to the shallower node), in drafting order."""
+        for b, tokens in enumerate(self.tokens):
+            order = sorted(range(len(tokens)), key=lambda n: (-self.scores[b][n], self.depths[b][n], n))
+            kept = sorted(order[: self.spec.budget])
+            index = {n: i for i, n in enumerate(kept)}
+            self.tokens[b] = [tokens[n] for n in kept]
+            self.parents[b] = [index[self.parents[b][n]] if self.parents[b][n] >= 0 else -1 for n in kept]
+            self.fed[b] = {index[n]: f for n, f in self.fed[b].items() if n in index}
+
+
+def grow_tree(runner, spec: TreeSpec, view: BatchView, caps: list[int]) -> tuple[Draft, list[int], list[dict]]:
+    """Draft a tree per row with a draft model, level by level in its cache (runner: HFRunner / FastRunner).
+    Returns the draft, the draft cache's tree start per row and, per row, node -> fed index (for `keep_paths`)."""
+    B, dev = len(view.seqs), view.device
+    caps = [max(0, min(c, spec.max_depth)) for c in caps]
+    grown = TreeGrowth(spec, B)
+    if max(caps, default=0) == 0:
+        return Draft.tree_of(grown.tokens, grown.parents, None, spec.rule, dev), list(runner.lengths), grown.fed
+    penalties = view.output_counts is not None and any(p.uses_penalties for p in view.params)
+    feed = [s[n:] if c > 0 else [] for s, n, c in zip(view.seqs, runner.lengths, caps)]
+    logits = runner.forward(feed, logits_at="last")  # [B, V]: the root (after the pending token)
+    start = list(runner.lengths)
+    q = probs_from_logits(logits, view.params, prompt_mask=view.prompt_mask,
+                          output_counts=view.output_counts if penalties else None)  # [B, V]
+    probs = None
+    if spec.rule != "deterministic":  # q at every slot that gets children
+        probs = torch.zeros((B, spec.drafted_nodes + 1, q.shape[-1]), dtype=q.dtype, device=dev)
+        probs[:, 0] = q
+    expand = [(b, -1) for b in range(B) if caps[b] > 0]
+    q_expand = q[[b for b, _ in expand]]  # [M, V]
+    for d in range(1, spec.max_depth + 1):
+        width = spec.topk if spec.dynamic else spec.widths[d - 1]
+        kids, ok = draw_children(q_expand, [b for b, _ in expand], width, spec.rule, view.generators)
+        logq = q_expand.gather(1, kids).clamp_min(1e-30).log()
+        new = grown.add_children(expand, kids, ok, logq, d)
+        expand = grown.to_expand(new, d, caps) if d < spec.max_depth else []
+        if not expand:
+            break
+        chunk = grown.feed(expand)  # one draft forward over them: they see the prefix and their ancestors
+        logits = runner.forward(chunk, parents=grown.fed_parents, tree_start=start)  # [B, T, V]
+        counts = grown.path_counts(view.output_counts, expand, logits.shape[1]) if penalties else None
+        q = probs_from_logits(logits, view.params, prompt_mask=view.prompt_mask, output_counts=counts)  # [B, T, V]
+        q_expand = _chunk_rows(q, expand)
+        if probs is not None:
+            probs[[b for b, _ in expand], [n + 1 for _, n in expand]] = q_expand
+    if spec.dynamic:
+        grown.prune()
+    return Draft.tree_of(grown.tokens, grown.parents, probs, spec.rule, dev), start, grown.fed
+
+
+def _chunk_rows(q: Tensor, nodes: list[tuple[int, int]]) -> Tensor:
+    """q [B, T, V] of a fed chunk -> [M, V] for its nodes, in order (row b's nodes sit at chunk positions 0, 1, ...)."""
+    pos: dict[int, int] = {}
+    index = []
+    for b, _ in nodes:
+        index.append(pos.get(b, 0))
+        pos[b] = index[-1] + 1
+    return q[[b for b, _ in nodes], index]

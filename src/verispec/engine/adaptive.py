@@ -21,19 +21,23 @@ from __future__ import annotations
 
 from ..sampling.theory import optimal_gamma_cost_curve, speedup_cost_curve
 
-__all__ = ["GammaController"]
+__all__ = ["MAX_GAMMA", "GammaController", "check_gamma"]
+
+MAX_GAMMA = 64  # drafts per step: far beyond where speculation pays (every draft costs a draft forward)
+
+
+def check_gamma(value, name: str = "gamma") -> int:
+    """A draft length: an integer in [0, MAX_GAMMA] (0: no speculation); anything else is a ValueError."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_GAMMA:
+        raise ValueError(f"{name} must be an integer in [0, {MAX_GAMMA}] (drafts per step), got {value!r}")
+    return value
 
 
 class GammaController:
     def __init__(self, gamma: int | str, max_gamma: int = 8, ema: float = 0.3, probe_every: int = 8,
                  min_evidence: int = 32):
-        if gamma == "auto":
-            self.fixed = None
-        elif isinstance(gamma, int) and not isinstance(gamma, bool) and gamma >= 0:
-            self.fixed = gamma
-        else:
-            raise ValueError(f"gamma must be an integer >= 0 or 'auto', got {gamma!r}")
-        if max_gamma < 1:
+        self.fixed = None if gamma == "auto" else check_gamma(gamma, "gamma (or 'auto')")
+        if check_gamma(max_gamma, "max_gamma") < 1:
             raise ValueError(f"max_gamma must be >= 1, got {max_gamma}")
         self.max_gamma = max_gamma if self.fixed is None else max(self.fixed, 1)
         self.ema = ema

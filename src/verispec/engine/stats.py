@@ -1,4 +1,11 @@
-"""Speculation statistics in one place: observe(drafted, accepted) per row and step; rates derived here."""
+"""Speculation statistics in one place: observe(drafted, accepted, nodes) per row and step; rates derived here.
+
+Chains and trees are counted alike. Per step, `drafted` is the draft's depth — the most tokens the step could
+accept (a chain: its length; a tree: its deepest path) — and `nodes` the draft tokens the target checked (a chain:
+the same number; a tree: every node). So `acceptance_rate` = accepted / drafted is, for a tree, the fraction of
+its depth that was accepted, and `per_position_acceptance[j]` the probability that depth j + 1 was reached given
+depth j was: for a chain of one node per depth, exactly the classic per-position acceptance.
+"""
 
 from __future__ import annotations
 
@@ -11,10 +18,10 @@ __all__ = ["SpecStats"]
 class SpecStats:
     """Counts for one request, or pooled over many (`merge`). Times in seconds (pooled stats only)."""
 
-    drafted: int = 0  # draft tokens proposed
-    accepted: int = 0  # of which accepted
+    drafted: int = 0  # draft depth summed over steps (a chain: its draft tokens)
+    accepted: int = 0  # accepted draft tokens
     emitted: int = 0  # tokens emitted (accepted + recovered / bonus), before stop / length truncation
-    tree_nodes: int = 0  # tree speculation: nodes drafted and verified (drafted then counts tree depths)
+    nodes: int = 0  # draft tokens the target checked (a chain: = drafted; a tree: all its nodes)
     target_passes: int = 0  # verification forward passes that included this row
     drafted_at: list[int] = field(default_factory=list)  # [j]: steps that drafted a position j
     reached_at: list[int] = field(default_factory=list)  # [j]: of which drafts 0..j-1 were all accepted
@@ -26,9 +33,11 @@ class SpecStats:
     wall_time: float = 0.0
     output_tokens: int = 0  # tokens returned to the user
 
-    def observe(self, drafted: int, accepted: int) -> None:
-        """One verification step of one row: `drafted` drafts, the first `accepted` of them kept."""
+    def observe(self, drafted: int, accepted: int, nodes: int | None = None) -> None:
+        """One verification step of one row: a draft `drafted` deep (with `nodes` tokens; default: a chain's
+        `drafted`), of which `accepted` were kept."""
         self.drafted += drafted
+        self.nodes += drafted if nodes is None else nodes
         self.accepted += accepted
         self.emitted += accepted + 1
         self.target_passes += 1
@@ -44,7 +53,7 @@ class SpecStats:
 
     def merge(self, other: SpecStats) -> None:
         """Add another run's counts and times (e.g. pool several calls)."""
-        for name in ("drafted", "accepted", "emitted", "tree_nodes", "target_passes", "output_tokens", "draft_time",
+        for name in ("drafted", "accepted", "emitted", "nodes", "target_passes", "output_tokens", "draft_time",
                      "verify_time", "other_time", "wall_time"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for g, n in other.steps_by_drafted.items():
@@ -76,7 +85,7 @@ class SpecStats:
 
     def summary(self) -> dict:
         return {
-            "output_tokens": self.output_tokens, "drafted": self.drafted, "tree_nodes": self.tree_nodes, "accepted": self.accepted,
+            "output_tokens": self.output_tokens, "drafted": self.drafted, "nodes": self.nodes, "accepted": self.accepted,
             "target_passes": self.target_passes, "acceptance_rate": self.acceptance_rate, "tau": self.tau,
             "per_position_acceptance": self.per_position_acceptance, "tokens_per_second": self.tokens_per_second,
             "wall_time_s": self.wall_time, "draft_time_s": self.draft_time, "verify_time_s": self.verify_time,

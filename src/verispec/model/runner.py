@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from ..sampling.tree import tree_ancestors
 from .cache import RowKVCache
 
 __all__ = ["HFRunner"]
@@ -25,19 +26,17 @@ def _tree_structure(parents: Sequence[Sequence[int]], n_new: list[int], T: int) 
     B = len(n_new)
     if len(parents) != B:
         raise ValueError(f"got {len(parents)} parent lists for a batch of {B}")
-    depth = torch.zeros((B, T), dtype=torch.int64)
-    anc = torch.eye(T, dtype=torch.bool).repeat(B, 1, 1)
-    for b, par in enumerate(parents):
-        if len(par) != n_new[b]:
-            raise ValueError(f"row {b}: {len(par)} parents for {n_new[b]} new tokens")
-        for i, p in enumerate(par):
-            p = int(p)
-            if not -1 <= p < i:
-                raise ValueError(f"row {b}: parent of node {i} must be -1 or an earlier node, got {p}")
-            if p >= 0:
-                depth[b, i] = depth[b, p] + 1
-                anc[b, i] |= anc[b, p]
-    return depth, anc
+    par = torch.full((B, T), -1, dtype=torch.int64)  # [B, T]: padding nodes hang off the prefix
+    for b, row in enumerate(parents):
+        if len(row) != n_new[b]:
+            raise ValueError(f"row {b}: {len(row)} parents for {n_new[b]} new tokens")
+        par[b, : n_new[b]] = torch.as_tensor([int(p) for p in row], dtype=torch.int64)
+    bad = (par < -1) | (par >= torch.arange(T))
+    if bool(bad.any()):
+        b, i = (int(x) for x in bad.nonzero()[0])
+        raise ValueError(f"row {b}: parent of node {i} must be -1 or an earlier node, got {int(par[b, i])}")
+    anc, depth = tree_ancestors(par)
+    return depth - 1, anc
 
 
 class HFRunner:

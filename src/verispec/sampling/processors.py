@@ -24,7 +24,7 @@ from torch import Tensor
 from .params import SamplingParams
 from .tree import tree_ancestors
 
-__all__ = ["probs_from_logits", "counts_at_draft_positions", "counts_at_tree_nodes"]
+__all__ = ["counts_at_nodes", "probs_from_logits"]
 
 
 def _per_row(params: SamplingParams | Sequence[SamplingParams], batch: int) -> list[SamplingParams]:
@@ -50,7 +50,7 @@ def probs_from_logits(
     """Turn logits into the processed distribution that sampling (and verification) uses.
 
     `output_counts` may differ per position T (a draft position j has seen the drafts before j); see
-    `counts_at_draft_positions`. With `check=True` (default) NaN / +inf logits and rows with no finite
+    `counts_at_nodes`. With `check=True` (default) NaN / +inf logits and rows with no finite
     logit raise ValueError instead of producing NaN probabilities.
     """
     if not isinstance(logits, Tensor) or not logits.is_floating_point():
@@ -125,29 +125,16 @@ def probs_from_logits(
     return probs.squeeze(1) if squeeze else probs
 
 
-def counts_at_draft_positions(
-    output_counts: Tensor,  # [B, V]: token occurrences in the output before the first draft position
-    draft_token_ids: Tensor,  # [B, k] int64; entries < 0 are padding and are not counted
-) -> Tensor:  # [B, k + 1, V]: counts seen by draft/target position j (drafts 0..j-1 included)
-    """Per-position output counts for penalties inside a speculative step.
-
-    Position j of a chain is conditioned on the drafts before it, so its presence / frequency /
-    repetition penalties must count them; p and q are built with the same counts.
-    """
-    B, k = draft_token_ids.shape
-    valid = draft_token_ids >= 0
-    step = torch.zeros((B, k + 1, output_counts.shape[-1]), dtype=output_counts.dtype, device=output_counts.device)
-    step[:, 1:].scatter_(-1, draft_token_ids.clamp(min=0).unsqueeze(-1), valid.unsqueeze(-1).to(step.dtype))
-    return output_counts.unsqueeze(1) + step.cumsum(dim=1)
-
-
-def counts_at_tree_nodes(
-    output_counts: Tensor,  # [B, V]: token occurrences in the output before the tree
-    token_ids: Tensor,  # [B, N] int64: node tokens; entries < 0 (padding) are not counted
-    parents: Tensor,  # [B, N] int64: -1 = child of the root, else an earlier node
+def counts_at_nodes(
+    output_counts: Tensor,  # [B, V]: token occurrences in the output before the draft
+    token_ids: Tensor,  # [B, N] int64: draft tokens; entries < 0 (padding) are not counted
+    parents: Tensor,  # [B, N] int64: -1 = child of the root, else an earlier node (a chain: -1, 0, 1, ...)
 ) -> Tensor:  # [B, N + 1, V]: counts seen at the root (slot 0) and after node n (slot n + 1, its path included)
-    """Per-node output counts for penalties inside a tree step: node n is conditioned on its own path, so its
-    penalties count the path's tokens (the chain case is counts_at_draft_positions)."""
+    """Per-node output counts for penalties inside a speculative step, for chains and trees alike.
+
+    The distribution after node n is conditioned on the path to n, so its presence / frequency / repetition
+    penalties count that path's tokens; p and q are built with the same counts.
+    """
     B, N = token_ids.shape
     V = output_counts.shape[-1]
     parents = torch.where(token_ids >= 0, parents, -1)  # padding nodes hang off the root

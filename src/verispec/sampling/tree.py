@@ -54,7 +54,8 @@ from torch import Tensor
 
 from .chain import check_probability_rows, draw_uniforms, sample_from_weights
 
-__all__ = ["TREE_RULES", "TreeVerifyOutput", "tree_ancestors", "tree_children", "verify_tree", "verify_tree_with_uniforms"]
+__all__ = ["TREE_RULES", "TreeVerifyOutput", "chain_parents", "tree_ancestors", "tree_children", "verify_tree",
+           "verify_tree_with_uniforms"]
 
 TREE_RULES = ("iid", "without_replacement", "deterministic")
 
@@ -69,6 +70,11 @@ class TreeVerifyOutput:
     @property
     def num_emitted(self) -> Tensor:  # [B] int64
         return self.num_accepted + 1
+
+
+def chain_parents(batch: int, k: int, device: torch.device | str = "cpu") -> Tensor:  # [batch, k] int64
+    """The parents of a chain written as a tree: -1, 0, 1, ..., k - 2 (node j hangs below node j - 1)."""
+    return (torch.arange(k, device=device) - 1).expand(batch, k).contiguous()
 
 
 def tree_ancestors(

@@ -1,0 +1,146 @@
+"""One request while it generates (`Row`), and what it returns: `Completion` at the end, `StreamEvent` per step.
+
+A row takes each step's tokens until EOS, its budget or the context end; its text is decoded, cut at the first
+stop string (the tokens after it are dropped too), and streamed in deltas that never end inside a multi-byte
+character or inside what may be the start of a stop string.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..sampling import SamplingParams
+from .stats import SpecStats
+
+__all__ = ["Completion", "Row", "StreamEvent"]
+
+TopLogprobs = list[tuple[int, float]]  # (token id, raw target logprob), best first
+
+
+@dataclass
+class Completion:
+    index: int  # position of the request in the call
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # generated tokens (EOS excluded)
+    text: str
+    finish_reason: str  # "stop" (EOS or a stop string) or "length" (max_new_tokens or the context end)
+    stop_reason: str | int | None  # the stop string or EOS id that ended it
+    logprobs: list[float] | None  # log p(x) under the processed target distribution
+    raw_logprobs: list[float] | None  # log softmax(target logits)(x), temperature 1, no truncation
+    stats: SpecStats
+    top_logprobs: list[TopLogprobs] | None = None  # per position: (token, raw logprob), best first
+    key: object = None  # the handle given to GenerationSession.add
+
+
+@dataclass
+class StreamEvent:
+    index: int
+    delta: str  # new text, safe to print (no half characters, no partial stop string)
+    token_ids: list[int]  # tokens accepted in this step
+    completion: Completion | None = None  # set on the request's last event
+    key: object = None  # the handle given to GenerationSession.add
+    raw_logprobs: list[float] = field(default_factory=list)  # raw target logprob of each of token_ids
+    top_logprobs: list[TopLogprobs] | None = None  # per token: (id, raw logprob) alternatives
+
+
+@dataclass
+class Row:
+    index: int
+    prompt: list[int]
+    params: SamplingParams
+    generator: torch.Generator
+    seq: list[int]  # prompt + generated tokens; the last one is pending (in no model's cache yet)
+    max_new: int = 128
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    gamma: int | None = None  # this request's draft length (0: no speculation); None: the generator's choice
+    top_logprobs: int = 0  # alternatives per position to return (raw target log-softmax)
+    key: object = None  # the caller's handle (abort)
+    t_start: float = 0.0
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    raw_logprobs: list[float] = field(default_factory=list)
+    top: list[TopLogprobs] = field(default_factory=list)
+    sent: str = ""  # text already streamed
+    successes: int = 0  # accepted drafts (adaptive gamma)
+    failures: int = 0  # steps that ended in a rejection (adaptive gamma)
+    stats: SpecStats = field(default_factory=SpecStats)
+    done: Completion | None = None
+
+    def observe(self, drafted: int, accepted: int, nodes: int) -> None:
+        """One verification step: a draft `drafted` deep with `nodes` tokens, of which `accepted` were kept."""
+        self.stats.observe(drafted, accepted, nodes)
+        self.successes += accepted
+        self.failures += int(accepted < drafted)
+
+    def take(self, new: list[int], lp: list[float], raw: list[float], top: list[TopLogprobs] | None,
+             eos_ids: set[int], max_positions: int | None) -> list[int]:
+        """Append a step's tokens to the output until EOS, the budget or the context end; returns those taken."""
+        returned: list[int] = []
+        for j, t in enumerate(new):
+            if not self.ignore_eos and t in eos_ids:
+                self.finish("stop", t)
+                break
+            self.tokens.append(t)
+            self.logprobs.append(lp[j])
+            self.raw_logprobs.append(raw[j])
+            if self.top_logprobs:
+                self.top.append(top[j][: self.top_logprobs])
+            returned.append(t)
+            if len(self.tokens) >= self.max_new:
+                self.finish("length", None)
+                break
+        if self.done is None and max_positions is not None and len(self.seq) >= max_positions:
+            self.finish("length", None)
+        return returned
+
+    def finish(self, reason: str, stop_reason) -> None:
+        self.done = Completion(index=self.index, prompt_token_ids=self.prompt, token_ids=[], text="",
+                               finish_reason=reason, stop_reason=stop_reason, logprobs=None, raw_logprobs=None,
+                               stats=self.stats, key=self.key)
+
+    def event(self, tokenizer, before: int) -> StreamEvent:
+        """This step's event: the text delta (stop strings applied) and the tokens kept since `before`."""
+        text = tokenizer.decode(self.tokens, skip_special_tokens=True)
+        hit = min(((text.find(s), s) for s in self.stop if s in text), default=None)
+        if hit is not None:
+            text = self._cut_at_stop(tokenizer, text, *hit, before)
+        if self.done is not None:
+            delta = text[len(self.sent):] if text.startswith(self.sent) else ""
+            self.sent = text
+            self._complete(text)
+        else:
+            delta = self._safe_delta(text)
+        kept = min(before, len(self.tokens))  # a stop string may cut tokens of this step
+        return StreamEvent(self.index, delta, self.tokens[kept:], completion=self.done, key=self.key,
+                           raw_logprobs=self.raw_logprobs[kept:],
+                           top_logprobs=self.top[kept:] if self.top_logprobs else None)
+
+    def _cut_at_stop(self, tokenizer, text: str, cut: int, stop: str, before: int) -> str:
+        """Drop the text from the stop string on, and the tokens after the shortest prefix that contains it."""
+        n = before  # the stop string was not in the text before this step
+        while n < len(self.tokens) and stop not in tokenizer.decode(self.tokens[:n], skip_special_tokens=True):
+            n += 1
+        del self.tokens[n:], self.logprobs[n:], self.raw_logprobs[n:], self.top[n:]
+        self.finish("stop", stop)
+        return text[:cut]
+
+    def _complete(self, text: str) -> None:
+        d = self.done
+        d.text, d.token_ids = text, list(self.tokens)
+        d.logprobs, d.raw_logprobs = list(self.logprobs), list(self.raw_logprobs)
+        d.top_logprobs = list(self.top) if self.top_logprobs else None
+
+    def _safe_delta(self, text: str) -> str:
+        safe = text.rstrip("\ufffd")  # an incomplete multi-byte character waits for its next token
+        for s in self.stop:  # hold back a suffix that may be the start of a stop string
+            for m in range(min(len(s) - 1, len(safe)), 0, -1):
+                if safe.endswith(s[:m]):
+                    safe = safe[: len(safe) - m]
+                    break
+        if safe.startswith(self.sent) and len(safe) > len(self.sent):
+            delta, self.sent = safe[len(self.sent):], safe
+            return delta
+        return ""

@@ -1,0 +1,317 @@
+"""The speculative step, with one home: a `GenerationSession` drafts, verifies, commits and emits for a batch
+of requests that join (`add`) and leave (they finish, or `abort`) between steps — continuous batching.
+
+    draft  -> the proposer's `Draft` (a token tree per row; a chain is the tree with parents -1, 0, 1, ...)
+    verify -> one target forward over every row's pending token and draft nodes, p from the same processing as
+              plain sampling, verify_chain (chains) or verify_tree (trees): a `StepOutput`
+    commit -> the target's cache keeps each row's accepted path (`keep_paths`), the proposer its own
+    emit   -> each row takes its tokens (EOS, budget, stop strings) and yields a `StreamEvent`
+
+A request's randomness is its own generator, and with a fixed draft length its tokens do not depend on which
+other requests share the batch (as far as the kernels are batch-invariant; see `verispec.engine.generator`).
+Not thread-safe: drive it from one thread (the server's engine thread does).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from ..drafting import BatchView, Draft
+from ..sampling import SamplingParams, counts_at_nodes, probs_from_logits
+from .adaptive import check_gamma
+from .rows import Row, StreamEvent, TopLogprobs
+from .stats import SpecStats
+
+if TYPE_CHECKING:  # the generator builds sessions; a session only reads its public parts
+    from .generator import SpeculativeGenerator
+
+__all__ = ["GenerationSession", "StepOutput", "check_limits"]
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """What one verification step gives each row b of the batch."""
+
+    drafted: list[int]  # [B] draft depth: the most tokens the step could accept
+    nodes: list[int]  # [B] draft tokens the target checked
+    accepted: list[int]  # [B] accepted draft tokens
+    paths: list[list[int]]  # [B][accepted]: the accepted draft nodes, root's child first
+    tokens: list[list[int]]  # [B][accepted + 1]: accepted tokens, then the recovered / bonus token
+    logprobs: list[list[float]]  # [B][accepted + 1]: log p(x) under the processed target distribution
+    raw_logprobs: list[list[float]]  # [B][accepted + 1]: log softmax(target logits)(x)
+    top: list[list[TopLogprobs]] | None  # [B][accepted + 1]: best raw alternatives, when a row asked for them
+
+
+def check_limits(max_new_tokens, stop) -> tuple[int, tuple[str, ...]]:
+    """Validate a request's budget and stop strings (a single string is one stop string; None: none)."""
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    if stop is None:
+        stop = ()
+    elif isinstance(stop, str):
+        stop = (stop,)
+    elif not isinstance(stop, Sequence):
+        raise ValueError(f"stop must be a string or a list of strings, got {type(stop).__name__}")
+    stop = tuple(stop)
+    if any(not isinstance(s, str) or s == "" for s in stop):
+        raise ValueError("stop strings must be non-empty strings")
+    return max_new_tokens, stop
+
+
+class GenerationSession:
+    """Continuous batching over one SpeculativeGenerator; `step()` runs one draft + verify step for every
+    active request (see the module docstring)."""
+
+    def __init__(self, gen: SpeculativeGenerator):
+        self.gen = gen
+        self.rows: list[Row] = []  # in the batch, in cache row order
+        self.pending: list[Row] = []  # join at the next step
+        self.stats = SpecStats()  # pooled over this session
+        self.prompt_mask: Tensor | None = None  # [B, V] bool: tokens in each row's prompt
+        self.counts: Tensor | None = None  # [B, V] float32: each row's generated-token counts
+        self.last_step: list[tuple[int, int]] = []  # (drafted, accepted) per row of the last step, for metrics
+        self._aborted: set = set()
+
+    @property
+    def num_active(self) -> int:
+        return len(self.rows) + len(self.pending)
+
+    def add(self, prompt, params: SamplingParams = SamplingParams(), *, max_new_tokens: int = 128,
+            stop: str | Sequence[str] | None = (), chat: bool = False, ignore_eos: bool = False,
+            gamma: int | None = None, top_logprobs: int = 0, key: object = None, index: int = 0) -> object:
+        """Queue a request (validated now; it joins the batch at the next step). Returns its key.
+        gamma: this request's draft length (0 turns speculation off), None for the generator's setting;
+        top_logprobs: how many best alternatives (raw target logprobs) to return per position."""
+        gen = self.gen
+        max_new_tokens, stop = check_limits(max_new_tokens, stop)
+        if gamma is not None:
+            gamma = min(check_gamma(gamma, "gamma"), gen.controller.max_gamma)
+        if isinstance(top_logprobs, bool) or not isinstance(top_logprobs, int) or not 0 <= top_logprobs <= 20:
+            raise ValueError(f"top_logprobs must be an integer in [0, 20], got {top_logprobs!r}")
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        ids = gen.encode(prompt, chat)
+        if gen.max_positions is not None and len(ids) >= gen.max_positions:
+            raise ValueError(f"prompt {index} has {len(ids)} tokens; the model's context is {gen.max_positions}")
+        seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()))
+        row = Row(index, ids, params, torch.Generator().manual_seed(seed), list(ids), max_new=max_new_tokens,
+                  stop=stop, ignore_eos=ignore_eos, gamma=0 if gen.proposer is None else gamma,
+                  top_logprobs=top_logprobs, key=key if key is not None else object())
+        self.pending.append(row)
+        return row.key
+
+    def abort(self, key: object) -> None:
+        """Drop a request before the next step (its compute stops there)."""
+        self._aborted.add(key)
+
+    def step(self) -> list[StreamEvent]:
+        """Admit queued requests, drop aborted ones, run one step; returns this step's events (a finished
+        request's last event carries its Completion)."""
+        if self._aborted:
+            self.pending = [r for r in self.pending if r.key not in self._aborted]
+            self._keep([b for b, r in enumerate(self.rows) if r.key not in self._aborted])
+            self._aborted.clear()
+        if self.pending:
+            self._admit()
+        if not self.rows:
+            return []
+        view = self._view(penalties=any(r.params.uses_penalties for r in self.rows))
+        draft = self._draft(view)
+        out = self._verify(view, draft)
+        self._commit(view, draft, out)
+        return self._emit(out)
+
+    # --- membership -----------------------------------------------------------------------------------
+    def _view(self, rows: list[Row] | None = None, penalties: bool = True, prompt_mask=None, counts=None) -> BatchView:
+        gen = self.gen
+        if rows is None:
+            rows, prompt_mask, counts = self.rows, self.prompt_mask, self.counts
+        return BatchView(seqs=[r.seq for r in rows], params=[r.params for r in rows],
+                         generators=[r.generator for r in rows], prompt_mask=prompt_mask if penalties else None,
+                         output_counts=counts if penalties else None, vocab_size=gen.vocab_size, device=gen.device)
+
+    def _capacity(self, rows: list[Row]) -> int:
+        """KV slots the rows can need: prompt, budget, the largest draft and the pending token."""
+        gen = self.gen
+        tree = gen.proposer.tree if gen.proposer is not None else None
+        slack = max(gen.controller.max_gamma, tree.cache_slots if tree is not None else 0) + 2
+        capacity = max(len(r.prompt) + r.max_new + slack for r in rows)
+        if gen.max_positions is not None:
+            capacity = min(capacity, gen.max_positions + slack)
+        return capacity
+
+    def _admit(self) -> None:
+        gen = self.gen
+        new, self.pending = self.pending, []
+        V, dev = gen.vocab_size, gen.device
+        mask = torch.zeros((len(new), V), dtype=torch.bool, device=dev)
+        for b, r in enumerate(new):
+            mask[b, torch.as_tensor(r.prompt, device=dev)] = True
+        counts = torch.zeros((len(new), V), dtype=torch.float32, device=dev)
+        capacity = self._capacity(new)
+        draft_capacity = capacity + gen.controller.probe_every + 2  # a plain-decoding backlog, fed in one chunk
+        view = self._view(new, True, mask, counts)
+        if not self.rows:
+            gen.runner.start(len(new), capacity)
+            gen.runner.prefill([r.seq[:-1] for r in new])
+            if gen.proposer is not None:
+                gen.proposer.start(view, draft_capacity)
+            self.prompt_mask, self.counts = mask, counts
+        else:
+            gen.runner.add_rows([r.seq[:-1] for r in new], capacity)
+            if gen.proposer is not None:
+                gen.proposer.add(view, draft_capacity)
+            self.prompt_mask, self.counts = torch.cat([self.prompt_mask, mask]), torch.cat([self.counts, counts])
+        now = time.perf_counter()
+        for r in new:
+            r.t_start = now
+        self.rows.extend(new)
+
+    def _keep(self, keep: list[int]) -> None:
+        if len(keep) == len(self.rows):
+            return
+        self.rows = [self.rows[b] for b in keep]
+        if not self.rows:
+            return  # the next admission starts fresh caches
+        gen = self.gen
+        gen.runner.select(keep)
+        if gen.proposer is not None:
+            gen.proposer.select(keep)
+        idx = torch.tensor(keep, device=gen.device)
+        self.prompt_mask, self.counts = self.prompt_mask.index_select(0, idx), self.counts.index_select(0, idx)
+
+    # --- draft ----------------------------------------------------------------------------------------
+    def _caps(self) -> list[int]:
+        """Per row, the most draft tokens its budget and the context leave room for (the step adds one more)."""
+        end = self.gen.max_positions or 1 << 30
+        caps = [min(r.max_new - len(r.tokens), end - len(r.seq)) - 1 for r in self.rows]
+        gen = self.gen
+        if gen.proposer is not None and gen.proposer.tree is not None:  # the tree's shape sets the draft
+            return [0 if r.gamma == 0 else c for r, c in zip(self.rows, caps)]
+        controller, B = gen.controller, len(self.rows)
+        probe = controller.wants_plain_probe(B)  # measure T(1) at this batch size once
+        return [max(0, min(r.gamma, c)) if r.gamma is not None
+                else 0 if probe
+                else controller.choose(r.successes, r.failures, c, r.stats.target_passes, batch=B)
+                for r, c in zip(self.rows, caps)]
+
+    def _draft(self, view: BatchView) -> Draft:
+        gen = self.gen
+        caps = self._caps()
+        t0 = time.perf_counter()
+        if gen.proposer is not None:  # also with every cap 0: its state then follows the step (update)
+            draft = gen.proposer.propose(view, caps)
+        else:
+            draft = Draft.empty(len(self.rows), gen.device)
+        seconds = time.perf_counter() - t0
+        self.stats.draft_time += seconds
+        if draft.chain and max(draft.num_nodes) > 0:
+            gen.controller.observe_draft(seconds / max(draft.num_nodes), len(self.rows))
+        return draft
+
+    # --- verify ---------------------------------------------------------------------------------------
+    def _verify(self, view: BatchView, draft: Draft) -> StepOutput:
+        """One target forward over the pending tokens and the drafts, then exact verification."""
+        gen, rows, dev = self.gen, self.rows, self.gen.device
+        t0 = time.perf_counter()
+        nn = draft.num_nodes
+        N = max(nn)
+        ids, par = draft.token_ids[:, :N], draft.parents[:, :N]  # [B, N]
+        node_ids, node_par = ids.tolist(), par.tolist()
+        chunk = [[r.seq[-1]] + node_ids[b][: nn[b]] for b, r in enumerate(rows)]
+        parents = None if draft.chain else [[-1] + [p + 1 for p in node_par[b][: nn[b]]] for b in range(len(rows))]
+        logits = gen.runner.forward(chunk, parents=parents)[:, : N + 1]  # [B, N + 1, V]: root, then the nodes
+        counts = counts_at_nodes(view.output_counts, ids, par) if view.output_counts is not None else None
+        p = probs_from_logits(logits, view.params, prompt_mask=view.prompt_mask, output_counts=counts)
+        num = torch.tensor(nn, device=dev)
+        if draft.chain:
+            q = draft.probs[:, :N] if draft.probs is not None else None  # [B, N, V]
+            out = gen.verifier(p, ids, q, num, view.generators, check=False)
+            accepted = out.num_accepted.tolist()
+            paths = [list(range(a)) for a in accepted]
+        else:
+            q = draft.probs[:, : N + 1] if draft.probs is not None else None  # [B, N + 1, V]
+            out = gen.tree_verifier(p, ids, par, q, num, view.generators, rule=draft.rule, check=False)
+            accepted = out.num_accepted.tolist()
+            paths = [row[:a] for row, a in zip(out.path.tolist(), accepted)]
+        step = self._outputs(draft, logits, p, out.token_ids, paths, accepted)
+        seconds = time.perf_counter() - t0
+        self.stats.verify_time += seconds
+        if draft.chain:
+            gen.controller.observe_verify(N + 1, seconds, len(rows))
+        return step
+
+    def _outputs(self, draft: Draft, logits: Tensor, p: Tensor, token_ids: Tensor, paths: list[list[int]],
+                 accepted: list[int]) -> StepOutput:
+        """Emitted tokens with their processed and raw target logprobs (and top alternatives) at their slots.
+        logits, p [B, N + 1, V]; token_ids [B, D + 1] (-1 padded)."""
+        B, D1 = token_ids.shape
+        tok = token_ids.clamp(min=0).unsqueeze(-1)  # [B, D + 1, 1] (padding -> 0, never read)
+        if draft.chain:  # the emitted token j sits at slot j
+            p_e, logits_e = p[:, :D1], logits[:, :D1]
+        else:  # slot 0 (the root), then the accepted path's nodes
+            slots = torch.zeros((B, D1), dtype=torch.int64)
+            for b, path in enumerate(paths):
+                slots[b, 1: len(path) + 1] = torch.tensor([n + 1 for n in path], dtype=torch.int64)
+            sl = slots.to(logits.device).unsqueeze(-1).expand(-1, -1, logits.shape[-1])
+            p_e, logits_e = p.gather(1, sl), logits.gather(1, sl)  # [B, D + 1, V]
+        lp = p_e.gather(-1, tok).squeeze(-1).log().tolist()
+        log_z = logits_e.logsumexp(-1, keepdim=True)  # [B, D + 1, 1]
+        raw = (logits_e.gather(-1, tok) - log_z).squeeze(-1).tolist()
+        top = None
+        n_top = max(r.top_logprobs for r in self.rows)
+        if n_top:
+            values, top_ids = logits_e.topk(n_top, dim=-1)  # [B, D + 1, n_top]
+            top = [[list(zip(i, v)) for i, v in zip(ids_b, vals_b)]
+                   for ids_b, vals_b in zip(top_ids.tolist(), (values - log_z).tolist())]
+        emitted = [row[: a + 1] for row, a in zip(token_ids.tolist(), accepted)]
+        return StepOutput(drafted=list(draft.depth), nodes=list(draft.num_nodes), accepted=accepted, paths=paths,
+                          tokens=emitted, logprobs=[row[: a + 1] for row, a in zip(lp, accepted)],
+                          raw_logprobs=[row[: a + 1] for row, a in zip(raw, accepted)],
+                          top=None if top is None else [row[: a + 1] for row, a in zip(top, accepted)])
+
+    # --- commit and emit ------------------------------------------------------------------------------
+    def _commit(self, view: BatchView, draft: Draft, out: StepOutput) -> None:
+        """Keep each row's pending token and accepted path in the target's cache (everything else is dropped),
+        append the emitted tokens, count the step, and let the proposer roll its own state forward."""
+        gen = self.gen
+        old_lengths = [len(r.seq) for r in self.rows]
+        gen.runner.keep_paths([n - 1 for n in old_lengths], [[0] + [n + 1 for n in path] for path in out.paths])
+        for b, r in enumerate(self.rows):
+            r.seq.extend(out.tokens[b])  # view.seqs are these lists: the proposer sees the committed tokens
+            r.observe(out.drafted[b], out.accepted[b], out.nodes[b])
+            self.stats.observe(out.drafted[b], out.accepted[b], out.nodes[b])
+            if draft.chain:
+                gen.controller.observe_acceptance(out.accepted[b], int(out.accepted[b] < out.drafted[b]))
+        if gen.proposer is not None:
+            gen.proposer.update(view, old_lengths, draft, out.paths)
+        self.last_step = list(zip(out.drafted, out.accepted))
+
+    def _emit(self, out: StepOutput) -> list[StreamEvent]:
+        gen, dev = self.gen, self.gen.device
+        events: list[StreamEvent] = []
+        keep: list[int] = []
+        for b, r in enumerate(self.rows):
+            before = len(r.tokens)
+            taken = r.take(out.tokens[b], out.logprobs[b], out.raw_logprobs[b], out.top[b] if out.top else None,
+                           gen.eos_ids, gen.max_positions)
+            if taken:
+                self.counts[b].index_add_(0, torch.tensor(taken, device=dev), torch.ones(len(taken), device=dev))
+            event = r.event(gen.tokenizer, before)
+            if r.done is not None:
+                r.stats.output_tokens = len(r.done.token_ids)
+                r.stats.wall_time = time.perf_counter() - r.t_start  # this request's latency
+                self.stats.output_tokens += len(r.done.token_ids)
+                events.append(event)
+            else:
+                keep.append(b)
+                if event.delta or event.token_ids:
+                    events.append(event)
+        self._keep(keep)
+        return events
