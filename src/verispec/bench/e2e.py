@@ -242,9 +242,7 @@ def run_e2e(target: LoadedModel, draft: LoadedModel | None, prompts: dict[str, l
                         rec.update(tokens=tok, seconds=sec, tau=stats.tau, alpha=stats.acceptance_rate,
                                    per_position=stats.per_position_acceptance, drafted=stats.drafted,
                                    steps=stats.target_passes, draft_s=stats.draft_time, verify_s=stats.verify_time,
-                                   tree_nodes=stats.tree_nodes,
-                                   drafted_per_step=(stats.tree_nodes if tree else stats.drafted)
-                                   / max(stats.target_passes, 1))
+                                   nodes=stats.nodes, drafted_per_step=stats.nodes / max(stats.target_passes, 1))
                         if tree:  # alpha of a tree is not one number: per-depth acceptance is per_position
                             rec["alpha"] = None
                         if method != "verispec-plain" and stats.drafted and not tree:
