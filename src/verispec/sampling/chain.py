@@ -146,8 +146,12 @@ def draw_uniforms(
         accept_u = u[:, :k].masked_fill(pos >= num_draft.unsqueeze(1), 0.0)
         final_u = u.gather(1, num_draft.unsqueeze(1)).squeeze(1)
         return accept_u, final_u
-    if len(generators) != B:
-        raise ValueError(f"generators must have one entry per row: got {len(generators)} for {B} rows")
+    if isinstance(generators, torch.Generator) or len(generators) != B:
+        got = "one generator" if isinstance(generators, torch.Generator) else len(generators)
+        raise ValueError(f"generators must have one entry per row: got {got} for {B} rows")
+    bad = [g for g in generators if g is not None and not isinstance(g, torch.Generator)]
+    if bad:
+        raise ValueError(f"generators must be torch.Generator objects or None, got {type(bad[0]).__name__}")
     counts = num_draft.tolist()
     accept_u = torch.zeros((B, k), dtype=torch.float64, device=device)
     final_u = torch.empty((B,), dtype=torch.float64, device=device)
