@@ -26,12 +26,16 @@ def test_tree_methods_side_by_side(tmp_path, capsys):
     assert main(["bench", "e2e", "--target", str(tmp_path / "target"), "--draft", str(tmp_path / "draft"),
                  "--prompts", str(prompts), "--num-prompts", "1", "--batch", "1", "--max-new-tokens", "8",
                  "--temperatures", "1", "--methods", methods, "--no-chat", "--out", str(tmp_path / "out")]) == 0
-    result = json.loads((tmp_path / "out" / "e2e.json").read_text())
+    result = json.loads((tmp_path / "out" / "e2e.json").read_text(), parse_constant=_reject)  # strict JSON
     recs = {r["method"]: r for r in result["records"]}
     assert set(recs) == set(methods.split(","))
     tree = recs["verispec-tree@2-2/without_replacement"]
     assert tree["tokens"] == 8 and tree["nodes"] > 0 and tree["drafted_per_step"] > 2
     assert len(result["cost_curve_s"]) == 7  # calibrated up to the widest verification (6 nodes + root)
+
+
+def _reject(name):
+    raise AssertionError(f"e2e.json holds {name}: not valid JSON")
 
 
 @pytest.mark.parametrize("bad", ["verispec-tree", "verispec-tree@4-x", "verispec-draft@x", "nope",

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from ..sampling.chain import verify_chain
+from .table import markdown_table
 
 DEFAULT_SHAPES: tuple[tuple[int, int, int], ...] = (
     (1, 4, 32000), (1, 4, 151936), (8, 4, 151936), (64, 8, 32000), (32, 8, 151936),
@@ -27,7 +28,7 @@ DEFAULT_SHAPES: tuple[tuple[int, int, int], ...] = (
 
 def reference_verify_chain(target_probs: Tensor, draft_token_ids: Tensor, draft_probs: Tensor) -> Tensor:
     """Straightforward per-row implementation (what a first version usually looks like)."""
-    B, K1, V = target_probs.shape
+    B, K1, _ = target_probs.shape
     k = K1 - 1
     out = torch.full((B, K1), -1, dtype=torch.int64)
     for b in range(B):
@@ -69,41 +70,42 @@ def make_inputs(B: int, k: int, V: int, device: str = "cpu", seed: int = 0):
 
 def run(shapes: Sequence[tuple[int, int, int]] = DEFAULT_SHAPES, repeats: int = 10, device: str = "cpu",
         reference: bool = True) -> list[dict]:
-    rows = []
-    for B, k, V in shapes:
-        target_probs, draft_ids, draft_probs = make_inputs(B, k, V, device)
-        gens = [torch.Generator(device=device).manual_seed(i) for i in range(B)]
-        sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    return [time_shape(B, k, V, repeats, device, reference) for B, k, V in shapes]
 
-        def timed(fn):
-            def call():
-                fn()
-                sync()
-            return _time(call, repeats)
 
-        r = {"B": B, "k": k, "V": V,
-             "bytes": target_probs.numel() * target_probs.element_size() + draft_probs.numel() * draft_probs.element_size()}
-        r["read_s"] = timed(lambda: (target_probs.sum(), draft_probs.sum()))
-        r["verispec_s"] = timed(lambda: verify_chain(target_probs, draft_ids, draft_probs, check=False))
-        r["checked_s"] = timed(lambda: verify_chain(target_probs, draft_ids, draft_probs))
-        r["generators_s"] = timed(lambda: verify_chain(target_probs, draft_ids, draft_probs, generators=gens,
-                                                       check=False))
-        if reference:
-            tp, di, dp = target_probs.cpu(), draft_ids.cpu(), draft_probs.cpu()
-            r["reference_s"] = _time(lambda: reference_verify_chain(tp, di, dp), max(2, repeats // 4), 0.0)
-        rows.append(r)
-    return rows
+def time_shape(B: int, k: int, V: int, repeats: int = 10, device: str = "cpu", reference: bool = True) -> dict:
+    """One row of the benchmark: every timing in the module docstring at one (B, k, V)."""
+    target_probs, draft_ids, draft_probs = make_inputs(B, k, V, device)
+    gens = [torch.Generator(device=device).manual_seed(i) for i in range(B)]
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+
+    def timed(fn):
+        def call():
+            fn()
+            sync()
+        return _time(call, repeats)
+
+    r = {"B": B, "k": k, "V": V,
+         "bytes": target_probs.numel() * target_probs.element_size() + draft_probs.numel() * draft_probs.element_size()}
+    r["read_s"] = timed(lambda: (target_probs.sum(), draft_probs.sum()))
+    r["verispec_s"] = timed(lambda: verify_chain(target_probs, draft_ids, draft_probs, check=False))
+    r["checked_s"] = timed(lambda: verify_chain(target_probs, draft_ids, draft_probs))
+    r["generators_s"] = timed(lambda: verify_chain(target_probs, draft_ids, draft_probs, generators=gens, check=False))
+    if reference:
+        tp, di, dp = target_probs.cpu(), draft_ids.cpu(), draft_probs.cpu()
+        r["reference_s"] = _time(lambda: reference_verify_chain(tp, di, dp), max(2, repeats // 4), 0.0)
+    return r
 
 
 def to_markdown(rows: list[dict]) -> str:
-    head = ("| B | k | V | read pass ms | verispec ms | x read | +checks ms | x read | +generators ms | "
-            "reference ms | reference / verispec |")
-    lines = [head, "|" + "---|" * 11]
+    header = ["B", "k", "V", "read pass ms", "verispec ms", "x read", "+checks ms", "x read", "+generators ms",
+              "reference ms", "reference / verispec"]
+    cells = []
     for r in rows:
         ref = r.get("reference_s")
-        lines.append(
-            f"| {r['B']} | {r['k']} | {r['V']} | {r['read_s'] * 1e3:.3f} | {r['verispec_s'] * 1e3:.3f} | "
-            f"{r['verispec_s'] / r['read_s']:.2f} | {r['checked_s'] * 1e3:.3f} | {r['checked_s'] / r['read_s']:.2f} | "
-            f"{r['generators_s'] * 1e3:.3f} | "
-            + (f"{ref * 1e3:.1f} | {ref / r['verispec_s']:.1f} |" if ref is not None else "- | - |"))
-    return "\n".join(lines)
+        cells.append([r["B"], r["k"], r["V"], f"{r['read_s'] * 1e3:.3f}", f"{r['verispec_s'] * 1e3:.3f}",
+                      f"{r['verispec_s'] / r['read_s']:.2f}", f"{r['checked_s'] * 1e3:.3f}",
+                      f"{r['checked_s'] / r['read_s']:.2f}", f"{r['generators_s'] * 1e3:.3f}",
+                      f"{ref * 1e3:.1f}" if ref is not None else "-",
+                      f"{ref / r['verispec_s']:.1f}" if ref is not None else "-"])
+    return "\n".join(markdown_table(header, cells))

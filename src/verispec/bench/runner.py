@@ -19,6 +19,7 @@ import torch
 
 from ..model.fast import FastRunner
 from ..model.runner import HFRunner
+from .table import markdown_table
 
 __all__ = ["PATHS", "measure_curve", "read_bandwidth", "run", "to_markdown"]
 
@@ -129,23 +130,30 @@ def to_markdown(res: dict) -> str:
              f"{res['repeats']} (interleaved). Measured read bandwidth (streaming sum over 1 GiB): median "
              f"{res['read_bandwidth_gbps']:.1f} GB/s, best {res.get('read_bandwidth_best_gbps', 0):.1f} GB/s; "
              "'of read bandwidth' below is relative to the median.", ""]
-    head = "| k | " + " | ".join(f"{n} ms" for n in names) + " | " + " | ".join(f"{n} T(k)/T(1)" for n in names)
-    if "hf" in curves and "fast" in curves:
-        head += " | hf / fast"
-    lines += [head + " |", "|" + "---|" * (head.count("|") - 1)]
+    lines += [*markdown_table(*_curve_table(res)), ""]
+    header = ["path", "compute dtype", "kernels", "MB read per step", "decode GB/s", "of read bandwidth",
+              "verify5 / decode1", f"decode1 / {ref} decode1"]
+    rows = []
+    for n in names:
+        p = res["paths"][n]
+        rows.append([n, p["compute_dtype"], ", ".join(f"{k}×{v}" for k, v in p["kernels"].items()),
+                     f"{p['bytes_per_step'] / 1e6:.0f}", f"{p['decode_gbps']:.1f}", f"{p['fraction_of_bandwidth']:.0%}",
+                     f"{curves[n][4] / curves[n][0]:.2f}" if len(res["ks"]) >= 5 else "-",
+                     f"{curves[n][0] / curves[ref][0]:.2f}"])
+    return "\n".join(lines + markdown_table(header, rows))
+
+
+def _curve_table(res: dict) -> tuple[list[str], list[list[str]]]:
+    """Per k: each path's milliseconds, each path's T(k) / T(1), and hf / fast when both ran."""
+    curves = res["curves"]
+    names = list(curves)
+    both = "hf" in curves and "fast" in curves
+    header = ["k"] + [f"{n} ms" for n in names] + [f"{n} T(k)/T(1)" for n in names] + (["hf / fast"] if both else [])
+    rows = []
     for i, k in enumerate(res["ks"]):
         row = [str(k)] + [f"{curves[n][i] * 1e3:.1f}" for n in names] + [f"{curves[n][i] / curves[n][0]:.2f}"
                                                                            for n in names]
-        if "hf" in curves and "fast" in curves:
+        if both:
             row.append(f"{curves['hf'][i] / curves['fast'][i]:.2f}")
-        lines.append("| " + " | ".join(row) + " |")
-    lines += ["", "| path | compute dtype | kernels | MB read per step | decode GB/s | of read bandwidth | "
-                  f"verify5 / decode1 | decode1 / {ref} decode1 |", "|---|---|---|---|---|---|---|---|"]
-    for n in names:
-        p = res["paths"][n]
-        kern = ", ".join(f"{k}×{v}" for k, v in p["kernels"].items())
-        v5 = f"{curves[n][4] / curves[n][0]:.2f}" if len(res["ks"]) >= 5 else "-"
-        lines.append(f"| {n} | {p['compute_dtype']} | {kern} | {p['bytes_per_step'] / 1e6:.0f} | "
-                     f"{p['decode_gbps']:.1f} | {p['fraction_of_bandwidth']:.0%} | {v5} | "
-                     f"{curves[n][0] / curves[ref][0]:.2f} |")
-    return "\n".join(lines)
+        rows.append(row)
+    return header, rows
