@@ -1,0 +1,116 @@
+"""The server's Prometheus metrics: the Metrics object directly, and the engine thread counting every choice
+exactly once (finished, aborted while running or waiting, failed by an engine error)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from verispec.engine.generator import SpeculativeGenerator
+from verispec.sampling import SamplingParams
+from verispec.serve.engine import EngineThread, Job
+from verispec.serve.metrics import Metrics
+
+
+def value(m: Metrics, name: str, **labels) -> float | None:
+    return m.registry.get_sample_value(name, {"model_name": "m", **labels})
+
+
+def test_step_counters_follow_vllm_spec_decode_names():
+    m = Metrics("m")
+    m.observe_step([(3, 2), (0, 0), (4, 0), (2, 2)])  # a row that did not draft is no draft
+    assert value(m, "verispec:spec_decode_num_drafts_total") == 3
+    assert value(m, "verispec:spec_decode_num_draft_tokens_total") == 9
+    assert value(m, "verispec:spec_decode_num_accepted_tokens_total") == 4
+    per_pos = [value(m, "verispec:spec_decode_num_accepted_tokens_per_pos_total", position=str(p)) for p in range(3)]
+    assert per_pos == [2, 2, None]  # accepted at position 0 by two rows, at 1 by two, never at 2
+
+
+def test_requests_latency_queue_and_dropped_choices():
+    m = Metrics("m")
+    m.observe_request(5, 7, "stop", 0.2)
+    m.observe_request(5, 16, "length", 3.0)
+    m.observe_dropped(2)
+    m.observe_dropped(1, "error")
+    m.set_queue(waiting=4, running=2)
+    m.rejected.inc()
+    reasons = {
+        r: value(m, "verispec:request_success_total", finished_reason=r) for r in ("stop", "length", "abort", "error")
+    }
+    assert reasons == {"stop": 1, "length": 1, "abort": 2, "error": 1}
+    assert value(m, "verispec:prompt_tokens_total") == 10 and value(m, "verispec:generation_tokens_total") == 23
+    assert value(m, "verispec:e2e_request_latency_seconds_count") == 2
+    assert abs(value(m, "verispec:e2e_request_latency_seconds_sum") - 3.2) < 1e-9
+    assert value(m, "verispec:e2e_request_latency_seconds_bucket", le="0.3") == 1
+    assert value(m, "verispec:num_requests_waiting") == 4 and value(m, "verispec:num_requests_running") == 2
+    assert value(m, "verispec:request_rejected_total") == 1
+    text = m.render().decode()
+    assert 'verispec:request_success_total{finished_reason="abort",model_name="m"} 2.0' in text
+
+
+def test_two_servers_keep_separate_registries():
+    a, b = Metrics("m"), Metrics("m")
+    a.observe_request(1, 1, "stop", 0.1)
+    assert value(a, "verispec:request_success_total", finished_reason="stop") == 1
+    assert value(b, "verispec:request_success_total", finished_reason="stop") is None
+
+
+def _job(loop, n: int, max_new: int, seed: int = 0) -> Job:
+    choices = [
+        {"prompt": [5, 6, 7], "params": SamplingParams(seed=seed + i), "max_new_tokens": max_new, "ignore_eos": True}
+        for i in range(n)
+    ]
+    return Job(id=f"job-{seed}-{n}-{max_new}", choices=choices, loop=loop)
+
+
+async def _idle(engine: EngineThread, timeout: float = 20) -> None:
+    deadline = time.time() + timeout
+    while engine.num_running or engine.num_waiting or engine.session.num_active:
+        assert time.time() < deadline, "the engine did not go idle"
+        await asyncio.sleep(0.01)
+
+
+async def _last_event(job: Job):
+    while True:
+        item = await asyncio.wait_for(job.events.get(), timeout=60)
+        if isinstance(item, Exception) or item.completion is not None:
+            return item
+
+
+def test_engine_counts_finished_aborted_and_failed_choices_once(tiny_target):
+    async def main():
+        loop = asyncio.get_running_loop()
+        m = Metrics("m")
+        engine = EngineThread(SpeculativeGenerator(tiny_target, None), max_batch=2, max_queue=4, metrics=m)
+        engine.start()
+        try:
+            running, waiting = _job(loop, 2, 200, seed=1), _job(loop, 1, 200, seed=3)
+            engine.submit(running)
+            engine.submit(waiting)  # both rows are taken: it waits
+            await asyncio.wait_for(running.events.get(), timeout=60)  # running now
+            engine.cancel(waiting)
+            engine.cancel(running)
+            await _idle(engine)
+            assert value(m, "verispec:request_success_total", finished_reason="abort") == 3
+            done = _job(loop, 1, 3, seed=5)
+            engine.submit(done)
+            assert (await _last_event(done)).completion.finish_reason == "length"
+            engine.session.step = _broken
+            failed = _job(loop, 2, 5, seed=6)
+            engine.submit(failed)
+            assert isinstance(await _last_event(failed), RuntimeError)
+            await _idle(engine)
+        finally:
+            engine.stop()
+        return m
+
+    m = asyncio.run(main())
+    reasons = {
+        r: value(m, "verispec:request_success_total", finished_reason=r) for r in ("stop", "length", "abort", "error")
+    }
+    assert reasons == {"stop": None, "length": 1, "abort": 3, "error": 2}
+    assert value(m, "verispec:generation_tokens_total") == 3 and value(m, "verispec:prompt_tokens_total") == 3
+
+
+def _broken():
+    raise RuntimeError("injected device error")
