@@ -17,10 +17,6 @@ from verispec.engine.generator import SpeculativeGenerator
 from verispec.sampling import SamplingParams
 from verispec.serve import create_app
 
-from ..engine.tiny import loaded
-
-TARGET = loaded(0)
-DRAFT = loaded(1, layers=1)
 MODEL = "tiny"
 
 
@@ -62,8 +58,8 @@ class LiveServer:
 
 
 @pytest.fixture(scope="module")
-def server():
-    with LiveServer(SpeculativeGenerator(TARGET, DRAFT, gamma=3), max_batch=8, max_queue=256) as s:
+def server(tiny_target, tiny_draft):
+    with LiveServer(SpeculativeGenerator(tiny_target, tiny_draft, gamma=3), max_batch=8, max_queue=256) as s:
         yield s
 
 
@@ -72,9 +68,11 @@ def test_models_and_health(server):
     assert [m.id for m in models.data] == [MODEL]
 
 
-def test_completion_greedy_equals_the_engine_and_reports_speculation(server):
+def test_completion_greedy_equals_the_engine_and_reports_speculation(server, tiny_target):
     out = server.client().completions.create(model=MODEL, prompt="a b c a b", max_tokens=12, temperature=0)
-    ref = SpeculativeGenerator(TARGET, None).generate("a b c a b", SamplingParams(temperature=0), max_new_tokens=12)[0]
+    ref = SpeculativeGenerator(tiny_target, None).generate(
+        "a b c a b", SamplingParams(temperature=0), max_new_tokens=12
+    )[0]
     assert out.choices[0].text == ref.text and out.choices[0].finish_reason == ref.finish_reason
     assert out.usage.completion_tokens == len(ref.token_ids)
     spec = out.usage.model_extra["speculation"]
@@ -298,8 +296,8 @@ def test_load_32_clients_no_errors_no_lost_requests(server):
     assert server.engine.num_running == 0 and server.engine.num_waiting == 0
 
 
-def test_overload_returns_429_with_retry_after():
-    with LiveServer(SpeculativeGenerator(TARGET, DRAFT, gamma=3), max_batch=1, max_queue=1) as s:
+def test_overload_returns_429_with_retry_after(tiny_target, tiny_draft):
+    with LiveServer(SpeculativeGenerator(tiny_target, tiny_draft, gamma=3), max_batch=1, max_queue=1) as s:
 
         def ask(_):
             return httpx.post(
@@ -316,8 +314,8 @@ def test_overload_returns_429_with_retry_after():
         assert busy.headers["retry-after"] == "1" and busy.json()["error"]["type"] == "rate_limit_error"
 
 
-def test_client_disconnect_mid_stream_stops_the_request():
-    with LiveServer(SpeculativeGenerator(TARGET, None), max_batch=4, max_queue=8) as s:
+def test_client_disconnect_mid_stream_stops_the_request(tiny_target):
+    with LiveServer(SpeculativeGenerator(tiny_target, None), max_batch=4, max_queue=8) as s:
         body = {"model": MODEL, "prompt": "a b", "max_tokens": 240, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=60) as r:
             for line in r.iter_lines():
