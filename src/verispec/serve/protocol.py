@@ -11,7 +11,7 @@ from typing import Any, ClassVar, Generic, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_serializer
 
-MAX_SPECULATIVE_TOKENS = 128  # a per-request draft length above this is refused (the server caps it lower)
+MAX_SPECULATIVE_TOKENS = 64  # a per-request draft length above this is refused (as `--gamma` above 64 is)
 
 # --- requests ----------------------------------------------------------------------------------------------
 
