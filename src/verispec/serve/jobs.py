@@ -135,13 +135,14 @@ def usage(prompt_tokens: int, done: Sequence[Completion]) -> Usage:
     drafted = sum(c.stats.drafted for c in done)
     accepted = sum(c.stats.accepted for c in done)
     passes = sum(c.stats.target_passes for c in done)
+    emitted = sum(c.stats.emitted for c in done)  # every pass's tokens, EOS included: tau >= 1
     completion = sum(len(c.token_ids) for c in done)
     spec = Speculation(
         draft_tokens=drafted,
         accepted_tokens=accepted,
         acceptance_rate=accepted / drafted if drafted else None,
         target_passes=passes,
-        tokens_per_pass=completion / passes if passes else None,
+        tokens_per_pass=emitted / passes if passes else None,
     )
     return Usage(
         prompt_tokens=prompt_tokens * len(done),

@@ -122,7 +122,7 @@ class Speculation(BaseModel):
     accepted_tokens: int
     acceptance_rate: float | None
     target_passes: int
-    tokens_per_pass: float | None
+    tokens_per_pass: float | None  # tau: tokens each target pass produced (EOS included), >= 1
 
 
 class Usage(BaseModel):
