@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from verispec.sampling import draw_uniforms, verify_chain, verify_chain_with_uniforms
+from verispec.sampling import acceptance_rate, draw_uniforms, verify_chain, verify_chain_with_uniforms
 
 P = torch.tensor([0.6, 0.3, 0.1])  # seed tutorial: {cat, dog, fish}
 Q = torch.tensor([0.4, 0.5, 0.1])
@@ -18,12 +18,46 @@ def seed_step(draft: int, u: float, v: float):
                                       torch.tensor([[u]], dtype=torch.float64), torch.tensor([v], dtype=torch.float64))
 
 
+def _first_token_law(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """The law of the first token verify_chain_with_uniforms emits for one draft t ~ q, integrated exactly over its
+    uniforms (u, v): (u, v) space splits into rectangles on which the rule's answer is constant — u below or above
+    p(t) / q(t), v between two breakpoints of the residual's CDF — and the implementation is run once per rectangle,
+    at its centre, the answer weighted by q(t) x the rectangle's area."""
+    V = p.numel()
+    resid = (p - q).clamp_min(0)
+    breaks = torch.unique(torch.cat([torch.zeros(1, dtype=torch.float64), (resid / resid.sum()).cumsum(0).clamp(max=1),
+                                     torch.ones(1, dtype=torch.float64)]))
+    cells = []  # (draft, u, v, weight)
+    for t in range(V):
+        a = min(1.0, float(p[t] / q[t]))
+        for u_lo, u_hi in ((0.0, a), (a, 1.0)):
+            for v_lo, v_hi in zip(breaks[:-1].tolist(), breaks[1:].tolist()):
+                if u_hi > u_lo and v_hi > v_lo:
+                    cells.append((t, (u_lo + u_hi) / 2, (v_lo + v_hi) / 2, float(q[t]) * (u_hi - u_lo) * (v_hi - v_lo)))
+    B = len(cells)
+    out = verify_chain_with_uniforms(torch.stack([p, p]).expand(B, 2, V), torch.tensor([[c[0]] for c in cells]),
+                                     q.view(1, 1, V).expand(B, 1, V), torch.ones(B, dtype=torch.int64),
+                                     torch.tensor([[c[1]] for c in cells], dtype=torch.float64),
+                                     torch.tensor([c[2] for c in cells], dtype=torch.float64))
+    law = torch.zeros(V, dtype=torch.float64)
+    law.index_add_(0, out.token_ids[:, 0], torch.tensor([c[3] for c in cells], dtype=torch.float64))
+    return law
+
+
 def test_money_equation():
+    """P(emit x) = min(p, q)(x) + (1 - alpha) (p - q)+(x) / Z = p(x), for verify_chain_with_uniforms itself: its
+    first-token law, integrated exactly over the uniforms, is p — on the seed example and on random p, q."""
     g = torch.Generator().manual_seed(0)
-    p = torch.rand(100, 50, generator=g, dtype=torch.float64).softmax(-1)
-    q = torch.rand(100, 50, generator=g, dtype=torch.float64).softmax(-1)
-    assert torch.allclose(torch.minimum(p, q) + (p - q).clamp_min(0), p, atol=0, rtol=1e-15)
-    assert torch.allclose(1 - torch.minimum(p, q).sum(-1), (p - q).clamp_min(0).sum(-1), atol=1e-14)
+    random_pq = torch.randn(2, 8, generator=g, dtype=torch.float64).mul(1.5).softmax(-1)
+    seed_pq = torch.tensor([[0.6, 0.3, 0.1], [0.4, 0.5, 0.1]], dtype=torch.float64)  # P, Q in float64
+    for p, q in ((seed_pq[0], seed_pq[1]), (random_pq[0], random_pq[1])):
+        law = _first_token_law(p, q)
+        torch.testing.assert_close(law, p, atol=1e-12, rtol=0)
+        torch.testing.assert_close(1 - acceptance_rate(p, q), (p - q).clamp_min(0).sum(), atol=1e-15, rtol=0)
+    # the classic mistake, for contrast: resampling from p at a rejection does not give p
+    p, q = seed_pq
+    wrong = torch.minimum(p, q) + (1 - acceptance_rate(p, q)) * p
+    assert (wrong - p).abs().max() > 0.05
 
 
 def test_seed_example_acceptance_threshold():
@@ -147,8 +181,19 @@ def test_output_layout():
 
 def test_low_precision_inputs():
     p, ids, q = _random_batch(B=8)
-    out = verify_chain(p.bfloat16(), ids, q.half())
-    assert out.token_ids.dtype == torch.int64 and (out.token_ids[:, 0] >= 0).all()
+    for dtype in (torch.bfloat16, torch.float16):
+        out = verify_chain(p.to(dtype), ids, q.to(dtype))
+        assert out.token_ids.dtype == torch.int64 and (out.token_ids[:, 0] >= 0).all()
+
+
+def test_mixed_dtypes_raise():
+    """The README promises: dtype mismatches raise (a float32 q next to a float64 p is a caller's mistake)."""
+    p, ids, q = _random_batch(B=2, k=3, V=8)
+    with pytest.raises(ValueError, match=r"draft_probs is torch.float32 but target_probs is torch.float64"):
+        verify_chain(p.double(), ids, q)
+    with pytest.raises(ValueError, match="one dtype"):
+        verify_chain(p, ids, q.bfloat16())
+    assert verify_chain(p.double(), ids, q.double()).token_ids.shape == (2, 4)
 
 
 # ---- bad input: each class gets a ValueError with a message that says what is wrong ----
@@ -168,7 +213,7 @@ def _with(t, index, value):
 
 
 def test_bad_input_nan_inf_negative_and_not_normalised():
-    p, ids, q = _random_batch(B=2, k=3, V=8)
+    p, _, q = _random_batch(B=2, k=3, V=8)
     _bad("NaN or inf", target_probs=_with(p, (0, 1, 2), float("nan")))
     _bad("NaN or inf", draft_probs=_with(q, (1, 0, 0), float("inf")))
     neg = p.clone()
@@ -196,7 +241,7 @@ def test_bad_input_shapes_dtypes_ids():
 
 
 def test_bad_input_draft_token_with_zero_q():
-    p, ids, q = _random_batch(B=2, k=3, V=8)
+    _, ids, q = _random_batch(B=2, k=3, V=8)
     q0 = q.clone()
     q0[1, 1, ids[1, 1]] = 0
     q0[1, 1] /= q0[1, 1].sum()
@@ -204,5 +249,17 @@ def test_bad_input_draft_token_with_zero_q():
 
 
 def test_checks_can_be_skipped_on_the_hot_path():
-    p, ids, q = _random_batch(B=2, k=3, V=8)
-    verify_chain(p * 1.001, ids, q, check=False)  # tolerated: the caller vouches for its inputs
+    p, ids, q = _random_batch(B=4, k=3, V=8)
+    nd = torch.tensor([3, 0, 2, 1])
+    # the checks read the inputs only: with or without them, the same uniforms give the same output
+    checked = verify_chain(p, ids, q, nd, [torch.Generator().manual_seed(s) for s in range(4)])
+    fast = verify_chain(p, ids, q, nd, [torch.Generator().manual_seed(s) for s in range(4)], check=False)
+    assert torch.equal(checked.token_ids, fast.token_ids) and torch.equal(checked.num_accepted, fast.num_accepted)
+    # input the checks reject is tolerated without them: the caller vouches for it, and the output keeps its layout
+    with pytest.raises(ValueError, match="sum to"):
+        verify_chain(p * 1.001, ids, q, nd)
+    out = verify_chain(p * 1.001, ids, q, nd, check=False)
+    for b in range(4):
+        n = int(out.num_accepted[b])
+        assert n <= int(nd[b]) and out.token_ids[b, :n].tolist() == ids[b, :n].tolist()
+        assert 0 <= int(out.token_ids[b, n]) < 8 and (out.token_ids[b, n + 1:] == -1).all()

@@ -114,6 +114,9 @@ def _normalise_args(target_probs, draft_token_ids, draft_probs, num_draft_tokens
             raise ValueError(f"draft_probs must be floating point, got {draft_probs.dtype}")
         if draft_probs.device != dev:
             raise ValueError(f"draft_probs is on {draft_probs.device}, target_probs on {dev}")
+        if draft_probs.dtype != target_probs.dtype:
+            raise ValueError(f"draft_probs is {draft_probs.dtype} but target_probs is {target_probs.dtype}: pass "
+                             "both in one dtype")
     if num_draft_tokens is None:
         num_draft = torch.full((B,), k, dtype=torch.int64, device=dev)
     else:
