@@ -14,12 +14,12 @@ SEED = ["explain", "--p", "0.6,0.3,0.1", "--q", "0.4,0.5,0.1", "--labels", "cat,
 
 
 def run_json(argv, capsys):
-    assert main(argv + ["--json"]) == 0
+    assert main([*argv, "--json"]) == 0
     return json.loads(capsys.readouterr().out)
 
 
 def test_explain_seed_example_exact(capsys):
-    doc = run_json(SEED + ["--wrong"], capsys)
+    doc = run_json([*SEED, "--wrong"], capsys)
     rows = {t["label"]: t for t in doc["tokens"]}
     assert set(rows["cat"]) == {"label", "p", "q", "accept_prob", "accept_mass", "residual_mass", "output_prob"}
     assert doc["p_accept"] == "0.8" and doc["z"] == "0.2"
@@ -38,19 +38,22 @@ def test_explain_exact_rationals_and_zero_q(capsys):
 
 
 def test_explain_table_output(capsys):
-    assert main(SEED + ["--wrong"]) == 0
+    assert main([*SEED, "--wrong"]) == 0
     out = capsys.readouterr().out
     assert "P(accept) = sum min(p, q) = 0.8" in out and "Z = sum (p - q)+ = 0.2" in out
     assert "0.52" in out and "NO" not in out
 
 
-@pytest.mark.parametrize("argv,msg", [
-    (["explain", "--p", "0.6,0.3", "--q", "0.5,0.5"], "sum to exactly 1"),
-    (["explain", "--p", "0.6,0.4", "--q", "0.4,0.5,0.1"], "same length"),
-    (["explain", "--p", "1.2,-0.2", "--q", "0.5,0.5"], ">= 0"),
-    (["explain", "--p", "a,b", "--q", "0.5,0.5"], "not a list of numbers"),
-    (["explain", "--p", "0.5,0.5", "--q", "0.5,0.5", "--labels", "x"], "1 names for 2 tokens"),
-])
+@pytest.mark.parametrize(
+    "argv,msg",
+    [
+        (["explain", "--p", "0.6,0.3", "--q", "0.5,0.5"], "sum to exactly 1"),
+        (["explain", "--p", "0.6,0.4", "--q", "0.4,0.5,0.1"], "same length"),
+        (["explain", "--p", "1.2,-0.2", "--q", "0.5,0.5"], ">= 0"),
+        (["explain", "--p", "a,b", "--q", "0.5,0.5"], "not a list of numbers"),
+        (["explain", "--p", "0.5,0.5", "--q", "0.5,0.5", "--labels", "x"], "1 names for 2 tokens"),
+    ],
+)
 def test_explain_bad_input_one_line_exit_2(argv, msg):
     proc = subprocess.run([sys.executable, "-m", "verispec.cli", *argv], capture_output=True, text=True)
     assert proc.returncode == 2
@@ -67,6 +70,7 @@ def test_bench_kernel_smoke(capsys, tmp_path):
 
 
 def test_bench_kernel_bad_shape():
-    proc = subprocess.run([sys.executable, "-m", "verispec.cli", "bench", "kernel", "--shape", "8x4"],
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "verispec.cli", "bench", "kernel", "--shape", "8x4"], capture_output=True, text=True
+    )
     assert proc.returncode == 2 and "BxKxV" in proc.stderr

@@ -11,7 +11,7 @@ import pytest
 
 from verispec.cli import main
 
-from .tiny import greedy_reference, make_model, make_tokenizer
+from ..engine.tiny import greedy_reference, make_model, make_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -35,8 +35,21 @@ def run_cli(*argv):
 
 
 def test_generate_json_greedy_matches_reference(model_dirs, capsys):
-    argv = ["generate", "a b c a b", "--target", str(model_dirs["target"]), "--draft", str(model_dirs["draft"]),
-            "--temperature", "0", "--max-new-tokens", "12", "--gamma", "3", "--json"]
+    argv = [
+        "generate",
+        "a b c a b",
+        "--target",
+        str(model_dirs["target"]),
+        "--draft",
+        str(model_dirs["draft"]),
+        "--temperature",
+        "0",
+        "--max-new-tokens",
+        "12",
+        "--gamma",
+        "3",
+        "--json",
+    ]
     assert main(argv) == 0
     doc = json.loads(capsys.readouterr().out)
     ref = greedy_reference(make_model(0), [3, 4, 5, 3, 4], 12)
@@ -46,25 +59,34 @@ def test_generate_json_greedy_matches_reference(model_dirs, capsys):
 
 
 def test_generate_streams_and_prints_stats(model_dirs):
-    proc = run_cli("generate", "a b c", "--target", str(model_dirs["target"]), "--draft", "ngram",
-                   "--max-new-tokens", "8", "--seed", "3", "--chat")
+    proc = run_cli(
+        "generate",
+        "a b c",
+        "--target",
+        str(model_dirs["target"]),
+        "--draft",
+        "ngram",
+        "--max-new-tokens",
+        "8",
+        "--seed",
+        "3",
+        "--chat",
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() != ""
     assert "tokens/pass" in proc.stderr and "draft=ngram" in proc.stderr
 
 
-@pytest.mark.parametrize("extra,msg", [
-    (["--draft", "OTHER"], "different tokenizers"),
-    (["--temperature", "-1"], "SamplingParams.temperature"),
-    (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
-    (["--gamma", "x"], "--gamma must be an integer"),
-    (["--dtype", "int3"], "unknown dtype"),
-    (["--top-k", "-2"], "SamplingParams.top_k"),
-    (["--device", "cuda:7"], "CUDA|cuda"),
-    (["--draft", "self"], "needs draft_quant"),
-    (["--draft-quant", "int4"], "applies to a draft model"),
-    (["--runner", "turbo"], "invalid choice"),
-])
+@pytest.mark.parametrize(
+    "extra,msg",
+    [  # options checked before loading: tests/cli/test_checks.py
+        (["--draft", "OTHER"], "different tokenizers"),
+        (["--temperature", "-1"], "--temperature must be >= 0"),
+        (["--gamma", "x"], "--gamma: must be auto or an integer"),
+        (["--device", "cuda:7"], "CUDA|cuda"),
+        (["--draft", "self"], "--draft self needs --draft-quant"),
+    ],
+)
 def test_generate_bad_arguments_one_line(model_dirs, extra, msg):
     extra = [str(model_dirs["other"]) if x == "OTHER" else x for x in extra]
     proc = run_cli("generate", "a b", "--target", str(model_dirs["target"]), *extra)
@@ -74,18 +96,67 @@ def test_generate_bad_arguments_one_line(model_dirs, extra, msg):
 
 
 def test_generate_with_an_int4_self_draft(model_dirs, capsys):
-    argv = ["generate", "a b c a b", "--target", str(model_dirs["target"]), "--draft", "self", "--draft-quant", "int4",
-            "--temperature", "0", "--max-new-tokens", "12", "--gamma", "3", "--json"]
+    argv = [
+        "generate",
+        "a b c a b",
+        "--target",
+        str(model_dirs["target"]),
+        "--draft",
+        "self",
+        "--draft-quant",
+        "int4",
+        "--temperature",
+        "0",
+        "--max-new-tokens",
+        "12",
+        "--gamma",
+        "3",
+        "--json",
+    ]
     assert main(argv) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["token_ids"] == greedy_reference(make_model(0), [3, 4, 5, 3, 4], 12)
     assert doc["stats"]["drafted"] > 0
 
 
+def test_self_draft_summary_names_the_self_draft(model_dirs, capsys):
+    argv = [
+        "generate",
+        "a b c a b",
+        "--target",
+        str(model_dirs["target"]),
+        "--draft",
+        "self",
+        "--draft-quant",
+        "int8",
+        "--max-new-tokens",
+        "4",
+        "--gamma",
+        "2",
+        "--seed",
+        "1",
+    ]
+    assert main(argv) == 0
+    summary = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "draft=self(int8)," in summary and "draft-model" not in summary
+
+
 def test_bench_runner_prints_the_cost_curves(model_dirs, tmp_path):
     out = tmp_path / "runner.json"
-    proc = run_cli("bench", "runner", "--model", str(model_dirs["target"]), "--max-k", "5", "--repeats", "2",
-                   "--context", "8", "--json", str(out))
+    proc = run_cli(
+        "bench",
+        "runner",
+        "--model",
+        str(model_dirs["target"]),
+        "--max-k",
+        "5",
+        "--repeats",
+        "2",
+        "--context",
+        "8",
+        "--json",
+        str(out),
+    )
     assert proc.returncode == 0, proc.stderr
     assert "hf / fast" in proc.stdout and "read bandwidth" in proc.stdout and "int4-self" in proc.stdout
     doc = json.loads(out.read_text())

@@ -1,0 +1,56 @@
+"""`verispec bench runner`: decode(1) / verify(k) cost curves of the model forwards."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from ..strict_json import dumps
+from .options import UsageError, add_device_args, int_range, load, model_errors
+
+
+def add_parser(sub) -> None:
+    from ..bench.runner import PATHS
+
+    p = sub.add_parser(
+        "runner", help="decode(1) / verify(k) cost curves: transformers vs fast runner vs quantized self-drafts"
+    )
+    p.add_argument("--model", help="model (hub id, directory, .gguf; default: the built-in default model)")
+    p.add_argument(
+        "--paths", default=",".join(PATHS), help=f"comma-separated subset of {', '.join(PATHS)} (default: all)"
+    )
+    p.add_argument("--max-k", type=int_range(1), default=16, help="largest verify length (default 16)")
+    p.add_argument("--context", type=int_range(1), default=64, help="cached tokens before each step (default 64)")
+    p.add_argument("--repeats", type=int_range(1), default=7, help="timed repeats per k and path (default 7)")
+    add_device_args(p)
+    p.add_argument("--json", metavar="FILE", help="also write the raw timings as JSON")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..bench import runner as bench_runner
+    from ..model.loading import shared_vocab_size
+
+    paths = tuple(args.paths.split(","))
+    unknown = set(paths) - set(bench_runner.PATHS)
+    if unknown:
+        raise UsageError(
+            f"--paths: unknown path(s) {', '.join(sorted(unknown))}; choose from {', '.join(bench_runner.PATHS)}"
+        )
+    with model_errors():
+        loaded = load(args.model, args)
+        res = bench_runner.run(
+            loaded.model,
+            shared_vocab_size(loaded, None),
+            max_k=args.max_k,
+            context=args.context,
+            repeats=args.repeats,
+            paths=paths,
+            log=lambda m: print(m, file=sys.stderr, flush=True),
+        )
+    res["model"] = loaded.name
+    print(f"Model: {loaded.name}\n\n{bench_runner.to_markdown(res)}")
+    if args.json:
+        Path(args.json).write_text(dumps(res, indent=2))
+    return 0

@@ -1,0 +1,116 @@
+"""`verispec certify study`: how far classic speculative-sampling mistakes move the output, and their verdicts."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from ..strict_json import dumps
+from .certify_generate import MIN_SAMPLES, load_reference
+from .options import (
+    UsageError,
+    add_level_arg,
+    add_prompt_args,
+    add_sampling_args,
+    add_seed_arg,
+    gamma_type,
+    int_range,
+    model_errors,
+    read_prompts,
+    sampling_params,
+)
+
+
+def add_parser(sub) -> None:
+    from ..certify.study import VARIANTS
+
+    p = sub.add_parser(
+        "study",
+        help="measure how far classic mistakes (temperature mismatch, a bf16 / fp16 target, "
+        "lossy acceptance rules) move the output, and the certificate's verdict on each",
+    )
+    p.add_argument("--target", help="target model (default: the built-in default model)")
+    p.add_argument("--draft", required=True, help="draft model (sharing the target's tokenizer)")
+    p.add_argument("--variants", help=f"comma-separated subset of {', '.join(VARIANTS)} (default: all)")
+    add_sampling_args(p, ("temperature", "top_k", "top_p"), temperature=0.7)
+    add_prompt_args(p)
+    p.add_argument(
+        "--contexts",
+        type=int_range(1),
+        default=16,
+        help="target continuations per prompt used as contexts (default 16)",
+    )
+    p.add_argument("--length", type=int_range(1), default=8, help="tokens per continuation (default 8)")
+    p.add_argument(
+        "--certify-samples",
+        type=int_range(0),
+        default=0,
+        help="N of the generator certificate run on each variant (0 = deviations only, default)",
+    )
+    p.add_argument("--gamma", type=gamma_type(auto=False), default=4, help="drafts per step (default 4)")
+    add_level_arg(p)
+    add_seed_arg(p)
+    p.add_argument("--out", default="certify-out", help="folder for study.{md,json}")
+    p.set_defaults(func=run)
+
+
+def _variants(args: argparse.Namespace) -> list[str] | None:
+    """The variants asked for (None: all), every option checked (no model loaded yet)."""
+    from ..certify.study import VARIANTS
+
+    if args.temperature == 0:
+        raise UsageError("--temperature must be > 0 for the study (at temperature 0 every variant here is exact)")
+    if args.draft in ("ngram", "self", "none"):
+        raise UsageError("--draft takes a draft model: the study compares its probabilities with the target's")
+    if 0 < args.certify_samples < MIN_SAMPLES:
+        raise UsageError(f"--certify-samples must be 0 (off) or >= {MIN_SAMPLES}, got {args.certify_samples}")
+    if not args.variants:
+        return None
+    names = [v.strip() for v in args.variants.split(",")]
+    unknown = [v for v in names if v not in VARIANTS]
+    if unknown:
+        raise UsageError(f"--variants: unknown variant(s) {', '.join(unknown)}; known: {', '.join(VARIANTS)}")
+    return names
+
+
+def run(args: argparse.Namespace) -> int:
+    from dataclasses import asdict
+
+    from ..certify.study import run_study, study_markdown
+
+    params = sampling_params(args)
+    variants = _variants(args)
+    texts = read_prompts(args)
+    with model_errors():
+        _, prompts = load_reference(args, texts)
+        rows = run_study(
+            args.target,
+            args.draft,
+            prompts,
+            params,
+            variants=variants,
+            contexts=args.contexts,
+            length=args.length,
+            certify_samples=args.certify_samples,
+            certify_length=args.length,
+            gamma=args.gamma,
+            level=args.level,
+            seed=args.seed,
+        )
+    certificate = (
+        f"N = {args.certify_samples}, L = {args.length}, level {args.level}"
+        if args.certify_samples
+        else "not run (--certify-samples 0)"
+    )
+    header = (
+        f"# verispec certify study\n\ntarget `{args.target}`, draft `{args.draft}`; {params}; {len(prompts)} "
+        f"prompt(s) x {args.contexts} contexts x {args.length} positions for the deviations; certificate: "
+        + certificate
+    )
+    md = study_markdown(rows, header)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "study.md").write_text(md)
+    (out / "study.json").write_text(dumps([asdict(r) for r in rows], indent=1))
+    print(md)
+    return 0

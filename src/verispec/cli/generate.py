@@ -1,0 +1,97 @@
+"""`verispec generate`: speculative decoding to the terminal (or one JSON object)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ..strict_json import dumps
+from .options import (
+    UsageError,
+    add_sampling_args,
+    add_seed_arg,
+    add_speculation_args,
+    check_draft,
+    draft_label,
+    int_range,
+    load,
+    model_errors,
+    sampling_params,
+    user_errors,
+)
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "generate",
+        help="generate text with speculative decoding (streams to the terminal)",
+        description="Generate from the target model; every token follows the target's "
+        "distribution exactly. With no --target, uses the built-in default model.",
+    )
+    p.add_argument("prompt", help="the prompt ('-' reads standard input)")
+    add_speculation_args(p)
+    add_sampling_args(p)
+    add_seed_arg(p, None, "seed of this request's random stream (default: a fresh one each run)")
+    p.add_argument("--max-new-tokens", type=int_range(1), default=128, help="default 128")
+    p.add_argument("--stop", action="append", help="stop string (repeatable)")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
+    p.add_argument("--json", action="store_true", help="print one JSON object (text, tokens, logprobs, stats)")
+    p.set_defaults(func=run)
+
+
+def build_generator(args: argparse.Namespace, tree=None):
+    """Load the models named on the command line (options already checked) and build a SpeculativeGenerator."""
+    from ..engine.generator import SpeculativeGenerator
+
+    with model_errors():
+        target = load(args.target, args)
+        draft = args.draft if args.draft in ("ngram", "none", "self") else load(args.draft, args, threads=False)
+        return SpeculativeGenerator(
+            target,
+            draft,
+            gamma=args.gamma,
+            max_gamma=args.max_gamma,
+            ngram_sizes=args.ngram_sizes,
+            runner=args.runner,
+            draft_quant=args.draft_quant,
+            tree=tree,
+        )
+
+
+def run(args: argparse.Namespace) -> int:
+    params = sampling_params(args, seed=args.seed)
+    tree = check_draft(args)
+    prompt = args.prompt if args.prompt != "-" else sys.stdin.read()
+    if not prompt:
+        raise UsageError("the prompt is empty")
+    gen = build_generator(args, tree)
+    kwargs = dict(max_new_tokens=args.max_new_tokens, stop=args.stop or (), chat=args.chat)
+    with user_errors():
+        if args.json:
+            out = gen.generate(prompt, params, **kwargs)[0]
+            stats = out.stats.summary() | {"tokens_per_second": gen.last_stats.tokens_per_second}
+            print(
+                dumps(
+                    {
+                        "text": out.text,
+                        "token_ids": out.token_ids,
+                        "finish_reason": out.finish_reason,
+                        "logprobs": out.logprobs,
+                        "raw_logprobs": out.raw_logprobs,
+                        "stats": stats,
+                    },
+                    indent=2,
+                )
+            )
+            return 0
+        for event in gen.stream(prompt, params, **kwargs):
+            sys.stdout.write(event.delta)
+            sys.stdout.flush()
+    s = gen.last_stats
+    print(
+        f"\n[{s.output_tokens} tokens, {s.tokens_per_second:.1f} tok/s, draft={draft_label(args, tree)}, "
+        f"acceptance={s.acceptance_rate:.2f}, tau={s.tau:.2f} tokens/pass, "
+        f"draft {s.draft_time:.1f}s / verify {s.verify_time:.1f}s / other {s.other_time:.1f}s]",
+        file=sys.stderr,
+    )
+    return 0

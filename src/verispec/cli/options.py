@@ -1,0 +1,331 @@
+"""Option groups shared by the subcommands, and the checks that run before any model loads.
+
+Each group is added by one function and built from the library's own constants (runner kinds, quantization
+modes, tree rules, sampling defaults), so a subcommand's parser reads as the list of groups it takes.
+A value that a flag can check alone is checked by the flag's `type` (argparse reports it and exits with
+status 2); checks across flags and the sampling parameters run in `check_draft` / `tree_spec` /
+`sampling_params`, which every handler calls before it loads a model.
+
+The library's imports stay inside the functions: `import verispec.cli` itself loads no torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+
+__all__ = [
+    "UsageError",
+    "add_device_args",
+    "add_prompt_args",
+    "add_quant_arg",
+    "add_runner_arg",
+    "add_sampling_args",
+    "add_seed_arg",
+    "add_speculation_args",
+    "add_tree_args",
+    "check_draft",
+    "draft_label",
+    "dtype_name",
+    "flag",
+    "gamma_type",
+    "int_range",
+    "level_type",
+    "load",
+    "model_errors",
+    "read_prompts",
+    "sampling_params",
+    "tree_spec",
+    "user_errors",
+]
+
+
+class UsageError(Exception):
+    """A user mistake: reported as one line (`verispec: error: ...`), exit status 2."""
+
+
+def flag(field: str) -> str:
+    """The command-line flag of a parameter: top_p -> --top-p."""
+    return "--" + field.replace("_", "-")
+
+
+@contextmanager
+def user_errors(*also: type[BaseException]):
+    """Report the library's ValueError (and the `also` kinds) raised inside the block as a usage error."""
+    try:
+        yield
+    except (ValueError, *also) as e:
+        raise UsageError(str(e)) from None
+
+
+def model_errors():
+    """`user_errors` that also reports a model that cannot be loaded."""
+    from ..model.loading import ModelLoadError
+
+    return user_errors(ModelLoadError)
+
+
+# --- types: one flag's value, checked alone -----------------------------------------------------------------
+
+
+def int_range(low: int, high: int | None = None):
+    """An argparse type: an integer in [low, high] (no upper bound when high is None)."""
+    bounds = f">= {low}" if high is None else f"from {low} to {high}"
+
+    def integer(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"must be an integer {bounds}, got {text!r}")
+        return value
+
+    return integer
+
+
+def gamma_limit() -> int:
+    """The most drafts per step the generator accepts."""
+    from ..engine.adaptive import MAX_GAMMA
+
+    return MAX_GAMMA
+
+
+def gamma_type(auto: bool = True):
+    """An argparse type for a draft length: 1..gamma_limit(), or 'auto' (when allowed)."""
+
+    def gamma(text: str) -> int | str:
+        if auto and text == "auto":
+            return "auto"
+        try:
+            value = int(text)
+        except ValueError:
+            value = 0
+        if not 1 <= value <= gamma_limit():
+            expected = (
+                f"auto or an integer from 1 to {gamma_limit()}" if auto else f"an integer from 1 to {gamma_limit()}"
+            )
+            hint = " (drafts per step; for no drafts at all use --draft none)" if auto else ""
+            raise argparse.ArgumentTypeError(f"must be {expected}{hint}, got {text!r}")
+        return value
+
+    return gamma
+
+
+def level_type(text: str) -> float:
+    """An argparse type for a significance level, in (0, 1)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not 0 < value < 1:
+        raise argparse.ArgumentTypeError(f"must be a number in (0, 1), e.g. 0.01, got {text!r}")
+    return value
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(n) for n in text.split(","))
+    except ValueError:
+        values = ()
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"must be comma-separated integers >= 1, e.g. 3,2,1, got {text!r}")
+    return values
+
+
+def dtype_name(text: str) -> str:
+    """An argparse type for a precision: float32, bfloat16 or float16 (as load_model reads them)."""
+    from ..model.loading import ModelLoadError, parse_dtype
+
+    try:
+        parse_dtype(text)
+    except ModelLoadError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+# --- option groups --------------------------------------------------------------------------------------------
+
+
+def add_device_args(
+    p: argparse.ArgumentParser, *, device: bool = True, dtype_help: str = "float32 (default), bfloat16 or float16"
+) -> None:
+    p.add_argument("--dtype", type=dtype_name, default="float32", help=dtype_help)
+    if device:
+        p.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
+    p.add_argument("--threads", type=int_range(1), help="torch CPU threads (default: torch's own choice)")
+
+
+def add_level_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--level", type=level_type, default=0.01, help="family-wise significance level (default 0.01)")
+
+
+def add_seed_arg(p: argparse.ArgumentParser, default: int | None = 0, help: str = "random seed (default 0)") -> None:
+    p.add_argument("--seed", type=int_range(0, 2**63 - 1), default=default, help=help)
+
+
+def add_runner_arg(p: argparse.ArgumentParser, help: str) -> None:
+    from ..model.fast import RUNNER_KINDS
+
+    p.add_argument("--runner", choices=RUNNER_KINDS, default=RUNNER_KINDS[0], help=help)
+
+
+def add_quant_arg(p: argparse.ArgumentParser, name: str, help: str, default: str | None = None) -> None:
+    from ..model.linear import QUANT_MODES
+
+    p.add_argument(name, choices=QUANT_MODES, default=default, help=help)
+
+
+def add_tree_args(p: argparse.ArgumentParser) -> None:
+    from ..sampling.tree import TREE_RULES
+
+    p.add_argument(
+        "--tree",
+        help="tree speculation: children per node at each depth (e.g. 4-2-2-1) or "
+        "dynamic-D-K-M (EAGLE-2: depth D, top-K expansion, budget of M nodes)",
+    )
+    p.add_argument(
+        "--tree-rule",
+        choices=TREE_RULES,
+        help="how tree children are drawn and verified (default deterministic: the top-k of q)",
+    )
+
+
+def add_speculation_args(p: argparse.ArgumentParser) -> None:
+    """Target, draft and how the draft runs: the options of `generate` and `serve`."""
+    p.add_argument(
+        "--target",
+        help="target model: hub id, local directory or .gguf file (default: "
+        "SmolLM2-135M-Instruct, fetched once into ~/.cache/verispec)",
+    )
+    p.add_argument(
+        "--draft",
+        default="ngram",
+        help="draft model (hub id, directory, .gguf), 'self' (the target's weights quantized: with "
+        "--draft-quant), 'ngram' (prompt lookup, default) or 'none'",
+    )
+    add_quant_arg(
+        p, "--draft-quant", "weight-only quantize the draft model's linear layers (lossless: q is what it sampled from)"
+    )
+    add_runner_arg(p, "model forward: verispec's fast runner where supported (auto, default), fast, or hf")
+    p.add_argument("--gamma", type=gamma_type(), default="auto", help="drafts per step, or 'auto' (default)")
+    p.add_argument(
+        "--max-gamma", type=gamma_type(auto=False), default=8, help="upper bound for --gamma auto (default 8)"
+    )
+    p.add_argument(
+        "--ngram-sizes",
+        type=_int_list,
+        default="3,2,1",
+        help="prompt-lookup n-gram sizes, longest first (default 3,2,1)",
+    )
+    add_tree_args(p)
+    add_device_args(p)
+
+
+_SAMPLING_HELP = {  # SamplingParams field -> (type, help); defaults come from SamplingParams itself
+    "temperature": (float, "0 = greedy"),
+    "top_k": (int, "keep the K most probable tokens (0 = off)"),
+    "top_p": (float, "keep the most probable tokens up to this probability mass (1 = off)"),
+    "min_p": (float, "drop tokens less probable than this fraction of the most probable one (0 = off)"),
+    "repetition_penalty": (float, "penalise tokens already in the prompt or the output (1 = off)"),
+    "presence_penalty": (float, "subtracted from the logit of every token already in the output (0 = off)"),
+    "frequency_penalty": (float, "subtracted from a token's logit once per time it is in the output (0 = off)"),
+}
+
+
+def add_sampling_args(p: argparse.ArgumentParser, names=tuple(_SAMPLING_HELP), **defaults) -> None:
+    """The sampling options `names` (SamplingParams fields), with SamplingParams' defaults unless overridden."""
+    from ..sampling import SamplingParams
+
+    base = SamplingParams(**defaults)
+    for name in names:
+        kind, text = _SAMPLING_HELP[name]
+        p.add_argument(flag(name), type=kind, default=getattr(base, name), help=f"{text}; default %(default)s")
+    p.set_defaults(sampling_fields=tuple(names))
+
+
+def add_prompt_args(p: argparse.ArgumentParser, chat_help: str = "wrap prompts in the tokenizer's chat template"):
+    p.add_argument("--prompt", action="append", help="prompt text (repeatable)")
+    p.add_argument("--prompts", nargs="+", help="JSONL prompt files ({'prompt': ...})")
+    p.add_argument("--num-prompts", type=int_range(1), default=1, help="prompts taken from each file (default 1)")
+    p.add_argument("--chat", action="store_true", help=chat_help)
+
+
+# --- checks across flags, before a model loads ----------------------------------------------------------------
+
+
+def sampling_params(args: argparse.Namespace, **extra):
+    """The SamplingParams of the sampling options (see add_sampling_args); an invalid value names its flag."""
+    from ..sampling import ParamError, SamplingParams
+
+    try:
+        return SamplingParams(**{name: getattr(args, name) for name in args.sampling_fields}, **extra)
+    except ParamError as e:
+        raise UsageError(f"{flag(e.field)} {e.message}") from None
+
+
+def tree_spec(args: argparse.Namespace):
+    """The TreeSpec of --tree / --tree-rule, or None without --tree."""
+    if args.tree is None:
+        if args.tree_rule is not None:
+            raise UsageError("--tree-rule needs --tree (a tree shape such as 4-2-2-1)")
+        return None
+    from ..drafting.tree import TreeSpec
+
+    try:
+        return TreeSpec.parse(args.tree, args.tree_rule)
+    except ValueError as e:
+        raise UsageError(f"--tree {args.tree}: {e}") from None
+
+
+def check_draft(args: argparse.Namespace):
+    """Check --draft with --draft-quant and --tree; return the tree spec (or None)."""
+    from ..model.linear import QUANT_MODES
+
+    if args.draft_quant is not None and args.draft in ("ngram", "none"):
+        raise UsageError(f"--draft-quant applies to a draft model or --draft self, not to --draft {args.draft}")
+    if args.draft == "self" and args.draft_quant is None:
+        raise UsageError(
+            f"--draft self needs --draft-quant ({' or '.join(QUANT_MODES)}): an unquantized copy of "
+            "the target costs as much as the target"
+        )
+    tree = tree_spec(args)
+    if tree is not None and args.draft == "none":
+        raise UsageError("--tree needs a drafter: a draft model, --draft self or --draft ngram")
+    return tree
+
+
+def draft_label(args: argparse.Namespace, tree=None) -> str:
+    """The draft as the user named it: ngram, none, self(int4), path/to/draft(int8), with the tree if any."""
+    label = args.draft + (f"({args.draft_quant})" if args.draft_quant else "")
+    return label + (f", tree={tree}" if tree is not None else "")
+
+
+# --- running ---------------------------------------------------------------------------------------------------
+
+
+def load(spec: str | None, args: argparse.Namespace, *, threads: bool = True):
+    """Load one model with the device options, saying so on stderr."""
+    from ..model.loading import DEFAULT_MODEL_NAME, load_model
+
+    print(f"loading {spec or DEFAULT_MODEL_NAME} ...", file=sys.stderr, flush=True)
+    return load_model(spec, dtype=args.dtype, device=args.device, threads=args.threads if threads else None)
+
+
+def read_prompts(args: argparse.Namespace) -> list[str]:
+    """The texts of --prompt and --prompts (the first --num-prompts of each file); a default prompt if none."""
+    texts = list(args.prompt or [])
+    for path in args.prompts or []:
+        try:
+            rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+            texts += [str(r["prompt"]) for r in rows[: args.num_prompts]]
+        except (OSError, json.JSONDecodeError) as e:
+            raise UsageError(f"cannot read prompts from {path}: {e}") from None
+        except (KeyError, TypeError):
+            raise UsageError(f"{path}: every line must be a JSON object with a 'prompt' field") from None
+    if "" in texts:
+        raise UsageError("a prompt is empty")
+    return texts or ["def fibonacci(n):"]

@@ -1,0 +1,52 @@
+"""`verispec serve`: the OpenAI-compatible HTTP server."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .generate import build_generator
+from .options import add_speculation_args, check_draft, draft_label, int_range
+
+
+def add_parser(sub) -> None:
+    from uvicorn.config import LOG_LEVELS
+
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, streaming, metrics)")
+    add_speculation_args(p)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int_range(1, 65535), default=8000)
+    p.add_argument("--served-model-name", help="the model id clients send (default: --target)")
+    p.add_argument("--max-batch", type=int_range(1), default=8, help="rows (choices) decoded together (default 8)")
+    p.add_argument(
+        "--max-queue",
+        type=int_range(0),
+        default=64,
+        help="requests allowed to wait for a batch slot; beyond, 429 with Retry-After (default 64)",
+    )
+    p.add_argument(
+        "--log-level", choices=list(LOG_LEVELS), default="warning", help="the HTTP server's log level (default warning)"
+    )
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import logging
+
+    import uvicorn
+
+    from ..model.loading import DEFAULT_MODEL_NAME
+    from ..serve import create_app
+
+    tree = check_draft(args)
+    gen = build_generator(args, tree)
+    name = args.served_model_name or args.target or DEFAULT_MODEL_NAME
+    app = create_app(gen, name, max_batch=args.max_batch, max_queue=args.max_queue)
+    logging.basicConfig(level=logging.INFO)
+    print(
+        f"serving {name!r} on http://{args.host}:{args.port}/v1 (draft={draft_label(args, tree)}, gamma={args.gamma})",
+        file=sys.stderr,
+        flush=True,
+    )
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0

@@ -1,0 +1,201 @@
+"""Every option that can be checked without a model is checked before one loads: the loader is replaced by one
+that raises, so an error that arrives only after loading fails these tests. Messages name the flag."""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+import pytest
+
+from verispec.cli import main
+from verispec.cli.options import draft_label
+from verispec.drafting.tree import TreeSpec
+
+
+class ModelLoaded(Exception):
+    pass
+
+
+@pytest.fixture(autouse=True)
+def no_model_loads(monkeypatch):
+    import verispec.model.loading as loading
+
+    def refuse(*args, **kwargs):
+        raise ModelLoaded("a model was loaded before the options were checked")
+
+    monkeypatch.setattr(loading, "load_model", refuse)
+
+
+def usage_error(argv, capsys) -> str:
+    """Run the command; it must exit with status 2, no traceback; return the last line of stderr."""
+    try:
+        code = main(argv)
+    except SystemExit as e:
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err, err
+    return err.strip().splitlines()[-1]
+
+
+GAMMA = ["0", "-3", "65", "1000000", "abc", "2.5"]
+
+SPECULATION = [  # options of generate and serve
+    (["--tree", "0-1"], r"--tree 0-1: .*widths >= 1"),
+    (["--tree", "dynamic-x"], r"--tree dynamic-x: .*must look like"),
+    (["--tree", "dynamic-2-2-4", "--tree-rule", "iid"], r"--tree dynamic-2-2-4: .*'deterministic'"),
+    (["--tree", "64-64"], r"--tree 64-64: .*at most 256"),
+    (["--tree-rule", "iid"], r"--tree-rule needs --tree"),
+    (["--draft", "none", "--tree", "2-1"], r"--tree needs a drafter"),
+    (["--draft", "ngram", "--draft-quant", "int4"], r"--draft-quant applies to a draft model"),
+    (["--draft", "none", "--draft-quant", "int8"], r"--draft-quant applies to a draft model"),
+    (["--draft", "self"], r"--draft self needs --draft-quant \(int8 or int4\)"),
+    (["--draft-quant", "int2"], r"--draft-quant: invalid choice"),
+    (["--runner", "turbo"], r"--runner: invalid choice"),
+    (["--threads", "0"], r"--threads: must be an integer >= 1"),
+    (["--max-gamma", "0"], r"--max-gamma: must be an integer from 1 to 64"),
+    (["--ngram-sizes", "3,x"], r"--ngram-sizes: must be comma-separated integers >= 1"),
+    (["--ngram-sizes", "3,0"], r"--ngram-sizes: must be comma-separated integers >= 1"),
+    (["--dtype", "int3"], r"--dtype: unknown dtype"),
+] + [(["--gamma", g], rf"--gamma: must be auto or an integer from 1 to 64 .*got '{g}'") for g in GAMMA]
+
+SAMPLING = [
+    (["--temperature", "-1"], r"^verispec: error: --temperature must be >= 0"),
+    (["--temperature", "nan"], r"--temperature must be finite"),
+    (["--temperature", "hot"], r"--temperature: invalid float value"),
+    (["--top-p", "2"], r"--top-p must be in \(0, 1\]"),
+    (["--top-p", "0"], r"--top-p must be in \(0, 1\]"),
+    (["--top-k", "-2"], r"--top-k must be an integer >= 0"),
+    (["--min-p", "1.5"], r"--min-p must be in \[0, 1\]"),
+]
+GENERATE_ONLY = [
+    (["--repetition-penalty", "0"], r"--repetition-penalty must be > 0"),
+    (["--presence-penalty", "3"], r"--presence-penalty must be in \[-2, 2\]"),
+    (["--frequency-penalty", "-2.5"], r"--frequency-penalty must be in \[-2, 2\]"),
+    (["--seed", "-1"], r"--seed: must be an integer from 0"),
+    (["--max-new-tokens", "0"], r"--max-new-tokens: must be an integer >= 1"),
+]
+
+
+@pytest.mark.parametrize("extra,msg", SPECULATION + SAMPLING + GENERATE_ONLY)
+def test_generate_checks_options_before_loading(extra, msg, capsys):
+    assert re.search(msg, usage_error(["generate", "a b", *extra], capsys))
+
+
+@pytest.mark.parametrize(
+    "extra,msg",
+    [
+        *SPECULATION,
+        (["--port", "0"], r"--port: must be an integer from 1 to 65535"),
+        (["--port", "70000"], r"--port: must be an integer from 1 to 65535"),
+        (["--max-batch", "0"], r"--max-batch: must be an integer >= 1"),
+        (["--max-queue", "-1"], r"--max-queue: must be an integer >= 0"),
+        (["--log-level", "loud"], r"--log-level: invalid choice"),
+    ],
+)
+def test_serve_checks_options_before_loading(extra, msg, capsys):
+    assert re.search(msg, usage_error(["serve", *extra], capsys))
+
+
+@pytest.mark.parametrize(
+    "extra,msg",
+    [
+        (["--tree", "0-1"], r"--tree 0-1:"),
+        (["--tree-rule", "iid"], r"--tree-rule needs --tree"),
+        (["--method", "hf", "--tree", "2-1"], r"--tree applies to --method verispec"),
+        (["--draft", "self"], r"--draft self needs --draft-quant"),
+        (["--draft-quant", "int4"], r"--draft-quant applies to a draft model"),
+        (["--method", "hf-assisted"], r"--method hf-assisted needs --draft"),
+        (["--method", "callable"], r"--method callable needs --callable"),
+        (["--gamma", "0"], r"--gamma:"),
+        (["--threads", "0"], r"--threads: must be an integer >= 1"),
+        (["--samples", "5"], r"--samples: must be an integer >= 20"),
+        (["--length", "0"], r"--length: must be an integer >= 1"),
+        (["--level", "1.5"], r"--level: must be a number in \(0, 1\)"),
+        (["--workers", "0"], r"--workers must be >= 1"),
+        (["--draft-dtype", "int3"], r"--draft-dtype: unknown dtype"),
+        (["--prompts", "/no/such/prompts.jsonl"], r"cannot read prompts from /no/such/prompts.jsonl"),
+        (["--prompt", ""], r"a prompt is empty"),
+        *SAMPLING,
+    ],
+)
+def test_certify_generate_checks_options_before_loading(extra, msg, capsys, tmp_path):
+    assert re.search(msg, usage_error(["certify", "generate", "--out", str(tmp_path), *extra], capsys))
+
+
+@pytest.mark.parametrize(
+    "extra,msg",
+    [
+        (["--temperature", "0"], r"--temperature must be > 0 for the study"),
+        (["--top-p", "2"], r"--top-p must be in"),
+        (["--variants", "exact,nope"], r"--variants: unknown variant\(s\) nope"),
+        (["--draft", "ngram"], r"--draft takes a draft model"),
+        (["--certify-samples", "5"], r"--certify-samples must be 0 \(off\) or >= 20"),
+        (["--gamma", "auto"], r"--gamma: must be an integer from 1 to 64"),
+        (["--contexts", "0"], r"--contexts: must be an integer >= 1"),
+    ],
+)
+def test_certify_study_checks_options_before_loading(extra, msg, capsys, tmp_path):
+    argv = ["certify", "study", "--draft", "some/draft", "--out", str(tmp_path), *extra]
+    assert re.search(msg, usage_error(argv, capsys))
+
+
+@pytest.mark.parametrize(
+    "extra,msg",
+    [
+        (["--gamma", "1000000"], r"--gamma:"),
+        (["--temperatures", "0,-1"], r"--temperatures: each temperature must be >= 0"),
+        (["--temperatures", "0,x"], r"--temperatures: must be comma-separated numbers"),
+        (["--methods", "verispec-plain,nope"], r"--methods: unknown method 'nope'"),
+        (["--methods", "verispec-tree@0-1"], r"--methods: .*widths >= 1"),
+        (["--draft", "self"], r"--draft takes a draft model"),
+        (["--draft-quant", "int4"], r"--draft-quant quantizes the --draft model"),
+        (["--threads", "0"], r"--threads: must be an integer >= 1"),
+        (["--batch", "0"], r"--batch: must be an integer >= 1"),
+        (["--self-quant", "int2"], r"--self-quant: invalid choice"),
+        ([], r"cannot read prompts from /no/such/prompts.jsonl"),
+    ],
+)
+def test_bench_e2e_checks_options_before_loading(extra, msg, capsys):
+    argv = ["bench", "e2e", "--prompts", "/no/such/prompts.jsonl", *extra]
+    assert re.search(msg, usage_error(argv, capsys))
+
+
+@pytest.mark.parametrize(
+    "extra,msg",
+    [
+        (["--paths", "fast,turbo"], r"--paths: unknown path\(s\) turbo"),
+        (["--max-k", "0"], r"--max-k: must be an integer >= 1"),
+        (["--threads", "0"], r"--threads: must be an integer >= 1"),
+    ],
+)
+def test_bench_runner_checks_options_before_loading(extra, msg, capsys):
+    assert re.search(msg, usage_error(["bench", "runner", *extra], capsys))
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["generate", "a b", "--draft", "self", "--draft-quant", "int4", "--tree", "dynamic-3-2-6", "--gamma", "64"],
+        ["serve", "--draft", "some/draft", "--draft-quant", "int8", "--gamma", "auto", "--max-gamma", "16"],
+        ["certify", "generate", "--target", "some/target", "--method", "hf-assisted", "--draft", "some/draft"],
+        ["certify", "study", "--target", "some/target", "--draft", "some/draft", "--certify-samples", "20"],
+        ["bench", "runner", "--paths", "fast"],
+    ],
+)
+def test_valid_options_reach_the_loader(argv, tmp_path):
+    """The other side of the tests above: options that pass every check go on to load a model."""
+    if argv[0] == "certify":
+        argv = [*argv, "--out", str(tmp_path)]
+    with pytest.raises(ModelLoaded):
+        main(argv)
+
+
+def test_the_draft_is_described_as_the_user_named_it():
+    def label(draft, quant=None, tree=None):
+        return draft_label(argparse.Namespace(draft=draft, draft_quant=quant), tree)
+
+    assert label("self", "int4") == "self(int4)"
+    assert label("ngram") == "ngram" and label("none") == "none"
+    assert label("models/draft", "int8") == "models/draft(int8)"
+    assert label("ngram", tree=TreeSpec.parse("2-1")) == "ngram, tree=2-1 (deterministic)"
