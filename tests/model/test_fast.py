@@ -19,7 +19,7 @@ from verispec.model.linear import (
 from verispec.model.runner import HFRunner
 from verispec.sampling import SamplingParams
 
-from ..engine.tiny import greedy_reference, loaded, make_model
+from ..engine.tiny import greedy_reference, make_model
 
 GEN = torch.Generator().manual_seed(0)
 
@@ -111,43 +111,42 @@ def test_runner_choice():
         make_runner(gpt2, quant="int4")
 
 
-TARGET = loaded(0)
 PROMPTS = [[3, 4, 5, 3, 4, 5, 3, 4], [9, 10], [20, 21, 22, 23, 24, 25, 20, 21, 22, 23, 24], [7]]
 
 
 @pytest.mark.parametrize("runner", ["fast", "hf"])
 @pytest.mark.parametrize("quant", ["int8", "int4"])
-def test_quantized_self_draft_keeps_greedy_output(runner, quant):
+def test_quantized_self_draft_keeps_greedy_output(runner, quant, tiny_target):
     """A quantized copy of the target drafts for it: greedy output equals the target's own, and the draft
     agrees with the target often (it is the same model, slightly perturbed)."""
     if runner == "hf":
         with pytest.raises(ValueError, match="need the fast runner"):
-            SpeculativeGenerator(TARGET, "self", draft_quant=quant, runner=runner)
+            SpeculativeGenerator(tiny_target, "self", draft_quant=quant, runner=runner)
         return
-    gen = SpeculativeGenerator(TARGET, "self", draft_quant=quant, gamma=3, runner=runner)
+    gen = SpeculativeGenerator(tiny_target, "self", draft_quant=quant, gamma=3, runner=runner)
     outs = gen.generate(PROMPTS, SamplingParams(temperature=0), max_new_tokens=20)
     for prompt, out in zip(PROMPTS, outs):
-        assert out.token_ids == greedy_reference(TARGET.model, prompt, 20)
+        assert out.token_ids == greedy_reference(tiny_target.model, prompt, 20)
     assert gen.last_stats.acceptance_rate > 0.5
 
 
-def test_generator_runner_options_and_errors():
-    assert type(SpeculativeGenerator(TARGET, None, runner="hf").runner) is HFRunner
-    assert type(SpeculativeGenerator(TARGET, None).runner) is FastRunner
+def test_generator_runner_options_and_errors(tiny_target):
+    assert type(SpeculativeGenerator(tiny_target, None, runner="hf").runner) is HFRunner
+    assert type(SpeculativeGenerator(tiny_target, None).runner) is FastRunner
     with pytest.raises(ValueError, match="needs draft_quant"):
-        SpeculativeGenerator(TARGET, "self")
+        SpeculativeGenerator(tiny_target, "self")
     with pytest.raises(ValueError, match="applies to a draft model"):
-        SpeculativeGenerator(TARGET, "ngram", draft_quant="int4")
+        SpeculativeGenerator(tiny_target, "ngram", draft_quant="int4")
     with pytest.raises(ValueError, match="quant must be"):
-        SpeculativeGenerator(TARGET, "self", draft_quant="int2")
+        SpeculativeGenerator(tiny_target, "self", draft_quant="int2")
 
 
 @pytest.mark.parametrize("runner", ["fast", "hf"])
-def test_both_runners_give_the_target_greedy_output(runner):
-    gen = SpeculativeGenerator(TARGET, loaded(1, layers=1), gamma=3, runner=runner)
+def test_both_runners_give_the_target_greedy_output(runner, tiny_target, tiny_draft):
+    gen = SpeculativeGenerator(tiny_target, tiny_draft, gamma=3, runner=runner)
     outs = gen.generate(PROMPTS, SamplingParams(temperature=0), max_new_tokens=16)
     for prompt, out in zip(PROMPTS, outs):
-        assert out.token_ids == greedy_reference(TARGET.model, prompt, 16)
+        assert out.token_ids == greedy_reference(tiny_target.model, prompt, 16)
 
 
 def test_second_fast_runner_reuses_the_fused_weights():
