@@ -36,8 +36,9 @@ def models(tmp_path_factory):
     draft = noisy_copy(target, 1.0)
     draft.save_pretrained(d / "draft")
     tok.save_pretrained(d / "draft")
-    os.environ["VERISPEC_TEST_TARGET"] = str(d / "target")
-    return str(d / "target"), str(d / "draft")
+    with pytest.MonkeyPatch.context() as mp:  # callable_sampler finds the target here; restored after the module
+        mp.setenv("VERISPEC_TEST_TARGET", str(d / "target"))
+        yield str(d / "target"), str(d / "draft")
 
 
 def test_verispec_passes(models, tmp_path):
