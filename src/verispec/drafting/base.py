@@ -68,8 +68,9 @@ class Draft:
 
     @staticmethod
     def chain_of(token_ids: Tensor, probs: Tensor | None, num_draft: list[int]) -> Draft:
-        """token_ids [B, k] (-1 beyond num_draft[b]); probs [B, k + 1, V] (row j: q draft j was sampled from;
-        the last row is never read) or None for chosen drafts."""
+        """token_ids [B, k] (-1 beyond num_draft[b]); probs [B, k + 1, V] (row j: q draft j was sampled from; the
+        last row, the slot after the last draft, is never read by chain verification and may be left out) or None
+        for chosen drafts."""
         B, k = token_ids.shape
         return Draft(token_ids, chain_parents(B, k, token_ids.device), probs, list(num_draft), list(num_draft),
                      "deterministic" if probs is None else "iid", chain=True)
