@@ -1,8 +1,9 @@
 """`verispec <command>`: the single command-line entry point.
 
-One module per subcommand, each with its parser (`add_parser`) next to its handler (`run`); the option groups
-they share, and the checks that run before any model loads, are in `options`. Errors in user input print one
-line (`verispec: error: ...`, or argparse's usage line and its error) and exit with status 2; never a traceback.
+One module per subcommand, each with its parser (`add_parser`) next to its handler (`run`, whose docstring, where
+it has one, is the command's description in --help); the option groups they share, and the checks that run before
+any model loads, are in `options`. Errors in user input print one line (`verispec: error: ...`, or argparse's usage
+line and its error) and exit with status 2; never a traceback.
 """
 
 from __future__ import annotations

@@ -9,14 +9,19 @@ from pathlib import Path
 from ..strict_json import dumps
 from .options import (
     UsageError,
+    add_counts,
     add_device_args,
     add_quant_arg,
     add_runner_arg,
     add_seed_arg,
     gamma_type,
-    int_range,
     load,
     model_errors,
+)
+
+METHODS_HELP = (
+    "comma-separated methods (default: the six standard ones); also verispec-draft@G, verispec-tree@SHAPE[/RULE], "
+    "verispec-ngram-tree@SHAPE"
 )
 
 
@@ -39,16 +44,15 @@ def add_parser(sub) -> None:
     p.add_argument("--target", help="target model (default: the built-in default model)")
     p.add_argument("--draft", help="draft model for verispec-draft and hf-assisted (omit: those are skipped)")
     p.add_argument("--prompts", nargs="+", required=True, help="JSONL prompt files ({'prompt', 'category'})")
-    p.add_argument("--num-prompts", type=int_range(1), default=2, help="prompts per category at batch 1 (default 2)")
-    p.add_argument("--batch", type=int_range(1), default=4, help="batch size of the batched verispec runs (default 4)")
-    p.add_argument("--max-new-tokens", type=int_range(1), default=64, help="default 64")
+    add_counts(
+        p,
+        ("--num-prompts", 1, 2, "prompts per category at batch 1 (default %(default)s)"),
+        ("--batch", 1, 4, "batch size of the batched verispec runs (default %(default)s)"),
+        ("--max-new-tokens", 1, 64, "default %(default)s"),
+    )
     p.add_argument("--temperatures", type=_temperatures, default="0,1", help="comma-separated (default 0,1)")
     p.add_argument("--gamma", type=gamma_type(), default=4, help="drafts per step for verispec, or auto (default 4)")
-    p.add_argument(
-        "--methods",
-        help="comma-separated methods (default: the six standard ones); also "
-        "verispec-draft@G, verispec-tree@SHAPE[/RULE], verispec-ngram-tree@SHAPE",
-    )
+    p.add_argument("--methods", help=METHODS_HELP)
     add_seed_arg(p)
     p.add_argument("--no-chat", action="store_true", help="feed prompts raw instead of through the chat template")
     add_runner_arg(p, "verispec's model forward (default auto)")

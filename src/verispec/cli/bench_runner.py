@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from ..strict_json import dumps
-from .options import UsageError, add_device_args, int_range, load, model_errors
+from .options import UsageError, add_counts, add_device_args, load, model_errors
 
 
 def add_parser(sub) -> None:
@@ -20,9 +20,12 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--paths", default=",".join(PATHS), help=f"comma-separated subset of {', '.join(PATHS)} (default: all)"
     )
-    p.add_argument("--max-k", type=int_range(1), default=16, help="largest verify length (default 16)")
-    p.add_argument("--context", type=int_range(1), default=64, help="cached tokens before each step (default 64)")
-    p.add_argument("--repeats", type=int_range(1), default=7, help="timed repeats per k and path (default 7)")
+    add_counts(
+        p,
+        ("--max-k", 1, 16, "largest verify length (default %(default)s)"),
+        ("--context", 1, 64, "cached tokens before each step (default %(default)s)"),
+        ("--repeats", 1, 7, "timed repeats per k and path (default %(default)s)"),
+    )
     add_device_args(p)
     p.add_argument("--json", metavar="FILE", help="also write the raw timings as JSON")
     p.set_defaults(func=run)

@@ -7,6 +7,7 @@ import sys
 
 from .options import (
     UsageError,
+    add_counts,
     add_device_args,
     add_level_arg,
     add_prompt_args,
@@ -18,8 +19,8 @@ from .options import (
     check_draft,
     dtype_name,
     gamma_type,
-    int_range,
     model_errors,
+    pick,
     read_prompts,
     sampling_params,
     tree_spec,
@@ -27,17 +28,11 @@ from .options import (
 )
 
 MIN_SAMPLES = 20  # certify_generate's own minimum, checked here before the target loads
+HELP = "certify a generator's continuations against the target's conditionals"
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser(
-        "generate",
-        help="certify a generator's continuations against the target's conditionals",
-        description="Draw N continuations of L tokens per prompt from a method and test them "
-        "against the target model's own distribution (first-token and sequence "
-        "goodness of fit, PIT uniformity, log-likelihood, two-sample vs plain "
-        "decoding). Exit status 0 = PASS, 1 = FAIL.",
-    )
+    p = sub.add_parser("generate", help=HELP, description=run.__doc__)
     p.add_argument("--target", help="target model (default: the built-in default model)")
     _add_method_args(p)
     add_sampling_args(p, ("temperature", "top_k", "top_p", "min_p"))
@@ -80,25 +75,13 @@ def _add_method_args(p: argparse.ArgumentParser) -> None:
 def _add_certificate_args(p: argparse.ArgumentParser) -> None:
     from ..certify.generate import DEFAULT_LENGTH, DEFAULT_SAMPLES
 
-    p.add_argument(
-        "--samples",
-        type=int_range(MIN_SAMPLES),
-        default=DEFAULT_SAMPLES,
-        help=f"continuations per prompt (default {DEFAULT_SAMPLES})",
-    )
-    p.add_argument(
-        "--length",
-        type=int_range(1),
-        default=DEFAULT_LENGTH,
-        help=f"tokens per continuation (default {DEFAULT_LENGTH})",
+    add_counts(
+        p,
+        ("--samples", MIN_SAMPLES, DEFAULT_SAMPLES, "continuations per prompt (default %(default)s)"),
+        ("--length", 1, DEFAULT_LENGTH, "tokens per continuation (default %(default)s)"),
+        ("--two-sample-tokens", 0, 2, "positions compared with plain decoding samples (0 = off; default 2)"),
     )
     add_level_arg(p)
-    p.add_argument(
-        "--two-sample-tokens",
-        type=int_range(0),
-        default=2,
-        help="positions compared with plain decoding samples (0 = off; default 2)",
-    )
     p.add_argument("--workers", type=int, default=1, help="processes drawing samples (default 1)")
     add_seed_arg(p)
     p.add_argument("--out", default="certify-out", help="folder for generate-certificate.{md,json,png}")
@@ -145,6 +128,9 @@ def load_reference(args: argparse.Namespace, texts: list[str]):
 
 
 def run(args: argparse.Namespace) -> int:
+    """Draw N continuations of L tokens per prompt from a method and test them against the target model's own
+    distribution (first-token and sequence goodness of fit, PIT uniformity, log-likelihood, two-sample vs plain
+    decoding). Exit status 0 = PASS, 1 = FAIL."""
     from ..certify.generate import certify_generate, write_report
 
     params = sampling_params(args)
@@ -156,18 +142,8 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     with model_errors():
         ref, prompts = load_reference(args, texts)
-        report = certify_generate(
-            spec,
-            prompts,
-            params,
-            samples=args.samples,
-            length=args.length,
-            level=args.level,
-            seed=args.seed,
-            workers=args.workers,
-            two_sample_tokens=args.two_sample_tokens,
-            reference=ref,
-        )
+        options = pick(args, "samples", "length", "level", "seed", "workers", "two_sample_tokens")
+        report = certify_generate(spec, prompts, params, reference=ref, **options)
     files = write_report(report, args.out)
     print(report.to_markdown())
     print(f"report: {', '.join(str(f) for f in files)}", file=sys.stderr)

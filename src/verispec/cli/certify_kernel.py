@@ -5,7 +5,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .options import UsageError, add_level_arg, add_seed_arg, int_range, user_errors
+from .options import UsageError, add_counts, add_level_arg, add_seed_arg, user_errors
+
+HELP = "certify a chain (or --tree) verification function against exactly known laws"
+SAMPLER_HELP = "module:function or file.py:function with verify_chain's (or, with --tree, verify_tree's) interface"
 
 
 def add_parser(sub) -> None:
@@ -14,40 +17,23 @@ def add_parser(sub) -> None:
     from ..certify.tree_kernel import DEFAULT_TREE_SAMPLES
     from ..sampling.tree import TREE_RULES
 
-    p = sub.add_parser(
-        "kernel",
-        help="certify a chain (or --tree) verification function against exactly known laws",
-        description="Run a battery of (p, q) cases through a chain verifier (verispec's, or "
-        "--sampler module:function with verify_chain's interface) and test every "
-        "emitted position's distribution. With --tree RULE: trees drafted with that rule "
-        "through a tree verifier (verify_tree's interface). Exit status 0 = PASS, "
-        "1 = FAIL.",
-    )
-    p.add_argument(
-        "--sampler",
-        help="module:function or file.py:function with verify_chain's (or, with --tree, verify_tree's) interface",
-    )
-    p.add_argument(
-        "--tree",
-        choices=(*TREE_RULES, "all"),
-        help="certify tree verification for trees whose children were drawn this way",
-    )
-    p.add_argument(
-        "--inject",
-        help=f"certify a deliberately broken verifier instead (must FAIL): chain bugs "
-        f"{', '.join(BUGS)}; with --tree: {', '.join(TREE_BUGS)} (and "
-        f"{', '.join(TREE_NON_BUGS)}, which only looks wrong: it is lossless)",
-    )
-    p.add_argument(
-        "--samples",
-        type=int_range(1),
-        default=None,
-        help=f"speculative steps per case (default {DEFAULT_SAMPLES}; {DEFAULT_TREE_SAMPLES} with --tree)",
+    p = sub.add_parser("kernel", help=HELP, description=run.__doc__)
+    p.add_argument("--sampler", help=SAMPLER_HELP)
+    p.add_argument("--tree", choices=(*TREE_RULES, "all"), help="certify trees whose children were drawn this way")
+    bugs = f"chain bugs {', '.join(BUGS)}; with --tree: {', '.join(TREE_BUGS)}"
+    looks_wrong = f"(and {', '.join(TREE_NON_BUGS)}, which only looks wrong: it is lossless)"
+    p.add_argument("--inject", help=f"certify a deliberately broken verifier instead (must FAIL): {bugs} {looks_wrong}")
+    add_counts(
+        p,
+        (
+            "--samples",
+            1,
+            None,
+            f"speculative steps per case (default {DEFAULT_SAMPLES}; {DEFAULT_TREE_SAMPLES} with --tree)",
+        ),
+        ("--vocab", 2, None, "vocabulary of the cases (default 32; 6 with --tree)"),
     )
     add_level_arg(p)
-    p.add_argument(
-        "--vocab", type=int_range(2), default=None, help="vocabulary of the cases (default 32; 6 with --tree)"
-    )
     p.add_argument("--cases", help="comma-separated subset of the cases")
     add_seed_arg(p)
     p.add_argument("--out", default="certify-out", help="folder for kernel-certificate.{md,json}")
@@ -96,6 +82,9 @@ def _cases(args: argparse.Namespace, rules):
 
 
 def run(args: argparse.Namespace) -> int:
+    """Run a battery of (p, q) cases through a chain verifier (verispec's, or --sampler module:function with
+    verify_chain's interface) and test every emitted position's distribution. With --tree RULE: trees drafted with
+    that rule through a tree verifier (verify_tree's interface). Exit status 0 = PASS, 1 = FAIL."""
     from rich.console import Console
 
     from ..certify.kernel import DEFAULT_SAMPLES, certify_kernel, write_report

@@ -9,43 +9,43 @@ from ..strict_json import dumps
 from .certify_generate import MIN_SAMPLES, load_reference
 from .options import (
     UsageError,
+    add_counts,
     add_level_arg,
     add_prompt_args,
     add_sampling_args,
     add_seed_arg,
     gamma_type,
-    int_range,
     model_errors,
+    pick,
     read_prompts,
     sampling_params,
+)
+
+HELP = (
+    "measure how far classic mistakes (temperature mismatch, a bf16 / fp16 target, lossy acceptance rules) move the "
+    "output, and the certificate's verdict on each"
 )
 
 
 def add_parser(sub) -> None:
     from ..certify.study import VARIANTS
 
-    p = sub.add_parser(
-        "study",
-        help="measure how far classic mistakes (temperature mismatch, a bf16 / fp16 target, "
-        "lossy acceptance rules) move the output, and the certificate's verdict on each",
-    )
+    p = sub.add_parser("study", help=HELP)
     p.add_argument("--target", help="target model (default: the built-in default model)")
     p.add_argument("--draft", required=True, help="draft model (sharing the target's tokenizer)")
     p.add_argument("--variants", help=f"comma-separated subset of {', '.join(VARIANTS)} (default: all)")
     add_sampling_args(p, ("temperature", "top_k", "top_p"), temperature=0.7)
     add_prompt_args(p)
-    p.add_argument(
-        "--contexts",
-        type=int_range(1),
-        default=16,
-        help="target continuations per prompt used as contexts (default 16)",
-    )
-    p.add_argument("--length", type=int_range(1), default=8, help="tokens per continuation (default 8)")
-    p.add_argument(
-        "--certify-samples",
-        type=int_range(0),
-        default=0,
-        help="N of the generator certificate run on each variant (0 = deviations only, default)",
+    add_counts(
+        p,
+        ("--contexts", 1, 16, "target continuations per prompt used as contexts (default %(default)s)"),
+        ("--length", 1, 8, "tokens per continuation (default %(default)s)"),
+        (
+            "--certify-samples",
+            0,
+            0,
+            "N of the generator certificate run on each variant (0 = deviations only, default)",
+        ),
     )
     p.add_argument("--gamma", type=gamma_type(auto=False), default=4, help="drafts per step (default 4)")
     add_level_arg(p)
@@ -83,19 +83,9 @@ def run(args: argparse.Namespace) -> int:
     texts = read_prompts(args)
     with model_errors():
         _, prompts = load_reference(args, texts)
+        options = pick(args, "contexts", "length", "certify_samples", "gamma", "level", "seed")
         rows = run_study(
-            args.target,
-            args.draft,
-            prompts,
-            params,
-            variants=variants,
-            contexts=args.contexts,
-            length=args.length,
-            certify_samples=args.certify_samples,
-            certify_length=args.length,
-            gamma=args.gamma,
-            level=args.level,
-            seed=args.seed,
+            args.target, args.draft, prompts, params, variants=variants, certify_length=args.length, **options
         )
     certificate = (
         f"N = {args.certify_samples}, L = {args.length}, level {args.level}"

@@ -9,12 +9,7 @@ from .options import user_errors
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser(
-        "explain",
-        help="walk one speculative step through exact arithmetic",
-        description="Show, token by token, why accept-with-min(1, p/q) plus resampling from "
-        "(p - q)+ emits exactly p. Decimal inputs are computed exactly.",
-    )
+    p = sub.add_parser("explain", help="walk one speculative step through exact arithmetic", description=run.__doc__)
     p.add_argument("--p", required=True, help="target distribution, e.g. 0.6,0.3,0.1")
     p.add_argument("--q", required=True, help="draft distribution, e.g. 0.4,0.5,0.1")
     p.add_argument("--labels", help="token names, e.g. cat,dog,fish")
@@ -24,6 +19,8 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Show, token by token, why accept-with-min(1, p/q) plus resampling from (p - q)+ emits exactly p. Decimal
+    inputs are computed exactly."""
     from ..explain import explain, parse_distribution, to_json
 
     with user_errors():

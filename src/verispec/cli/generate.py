@@ -20,14 +20,11 @@ from .options import (
     user_errors,
 )
 
+HELP = "generate text with speculative decoding (streams to the terminal)"
+
 
 def add_parser(sub) -> None:
-    p = sub.add_parser(
-        "generate",
-        help="generate text with speculative decoding (streams to the terminal)",
-        description="Generate from the target model; every token follows the target's "
-        "distribution exactly. With no --target, uses the built-in default model.",
-    )
+    p = sub.add_parser("generate", help=HELP, description=run.__doc__)
     p.add_argument("prompt", help="the prompt ('-' reads standard input)")
     add_speculation_args(p)
     add_sampling_args(p)
@@ -59,6 +56,8 @@ def build_generator(args: argparse.Namespace, tree=None):
 
 
 def run(args: argparse.Namespace) -> int:
+    """Generate from the target model; every token follows the target's distribution exactly. With no --target, uses
+    the built-in default model."""
     params = sampling_params(args, seed=args.seed)
     tree = check_draft(args)
     prompt = args.prompt if args.prompt != "-" else sys.stdin.read()

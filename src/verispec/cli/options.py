@@ -19,6 +19,7 @@ from pathlib import Path
 
 __all__ = [
     "UsageError",
+    "add_counts",
     "add_device_args",
     "add_prompt_args",
     "add_quant_arg",
@@ -36,6 +37,7 @@ __all__ = [
     "level_type",
     "load",
     "model_errors",
+    "pick",
     "read_prompts",
     "sampling_params",
     "tree_spec",
@@ -149,6 +151,18 @@ def dtype_name(text: str) -> str:
 
 # --- option groups --------------------------------------------------------------------------------------------
 
+_HELP = {
+    "tree": "tree speculation: children per node at each depth (e.g. 4-2-2-1) or dynamic-D-K-M (EAGLE-2: depth D, "
+    "top-K expansion, budget of M nodes)",
+    "tree_rule": "how tree children are drawn and verified (default deterministic: the top-k of q)",
+    "target": "target model: hub id, local directory or .gguf file (default: SmolLM2-135M-Instruct, fetched once "
+    "into ~/.cache/verispec)",
+    "draft": "draft model (hub id, directory, .gguf), 'self' (the target's weights quantized: with --draft-quant), "
+    "'ngram' (prompt lookup, default) or 'none'",
+    "draft_quant": "weight-only quantize the draft model's linear layers (lossless: q is what it sampled from)",
+    "ngram_sizes": "prompt-lookup n-gram sizes, longest first (default 3,2,1)",
+}
+
 
 def add_device_args(
     p: argparse.ArgumentParser, *, device: bool = True, dtype_help: str = "float32 (default), bfloat16 or float16"
@@ -157,6 +171,12 @@ def add_device_args(
     if device:
         p.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
     p.add_argument("--threads", type=int_range(1), help="torch CPU threads (default: torch's own choice)")
+
+
+def add_counts(p: argparse.ArgumentParser, *counts: tuple[str, int, int | None, str]) -> None:
+    """Integer options, each given as (flag, lowest value, default, help); help may say %(default)s."""
+    for name, low, default, text in counts:
+        p.add_argument(name, type=int_range(low), default=default, help=text)
 
 
 def add_level_arg(p: argparse.ArgumentParser) -> None:
@@ -182,45 +202,21 @@ def add_quant_arg(p: argparse.ArgumentParser, name: str, help: str, default: str
 def add_tree_args(p: argparse.ArgumentParser) -> None:
     from ..sampling.tree import TREE_RULES
 
-    p.add_argument(
-        "--tree",
-        help="tree speculation: children per node at each depth (e.g. 4-2-2-1) or "
-        "dynamic-D-K-M (EAGLE-2: depth D, top-K expansion, budget of M nodes)",
-    )
-    p.add_argument(
-        "--tree-rule",
-        choices=TREE_RULES,
-        help="how tree children are drawn and verified (default deterministic: the top-k of q)",
-    )
+    p.add_argument("--tree", help=_HELP["tree"])
+    p.add_argument("--tree-rule", choices=TREE_RULES, help=_HELP["tree_rule"])
 
 
 def add_speculation_args(p: argparse.ArgumentParser) -> None:
     """Target, draft and how the draft runs: the options of `generate` and `serve`."""
-    p.add_argument(
-        "--target",
-        help="target model: hub id, local directory or .gguf file (default: "
-        "SmolLM2-135M-Instruct, fetched once into ~/.cache/verispec)",
-    )
-    p.add_argument(
-        "--draft",
-        default="ngram",
-        help="draft model (hub id, directory, .gguf), 'self' (the target's weights quantized: with "
-        "--draft-quant), 'ngram' (prompt lookup, default) or 'none'",
-    )
-    add_quant_arg(
-        p, "--draft-quant", "weight-only quantize the draft model's linear layers (lossless: q is what it sampled from)"
-    )
+    p.add_argument("--target", help=_HELP["target"])
+    p.add_argument("--draft", default="ngram", help=_HELP["draft"])
+    add_quant_arg(p, "--draft-quant", _HELP["draft_quant"])
     add_runner_arg(p, "model forward: verispec's fast runner where supported (auto, default), fast, or hf")
     p.add_argument("--gamma", type=gamma_type(), default="auto", help="drafts per step, or 'auto' (default)")
     p.add_argument(
         "--max-gamma", type=gamma_type(auto=False), default=8, help="upper bound for --gamma auto (default 8)"
     )
-    p.add_argument(
-        "--ngram-sizes",
-        type=_int_list,
-        default="3,2,1",
-        help="prompt-lookup n-gram sizes, longest first (default 3,2,1)",
-    )
+    p.add_argument("--ngram-sizes", type=_int_list, default="3,2,1", help=_HELP["ngram_sizes"])
     add_tree_args(p)
     add_device_args(p)
 
@@ -302,6 +298,11 @@ def draft_label(args: argparse.Namespace, tree=None) -> str:
     """The draft as the user named it: ngram, none, self(int4), path/to/draft(int8), with the tree if any."""
     label = args.draft + (f"({args.draft_quant})" if args.draft_quant else "")
     return label + (f", tree={tree}" if tree is not None else "")
+
+
+def pick(args: argparse.Namespace, *names: str) -> dict:
+    """The options `names` as keyword arguments."""
+    return {name: getattr(args, name) for name in names}
 
 
 # --- running ---------------------------------------------------------------------------------------------------

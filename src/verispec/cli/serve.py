@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from .generate import build_generator
-from .options import add_speculation_args, check_draft, draft_label, int_range
+from .options import add_counts, add_speculation_args, check_draft, draft_label, int_range
 
 
 def add_parser(sub) -> None:
@@ -17,15 +17,14 @@ def add_parser(sub) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int_range(1, 65535), default=8000)
     p.add_argument("--served-model-name", help="the model id clients send (default: --target)")
-    p.add_argument("--max-batch", type=int_range(1), default=8, help="rows (choices) decoded together (default 8)")
-    p.add_argument(
-        "--max-queue",
-        type=int_range(0),
-        default=64,
-        help="requests allowed to wait for a batch slot; beyond, 429 with Retry-After (default 64)",
+    add_counts(
+        p,
+        ("--max-batch", 1, 8, "rows (choices) decoded together (default %(default)s)"),
+        ("--max-queue", 0, 64, "requests waiting for a batch slot; beyond, 429 with Retry-After (default %(default)s)"),
     )
+    levels = list(LOG_LEVELS)
     p.add_argument(
-        "--log-level", choices=list(LOG_LEVELS), default="warning", help="the HTTP server's log level (default warning)"
+        "--log-level", choices=levels, default="warning", help="the HTTP server's log level (default warning)"
     )
     p.set_defaults(func=run)
 
