@@ -116,6 +116,9 @@ def test_serve_checks_options_before_loading(extra, msg, capsys):
         (["--draft-dtype", "int3"], r"--draft-dtype: unknown dtype"),
         (["--prompts", "/no/such/prompts.jsonl"], r"cannot read prompts from /no/such/prompts.jsonl"),
         (["--prompt", ""], r"a prompt is empty"),
+        (["--inject", "nope"], r"--inject nope: unknown verifier"),
+        (["--inject", "tree_stale_residual"], r"--inject tree_stale_residual: .*needs a tree"),
+        (["--inject", "swap_p_q", "--tree", "2-1"], r"--inject swap_p_q: .*must be a tree bug"),
         *SAMPLING,
     ],
 )

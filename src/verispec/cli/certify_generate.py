@@ -24,7 +24,6 @@ from .options import (
     read_prompts,
     sampling_params,
     tree_spec,
-    user_errors,
 )
 
 MIN_SAMPLES = 20  # certify_generate's own minimum, checked here before the target loads
@@ -101,7 +100,7 @@ def _method_spec(args: argparse.Namespace):
         raise UsageError("--method callable needs --callable module:function")
     if args.workers < 1:
         raise UsageError(f"--workers must be >= 1, got {args.workers}")
-    with user_errors():
+    try:
         return MethodSpec(
             method=args.method,
             target=args.target,
@@ -116,6 +115,8 @@ def _method_spec(args: argparse.Namespace):
             tree=args.tree,
             tree_rule=args.tree_rule,
         )
+    except ValueError as e:  # what MethodSpec still checks itself is the --inject name
+        raise UsageError(f"--inject {args.inject}: {e}" if args.inject else str(e)) from None
 
 
 def load_reference(args: argparse.Namespace, texts: list[str]):
