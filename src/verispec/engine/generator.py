@@ -72,7 +72,6 @@ class SpeculativeGenerator:
         self.proposer, self.vocab_size = self._proposer(target, draft, tree, ngram_sizes, draft_stop_below, runner,
                                                         draft_quant)
         self.tree = self.proposer.tree if self.proposer is not None else None
-        self.draft_name = _draft_name(draft, draft_quant, self.proposer)
         self.controller = GammaController(0 if self.proposer is None else gamma, max_gamma)
         self.runner = make_runner(target.model, self.vocab_size, runner=runner)
         self.device = self.runner.device
@@ -191,15 +190,6 @@ def _tree_spec(tree: TreeSpec | str | None, rule: str | None) -> TreeSpec | None
     if tree is not None and not isinstance(tree, TreeSpec):
         raise ValueError(f"tree must be a TreeSpec or a string such as '4-2-2-1', got {tree!r}")
     return tree
-
-
-def _draft_name(draft, quant: str | None, proposer: Proposer | None) -> str:
-    """How runs name their drafter: none, ngram, self(int4), draft-model, draft-model(int8), a Proposer's name."""
-    if proposer is None:
-        return "none"
-    if draft == "self":
-        return f"self({quant})"
-    return f"{proposer.name}({quant})" if quant else proposer.name
 
 
 def _eos_ids(tokenizer, model) -> set[int]:
