@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from verispec.model.fast import FastRunner, fast_path_unsupported, make_runner
 from verispec.engine.generator import SpeculativeGenerator
+from verispec.model.fast import FastRunner, fast_path_unsupported, make_runner
 from verispec.model.linear import (
     dequantize_int4,
     dequantize_int8,
@@ -22,6 +22,9 @@ from verispec.sampling import SamplingParams
 from ..engine.tiny import greedy_reference, make_model
 
 GEN = torch.Generator().manual_seed(0)
+# the kernels each kind of linear may run, by machine (see verispec.model.linear)
+QUANT_KERNELS = {"int8": ("int8pack_mm", "int8-dequant"), "int4": ("int4pack_mm_cpu", "int4pack_mm", "int4-dequant")}
+DENSE_KERNELS = ("onednn", "cublas", "aten")
 
 
 def _rand(*shape):
@@ -53,7 +56,7 @@ def test_quantizers_are_within_half_a_step():
 
 @pytest.mark.parametrize("quant", ["int8", "int4"])
 @pytest.mark.parametrize("rows", [32, 40])  # 40: not a multiple of 16, so the int4 packing pads rows
-def test_quantized_linear_kernels_compute_the_dequantized_matmul(quant, rows):
+def test_quantized_linear_kernels_compute_the_dequantized_matmul(quant, rows, record_property):
     w, b, x = _rand(rows, 64) * 0.1, _rand(rows), _rand(5, 64)
     lin = make_linear(w, b, quant=quant, group_size=32)
     if quant == "int8":
@@ -64,7 +67,10 @@ def test_quantized_linear_kernels_compute_the_dequantized_matmul(quant, rows):
     got = lin(x).float()
     assert got.shape == (5, rows)
     torch.testing.assert_close(got, want, atol=0.05, rtol=0.02)  # bfloat16 activations
-    assert lin.kernel in ("int8pack_mm", "int4pack_mm_cpu")  # torch's kernels, not the fallback, on this CPU
+    # which kernel runs depends on the machine (torch's packed kernel, or the dequantize-then-matmul fallback where
+    # it is missing or disagrees): the output above is what is asserted; the kernel is reported, not asserted
+    assert lin.kernel in QUANT_KERNELS[quant]
+    record_property("kernel", lin.kernel)
     dense = 4 * rows * 64
     assert lin.nbytes < dense / (3 if quant == "int8" else 5)
 
@@ -76,7 +82,7 @@ def test_bad_linear_arguments():
         make_linear(_rand(4))
 
 
-def test_fast_runner_shares_the_models_weights():
+def test_fast_runner_shares_the_models_weights(record_property):
     model = make_model(0)
     with torch.no_grad():
         before = model(torch.tensor([[1, 2, 3]])).logits
@@ -88,7 +94,11 @@ def test_fast_runner_shares_the_models_weights():
     assert sum(p.numel() for p in model.parameters()) == n_bytes
     with torch.no_grad():
         torch.testing.assert_close(model(torch.tensor([[1, 2, 3]])).logits, before)
-    assert r.kernels == {"onednn": 9}  # 4 per layer x 2 layers + output layer
+    # 9 linears (4 per layer x 2 layers + the output layer), each on a dense kernel this machine has
+    assert sum(r.kernels.values()) == 9 and set(r.kernels) <= set(DENSE_KERNELS)
+    record_property("kernels", r.kernels)
+    r.start(1, 8)  # and whatever the kernel, the fast forward gives the model's logits
+    torch.testing.assert_close(r.forward([[1, 2, 3]])[0], before[0], atol=1e-5, rtol=1e-5)
 
 
 def test_runner_choice():
