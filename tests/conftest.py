@@ -25,8 +25,25 @@ def tiny_noisy(tiny_target):
     return LoadedModel(noisy_copy(tiny_target.model, 0.3), tiny_target.tokenizer, "noisy")
 
 
+# One intra-op thread. The test models are tiny (hidden size 32), so a second thread has nothing to share and its
+# synchronisation costs more than it saves; on a busy 2-core machine it is far worse, since every small op waits for
+# both threads to be scheduled (measured under load ~5: a greedy test 0.3 s with one thread, 21 s with two; the
+# N = 2000 generator certificate 23 s vs 101 s). Subprocesses (CLI, `serve`, certify workers) get it through
+# OMP_NUM_THREADS, set for the session and restored after it.
+TEST_THREADS = 1
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _one_thread_per_process():
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("OMP_NUM_THREADS", str(TEST_THREADS))
+        yield
+
+
 @pytest.fixture(autouse=True)
 def _deterministic_torch():
-    """Every test starts from the same global RNG state and a fixed thread count."""
+    """Every test starts from the same global RNG state and a fixed thread count (a test may change it, e.g. the
+    CLI's --threads run in-process)."""
     torch.manual_seed(0)
+    torch.set_num_threads(TEST_THREADS)
     yield
