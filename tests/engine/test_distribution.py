@@ -19,7 +19,9 @@ from verispec.drafting import DraftModelProposer, Proposer
 from verispec.engine.generator import SpeculativeGenerator
 from verispec.sampling import SamplingParams, probs_from_logits
 
-from .tiny import V, loaded
+from .tiny import V
+
+pytestmark = pytest.mark.statistical
 
 LEVEL = 1e-4
 N = 12_000

@@ -73,6 +73,7 @@ CASES = [
 ]
 
 
+@pytest.mark.statistical
 @pytest.mark.parametrize("name,k,ragged", CASES, ids=[f"{c}-k{k}{'-ragged' if r else ''}" for c, k, r in CASES])
 def test_emitted_tokens_follow_target(name, k, ragged):
     p, q, onehot = make_case(name, k)
@@ -83,6 +84,7 @@ def test_emitted_tokens_follow_target(name, k, ragged):
     assert all(r.impossible == 0 for r in results.values())
 
 
+@pytest.mark.statistical
 def test_larger_vocabulary():
     p, q, _ = make_case("random", 4, v=64, seed=3)
     tok, na, nd = run_case(correct, p, q, N, seed=11)
@@ -92,6 +94,7 @@ def test_larger_vocabulary():
 BUGS = ["resample_from_p", "resample_from_abs_diff", "swap_p_q", "reuse_accept_uniform"]
 
 
+@pytest.mark.statistical
 def test_harness_control_passes():
     """The test-side reimplementation without a bug passes: failures below are the bugs, not the harness."""
     p, q, _ = make_case("random", 4)
@@ -99,6 +102,7 @@ def test_harness_control_passes():
     assert failing(position_tests(p, q, tok, na, nd)) == []
 
 
+@pytest.mark.statistical
 @pytest.mark.parametrize("bug", BUGS)
 def test_broken_samplers_fail(bug):
     p, q, _ = make_case("random", 4)
@@ -126,6 +130,7 @@ def test_sample_size_has_power(bug):
     assert chisquare_power(p0.numpy(), p0.numpy(), N, LEVEL) == pytest.approx(LEVEL, rel=1e-6)
 
 
+@pytest.mark.statistical
 def test_emitted_count_matches_theory():
     """Mean tokens per step equals (1 - a^(k+1)) / (1 - a) when every position has acceptance a."""
     from verispec.sampling import acceptance_rate, expected_tokens_per_pass
@@ -159,6 +164,7 @@ def test_greedy_target_is_exact_match():
 
 
 @pytest.mark.slow
+@pytest.mark.statistical
 @pytest.mark.parametrize("name", ["random", "adversarial", "truncated"])
 def test_large_sample_large_vocabulary(name):
     """Slow tier: V = 128, k = 8, 2M trials per case (deviations of ~1e-3 in TV become detectable)."""

@@ -71,6 +71,7 @@ def _first_tokens(verify, n: int = 40_000) -> np.ndarray:
     return np.bincount(out.token_ids[:, 0].numpy(), minlength=3)
 
 
+@pytest.mark.statistical
 @pytest.mark.parametrize("verify, law", [
     (lenient_verifier(0.8), one_step_law_lenient(P, Q, 0.8)),
     (lenient_verifier(0.5), Q),
@@ -82,6 +83,7 @@ def test_verifiers_sample_their_stated_law_not_p(verify, law):
     assert chisquare_gof(counts, P.numpy()).pvalue < 1e-9  # and not the target's: these rules are lossy
 
 
+@pytest.mark.statistical
 def test_lenience_one_is_lossless_and_bad_lenience_raises():
     assert chisquare_gof(_first_tokens(lenient_verifier(1.0)), P.numpy()).pvalue > 1e-3
     assert lenient_verifier(0.25).__name__ == "lenient_0.25"
