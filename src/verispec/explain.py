@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from fractions import Fraction
 
-__all__ = ["ExplainResult", "TokenRow", "explain", "parse_distribution", "format_fraction"]
+__all__ = ["ExplainResult", "TokenRow", "explain", "format_fraction", "parse_distribution"]
 
 
 @dataclass(frozen=True)
@@ -69,7 +69,9 @@ def format_fraction(x: Fraction) -> str:
     return ("-" if x < 0 else "") + s
 
 
-def explain(p: list[Fraction], q: list[Fraction], labels: list[str] | None = None, wrong: bool = False) -> ExplainResult:
+def explain(
+    p: list[Fraction], q: list[Fraction], labels: list[str] | None = None, wrong: bool = False
+) -> ExplainResult:
     if len(p) != len(q):
         raise ValueError(f"p and q must have the same length, got {len(p)} and {len(q)}")
     if labels is None:
@@ -90,8 +92,15 @@ def explain(p: list[Fraction], q: list[Fraction], labels: list[str] | None = Non
 
     out = output(resid)
     rows = [
-        TokenRow(label=lab, p=pi, q=qi, accept_prob=None if qi == 0 else min(Fraction(1), pi / qi),
-                 accept_mass=a, residual_mass=r, output_prob=o)
+        TokenRow(
+            label=lab,
+            p=pi,
+            q=qi,
+            accept_prob=None if qi == 0 else min(Fraction(1), pi / qi),
+            accept_mass=a,
+            residual_mass=r,
+            output_prob=o,
+        )
         for lab, pi, qi, a, r, o in zip(labels, p, q, accept, resid, out)
     ]
     wrong_out = None
@@ -107,9 +116,15 @@ def to_json(result: ExplainResult) -> dict:
     f = format_fraction
     doc: dict = {
         "tokens": [
-            {"label": r.label, "p": f(r.p), "q": f(r.q),
-             "accept_prob": None if r.accept_prob is None else f(r.accept_prob),
-             "accept_mass": f(r.accept_mass), "residual_mass": f(r.residual_mass), "output_prob": f(r.output_prob)}
+            {
+                "label": r.label,
+                "p": f(r.p),
+                "q": f(r.q),
+                "accept_prob": None if r.accept_prob is None else f(r.accept_prob),
+                "accept_mass": f(r.accept_mass),
+                "residual_mass": f(r.residual_mass),
+                "output_prob": f(r.output_prob),
+            }
             for r in result.tokens
         ],
         "p_accept": f(result.p_accept),

@@ -55,8 +55,10 @@ class Draft:
         if self.rule not in TREE_RULES:
             raise ValueError(f"rule must be one of {', '.join(TREE_RULES)}, got {self.rule!r}")
         if (self.probs is None) != (self.rule == "deterministic"):
-            raise ValueError("a draft has probs exactly when its tokens were sampled (rule 'iid' or "
-                             "'without_replacement'); chosen tokens (rule 'deterministic') have one-hot q")
+            raise ValueError(
+                "a draft has probs exactly when its tokens were sampled (rule 'iid' or "
+                "'without_replacement'); chosen tokens (rule 'deterministic') have one-hot q"
+            )
 
     @property
     def width(self) -> int:  # N: node slots in the padded tensors
@@ -72,12 +74,20 @@ class Draft:
         last row, the slot after the last draft, is never read by chain verification and may be left out) or None
         for chosen drafts."""
         B, k = token_ids.shape
-        return Draft(token_ids, chain_parents(B, k, token_ids.device), probs, list(num_draft), list(num_draft),
-                     "deterministic" if probs is None else "iid", chain=True)
+        return Draft(
+            token_ids,
+            chain_parents(B, k, token_ids.device),
+            probs,
+            list(num_draft),
+            list(num_draft),
+            "deterministic" if probs is None else "iid",
+            chain=True,
+        )
 
     @staticmethod
-    def tree_of(tokens: list[list[int]], parents: list[list[int]], probs: Tensor | None, rule: str,
-                device: torch.device) -> Draft:
+    def tree_of(
+        tokens: list[list[int]], parents: list[list[int]], probs: Tensor | None, rule: str, device: torch.device
+    ) -> Draft:
         """Per-row node tokens and parents (-1: the root) -> a padded tree draft; probs [B, >= N + 1, V] or None."""
         B = len(tokens)
         N = max((len(t) for t in tokens), default=0)

@@ -24,8 +24,16 @@ __all__ = ["DraftModelProposer"]
 class DraftModelProposer(Proposer):
     name = "draft-model"
 
-    def __init__(self, model, vocab_size: int, stop_below: float | None = 0.3, *, tree: TreeSpec | None = None,
-                 runner: str = "auto", quant: str | None = None):
+    def __init__(
+        self,
+        model,
+        vocab_size: int,
+        stop_below: float | None = 0.3,
+        *,
+        tree: TreeSpec | None = None,
+        runner: str = "auto",
+        quant: str | None = None,
+    ):
         """stop_below: a chain row stops drafting once a draft token's probability under the draft's own
         (temperature-1) distribution is below stop_below (the draft is unsure, so later drafts would
         likely be rejected). Any such stopping rule that looks only at the draft's own tokens and
@@ -70,8 +78,9 @@ class DraftModelProposer(Proposer):
             logits = self.runner.forward(feed, logits_at="last")  # [B, V]
             if j == 0:
                 self._start = list(self.runner.lengths)
-            counts = counts_at_nodes(view.output_counts, ids[:, :j], chain_parents(B, j, dev))[:, j] \
-                if penalties else None
+            counts = (
+                counts_at_nodes(view.output_counts, ids[:, :j], chain_parents(B, j, dev))[:, j] if penalties else None
+            )
             q = probs_from_logits(logits, view.params, prompt_mask=view.prompt_mask, output_counts=counts)  # [B, V]
             if probs is None:
                 probs = torch.zeros((B, k + 1, q.shape[-1]), dtype=q.dtype, device=dev)

@@ -19,13 +19,13 @@ def lookup(seq: torch.Tensor, n_sizes: tuple[int, ...], gamma: int) -> list[int]
     """seq [L] int64 -> up to gamma tokens following the latest earlier match of the last n tokens."""
     L = seq.shape[0]
     for n in n_sizes:
-        if L <= n:
+        if n >= L:
             continue
         windows = seq[: L - 1].unfold(0, n, 1)  # [L - n, n]: every n-gram that has a successor
-        hits = (windows == seq[L - n:]).all(dim=1).nonzero()
+        hits = (windows == seq[L - n :]).all(dim=1).nonzero()
         if hits.numel():
             start = int(hits[-1]) + n
-            return seq[start: start + gamma].tolist()
+            return seq[start : start + gamma].tolist()
     return []
 
 
@@ -35,12 +35,12 @@ def lookup_all(seq: torch.Tensor, n_sizes: tuple[int, ...], depth: int, branches
     L = seq.shape[0]
     found: list[list[int]] = []
     for n in n_sizes:
-        if L <= n:
+        if n >= L:
             continue
         windows = seq[: L - 1].unfold(0, n, 1)
-        hits = (windows == seq[L - n:]).all(dim=1).nonzero().flatten().tolist()
+        hits = (windows == seq[L - n :]).all(dim=1).nonzero().flatten().tolist()
         for h in reversed(hits):
-            cont = seq[h + n: h + n + depth].tolist()
+            cont = seq[h + n : h + n + depth].tolist()
             if cont and not any(f[: len(cont)] == cont for f in found):
                 found.append(cont)
                 if len(found) == branches:
@@ -80,8 +80,11 @@ class PromptLookupProposer(Proposer):
         spec = self.tree
         tokens, parents = [], []
         for seq, cap in zip(view.seqs, caps):
-            conts = lookup_all(torch.as_tensor(seq), self.ngram_sizes, min(cap, spec.max_depth), spec.branches) \
-                if cap > 0 else []
+            conts = (
+                lookup_all(torch.as_tensor(seq), self.ngram_sizes, min(cap, spec.max_depth), spec.branches)
+                if cap > 0
+                else []
+            )
             toks, pars = trie(conts, spec.max_nodes)
             tokens.append(toks)
             parents.append(pars)

@@ -46,11 +46,14 @@ class TreeSpec:
             raise ValueError(f"tree rule must be one of {', '.join(TREE_RULES)}, got {self.rule!r}")
         if self.dynamic:
             if self.rule != "deterministic":
-                raise ValueError("a dynamic (EAGLE-2) tree re-ranks nodes by their own draft probability, which "
-                                 "biases sampled children: it needs rule 'deterministic' (top-k children)")
+                raise ValueError(
+                    "a dynamic (EAGLE-2) tree re-ranks nodes by their own draft probability, which "
+                    "biases sampled children: it needs rule 'deterministic' (top-k children)"
+                )
             if self.depth < 1 or self.topk < 1 or self.budget < 1:
-                raise ValueError(f"a dynamic tree needs depth, topk and budget >= 1, got {self.depth}, {self.topk}, "
-                                 f"{self.budget}")
+                raise ValueError(
+                    f"a dynamic tree needs depth, topk and budget >= 1, got {self.depth}, {self.topk}, {self.budget}"
+                )
         elif not self.widths or any(int(w) < 1 for w in self.widths):
             raise ValueError(f"a static tree needs widths >= 1 per depth, got {self.widths}")
         if self.max_nodes > MAX_TREE_NODES:
@@ -70,8 +73,9 @@ class TreeSpec:
         except ValueError as e:
             if str(e) and not str(e).startswith("invalid literal"):
                 raise
-            raise ValueError(f"tree spec must look like 4-2-2-1 (widths per depth) or dynamic-D-K-M, got {spec!r}") \
-                from None
+            raise ValueError(
+                f"tree spec must look like 4-2-2-1 (widths per depth) or dynamic-D-K-M, got {spec!r}"
+            ) from None
 
     @property
     def max_depth(self) -> int:
@@ -110,10 +114,9 @@ class TreeSpec:
         return f"{shape} ({self.rule})"
 
 
-
-
-def draw_children(q: Tensor, owners: list[int], width: int, rule: str,
-                  generators: list[torch.Generator]) -> tuple[Tensor, Tensor]:
+def draw_children(
+    q: Tensor, owners: list[int], width: int, rule: str, generators: list[torch.Generator]
+) -> tuple[Tensor, Tensor]:
     """q [M, V] of M expanded nodes (owners: their rows) -> children [M, width] and validity [M, width].
     Sampled rules draw `width` uniforms per node from its row's generator, in node order."""
     M, V = q.shape
@@ -155,8 +158,9 @@ class TreeGrowth:
         self.fed: list[dict[int, int]] = [{} for _ in range(batch)]  # node -> index in the draft cache's tree
         self.fed_parents: list[list[int]] = [[] for _ in range(batch)]  # the draft cache's tree, by fed index
 
-    def add_children(self, expand: list[tuple[int, int]], kids: Tensor, ok: Tensor, logq: Tensor,
-                     depth: int) -> list[tuple[int, int]]:
+    def add_children(
+        self, expand: list[tuple[int, int]], kids: Tensor, ok: Tensor, logq: Tensor, depth: int
+    ) -> list[tuple[int, int]]:
         """Attach kids[m] (where ok) below expand[m] = (row, node); returns the new (row, node)s."""
         kids, ok, logq = kids.tolist(), ok.tolist(), logq.tolist()
         new = []
@@ -178,8 +182,11 @@ class TreeGrowth:
             by_row: dict[int, list[int]] = {}
             for b, n in new:
                 by_row.setdefault(b, []).append(n)
-            new = [(b, n) for b, ns in by_row.items()
-                   for n in sorted(ns, key=lambda n: -self.scores[b][n])[: self.spec.topk]]
+            new = [
+                (b, n)
+                for b, ns in by_row.items()
+                for n in sorted(ns, key=lambda n: -self.scores[b][n])[: self.spec.topk]
+            ]
         return [(b, n) for b, n in new if caps[b] > depth]
 
     def feed(self, nodes: list[tuple[int, int]]) -> list[list[int]]:
@@ -228,8 +235,9 @@ def grow_tree(runner, spec: TreeSpec, view: BatchView, caps: list[int]) -> tuple
     feed = [s[n:] if c > 0 else [] for s, n, c in zip(view.seqs, runner.lengths, caps)]
     logits = runner.forward(feed, logits_at="last")  # [B, V]: the root (after the pending token)
     start = list(runner.lengths)
-    q = probs_from_logits(logits, view.params, prompt_mask=view.prompt_mask,
-                          output_counts=view.output_counts if penalties else None)  # [B, V]
+    q = probs_from_logits(
+        logits, view.params, prompt_mask=view.prompt_mask, output_counts=view.output_counts if penalties else None
+    )  # [B, V]
     probs = None
     if spec.rule != "deterministic":  # q at every slot that gets children
         probs = torch.zeros((B, spec.drafted_nodes + 1, q.shape[-1]), dtype=q.dtype, device=dev)

@@ -8,5 +8,13 @@ from ..model.loading import LoadedModel, ModelLoadError, load_model
 from .generator import Completion, GenerationSession, SpeculativeGenerator, StreamEvent
 from .stats import SpecStats
 
-__all__ = ["Completion", "GenerationSession", "LoadedModel", "ModelLoadError", "SpecStats", "SpeculativeGenerator",
-           "StreamEvent", "load_model"]
+__all__ = [
+    "Completion",
+    "GenerationSession",
+    "LoadedModel",
+    "ModelLoadError",
+    "SpecStats",
+    "SpeculativeGenerator",
+    "StreamEvent",
+    "load_model",
+]

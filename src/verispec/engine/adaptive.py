@@ -34,8 +34,9 @@ def check_gamma(value, name: str = "gamma") -> int:
 
 
 class GammaController:
-    def __init__(self, gamma: int | str, max_gamma: int = 8, ema: float = 0.3, probe_every: int = 8,
-                 min_evidence: int = 32):
+    def __init__(
+        self, gamma: int | str, max_gamma: int = 8, ema: float = 0.3, probe_every: int = 8, min_evidence: int = 32
+    ):
         self.fixed = None if gamma == "auto" else check_gamma(gamma, "gamma (or 'auto')")
         if check_gamma(max_gamma, "max_gamma") < 1:
             raise ValueError(f"max_gamma must be >= 1, got {max_gamma}")
@@ -115,10 +116,11 @@ class GammaController:
         alpha = (successes + 4 * prior) / (successes + failures + 4)
         gamma, speedup = optimal_gamma_cost_curve(min(alpha, 0.999), draft_cost, curve, max_gamma=cap)
         evidence = s0 + f0 >= self.min_evidence and 1 in verify  # alpha and plain cost both measured
-        if evidence and (gamma == 0 or speedup < 1.0):
-            if step % self.probe_every:
-                return 0
+        if evidence and (gamma == 0 or speedup < 1.0) and step % self.probe_every:
+            return 0  # drafting does not pay: decode plainly, except on every probe_every-th step
         if gamma == 0:  # probing, or not enough evidence yet to stop drafting: best positive length
-            gamma, _ = max(((g, speedup_cost_curve(min(alpha, 0.999), g, draft_cost, curve))
-                            for g in range(1, cap + 1)), key=lambda gs: gs[1])
+            gamma, _ = max(
+                ((g, speedup_cost_curve(min(alpha, 0.999), g, draft_cost, curve)) for g in range(1, cap + 1)),
+                key=lambda gs: gs[1],
+            )
         return gamma

@@ -25,8 +25,6 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator, Sequence
 
-import torch
-
 from ..drafting import DraftModelProposer, PromptLookupProposer, Proposer, TreeSpec
 from ..model.fast import make_runner
 from ..model.loading import LoadedModel, shared_vocab_size
@@ -57,11 +55,22 @@ class SpeculativeGenerator:
     switches speculation on or off per request; the tree's shape sets the draft.
     """
 
-    def __init__(self, target: LoadedModel, draft: LoadedModel | Proposer | str | None = "ngram", *,
-                 gamma: int | str = "auto", max_gamma: int = 8, ngram_sizes: Sequence[int] = (3, 2, 1),
-                 draft_stop_below: float | None = 0.3, runner: str = "auto", draft_quant: str | None = None,
-                 verifier=verify_chain, tree: TreeSpec | str | None = None, tree_rule: str | None = None,
-                 tree_verifier=verify_tree):
+    def __init__(
+        self,
+        target: LoadedModel,
+        draft: LoadedModel | Proposer | str | None = "ngram",
+        *,
+        gamma: int | str = "auto",
+        max_gamma: int = 8,
+        ngram_sizes: Sequence[int] = (3, 2, 1),
+        draft_stop_below: float | None = 0.3,
+        runner: str = "auto",
+        draft_quant: str | None = None,
+        verifier=verify_chain,
+        tree: TreeSpec | str | None = None,
+        tree_rule: str | None = None,
+        tree_verifier=verify_tree,
+    ):
         self.target = target
         self.tokenizer = target.tokenizer
         # the verification functions (verify_chain's and verify_tree's interfaces): `verispec certify --inject`
@@ -69,8 +78,9 @@ class SpeculativeGenerator:
         self.verifier = verifier
         self.tree_verifier = tree_verifier
         tree = _tree_spec(tree, tree_rule)
-        self.proposer, self.vocab_size = self._proposer(target, draft, tree, ngram_sizes, draft_stop_below, runner,
-                                                        draft_quant)
+        self.proposer, self.vocab_size = self._proposer(
+            target, draft, tree, ngram_sizes, draft_stop_below, runner, draft_quant
+        )
         self.tree = self.proposer.tree if self.proposer is not None else None
         self.controller = GammaController(0 if self.proposer is None else gamma, max_gamma)
         self.runner = make_runner(target.model, self.vocab_size, runner=runner)
@@ -86,8 +96,10 @@ class SpeculativeGenerator:
         if quant is not None and not (isinstance(draft, LoadedModel) or draft == "self"):
             raise ValueError(f"draft_quant={quant!r} applies to a draft model or draft='self', not to {draft!r}")
         if draft == "self" and quant is None:
-            raise ValueError("draft='self' needs draft_quant ('int8' or 'int4'): an unquantized copy of the target "
-                             "costs as much as the target")
+            raise ValueError(
+                "draft='self' needs draft_quant ('int8' or 'int4'): an unquantized copy of the target "
+                "costs as much as the target"
+            )
         if isinstance(draft, LoadedModel) or draft == "self":
             model = target if draft == "self" else draft
             vocab = shared_vocab_size(target, model)
@@ -101,8 +113,9 @@ class SpeculativeGenerator:
             return PromptLookupProposer(tuple(ngram_sizes), tree=tree), vocab
         if isinstance(draft, Proposer):
             if tree is not None:
-                raise ValueError(f"pass the tree to the {type(draft).__name__} itself (its `tree`), not to the "
-                                 "generator")
+                raise ValueError(
+                    f"pass the tree to the {type(draft).__name__} itself (its `tree`), not to the generator"
+                )
             return draft, vocab
         raise ValueError(f"draft must be a loaded model, 'self', 'ngram', 'none' or a Proposer, got {draft!r}")
 
@@ -117,8 +130,9 @@ class SpeculativeGenerator:
                 return list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
             return self._apply_chat_template([{"role": "user", "content": prompt}])
         if not isinstance(prompt, Sequence) or not len(prompt):
-            raise ValueError(f"a prompt must be a non-empty string, list of token ids or list of chat messages, "
-                             f"got {prompt!r}")
+            raise ValueError(
+                f"a prompt must be a non-empty string, list of token ids or list of chat messages, got {prompt!r}"
+            )
         if all(isinstance(m, dict) for m in prompt):
             return self._apply_chat_template(list(prompt))
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
@@ -139,28 +153,46 @@ class SpeculativeGenerator:
         return [int(t) for t in enc]
 
     # --- public API -----------------------------------------------------------------------------------
-    def generate(self, prompts, params: SamplingParams | Sequence[SamplingParams] = SamplingParams(), *,
-                 max_new_tokens: int = 128, stop: str | Sequence[str] | None = (), chat: bool = False,
-                 ignore_eos: bool = False) -> list[Completion]:
+    def generate(
+        self,
+        prompts,
+        params: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
+        *,
+        max_new_tokens: int = 128,
+        stop: str | Sequence[str] | None = (),
+        chat: bool = False,
+        ignore_eos: bool = False,
+    ) -> list[Completion]:
         """Generate for one prompt (text, token ids or chat messages) or a list of them; one Completion each."""
         done: list[Completion] = []
-        for event in self.stream(prompts, params, max_new_tokens=max_new_tokens, stop=stop, chat=chat,
-                                 ignore_eos=ignore_eos):
+        for event in self.stream(
+            prompts, params, max_new_tokens=max_new_tokens, stop=stop, chat=chat, ignore_eos=ignore_eos
+        ):
             if event.completion is not None:
                 done.append(event.completion)
         return sorted(done, key=lambda c: c.index)
 
-    def stream(self, prompts, params: SamplingParams | Sequence[SamplingParams] = SamplingParams(), *,
-               max_new_tokens: int = 128, stop: str | Sequence[str] | None = (), chat: bool = False,
-               ignore_eos: bool = False) -> Iterator[StreamEvent]:
+    def stream(
+        self,
+        prompts,
+        params: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
+        *,
+        max_new_tokens: int = 128,
+        stop: str | Sequence[str] | None = (),
+        chat: bool = False,
+        ignore_eos: bool = False,
+    ) -> Iterator[StreamEvent]:
         """Like generate, but yields text deltas per request as steps are accepted."""
         max_new_tokens, stop = check_limits(max_new_tokens, stop)
         prompts = _prompt_list(prompts)
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
         params = list(params) if isinstance(params, Sequence) else params
-        if not isinstance(params, list) or len(params) != len(prompts) or \
-                not all(isinstance(p, SamplingParams) for p in params):
+        if (
+            not isinstance(params, list)
+            or len(params) != len(prompts)
+            or not all(isinstance(p, SamplingParams) for p in params)
+        ):
             raise ValueError("params must be one SamplingParams, or one per prompt")
         sess = GenerationSession(self)
         for i, (prompt, sp) in enumerate(zip(prompts, params)):  # every prompt is validated before any step
@@ -194,8 +226,10 @@ def _tree_spec(tree: TreeSpec | str | None, rule: str | None) -> TreeSpec | None
 
 def _eos_ids(tokenizer, model) -> set[int]:
     eos: set[int] = set()
-    for source in (getattr(tokenizer, "eos_token_id", None),
-                   getattr(getattr(model, "generation_config", None), "eos_token_id", None)):
+    for source in (
+        getattr(tokenizer, "eos_token_id", None),
+        getattr(getattr(model, "generation_config", None), "eos_token_id", None),
+    ):
         if isinstance(source, int):
             eos.add(source)
         elif isinstance(source, (list, tuple)):
@@ -208,12 +242,15 @@ def _prompt_list(prompts) -> list:
     if isinstance(prompts, str):
         return [prompts]
     if not isinstance(prompts, Sequence) or isinstance(prompts, (bytes, bytearray)):
-        raise ValueError(f"prompts must be a string, a list of token ids, chat messages, or a list of prompts; "
-                         f"got {type(prompts).__name__}")
+        raise ValueError(
+            f"prompts must be a string, a list of token ids, chat messages, or a list of prompts; "
+            f"got {type(prompts).__name__}"
+        )
     prompts = list(prompts)
     if not prompts:
         raise ValueError("no prompts given")
-    if all(isinstance(t, int) and not isinstance(t, bool) for t in prompts) or \
-            all(isinstance(m, dict) for m in prompts):
+    if all(isinstance(t, int) and not isinstance(t, bool) for t in prompts) or all(
+        isinstance(m, dict) for m in prompts
+    ):
         return [prompts]  # one prompt: token ids, or one conversation
     return prompts

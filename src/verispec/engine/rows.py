@@ -75,8 +75,15 @@ class Row:
         self.successes += accepted
         self.failures += int(accepted < drafted)
 
-    def take(self, new: list[int], lp: list[float], raw: list[float], top: list[TopLogprobs] | None,
-             eos_ids: set[int], max_positions: int | None) -> list[int]:
+    def take(
+        self,
+        new: list[int],
+        lp: list[float],
+        raw: list[float],
+        top: list[TopLogprobs] | None,
+        eos_ids: set[int],
+        max_positions: int | None,
+    ) -> list[int]:
         """Append a step's tokens to the output until EOS, the budget or the context end; returns those taken."""
         returned: list[int] = []
         for j, t in enumerate(new):
@@ -97,9 +104,18 @@ class Row:
         return returned
 
     def finish(self, reason: str, stop_reason) -> None:
-        self.done = Completion(index=self.index, prompt_token_ids=self.prompt, token_ids=[], text="",
-                               finish_reason=reason, stop_reason=stop_reason, logprobs=None, raw_logprobs=None,
-                               stats=self.stats, key=self.key)
+        self.done = Completion(
+            index=self.index,
+            prompt_token_ids=self.prompt,
+            token_ids=[],
+            text="",
+            finish_reason=reason,
+            stop_reason=stop_reason,
+            logprobs=None,
+            raw_logprobs=None,
+            stats=self.stats,
+            key=self.key,
+        )
 
     def event(self, tokenizer, before: int) -> StreamEvent:
         """This step's event: the text delta (stop strings applied) and the tokens kept since `before`."""
@@ -108,15 +124,21 @@ class Row:
         if hit is not None:
             text = self._cut_at_stop(tokenizer, text, *hit, before)
         if self.done is not None:
-            delta = text[len(self.sent):] if text.startswith(self.sent) else ""
+            delta = text[len(self.sent) :] if text.startswith(self.sent) else ""
             self.sent = text
             self._complete(text)
         else:
             delta = self._safe_delta(text)
         kept = min(before, len(self.tokens))  # a stop string may cut tokens of this step
-        return StreamEvent(self.index, delta, self.tokens[kept:], completion=self.done, key=self.key,
-                           raw_logprobs=self.raw_logprobs[kept:],
-                           top_logprobs=self.top[kept:] if self.top_logprobs else None)
+        return StreamEvent(
+            self.index,
+            delta,
+            self.tokens[kept:],
+            completion=self.done,
+            key=self.key,
+            raw_logprobs=self.raw_logprobs[kept:],
+            top_logprobs=self.top[kept:] if self.top_logprobs else None,
+        )
 
     def _cut_at_stop(self, tokenizer, text: str, cut: int, stop: str, before: int) -> str:
         """Drop the text from the stop string on, and the tokens after the shortest prefix that contains it."""
@@ -141,6 +163,6 @@ class Row:
                     safe = safe[: len(safe) - m]
                     break
         if safe.startswith(self.sent) and len(safe) > len(self.sent):
-            delta, self.sent = safe[len(self.sent):], safe
+            delta, self.sent = safe[len(self.sent) :], safe
             return delta
         return ""

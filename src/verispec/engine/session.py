@@ -82,9 +82,20 @@ class GenerationSession:
     def num_active(self) -> int:
         return len(self.rows) + len(self.pending)
 
-    def add(self, prompt, params: SamplingParams = SamplingParams(), *, max_new_tokens: int = 128,
-            stop: str | Sequence[str] | None = (), chat: bool = False, ignore_eos: bool = False,
-            gamma: int | None = None, top_logprobs: int = 0, key: object = None, index: int = 0) -> object:
+    def add(
+        self,
+        prompt,
+        params: SamplingParams = SamplingParams(),
+        *,
+        max_new_tokens: int = 128,
+        stop: str | Sequence[str] | None = (),
+        chat: bool = False,
+        ignore_eos: bool = False,
+        gamma: int | None = None,
+        top_logprobs: int = 0,
+        key: object = None,
+        index: int = 0,
+    ) -> object:
         """Queue a request (validated now; it joins the batch at the next step). Returns its key.
         gamma: this request's draft length (0 turns speculation off), None for the generator's setting;
         top_logprobs: how many best alternatives (raw target logprobs) to return per position."""
@@ -100,9 +111,19 @@ class GenerationSession:
         if gen.max_positions is not None and len(ids) >= gen.max_positions:
             raise ValueError(f"prompt {index} has {len(ids)} tokens; the model's context is {gen.max_positions}")
         seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()))
-        row = Row(index, ids, params, torch.Generator().manual_seed(seed), list(ids), max_new=max_new_tokens,
-                  stop=stop, ignore_eos=ignore_eos, gamma=0 if gen.proposer is None else gamma,
-                  top_logprobs=top_logprobs, key=key if key is not None else object())
+        row = Row(
+            index,
+            ids,
+            params,
+            torch.Generator().manual_seed(seed),
+            list(ids),
+            max_new=max_new_tokens,
+            stop=stop,
+            ignore_eos=ignore_eos,
+            gamma=0 if gen.proposer is None else gamma,
+            top_logprobs=top_logprobs,
+            key=key if key is not None else object(),
+        )
         self.pending.append(row)
         return row.key
 
@@ -132,9 +153,15 @@ class GenerationSession:
         gen = self.gen
         if rows is None:
             rows, prompt_mask, counts = self.rows, self.prompt_mask, self.counts
-        return BatchView(seqs=[r.seq for r in rows], params=[r.params for r in rows],
-                         generators=[r.generator for r in rows], prompt_mask=prompt_mask if penalties else None,
-                         output_counts=counts if penalties else None, vocab_size=gen.vocab_size, device=gen.device)
+        return BatchView(
+            seqs=[r.seq for r in rows],
+            params=[r.params for r in rows],
+            generators=[r.generator for r in rows],
+            prompt_mask=prompt_mask if penalties else None,
+            output_counts=counts if penalties else None,
+            vocab_size=gen.vocab_size,
+            device=gen.device,
+        )
 
     def _capacity(self, rows: list[Row]) -> int:
         """KV slots the rows can need: prompt, budget, the largest draft and the pending token."""
@@ -196,10 +223,14 @@ class GenerationSession:
             return [0 if r.gamma == 0 else c for r, c in zip(self.rows, caps)]
         controller, B = gen.controller, len(self.rows)
         probe = controller.wants_plain_probe(B)  # measure T(1) at this batch size once
-        return [max(0, min(r.gamma, c)) if r.gamma is not None
-                else 0 if probe
-                else controller.choose(r.successes, r.failures, c, r.stats.target_passes, batch=B)
-                for r, c in zip(self.rows, caps)]
+        return [
+            max(0, min(r.gamma, c))
+            if r.gamma is not None
+            else 0
+            if probe
+            else controller.choose(r.successes, r.failures, c, r.stats.target_passes, batch=B)
+            for r, c in zip(self.rows, caps)
+        ]
 
     def _draft(self, view: BatchView) -> Draft:
         gen = self.gen
@@ -247,8 +278,9 @@ class GenerationSession:
             gen.controller.observe_verify(N + 1, seconds, len(rows))
         return step
 
-    def _outputs(self, draft: Draft, logits: Tensor, p: Tensor, token_ids: Tensor, paths: list[list[int]],
-                 accepted: list[int]) -> StepOutput:
+    def _outputs(
+        self, draft: Draft, logits: Tensor, p: Tensor, token_ids: Tensor, paths: list[list[int]], accepted: list[int]
+    ) -> StepOutput:
         """Emitted tokens with their processed and raw target logprobs (and top alternatives) at their slots.
         logits, p [B, N + 1, V]; token_ids [B, D + 1] (-1 padded)."""
         B, D1 = token_ids.shape
@@ -258,7 +290,7 @@ class GenerationSession:
         else:  # slot 0 (the root), then the accepted path's nodes
             slots = torch.zeros((B, D1), dtype=torch.int64)
             for b, path in enumerate(paths):
-                slots[b, 1: len(path) + 1] = torch.tensor([n + 1 for n in path], dtype=torch.int64)
+                slots[b, 1 : len(path) + 1] = torch.tensor([n + 1 for n in path], dtype=torch.int64)
             sl = slots.to(logits.device).unsqueeze(-1).expand(-1, -1, logits.shape[-1])
             p_e, logits_e = p.gather(1, sl), logits.gather(1, sl)  # [B, D + 1, V]
         lp = p_e.gather(-1, tok).squeeze(-1).log().tolist()
@@ -268,13 +300,21 @@ class GenerationSession:
         n_top = max(r.top_logprobs for r in self.rows)
         if n_top:
             values, top_ids = logits_e.topk(n_top, dim=-1)  # [B, D + 1, n_top]
-            top = [[list(zip(i, v)) for i, v in zip(ids_b, vals_b)]
-                   for ids_b, vals_b in zip(top_ids.tolist(), (values - log_z).tolist())]
+            top = [
+                [list(zip(i, v)) for i, v in zip(ids_b, vals_b)]
+                for ids_b, vals_b in zip(top_ids.tolist(), (values - log_z).tolist())
+            ]
         emitted = [row[: a + 1] for row, a in zip(token_ids.tolist(), accepted)]
-        return StepOutput(drafted=list(draft.depth), nodes=list(draft.num_nodes), accepted=accepted, paths=paths,
-                          tokens=emitted, logprobs=[row[: a + 1] for row, a in zip(lp, accepted)],
-                          raw_logprobs=[row[: a + 1] for row, a in zip(raw, accepted)],
-                          top=None if top is None else [row[: a + 1] for row, a in zip(top, accepted)])
+        return StepOutput(
+            drafted=list(draft.depth),
+            nodes=list(draft.num_nodes),
+            accepted=accepted,
+            paths=paths,
+            tokens=emitted,
+            logprobs=[row[: a + 1] for row, a in zip(lp, accepted)],
+            raw_logprobs=[row[: a + 1] for row, a in zip(raw, accepted)],
+            top=None if top is None else [row[: a + 1] for row, a in zip(top, accepted)],
+        )
 
     # --- commit and emit ------------------------------------------------------------------------------
     def _commit(self, view: BatchView, draft: Draft, out: StepOutput) -> None:
@@ -299,8 +339,14 @@ class GenerationSession:
         keep: list[int] = []
         for b, r in enumerate(self.rows):
             before = len(r.tokens)
-            taken = r.take(out.tokens[b], out.logprobs[b], out.raw_logprobs[b], out.top[b] if out.top else None,
-                           gen.eos_ids, gen.max_positions)
+            taken = r.take(
+                out.tokens[b],
+                out.logprobs[b],
+                out.raw_logprobs[b],
+                out.top[b] if out.top else None,
+                gen.eos_ids,
+                gen.max_positions,
+            )
             if taken:
                 self.counts[b].index_add_(0, torch.tensor(taken, device=dev), torch.ones(len(taken), device=dev))
             event = r.event(gen.tokenizer, before)

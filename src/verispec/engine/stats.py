@@ -53,16 +53,29 @@ class SpecStats:
 
     def merge(self, other: SpecStats) -> None:
         """Add another run's counts and times (e.g. pool several calls)."""
-        for name in ("drafted", "accepted", "emitted", "nodes", "target_passes", "output_tokens", "draft_time",
-                     "verify_time", "other_time", "wall_time"):
+        for name in (
+            "drafted",
+            "accepted",
+            "emitted",
+            "nodes",
+            "target_passes",
+            "output_tokens",
+            "draft_time",
+            "verify_time",
+            "other_time",
+            "wall_time",
+        ):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for g, n in other.steps_by_drafted.items():
             self.steps_by_drafted[g] = self.steps_by_drafted.get(g, 0) + n
         for name in ("drafted_at", "reached_at", "accepted_at"):
             mine, theirs = getattr(self, name), getattr(other, name)
             n = max(len(mine), len(theirs))
-            setattr(self, name, [(mine[j] if j < len(mine) else 0) + (theirs[j] if j < len(theirs) else 0)
-                                 for j in range(n)])
+            setattr(
+                self,
+                name,
+                [(mine[j] if j < len(mine) else 0) + (theirs[j] if j < len(theirs) else 0) for j in range(n)],
+            )
 
     @property
     def acceptance_rate(self) -> float:
@@ -85,9 +98,17 @@ class SpecStats:
 
     def summary(self) -> dict:
         return {
-            "output_tokens": self.output_tokens, "drafted": self.drafted, "nodes": self.nodes, "accepted": self.accepted,
-            "target_passes": self.target_passes, "acceptance_rate": self.acceptance_rate, "tau": self.tau,
-            "per_position_acceptance": self.per_position_acceptance, "tokens_per_second": self.tokens_per_second,
-            "wall_time_s": self.wall_time, "draft_time_s": self.draft_time, "verify_time_s": self.verify_time,
+            "output_tokens": self.output_tokens,
+            "drafted": self.drafted,
+            "nodes": self.nodes,
+            "accepted": self.accepted,
+            "target_passes": self.target_passes,
+            "acceptance_rate": self.acceptance_rate,
+            "tau": self.tau,
+            "per_position_acceptance": self.per_position_acceptance,
+            "tokens_per_second": self.tokens_per_second,
+            "wall_time_s": self.wall_time,
+            "draft_time_s": self.draft_time,
+            "verify_time_s": self.verify_time,
             "other_time_s": self.other_time,
         }

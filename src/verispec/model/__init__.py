@@ -8,5 +8,13 @@ from .fast import FastRunner, make_runner
 from .loading import LoadedModel, ModelLoadError, load_model, shared_vocab_size
 from .runner import HFRunner
 
-__all__ = ["FastRunner", "HFRunner", "LoadedModel", "ModelLoadError", "RowKVCache", "load_model", "make_runner",
-           "shared_vocab_size"]
+__all__ = [
+    "FastRunner",
+    "HFRunner",
+    "LoadedModel",
+    "ModelLoadError",
+    "RowKVCache",
+    "load_model",
+    "make_runner",
+    "shared_vocab_size",
+]

@@ -19,8 +19,16 @@ __all__ = ["RowKVCache"]
 class RowKVCache(Cache):
     """Per-layer key / value buffers [B, H_kv, capacity, D]; `lengths` (host ints) are the committed lengths."""
 
-    def __init__(self, num_layers: int, batch: int, num_kv_heads: int, head_dim: int, capacity: int,
-                 dtype: torch.dtype, device: torch.device | str):
+    def __init__(
+        self,
+        num_layers: int,
+        batch: int,
+        num_kv_heads: int,
+        head_dim: int,
+        capacity: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ):
         super().__init__(layers=[])
         shape = (batch, num_kv_heads, capacity, head_dim)
         self.keys: list[Tensor] = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
@@ -48,8 +56,9 @@ class RowKVCache(Cache):
         else:
             self._uniform_start = None
             dev = self.keys[0].device
-            self._write_at = (torch.tensor(self.lengths, device=dev).unsqueeze(1)
-                              + torch.arange(chunk_len, device=dev))  # [B, T]
+            self._write_at = torch.tensor(self.lengths, device=dev).unsqueeze(1) + torch.arange(
+                chunk_len, device=dev
+            )  # [B, T]
 
     def commit(self, new_tokens: list[int]) -> None:
         """After a forward: row b keeps the first new_tokens[b] slots of the chunk it just wrote."""
@@ -74,7 +83,7 @@ class RowKVCache(Cache):
             if path and path != list(range(len(path))):
                 src = torch.tensor([start + i for i in path], device=self.keys[0].device)
                 for buf in (*self.keys, *self.values):
-                    buf[b, :, start:start + len(path)] = buf[b, :, src]
+                    buf[b, :, start : start + len(path)] = buf[b, :, src]
             new_lengths.append(start + len(path))
         self.lengths = new_lengths
 
@@ -105,8 +114,8 @@ class RowKVCache(Cache):
         T = key_states.shape[-2]
         if self._uniform_start is not None:
             s = self._uniform_start
-            kb[:, :, s:s + T] = key_states
-            vb[:, :, s:s + T] = value_states
+            kb[:, :, s : s + T] = key_states
+            vb[:, :, s : s + T] = value_states
         else:
             B, H, _, D = key_states.shape
             idx = self._write_at.view(B, 1, T, 1).expand(B, H, T, D)

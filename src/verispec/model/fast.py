@@ -47,8 +47,12 @@ def fast_path_unsupported(model) -> str | None:
             return f"the decoder has no {attr!r}"
     for layer in base.layers:
         att, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-        if att is None or mlp is None or not all(hasattr(att, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")) \
-                or not all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")):
+        if (
+            att is None
+            or mlp is None
+            or not all(hasattr(att, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj"))
+            or not all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj"))
+        ):
             return "a decoder layer does not have the Llama layout (q/k/v/o_proj, gate/up/down_proj)"
     return None
 
@@ -89,7 +93,7 @@ def _fuse(modules, share: bool) -> tuple[Tensor, Tensor | None]:
         start, ok = 0, True
         for m in modules:
             n = m.weight.shape[0]
-            ok &= m.weight.data_ptr() == weight[start].data_ptr() and m.weight.shape == weight[start:start + n].shape
+            ok &= m.weight.data_ptr() == weight[start].data_ptr() and m.weight.shape == weight[start : start + n].shape
             start += n
         if ok and start == weight.shape[0]:
             return weight, bias
@@ -97,15 +101,16 @@ def _fuse(modules, share: bool) -> tuple[Tensor, Tensor | None]:
     biases = [m.bias for m in modules]
     bias = None
     if any(b is not None for b in biases):
-        bias = torch.cat([b if b is not None else m.weight.new_zeros(m.weight.shape[0])
-                          for b, m in zip(biases, modules)])
+        bias = torch.cat(
+            [b if b is not None else m.weight.new_zeros(m.weight.shape[0]) for b, m in zip(biases, modules)]
+        )
     if share:
         start = 0
         for m in modules:
             n = m.weight.shape[0]
-            m.weight.data = weight[start:start + n]
+            m.weight.data = weight[start : start + n]
             if m.bias is not None:
-                m.bias.data = bias[start:start + n]
+                m.bias.data = bias[start : start + n]
             start += n
         object.__setattr__(modules[0], "_verispec_fused", (weight, bias))  # not a registered submodule / param
     return weight, bias
@@ -119,8 +124,9 @@ class FastRunner(HFRunner):
     weights). group_size: int4 group size (default: the largest of 128, 64, 32 dividing every layer's input).
     """
 
-    def __init__(self, model, vocab_size: int | None = None, *, quant: str | None = None,
-                 group_size: int | None = None):
+    def __init__(
+        self, model, vocab_size: int | None = None, *, quant: str | None = None, group_size: int | None = None
+    ):
         reason = fast_path_unsupported(model)
         if reason:
             raise ValueError(f"the fast runner does not support this model: {reason}")
@@ -138,7 +144,7 @@ class FastRunner(HFRunner):
         self.hidden_size = cfg.hidden_size
         self.eps = getattr(cfg, "rms_norm_eps", 1e-6)
         base = self._base
-        self.scaling = getattr(base.layers[0].self_attn, "scaling", self.head_dim ** -0.5)
+        self.scaling = getattr(base.layers[0].self_attn, "scaling", self.head_dim**-0.5)
         inputs = {self.hidden_size, self.num_heads * self.head_dim, cfg.intermediate_size}
         if quant == "int4" and group_size is None:
             group_size = next((g for g in (128, 64, 32) if all(k % g == 0 for k in inputs)), None)
@@ -158,13 +164,19 @@ class FastRunner(HFRunner):
             qkv_w, qkv_b = _fuse([att.q_proj, att.k_proj, att.v_proj], share)
             gu_w, gu_b = _fuse([mlp.gate_proj, mlp.up_proj], share)
             kind = types[i] if i < len(types) else ("sliding_attention" if window else "full_attention")
-            self.layers.append(_Layer(
-                ln_attn=self._cast(layer.input_layernorm.weight), ln_mlp=self._cast(layer.post_attention_layernorm.weight),
-                qkv=lin(qkv_w, qkv_b), o=lin(att.o_proj.weight, att.o_proj.bias),
-                gate_up=lin(gu_w, gu_b), down=lin(mlp.down_proj.weight, mlp.down_proj.bias),
-                q_norm=self._cast(att.q_norm.weight) if hasattr(att, "q_norm") else None,
-                k_norm=self._cast(att.k_norm.weight) if hasattr(att, "k_norm") else None,
-                mask_key=kind))
+            self.layers.append(
+                _Layer(
+                    ln_attn=self._cast(layer.input_layernorm.weight),
+                    ln_mlp=self._cast(layer.post_attention_layernorm.weight),
+                    qkv=lin(qkv_w, qkv_b),
+                    o=lin(att.o_proj.weight, att.o_proj.bias),
+                    gate_up=lin(gu_w, gu_b),
+                    down=lin(mlp.down_proj.weight, mlp.down_proj.bias),
+                    q_norm=self._cast(att.q_norm.weight) if hasattr(att, "q_norm") else None,
+                    k_norm=self._cast(att.k_norm.weight) if hasattr(att, "k_norm") else None,
+                    mask_key=kind,
+                )
+            )
             del qkv_w, gu_w  # dense: still alive as the views; quantized: only the quantized copies remain
         self.intermediate = cfg.intermediate_size
         self.final_norm = self._cast(base.norm.weight)
@@ -214,8 +226,9 @@ class FastRunner(HFRunner):
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
             keys, values = cache.update(k, v, i)  # [B, nkv, L, D]: the used prefix, this chunk included
-            a = F.scaled_dot_product_attention(q, keys, values, attn_mask=masks[layer.mask_key], scale=self.scaling,
-                                               enable_gqa=nh != nkv)  # [B, nh, T, D]
+            a = F.scaled_dot_product_attention(
+                q, keys, values, attn_mask=masks[layer.mask_key], scale=self.scaling, enable_gqa=nh != nkv
+            )  # [B, nh, T, D]
             h = h + layer.o(a.transpose(1, 2).reshape(B, T, nh * D))
             x = _rms_norm(h, layer.ln_mlp, self.eps)
             gate, up = layer.gate_up(x).split([self.intermediate, self.intermediate], dim=-1)

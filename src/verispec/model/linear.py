@@ -26,8 +26,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["QUANT_MODES", "Linear", "dequantize_int4", "dequantize_int8", "make_linear", "onednn_available",
-           "quantize_int4", "quantize_int8"]
+__all__ = [
+    "QUANT_MODES",
+    "Linear",
+    "dequantize_int4",
+    "dequantize_int8",
+    "make_linear",
+    "onednn_available",
+    "quantize_int4",
+    "quantize_int8",
+]
 
 QUANT_MODES = ("int8", "int4")
 
@@ -161,8 +169,9 @@ class Int4Linear(Linear):
                 self.kernel = "int4pack_mm"
         except (RuntimeError, AttributeError, NotImplementedError):
             self.kernel = "int4-dequant"
-        if self.kernel != "int4-dequant" and not _kernel_agrees(self._kernel_mm, self._reference_mm, K, act_dtype,
-                                                                  weight.device):
+        if self.kernel != "int4-dequant" and not _kernel_agrees(
+            self._kernel_mm, self._reference_mm, K, act_dtype, weight.device
+        ):
             self.kernel = "int4-dequant"
         if self.kernel == "int4-dequant":
             self.packed = None
@@ -201,8 +210,14 @@ def _kernel_agrees(kernel, reference, K: int, dtype: torch.dtype, device) -> boo
     return got.shape == want.shape and bool(torch.allclose(got, want, rtol=tol, atol=tol * want.abs().max().item()))
 
 
-def make_linear(weight: Tensor, bias: Tensor | None = None, *, quant: str | None = None,
-                act_dtype: torch.dtype | None = None, group_size: int = 128) -> Linear:
+def make_linear(
+    weight: Tensor,
+    bias: Tensor | None = None,
+    *,
+    quant: str | None = None,
+    act_dtype: torch.dtype | None = None,
+    group_size: int = 128,
+) -> Linear:
     """weight [N, K], bias [N] | None. quant: None (dense), "int8" or "int4" (weight-only).
 
     act_dtype: the activation dtype of quantized layers (default: bfloat16, the dtype torch's weight-only

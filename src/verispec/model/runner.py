@@ -61,8 +61,9 @@ class HFRunner:
     # --- batch lifecycle ------------------------------------------------------------------------------
     def start(self, batch: int, capacity: int) -> None:
         """Allocate a fresh cache for `batch` rows of up to `capacity` tokens each."""
-        self.cache = RowKVCache(self.num_layers, batch, self.num_kv_heads, self.head_dim, capacity,
-                                self.dtype, self.device)
+        self.cache = RowKVCache(
+            self.num_layers, batch, self.num_kv_heads, self.head_dim, capacity, self.dtype, self.device
+        )
 
     def add_rows(self, seqs: Sequence[Sequence[int]], capacity: int) -> None:
         """New rows join the batch after the existing ones, with seqs[i] prefilled into their cache."""
@@ -84,8 +85,12 @@ class HFRunner:
         self.cache.select(rows)
 
     # --- forward --------------------------------------------------------------------------------------
-    def _run(self, tokens: Sequence[Sequence[int]], parents: Sequence[Sequence[int]] | None = None,
-             tree_start: Sequence[int] | None = None) -> tuple[Tensor, list[int]]:
+    def _run(
+        self,
+        tokens: Sequence[Sequence[int]],
+        parents: Sequence[Sequence[int]] | None = None,
+        tree_start: Sequence[int] | None = None,
+    ) -> tuple[Tensor, list[int]]:
         """One forward over a ragged chunk (a chain per row, or a tree per row when `parents` is given);
         returns hidden states [B, T, H] and the rows' new-token counts. With `tree_start`, row b's tree began at
         slot tree_start[b] in an earlier forward: parents[b] covers the whole tree (earlier nodes, then the new
@@ -131,8 +136,9 @@ class HFRunner:
             j = rel.clamp(0, Tt - 1)
             key_pos = torch.where(in_tree, start + depth.gather(1, j), slots.view(1, -1))  # [B, L]
             anc_q = anc.gather(1, node.unsqueeze(-1).expand(B, T, Tt))  # [B, T, Tt]: the queries' ancestors
-            visible = (rel < 0).unsqueeze(1) | (anc_q.gather(2, j.unsqueeze(1).expand(B, T, -1))
-                                                & in_tree.unsqueeze(1))  # [B, T, L]
+            visible = (rel < 0).unsqueeze(1) | (
+                anc_q.gather(2, j.unsqueeze(1).expand(B, T, -1)) & in_tree.unsqueeze(1)
+            )  # [B, T, L]
             distance = position_ids.unsqueeze(-1) - key_pos.unsqueeze(1)
         hidden = self._body(ids, self._masks(visible, distance), position_ids)
         cache.commit(n_new)
@@ -140,8 +146,9 @@ class HFRunner:
 
     def _body(self, ids: Tensor, masks, position_ids: Tensor) -> Tensor:
         """ids [B, T], masks (see `_masks`), position_ids [B, T] -> final hidden states [B, T, H]."""
-        return self._base(input_ids=ids, attention_mask=masks, position_ids=position_ids, cache=self.cache,
-                          use_cache=True).last_hidden_state
+        return self._base(
+            input_ids=ids, attention_mask=masks, position_ids=position_ids, cache=self.cache, use_cache=True
+        ).last_hidden_state
 
     def _additive(self, visible: Tensor) -> Tensor:  # [B, T, L] bool -> [B, 1, T, L] additive float mask
         mask = torch.zeros(visible.shape, dtype=self.dtype, device=self.device)
@@ -168,8 +175,13 @@ class HFRunner:
         return logits
 
     @torch.inference_mode()
-    def forward(self, tokens: Sequence[Sequence[int]], logits_at: str = "all",
-                parents: Sequence[Sequence[int]] | None = None, tree_start: Sequence[int] | None = None) -> Tensor:
+    def forward(
+        self,
+        tokens: Sequence[Sequence[int]],
+        logits_at: str = "all",
+        parents: Sequence[Sequence[int]] | None = None,
+        tree_start: Sequence[int] | None = None,
+    ) -> Tensor:
         """Append tokens[b] to row b (rows may differ in length, even be empty) and return float32 logits.
 
         logits_at="all":  [B, T, V] for every chunk position (T = longest row; padding positions are junk);
@@ -203,6 +215,6 @@ class HFRunner:
         """Feed prompts into the cache without computing logits (chunked to bound memory)."""
         longest = max((len(t) for t in tokens), default=0)
         for s in range(0, longest, chunk):
-            part = [list(t[s:s + chunk]) for t in tokens]
+            part = [list(t[s : s + chunk]) for t in tokens]
             if any(part):
                 self._run(part)

@@ -6,7 +6,6 @@ Nothing here knows about models or caches: tensors in, tensors out, explicit ran
 from .chain import ChainVerifyOutput, draw_uniforms, sample_from_weights, verify_chain, verify_chain_with_uniforms
 from .params import ParamError, SamplingParams
 from .processors import counts_at_nodes, probs_from_logits
-from .tree import TREE_RULES, TreeVerifyOutput, verify_tree, verify_tree_with_uniforms
 from .theory import (
     acceptance_rate,
     expected_tokens_per_pass,
@@ -15,10 +14,26 @@ from .theory import (
     speedup_constant_cost,
     speedup_cost_curve,
 )
+from .tree import TREE_RULES, TreeVerifyOutput, verify_tree, verify_tree_with_uniforms
 
 __all__ = [
-    "ChainVerifyOutput", "ParamError", "SamplingParams", "acceptance_rate", "counts_at_nodes", "draw_uniforms",
-    "expected_tokens_per_pass", "optimal_gamma_constant_cost", "optimal_gamma_cost_curve", "probs_from_logits",
-    "sample_from_weights", "speedup_constant_cost", "speedup_cost_curve", "verify_chain",
-    "verify_chain_with_uniforms", "TREE_RULES", "TreeVerifyOutput", "verify_tree", "verify_tree_with_uniforms",
+    "TREE_RULES",
+    "ChainVerifyOutput",
+    "ParamError",
+    "SamplingParams",
+    "TreeVerifyOutput",
+    "acceptance_rate",
+    "counts_at_nodes",
+    "draw_uniforms",
+    "expected_tokens_per_pass",
+    "optimal_gamma_constant_cost",
+    "optimal_gamma_cost_curve",
+    "probs_from_logits",
+    "sample_from_weights",
+    "speedup_constant_cost",
+    "speedup_cost_curve",
+    "verify_chain",
+    "verify_chain_with_uniforms",
+    "verify_tree",
+    "verify_tree_with_uniforms",
 ]

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["ChainVerifyOutput", "verify_chain", "verify_chain_with_uniforms", "draw_uniforms", "sample_from_weights"]
+__all__ = ["ChainVerifyOutput", "draw_uniforms", "sample_from_weights", "verify_chain", "verify_chain_with_uniforms"]
 
 
 @dataclass(frozen=True)
@@ -63,10 +63,9 @@ def check_probability_rows(name: str, probs: Tensor, used: Tensor) -> None:
         raise ValueError(f"{name}[{b}, {j}] has a negative probability ({float(mins[b, j]):.6g})")
 
 
-def _check_inputs(target_probs: Tensor, draft_token_ids: Tensor, draft_probs: Tensor | None,
-                  num_draft: Tensor) -> None:
+def _check_inputs(target_probs: Tensor, draft_token_ids: Tensor, draft_probs: Tensor | None, num_draft: Tensor) -> None:
     """Raise ValueError on any input the math cannot honour. Reads each probability tensor twice."""
-    B, K1, V = target_probs.shape
+    _, K1, V = target_probs.shape
     k = K1 - 1
     pos = torch.arange(K1, device=target_probs.device)
     used_target = pos <= num_draft.unsqueeze(1)  # [B, k + 1]: positions that can be emitted
@@ -83,8 +82,10 @@ def _check_inputs(target_probs: Tensor, draft_token_ids: Tensor, draft_probs: Te
         zero_q = used_draft & (q_t <= 0)
         if bool(zero_q.any()):
             b, j = (int(i) for i in zero_q.nonzero()[0])
-            raise ValueError(f"draft token {int(draft_token_ids[b, j])} at [{b}, {j}] has q = 0 under draft_probs: "
-                             "draft_probs must be the distribution the token was sampled from")
+            raise ValueError(
+                f"draft token {int(draft_token_ids[b, j])} at [{b}, {j}] has q = 0 under draft_probs: "
+                "draft_probs must be the distribution the token was sampled from"
+            )
 
 
 def _normalise_args(target_probs, draft_token_ids, draft_probs, num_draft_tokens):
@@ -99,8 +100,10 @@ def _normalise_args(target_probs, draft_token_ids, draft_probs, num_draft_tokens
     dev = target_probs.device
     if not isinstance(draft_token_ids, Tensor) or tuple(draft_token_ids.shape) != (B, k):
         shape = tuple(draft_token_ids.shape) if isinstance(draft_token_ids, Tensor) else type(draft_token_ids).__name__
-        raise ValueError(f"draft_token_ids must have shape [B, k] = [{B}, {k}] to match target_probs "
-                         f"[B, k + 1, V] = {tuple(target_probs.shape)}, got {shape}")
+        raise ValueError(
+            f"draft_token_ids must have shape [B, k] = [{B}, {k}] to match target_probs "
+            f"[B, k + 1, V] = {tuple(target_probs.shape)}, got {shape}"
+        )
     if draft_token_ids.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"draft_token_ids must be int64 (or int32), got {draft_token_ids.dtype}")
     if draft_token_ids.device != dev:
@@ -115,16 +118,19 @@ def _normalise_args(target_probs, draft_token_ids, draft_probs, num_draft_tokens
         if draft_probs.device != dev:
             raise ValueError(f"draft_probs is on {draft_probs.device}, target_probs on {dev}")
         if draft_probs.dtype != target_probs.dtype:
-            raise ValueError(f"draft_probs is {draft_probs.dtype} but target_probs is {target_probs.dtype}: pass "
-                             "both in one dtype")
+            raise ValueError(
+                f"draft_probs is {draft_probs.dtype} but target_probs is {target_probs.dtype}: pass both in one dtype"
+            )
     if num_draft_tokens is None:
         num_draft = torch.full((B,), k, dtype=torch.int64, device=dev)
     else:
         if not isinstance(num_draft_tokens, Tensor):
             num_draft_tokens = torch.as_tensor(num_draft_tokens)
         if tuple(num_draft_tokens.shape) != (B,) or num_draft_tokens.is_floating_point():
-            raise ValueError(f"num_draft_tokens must be an integer tensor of shape [B] = [{B}], "
-                             f"got {num_draft_tokens.dtype} {tuple(num_draft_tokens.shape)}")
+            raise ValueError(
+                f"num_draft_tokens must be an integer tensor of shape [B] = [{B}], "
+                f"got {num_draft_tokens.dtype} {tuple(num_draft_tokens.shape)}"
+            )
         num_draft = num_draft_tokens.to(device=dev, dtype=torch.int64)
         if bool(((num_draft < 0) | (num_draft > k)).any()):
             raise ValueError(f"num_draft_tokens must lie in [0, k] = [0, {k}], got {num_draft.tolist()}")
@@ -177,10 +183,10 @@ def sample_from_weights(
     (float64 cumulative sums over float32 block sums), then a token inside it (float64 cumulative sum).
     A token's probability is exact up to the float rounding of the inputs (relative ~1e-7 in float32).
     """
-    B, V = weights.shape
+    _, V = weights.shape
     n_full = V // block
     head = weights[:, : n_full * block].unflatten(1, (n_full, block)).sum(dim=-1)  # [B, n_full]
-    tail = weights[:, n_full * block:].sum(dim=-1, keepdim=True)  # [B, 1] (0 when V % block == 0)
+    tail = weights[:, n_full * block :].sum(dim=-1, keepdim=True)  # [B, 1] (0 when V % block == 0)
     mass = torch.cat([head, tail], dim=1).to(torch.float64)  # [B, n_blocks]
     cdf = mass.cumsum(dim=1)  # monotone: the first block with cdf > x has positive mass
     total = cdf[:, -1:]
@@ -246,7 +252,8 @@ def verify_chain_with_uniforms(
 def verify_chain(
     target_probs: Tensor,  # [B, k + 1, V] float: processed target distributions (last row: bonus position)
     draft_token_ids: Tensor,  # [B, k] int64
-    draft_probs: Tensor | None = None,  # [B, k, V] float: the distributions the drafts were sampled from; None = one-hot
+    draft_probs: Tensor
+    | None = None,  # [B, k, V] float: the distributions the drafts were sampled from; None = one-hot
     num_draft_tokens: Tensor | None = None,  # [B] int64: row b uses its first num_draft_tokens[b] drafts
     generators: Sequence[torch.Generator | None] | None = None,  # one per row (per-request seeds)
     *,
@@ -259,8 +266,7 @@ def verify_chain(
     summing to 1, shape / dtype / device mismatches, token ids outside [0, V), a draft token with q = 0 —
     raises ValueError. Only rows a verification can reach are checked (positions <= num_draft_tokens[b]).
     """
-    B, k, V, draft_token_ids, num_draft = _normalise_args(target_probs, draft_token_ids, draft_probs,
-                                                          num_draft_tokens)
+    _, k, _, draft_token_ids, num_draft = _normalise_args(target_probs, draft_token_ids, draft_probs, num_draft_tokens)
     if check:
         _check_inputs(target_probs, draft_token_ids, draft_probs, num_draft)
     accept_u, final_u = draw_uniforms(num_draft, k, generators, target_probs.device)

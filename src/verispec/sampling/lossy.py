@@ -21,8 +21,13 @@ from torch import Tensor
 
 from .chain import ChainVerifyOutput, _normalise_args, draw_uniforms, sample_from_weights
 
-__all__ = ["lenient_verifier", "typical_verifier", "one_step_law_lenient", "one_step_law_typical",
-           "one_step_law_mismatched_q"]
+__all__ = [
+    "lenient_verifier",
+    "one_step_law_lenient",
+    "one_step_law_mismatched_q",
+    "one_step_law_typical",
+    "typical_verifier",
+]
 
 
 def _verify(target_probs, draft_token_ids, draft_probs, num_draft_tokens, generators, accept_fn, residual_fn):
@@ -30,7 +35,11 @@ def _verify(target_probs, draft_token_ids, draft_probs, num_draft_tokens, genera
     dev = target_probs.device
     accept_u, final_u = draw_uniforms(nd, k, generators, dev)
     p = target_probs.double()  # [B, k + 1, V]
-    q = draft_probs.double() if draft_probs is not None else torch.nn.functional.one_hot(ids.clamp(0, V - 1), V).double()
+    q = (
+        draft_probs.double()
+        if draft_probs is not None
+        else torch.nn.functional.one_hot(ids.clamp(0, V - 1), V).double()
+    )
     safe = ids.clamp(0, V - 1).unsqueeze(-1)
     accept = accept_fn(accept_u, p[:, :k], q, safe) & (torch.arange(k, device=dev) < nd.unsqueeze(1))
     na = accept.long().cumprod(1).sum(1)
@@ -54,13 +63,28 @@ def lenient_verifier(lenience: float):
     if not 0 < lenience <= 1:
         raise ValueError(f"lenience must lie in (0, 1], got {lenience}")
 
-    def verify(target_probs: Tensor, draft_token_ids: Tensor, draft_probs: Tensor | None = None,
-               num_draft_tokens: Tensor | None = None, generators: Sequence[torch.Generator | None] | None = None,
-               *, check: bool = True) -> ChainVerifyOutput:
+    def verify(
+        target_probs: Tensor,
+        draft_token_ids: Tensor,
+        draft_probs: Tensor | None = None,
+        num_draft_tokens: Tensor | None = None,
+        generators: Sequence[torch.Generator | None] | None = None,
+        *,
+        check: bool = True,
+    ) -> ChainVerifyOutput:
         def accept(u, p, q, safe):  # u [B, k], p / q [B, k, V]
             return u * lenience * q.gather(-1, safe).squeeze(-1) < p.gather(-1, safe).squeeze(-1)
-        return _verify(target_probs, draft_token_ids, draft_probs, num_draft_tokens, generators, accept,
-                       lambda p, q: (p - q).clamp_min(0))
+
+        return _verify(
+            target_probs,
+            draft_token_ids,
+            draft_probs,
+            num_draft_tokens,
+            generators,
+            accept,
+            lambda p, q: (p - q).clamp_min(0),
+        )
+
     verify.__name__ = f"lenient_{lenience:g}"
     return verify
 
@@ -71,13 +95,20 @@ def _typical_threshold(p: Tensor, eps: float, delta: float) -> Tensor:  # p [...
 
 
 def typical_verifier(eps: float = 0.3, delta: float = 0.09):
-    def verify(target_probs: Tensor, draft_token_ids: Tensor, draft_probs: Tensor | None = None,
-               num_draft_tokens: Tensor | None = None, generators: Sequence[torch.Generator | None] | None = None,
-               *, check: bool = True) -> ChainVerifyOutput:
+    def verify(
+        target_probs: Tensor,
+        draft_token_ids: Tensor,
+        draft_probs: Tensor | None = None,
+        num_draft_tokens: Tensor | None = None,
+        generators: Sequence[torch.Generator | None] | None = None,
+        *,
+        check: bool = True,
+    ) -> ChainVerifyOutput:
         def accept(u, p, q, safe):
             return p.gather(-1, safe).squeeze(-1) > _typical_threshold(p, eps, delta)
-        return _verify(target_probs, draft_token_ids, draft_probs, num_draft_tokens, generators, accept,
-                       lambda p, q: p)
+
+        return _verify(target_probs, draft_token_ids, draft_probs, num_draft_tokens, generators, accept, lambda p, q: p)
+
     verify.__name__ = f"typical_{eps:g}_{delta:g}"
     return verify
 

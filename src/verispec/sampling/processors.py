@@ -79,8 +79,9 @@ def probs_from_logits(
         if counts.dim() == 2:
             counts = counts.unsqueeze(1)
         if counts.shape[0] != B or counts.shape[-1] != V or counts.shape[1] not in (1, T):
-            raise ValueError(f"output_counts must have shape [B, V] or [B, T, V] = [{B}, {T}, {V}], "
-                             f"got {tuple(counts.shape)}")
+            raise ValueError(
+                f"output_counts must have shape [B, V] or [B, T, V] = [{B}, {T}, {V}], got {tuple(counts.shape)}"
+            )
         counts = counts.to(dtype)
         in_output = counts > 0
         seen = in_output

@@ -20,8 +20,12 @@ import torch
 from torch import Tensor
 
 __all__ = [
-    "acceptance_rate", "expected_tokens_per_pass", "speedup_constant_cost", "speedup_cost_curve",
-    "optimal_gamma_constant_cost", "optimal_gamma_cost_curve",
+    "acceptance_rate",
+    "expected_tokens_per_pass",
+    "optimal_gamma_constant_cost",
+    "optimal_gamma_cost_curve",
+    "speedup_constant_cost",
+    "speedup_cost_curve",
 ]
 
 
@@ -63,11 +67,13 @@ def _curve(verify_cost: Sequence[float] | Callable[[int], float]) -> Callable[[i
         if not 1 <= n <= len(costs):
             raise ValueError(f"the verify-cost curve covers 1..{len(costs)} tokens, asked for {n}")
         return float(costs[n - 1])
+
     return at
 
 
-def speedup_cost_curve(alpha: float, gamma: int, draft_cost: float,
-                       verify_cost: Sequence[float] | Callable[[int], float]) -> float:
+def speedup_cost_curve(
+    alpha: float, gamma: int, draft_cost: float, verify_cost: Sequence[float] | Callable[[int], float]
+) -> float:
     """Expected speedup with a measured target cost curve T(n) (n tokens per forward; T(1) = decode).
 
     `verify_cost` is a sequence [T(1), T(2), ...] or a callable n -> T(n); `draft_cost` is one draft step,
@@ -84,13 +90,14 @@ def optimal_gamma_constant_cost(alpha: float, c: float, max_gamma: int = 32) -> 
     return max(((g, speedup_constant_cost(alpha, g, c)) for g in range(max_gamma + 1)), key=lambda gs: gs[1])
 
 
-def optimal_gamma_cost_curve(alpha: float, draft_cost: float,
-                             verify_cost: Sequence[float] | Callable[[int], float],
-                             max_gamma: int | None = None) -> tuple[int, float]:
+def optimal_gamma_cost_curve(
+    alpha: float, draft_cost: float, verify_cost: Sequence[float] | Callable[[int], float], max_gamma: int | None = None
+) -> tuple[int, float]:
     """(gamma, speedup) maximising `speedup_cost_curve`; a sequence curve bounds gamma by its length - 1."""
     if max_gamma is None:
         if callable(verify_cost):
             raise ValueError("max_gamma is required when verify_cost is a callable")
         max_gamma = len(verify_cost) - 1
-    return max(((g, speedup_cost_curve(alpha, g, draft_cost, verify_cost)) for g in range(max_gamma + 1)),
-               key=lambda gs: gs[1])
+    return max(
+        ((g, speedup_cost_curve(alpha, g, draft_cost, verify_cost)) for g in range(max_gamma + 1)), key=lambda gs: gs[1]
+    )

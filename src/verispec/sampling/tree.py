@@ -54,8 +54,15 @@ from torch import Tensor
 
 from .chain import check_probability_rows, draw_uniforms, sample_from_weights
 
-__all__ = ["TREE_RULES", "TreeVerifyOutput", "chain_parents", "tree_ancestors", "tree_children", "verify_tree",
-           "verify_tree_with_uniforms"]
+__all__ = [
+    "TREE_RULES",
+    "TreeVerifyOutput",
+    "chain_parents",
+    "tree_ancestors",
+    "tree_children",
+    "verify_tree",
+    "verify_tree_with_uniforms",
+]
 
 TREE_RULES = ("iid", "without_replacement", "deterministic")
 
@@ -79,7 +86,9 @@ def chain_parents(batch: int, k: int, device: torch.device | str = "cpu") -> Ten
 
 def tree_ancestors(
     parents: Tensor,  # [B, N] int64: -1 = child of the root, else an earlier node (padding: set it to -1)
-) -> tuple[Tensor, Tensor]:  # anc [B, N, N] bool (anc[b, n, m]: m is n or an ancestor of n), depth [B, N] (root's children: 1)
+) -> tuple[
+    Tensor, Tensor
+]:  # anc [B, N, N] bool (anc[b, n, m]: m is n or an ancestor of n), depth [B, N] (root's children: 1)
     """Ancestor-or-self relation and depth of every node; one pass in node order (parents precede children)."""
     B, N = parents.shape
     anc = torch.eye(N, dtype=torch.bool, device=parents.device).repeat(B, 1, 1)
@@ -172,8 +181,7 @@ def verify_tree_with_uniforms(
                 new = torch.where(z > 0, new / z.clamp_min(torch.finfo(new.dtype).tiny), r)  # Z = 0: keep r
                 r = torch.where(rej.unsqueeze(1), new, r)
             if rule == "without_replacement":  # the next sibling was drawn with x removed
-                q_cur.scatter_(1, x.unsqueeze(1), torch.where(test.unsqueeze(1), 0.0,
-                                                               q_cur.gather(1, x.unsqueeze(1))))
+                q_cur.scatter_(1, x.unsqueeze(1), torch.where(test.unsqueeze(1), 0.0, q_cur.gather(1, x.unsqueeze(1))))
             searching &= ~acc
         moved = took >= 0
         stop = active & ~moved
@@ -196,8 +204,14 @@ def verify_tree_with_uniforms(
     return TreeVerifyOutput(token_ids=tok, num_accepted=num_accepted, path=path)
 
 
-def _check_tree(target_probs: Tensor, draft_token_ids: Tensor, parents: Tensor, draft_probs: Tensor | None,
-                num_nodes: Tensor, rule: str) -> None:
+def _check_tree(
+    target_probs: Tensor,
+    draft_token_ids: Tensor,
+    parents: Tensor,
+    draft_probs: Tensor | None,
+    num_nodes: Tensor,
+    rule: str,
+) -> None:
     """Raise ValueError on input the walk cannot honour."""
     B, N1, V = target_probs.shape
     N = N1 - 1
@@ -207,8 +221,9 @@ def _check_tree(target_probs: Tensor, draft_token_ids: Tensor, parents: Tensor, 
     bad_par = valid & ((parents < -1) | (parents >= node))
     if bool(bad_par.any()):
         b, n = (int(i) for i in bad_par.nonzero()[0])
-        raise ValueError(f"parents[{b}, {n}] = {int(parents[b, n])}: a node's parent must be -1 (the root) or an "
-                         "earlier node")
+        raise ValueError(
+            f"parents[{b}, {n}] = {int(parents[b, n])}: a node's parent must be -1 (the root) or an earlier node"
+        )
     bad_id = valid & ((draft_token_ids < 0) | (draft_token_ids >= V))
     if bool(bad_id.any()):
         b, n = (int(i) for i in bad_id.nonzero()[0])
@@ -220,12 +235,15 @@ def _check_tree(target_probs: Tensor, draft_token_ids: Tensor, parents: Tensor, 
     check_probability_rows("target_probs", target_probs, slots)
     ids = draft_token_ids.clamp(0, V - 1)
     same_parent = (parents.unsqueeze(2) == parents.unsqueeze(1)) & valid.unsqueeze(1) & valid.unsqueeze(2)
-    dup = same_parent & (ids.unsqueeze(2) == ids.unsqueeze(1)) & torch.ones((N, N), dtype=torch.bool,
-                                                                              device=dev).tril(-1)
+    dup = (
+        same_parent & (ids.unsqueeze(2) == ids.unsqueeze(1)) & torch.ones((N, N), dtype=torch.bool, device=dev).tril(-1)
+    )
     if rule != "iid" and bool(dup.any()):
         b, n, m = (int(i) for i in dup.nonzero()[0])
-        raise ValueError(f"row {b}: nodes {m} and {n} are siblings with the same token {int(ids[b, n])}; rule "
-                         f"{rule!r} needs distinct siblings (only 'iid' children can repeat)")
+        raise ValueError(
+            f"row {b}: nodes {m} and {n} are siblings with the same token {int(ids[b, n])}; rule "
+            f"{rule!r} needs distinct siblings (only 'iid' children can repeat)"
+        )
     if rule == "deterministic":
         return
     check_probability_rows("draft_probs", draft_probs, has_children)
@@ -234,8 +252,10 @@ def _check_tree(target_probs: Tensor, draft_token_ids: Tensor, parents: Tensor, 
     zero = valid & (q_x <= 0)
     if bool(zero.any()):
         b, n = (int(i) for i in zero.nonzero()[0])
-        raise ValueError(f"node {n} of row {b} (token {int(ids[b, n])}) has q = 0 under its parent's draft_probs: "
-                         "draft_probs must be the distribution the children were drawn from")
+        raise ValueError(
+            f"node {n} of row {b} (token {int(ids[b, n])}) has q = 0 under its parent's draft_probs: "
+            "draft_probs must be the distribution the children were drawn from"
+        )
     if rule == "without_replacement":  # the mass left for each sibling must be positive
         before = same_parent & torch.ones((N, N), dtype=torch.bool, device=dev).tril(-1)  # [B, n, n'] n' < n
         earlier_mass = torch.einsum("bnm,bm->bn", before.to(q_x.dtype), q_x)  # q mass of earlier siblings
@@ -243,8 +263,9 @@ def _check_tree(target_probs: Tensor, draft_token_ids: Tensor, parents: Tensor, 
         bad = valid & (left <= 1e-12)
         if bool(bad.any()):
             b, n = (int(i) for i in bad.nonzero()[0])
-            raise ValueError(f"node {n} of row {b}: its earlier siblings exhaust q, so it cannot have been drawn "
-                             "without replacement")
+            raise ValueError(
+                f"node {n} of row {b}: its earlier siblings exhaust q, so it cannot have been drawn without replacement"
+            )
 
 
 def verify_tree(
@@ -286,11 +307,16 @@ def verify_tree(
         draft_probs = None  # not needed: the children were chosen, q_i is one-hot
     elif draft_probs is None:
         raise ValueError(f"rule {rule!r} needs draft_probs (the distribution the children were drawn from)")
-    elif (not isinstance(draft_probs, Tensor) or tuple(draft_probs.shape) != (B, N1, V)
-          or not draft_probs.is_floating_point() or draft_probs.device != dev):
+    elif (
+        not isinstance(draft_probs, Tensor)
+        or tuple(draft_probs.shape) != (B, N1, V)
+        or not draft_probs.is_floating_point()
+        or draft_probs.device != dev
+    ):
         got = tuple(draft_probs.shape) if isinstance(draft_probs, Tensor) else type(draft_probs).__name__
-        raise ValueError(f"draft_probs must be a float tensor of shape [B, N + 1, V] = [{B}, {N1}, {V}] on {dev}, "
-                         f"got {got}")
+        raise ValueError(
+            f"draft_probs must be a float tensor of shape [B, N + 1, V] = [{B}, {N1}, {V}] on {dev}, got {got}"
+        )
     if num_nodes is None:
         num_nodes = torch.full((B,), N, dtype=torch.int64, device=dev)
     else:
@@ -303,5 +329,6 @@ def verify_tree(
     if check:
         _check_tree(target_probs, draft_token_ids, parents, draft_probs, num_nodes, rule)
     accept_u, final_u = draw_uniforms(num_nodes, N, generators, dev)
-    return verify_tree_with_uniforms(target_probs, draft_token_ids, parents, draft_probs, num_nodes, rule,
-                                     accept_u, final_u)
+    return verify_tree_with_uniforms(
+        target_probs, draft_token_ids, parents, draft_probs, num_nodes, rule, accept_u, final_u
+    )
