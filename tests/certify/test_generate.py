@@ -10,17 +10,19 @@ enough from the target (alpha ~ 0.4) that rejections, where most bugs live, are 
 
 from __future__ import annotations
 
+import json
 import os
+from dataclasses import replace
 
 import pytest
 import torch
 
 from verispec.certify.bugs import BUGS
-from verispec.certify.generate import DEFAULT_SAMPLES, MethodSpec, certify_generate, write_report
+from verispec.certify.generate import DEFAULT_SAMPLES, MethodSpec, _load, build_method, certify_generate, write_report
 from verispec.cli import main
 from verispec.sampling import SamplingParams
 
-from ..engine.tiny import make_model, make_tokenizer, noisy_copy
+from ..engine.tiny import EOS, make_model, make_tokenizer, noisy_copy
 
 PROMPTS = [[3, 7, 7, 12, 3, 7], [5, 6, 9]]
 PARAMS = SamplingParams(temperature=0.7, top_k=10)
@@ -63,11 +65,66 @@ def test_plain_methods_pass(models, method):
 
 
 def test_hf_assisted_runs(models):
+    """transformers' assisted generation through the certificate: every sample has exactly L tokens (EOS is off
+    for the call: a shorter sample would be an error), every token is scored, it PASSES (at N = 200, i.e. the
+    first-token law checked to TV ~0.24 only), and the cached models it used are left as they were."""
     target, draft = models
+    shared = [_load(path, "float32").model for path in (target, draft)]  # the objects build_method will reuse
     r = certify_generate(MethodSpec(method="hf-assisted", target=target, draft=draft), PROMPTS[:1], PARAMS,
                          samples=200, length=4, two_sample_tokens=0, show_progress=False)
-    assert all(len(t.name) for t in r.tests) and not r.errors  # a verdict either way; its value is reported
+    assert not r.errors and r.passed, r.to_markdown()
+    assert r.method == f"transformers generate(assistant_model={draft})"
+    n = {t.kind: t.n for t in r.tests}
+    assert n == {"first-token": 200, "sequence": 200, "pit": 800, "loglik": 800}
+    assert [t.detectable < 0.3 for t in r.tests if t.kind == "first-token"] == [True]
+    assert [m.generation_config.eos_token_id for m in shared] == [EOS, EOS]
 
+
+def test_hf_method_turns_eos_off_per_call_only(models):
+    """build_method('hf') once set generation_config.eos_token_id = None on the shared cached model, which changed
+    every later use of it; now EOS is off for its own generate calls only."""
+    target, _ = models
+    model = _load(target, "float32").model
+    sample = build_method(MethodSpec(method="hf", target=target))
+    tokens, stats = sample(PROMPTS[0], PARAMS, list(range(12)), 24)
+    assert stats is None and [len(t) for t in tokens] == [24] * 12
+    assert any(EOS in t for t in tokens)  # EOS was drawn and sampling went on past it
+    assert model.generation_config.eos_token_id == EOS
+    ids = torch.tensor([PROMPTS[0]])
+    stopped = []
+    for s in range(12):  # the model itself still stops at EOS
+        torch.manual_seed(s)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=True,
+                             temperature=0.7, top_k=10, pad_token_id=0)
+        stopped.append(out.shape[1] - ids.shape[1] < 24)
+    assert any(stopped)
+
+
+def test_generate_report_verdicts_and_strict_json(models, tmp_path):
+    """A first-token test without power makes the certificate INCONCLUSIVE (never PASS), with the N needed; the
+    JSON report writes the infinite detectable effect and NaN fields as null."""
+    target, draft = models
+    r = certify_generate(MethodSpec(target=target, draft=draft, gamma=2), PROMPTS[:1], PARAMS, samples=40,
+                         length=2, two_sample_tokens=0, show_progress=False)
+    assert r.verdict == "PASS" and r.samples_needed is None and r.power_note() == ""
+    first = next(t for t in r.tests if t.kind == "first-token")
+    weak = replace(r, tests=[replace(t, detectable=float("inf")) if t is first else t for t in r.tests],
+                   samples_needed=5000)
+    assert weak.verdict == "INCONCLUSIVE" and not weak.passed and not weak.rejected
+    assert "N = 5000 continuations per prompt" in weak.power_note() and "no power" in weak.to_markdown()
+    rejected = replace(weak, tests=[replace(t, holm_pvalue=0.0) for t in weak.tests])
+    assert rejected.verdict == "FAIL"
+    plain = certify_generate(MethodSpec(method="plain", target=target), PROMPTS[:1], PARAMS, samples=40, length=2,
+                             show_progress=False)
+    for report in (weak, plain):  # plain decoding has no acceptance: acceptance_rate and tau are NaN
+        files = write_report(report, tmp_path)
+        data = json.loads(files[1].read_text(), parse_constant=_reject_constant)
+        assert data["verdict"] == report.verdict
+    assert data["acceptance_rate"] is None and data["tau"] is None
+
+
+def _reject_constant(name):
+    raise AssertionError(f"invalid JSON constant {name}")
 
 @pytest.mark.parametrize("bug", BUGS)
 def test_injected_bugs_fail_at_default_size(models, bug):

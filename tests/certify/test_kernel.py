@@ -7,15 +7,30 @@ Levels: the certificate's family-wise level is DEFAULT_LEVEL = 0.01 (Holm over ~
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
 from scipy import stats
 
 from verispec.certify.bugs import BUGS, broken_verifier
-from verispec.certify.kernel import (DEFAULT_LEVEL, DEFAULT_SAMPLES, KernelCase, certify_kernel, default_cases,
-                                     load_sampler, verispec_sampler)
-from verispec.certify.stats import chisquare_gof, chisquare_power, detectable_tv
+from verispec.certify.kernel import (
+    DEFAULT_LEVEL,
+    DEFAULT_SAMPLES,
+    POWER,
+    TARGET_TV,
+    KernelCase,
+    KernelReport,
+    assess,
+    certify_kernel,
+    default_cases,
+    load_sampler,
+    verispec_sampler,
+    write_report,
+)
+from verispec.certify.kernel import TestRow as Row
+from verispec.certify.stats import chisquare_gof, chisquare_power, detectable_tv, samples_to_detect
 from verispec.cli import main
 
 
@@ -123,3 +138,51 @@ def test_cli(tmp_path, capsys):
     assert main(["certify", "kernel", "--samples", "10", "--out", str(tmp_path)]) == 2
     assert main(["certify", "kernel", "--inject", "not_a_bug"]) == 2
     assert main(["certify", "kernel", "--inject", "tree_stale_residual"]) == 2  # a tree bug without --tree
+
+
+def _report(rows, needed=None, samples=8) -> KernelReport:
+    return KernelReport(sampler="s", level=DEFAULT_LEVEL, power=POWER, samples_per_case=samples, seed=0,
+                        cases=[dict(name="c", k=1, vocab=32, ragged=False, description="", seconds=0.0)], tests=rows,
+                        errors=[], seconds=0.0, samples_needed=needed)
+
+
+def test_a_certificate_without_power_is_inconclusive():
+    """8 samples of a 32-outcome law leave one merged bin: the first-position test cannot detect any deviation, so
+    the certificate must not say PASS; it says INCONCLUSIVE with the samples per case that would detect TARGET_TV."""
+    law = np.full(32, 1 / 32)
+    rows = [Row("c", "pos0", 8, 0.0, 0, 1.0, 0, 0.0)]
+    needed = assess(rows, [(law, 8)], 8, DEFAULT_LEVEL, POWER)
+    assert rows[0].detectable_tv == float("inf") and rows[0].holm_pvalue == 1.0
+    assert needed == np.ceil(samples_to_detect(law, TARGET_TV, DEFAULT_LEVEL, POWER)) > 1000
+    report = _report(rows, needed)
+    assert report.verdict == "INCONCLUSIVE" and not report.passed and not report.rejected
+    assert f"about {needed} samples per case would detect TV {TARGET_TV}" in report.power_note()
+    md = report.to_markdown()
+    assert "**INCONCLUSIVE**" in md and "| no power |" in md and "no power" in report.power_note()
+    # half the samples reach a test: twice as many are needed per case
+    assert assess([Row("c", "pos0", 8, 0.0, 0, 1.0, 0, 0.0)], [(law, 4)], 8, DEFAULT_LEVEL, POWER) == \
+        np.ceil(2 * samples_to_detect(law, TARGET_TV, DEFAULT_LEVEL, POWER))
+    # a rejection is a FAIL whatever the power; a powered first-position test makes a PASS
+    assert _report([Row("c", "pos0", 8, 9.0, 0, 0.0, 1, float("inf"), holm_pvalue=0.0)]).verdict == "FAIL"
+    powered = [Row("c", "pos0", 8, 0.0, 1, 0.5, 0, 0.0)]
+    assert assess(powered, [(np.array([0.5, 0.5]), 1000)], 1000, DEFAULT_LEVEL, POWER) is None
+    assert _report(powered, samples=1000).verdict == "PASS"
+
+
+def _strict(text: str):
+    def reject(name):
+        raise AssertionError(f"invalid JSON constant {name}")
+    return json.loads(text, parse_constant=reject)
+
+
+def test_report_json_is_strict(tmp_path):
+    """Tests without power state an infinite detectable TV: written as null, never Infinity / NaN."""
+    report = certify_kernel(verispec_sampler, cases=default_cases()[:1], samples=2000)
+    assert report.passed and any(t.detectable_tv == float("inf") for t in report.tests)
+    md, js = write_report(report, tmp_path)
+    data = _strict(js.read_text())
+    assert data["verdict"] == "PASS" and data["samples_needed"] is None
+    assert None in [t["detectable_tv"] for t in data["tests"]]
+    assert "no power" in md.read_text()
+    _, js = write_report(_report([Row("c", "pos0", 8, 0.0, 0, 1.0, 0, float("inf"))]), tmp_path)
+    assert _strict(js.read_text())["headline_detectable_tv"] is None

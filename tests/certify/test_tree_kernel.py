@@ -9,8 +9,13 @@ import torch
 from scipy import stats
 
 from verispec.certify.bugs import TREE_BUGS, TREE_NON_BUGS, broken_tree_verifier
-from verispec.certify.tree_kernel import (DEFAULT_TREE_SAMPLES, TreeCase, certify_tree_kernel, default_tree_cases,
-                                          verispec_tree_sampler)
+from verispec.certify.tree_kernel import (
+    DEFAULT_TREE_SAMPLES,
+    TreeCase,
+    certify_tree_kernel,
+    default_tree_cases,
+    verispec_tree_sampler,
+)
 from verispec.cli import main
 from verispec.sampling.tree import TREE_RULES
 
@@ -71,3 +76,18 @@ def test_cli_tree(tmp_path, capsys):
                  "--out", str(tmp_path)]) == 1
     assert main(["certify", "kernel", "--tree", "iid", "--inject", "swap_p_q"]) == 2  # a chain bug: usage error
     assert "not a tree bug" in capsys.readouterr().err
+
+
+def test_first_position_tests_give_the_tree_certificate_its_strength(tmp_path, capsys):
+    """`certify kernel --tree iid --samples 3000` once said PASS with "detects ... TV >= inf": the tree's
+    first-position tests ('pos0 | context') were not counted. They are: the stated TV is theirs, and finite."""
+    report = certify_tree_kernel(rules=("iid",), samples=3000)
+    first = [t.detectable_tv for t in report.tests if t.test == "pos0 | context"]
+    assert len(first) == len(report.cases) == 4
+    assert report.headline_tv() == max(first) < 0.1 and report.verdict == "PASS"
+    md = report.to_markdown()
+    assert r"| pos0 \| context |" in md  # the pipe in the test name does not split its cell
+    assert {len(line.replace(r"\|", "").split("|")) for line in md.splitlines() if line.startswith("| iid")} == {11}
+    assert main(["certify", "kernel", "--tree", "iid", "--samples", "3000", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "PASS" in out and "inf" not in out

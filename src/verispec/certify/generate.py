@@ -11,7 +11,8 @@ the target's processed conditionals (transformers forward, the reference precisi
       variances (catches sharpened / flattened output, e.g. a temperature mismatch);
   (d) two-sample: tokens at positions 1..m against as many samples of plain decoding (chi-square homogeneity).
 All p-values are Holm-corrected into one verdict at a stated family-wise level, with each test's detectable
-effect at power 0.99.
+effect at power 0.99. A first-token test that cannot detect any deviation makes the verdict INCONCLUSIVE (never
+PASS), with the N that would detect TV TARGET_TV.
 
 Samples are independent (sample i of prompt j uses seed base + j * N + i whatever the batching), so `workers`
 processes can share them and the result does not depend on how many there are.
@@ -19,7 +20,6 @@ processes can share them and the result does not depend on how many there are.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import time
@@ -31,10 +31,20 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .. import strict_json
 from ..sampling import SamplingParams, probs_from_logits
-from .stats import (chisquare_gof, chisquare_two_sample, detectable_tv, holm, loglik_test, pit_uniformity)
+from .kernel import TARGET_TV, has_power, load_sampler
+from .stats import (
+    chisquare_gof,
+    chisquare_two_sample,
+    detectable_tv,
+    holm,
+    loglik_test,
+    pit_uniformity,
+    samples_to_detect,
+)
 
-__all__ = ["MethodSpec", "GenerateReport", "certify_generate", "build_method", "METHODS", "write_report"]
+__all__ = ["METHODS", "GenerateReport", "MethodSpec", "build_method", "certify_generate", "write_report"]
 
 DEFAULT_SAMPLES = 2000  # continuations per prompt
 DEFAULT_LENGTH = 8  # tokens per continuation
@@ -132,50 +142,58 @@ SampleFn = Callable[[list[int], SamplingParams, Sequence[int], int], tuple[list[
 
 
 def build_method(spec: MethodSpec) -> SampleFn:
-    """spec -> fn(prompt_ids, params, seeds, length) -> (one token list per seed, SpecStats or None)."""
+    """spec -> fn(prompt_ids, params, seeds, length) -> (one token list per seed, SpecStats or None).
+
+    The models come from the per-process cache (`_load`) and are shared: nothing here modifies them."""
     if spec.threads:
         torch.set_num_threads(spec.threads)
     if spec.method == "callable":
-        from .kernel import load_sampler
-
-        fn = load_sampler(spec.callable)
-
-        def sample_callable(prompt, params, seeds, length):
-            out = []
-            for s in seeds:
-                toks = [int(t) for t in fn(list(prompt), asdict(replace(params, seed=s)) | {"max_tokens": length}, s)]
-                out.append(toks[:length])
-            return out, None
-        return sample_callable
-
+        return _callable_method(spec)
     target = _load(spec.target, spec.dtype)
     if spec.method in ("verispec", "plain"):
-        from ..engine.generator import SpeculativeGenerator
+        return _verispec_method(spec, target)
+    return _hf_method(spec, target)
 
-        draft = "none" if spec.method == "plain" else spec.draft
-        if draft not in ("ngram", "none", "self"):
-            draft = _load(draft, spec.draft_dtype)
-        kwargs = {}
-        if spec.verifier:
-            kwargs["tree_verifier" if spec.tree else "verifier"] = _verifier(spec.verifier, tree=spec.tree is not None)
-        if spec.tree:
-            kwargs.update(tree=spec.tree, tree_rule=spec.tree_rule)
-        gen = SpeculativeGenerator(target, draft, gamma=spec.gamma if draft != "none" else 0, runner=spec.runner,
-                                   draft_quant=spec.draft_quant, **kwargs)
 
-        def sample_verispec(prompt, params, seeds, length):
-            outs = gen.generate([list(prompt)] * len(seeds), [replace(params, seed=s) for s in seeds],
-                                max_new_tokens=length, ignore_eos=True)
-            return [o.token_ids for o in outs], gen.last_stats
-        return sample_verispec
+def _callable_method(spec: MethodSpec) -> SampleFn:
+    fn = load_sampler(spec.callable)
 
-    # transformers generate: EOS off so every sample has `length` tokens, like ignore_eos in verispec
+    def sample_callable(prompt, params, seeds, length):
+        out = []
+        for s in seeds:
+            toks = [int(t) for t in fn(list(prompt), asdict(replace(params, seed=s)) | {"max_tokens": length}, s)]
+            out.append(toks[:length])
+        return out, None
+    return sample_callable
+
+
+def _verispec_method(spec: MethodSpec, target) -> SampleFn:
+    from ..engine.generator import SpeculativeGenerator
+
+    draft = "none" if spec.method == "plain" else spec.draft
+    if draft not in ("ngram", "none", "self"):
+        draft = _load(draft, spec.draft_dtype)
+    kwargs = {}
+    if spec.verifier:
+        kwargs["tree_verifier" if spec.tree else "verifier"] = _verifier(spec.verifier, tree=spec.tree is not None)
+    if spec.tree:
+        kwargs.update(tree=spec.tree, tree_rule=spec.tree_rule)
+    gen = SpeculativeGenerator(target, draft, gamma=spec.gamma if draft != "none" else 0, runner=spec.runner,
+                               draft_quant=spec.draft_quant, **kwargs)
+
+    def sample_verispec(prompt, params, seeds, length):
+        outs = gen.generate([list(prompt)] * len(seeds), [replace(params, seed=s) for s in seeds],
+                            max_new_tokens=length, ignore_eos=True)
+        return [o.token_ids for o in outs], gen.last_stats
+    return sample_verispec
+
+
+def _hf_method(spec: MethodSpec, target) -> SampleFn:
+    """transformers generate with EOS off for this call only (eos_token_id=None; the assistant takes the
+    target's), so every sample has `length` tokens, like ignore_eos in verispec. The cached models'
+    generation configs are left as they are."""
     model = target.model
-    model.generation_config.eos_token_id = None
-    assistant = None
-    if spec.method == "hf-assisted":
-        assistant = _load(spec.draft, spec.draft_dtype).model
-        assistant.generation_config.eos_token_id = None
+    assistant = _load(spec.draft, spec.draft_dtype).model if spec.method == "hf-assisted" else None
 
     def sample_hf(prompt, params, seeds, length):
         kw = _hf_sampling_kwargs(params)
@@ -185,7 +203,8 @@ def build_method(spec: MethodSpec) -> SampleFn:
             torch.manual_seed(s)
             with torch.no_grad():
                 seq = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=length,
-                                     min_new_tokens=0, pad_token_id=0, assistant_model=assistant, **kw)
+                                     min_new_tokens=0, pad_token_id=0, eos_token_id=None, assistant_model=assistant,
+                                     **kw)
             out.append(seq[0, ids.shape[1]:].tolist())
         return out, None
     return sample_hf
@@ -279,6 +298,11 @@ class TestResult:
     effect: str
     holm_pvalue: float = float("nan")
 
+    @property
+    def powered(self) -> bool:
+        """Some effect short of the largest possible is detectable (no upper bound for nats per token)."""
+        return math.isfinite(self.detectable) if self.kind == "loglik" else has_power(self.detectable)
+
 
 @dataclass
 class GenerateReport:
@@ -298,14 +322,34 @@ class GenerateReport:
     pit: list[float]  # all PIT values (for the histogram)
     seconds: float
     errors: list[str] = field(default_factory=list)
+    samples_needed: int | None = None  # INCONCLUSIVE: continuations per prompt to detect TARGET_TV everywhere
+
+    @property
+    def rejected(self) -> bool:
+        """An error or a rejected test: the method is shown not to follow the target (FAIL)."""
+        return bool(self.errors) or any(t.holm_pvalue < self.level for t in self.tests)
+
+    @property
+    def conclusive(self) -> bool:
+        """Every prompt's first-token law is tested with power (a deviation below TV 1 is detectable)."""
+        first = [t for t in self.tests if t.kind == "first-token"]
+        return bool(first) and all(t.powered for t in first)
 
     @property
     def passed(self) -> bool:
-        return not self.errors and all(t.holm_pvalue >= self.level for t in self.tests)
+        return not self.rejected and self.conclusive
 
     @property
     def verdict(self) -> str:
-        return "PASS" if self.passed else "FAIL"
+        return "FAIL" if self.rejected else "PASS" if self.conclusive else "INCONCLUSIVE"
+
+    def power_note(self) -> str:
+        if self.conclusive:
+            return ""
+        need = (f"; about N = {self.samples_needed} continuations per prompt would detect TV {TARGET_TV} with "
+                f"power {self.power}" if self.samples_needed else "")
+        return (f"INCONCLUSIVE: with N = {self.samples} continuations per prompt a first-token test has no power "
+                f"(it cannot detect any deviation){need}.")
 
     def to_json(self) -> dict:
         d = asdict(self)
@@ -319,6 +363,8 @@ class GenerateReport:
                  f"{self.prompts} prompt(s) x N = {self.samples} continuations x L = {self.length} tokens; "
                  f"{len(self.tests)} tests, Holm-corrected at family-wise level {self.level}; power {self.power} for "
                  f"the detectable effects (each at the Bonferroni level); seed {self.seed}; {self.seconds:.0f} s."]
+        if not self.conclusive:
+            lines += ["", self.power_note()]
         if self.acceptance:
             lines += ["", f"acceptance rate {self.acceptance_rate:.3f}, tau {self.tau:.2f} tokens per target pass; "
                           f"per position: {' '.join(f'{a:.2f}' for a in self.acceptance)}"]
@@ -327,7 +373,7 @@ class GenerateReport:
         lines += ["", "| test | kind | statistic | n | p-value | Holm p | detectable effect | verdict |",
                   "|---|---|---|---|---|---|---|---|"]
         for t in self.tests:
-            mark = "**reject**" if t.holm_pvalue < self.level else "ok"
+            mark = "**reject**" if t.holm_pvalue < self.level else "ok" if t.powered else "no power"
             lines.append(f"| {t.name} | {t.kind} | {t.statistic:.3g} | {t.n} | {t.pvalue:.3g} | {t.holm_pvalue:.3g} | "
                          f"{t.detectable:.4g} {t.effect} | {mark} |")
         return "\n".join(lines) + "\n"
@@ -403,68 +449,29 @@ def certify_generate(spec: MethodSpec, prompts: list[list[int]], params: Samplin
     """Run the generator certificate. `reference`: the scoring model (a LoadedModel in float32; loaded from
     spec.target when None). `two_sample_tokens`: m for test (d) (0 = off; skipped for plain methods).
     `sequence_tokens`: m for the whole-sequence test (a) (only when V^m <= 4096)."""
-    if params.repetition_penalty != 1.0 or params.presence_penalty or params.frequency_penalty:
-        raise ValueError("certify generate scores tokens under temperature / top-k / top-p / min-p only; penalties "
-                         "make the target's law depend on the whole output and are not supported here")
-    if samples < 20 or length < 1:
-        raise ValueError(f"need samples >= 20 and length >= 1, got {samples} and {length}")
-    if not prompts:
-        raise ValueError("no prompts")
-    if not 0 < level < 1:
-        raise ValueError(f"level must lie in (0, 1), got {level}")
+    _check_request(params, samples, length, prompts, level)
     t0 = time.perf_counter()
     ref = reference if reference is not None else _load(spec.target, "float32")
     model = ref.model
     got, stats = draw_samples(spec, prompts, params, samples, length, seed, workers, sample_fn=sample_fn,
                               show_progress=show_progress, label=spec.label())
-    errors = []
     V = model.get_output_embeddings().weight.shape[0]
-    for j, group in enumerate(got):
-        for s in group:
-            if len(s) != length:
-                errors.append(f"prompt {j}: a sample has {len(s)} tokens, expected {length}")
-                break
-            if any(not 0 <= t < V for t in s):
-                errors.append(f"prompt {j}: a sample holds a token outside [0, {V})")
-                break
-    rng = np.random.default_rng(seed)
+    errors = _sample_errors(got, length, V)
     sc = Scores()
-    tests: list[TestResult] = []
-    laws = []
-    for j, group in enumerate(got):
-        first = score(model, prompts[j], [s for s in group if s], params, rng, sc)
-        counts = np.bincount([s[0] for s in group if s], minlength=V)[:V]
-        g = chisquare_gof(counts, first / first.sum())
-        tests.append(TestResult(f"prompt{j}/first-token", "first-token", g.statistic, g.pvalue, g.n, 0.0, "TV"))
-        laws.append((tests[-1], first / first.sum(), g.n, 1.0))
-        m = sequence_tokens
-        if m >= 2 and V ** m <= 4096 and all(len(s) >= m for s in group):
-            law = exact_sequence_law(model, prompts[j], params, m)
-            idx = np.array([sum(t * V ** (m - 1 - i) for i, t in enumerate(s[:m])) for s in group])
-            g = chisquare_gof(np.bincount(idx, minlength=V ** m), law / law.sum())
-            tests.append(TestResult(f"prompt{j}/first-{m}-tokens", "sequence", g.statistic, g.pvalue, g.n, 0.0, "TV"))
-            laws.append((tests[-1], law / law.sum(), g.n, 1.0))
+    tests, laws = _exact_tests(model, prompts, got, params, np.random.default_rng(seed), sc, sequence_tokens)
     u = pit_uniformity(sc.pit)
     tests.append(TestResult("all/pit-uniformity", "pit", u.statistic, u.pvalue, u.n, 0.0, "KS distance"))
     ll = loglik_test(sc.logp, sc.expected, sc.variance)
     tests.append(TestResult("all/log-likelihood", "loglik", ll.z, ll.pvalue, ll.n, 0.0, "nats/token"))
     if two_sample_tokens > 0 and spec.method != "plain":
         ref_spec = MethodSpec(method="plain", target=spec.target, runner=spec.runner)
-        ref_samples, _ = draw_samples(ref_spec, prompts, params, samples, min(length, two_sample_tokens),
-                                      seed + 7_919_000, workers, sample_fn=reference_fn,
-                                      show_progress=show_progress, label="plain decoding (two-sample reference)")
-        for j, (a, b) in enumerate(zip(got, ref_samples)):
-            for t in range(min(length, two_sample_tokens)):
-                ca = np.bincount([s[t] for s in a if len(s) > t], minlength=V)[:V]
-                cb = np.bincount([s[t] for s in b if len(s) > t], minlength=V)[:V]
-                g = chisquare_two_sample(ca, cb)
-                tests.append(TestResult(f"prompt{j}/two-sample-pos{t}", "two-sample", g.statistic, g.pvalue, g.n,
-                                        0.0, "TV"))
-                pooled = (ca + cb) / max(1, (ca + cb).sum())
-                n_eff = ca.sum() * cb.sum() / max(1, ca.sum() + cb.sum())
-                laws.append((tests[-1], pooled, n_eff, 1.0))
+        m = min(length, two_sample_tokens)
+        ref_samples, _ = draw_samples(ref_spec, prompts, params, samples, m, seed + 7_919_000, workers,
+                                      sample_fn=reference_fn, show_progress=show_progress,
+                                      label="plain decoding (two-sample reference)")
+        _two_sample_tests(got, ref_samples, m, V, tests, laws)
     per_test = level / len(tests)
-    for t, law, n, _ in laws:
+    for t, law, n in laws:
         t.detectable = detectable_tv(law, n, per_test, power)
     tests[[t.kind for t in tests].index("pit")].detectable = u.detectable(per_test, power)
     tests[[t.kind for t in tests].index("loglik")].detectable = ll.detectable(per_test, power)
@@ -475,7 +482,76 @@ def certify_generate(spec: MethodSpec, prompts: list[list[int]], params: Samplin
                           samples=samples, length=length, level=level, power=power, seed=seed, tests=tests,
                           acceptance=acc, acceptance_rate=stats.acceptance_rate if acc else float("nan"),
                           tau=stats.tau if acc else float("nan"), pit=sc.pit, seconds=time.perf_counter() - t0,
-                          errors=errors)
+                          errors=errors, samples_needed=_samples_needed(laws, samples, per_test, power))
+
+
+def _check_request(params: SamplingParams, samples: int, length: int, prompts: list, level: float) -> None:
+    if params.repetition_penalty != 1.0 or params.presence_penalty or params.frequency_penalty:
+        raise ValueError("certify generate scores tokens under temperature / top-k / top-p / min-p only; penalties "
+                         "make the target's law depend on the whole output and are not supported here")
+    if samples < 20 or length < 1:
+        raise ValueError(f"need samples >= 20 and length >= 1, got {samples} and {length}")
+    if not prompts:
+        raise ValueError("no prompts")
+    if not 0 < level < 1:
+        raise ValueError(f"level must lie in (0, 1), got {level}")
+
+
+def _sample_errors(got: list[list[list[int]]], length: int, V: int) -> list[str]:
+    """One line per prompt whose samples break the request (wrong length, a token outside the vocabulary)."""
+    errors = []
+    for j, group in enumerate(got):
+        for s in group:
+            if len(s) != length:
+                errors.append(f"prompt {j}: a sample has {len(s)} tokens, expected {length}")
+                break
+            if any(not 0 <= t < V for t in s):
+                errors.append(f"prompt {j}: a sample holds a token outside [0, {V})")
+                break
+    return errors
+
+
+def _exact_tests(model, prompts, got, params, rng, sc: Scores, m: int):
+    """Score every sample into `sc`; per prompt the first-token test and (small vocabularies) the first-m-token
+    sequence test. Returns the tests and (test, law, n) for their detectable effects."""
+    V = model.get_output_embeddings().weight.shape[0]
+    tests: list[TestResult] = []
+    laws = []
+    for j, group in enumerate(got):
+        first = score(model, prompts[j], [s for s in group if s], params, rng, sc)
+        counts = np.bincount([s[0] for s in group if s], minlength=V)[:V]
+        g = chisquare_gof(counts, first / first.sum())
+        tests.append(TestResult(f"prompt{j}/first-token", "first-token", g.statistic, g.pvalue, g.n, 0.0, "TV"))
+        laws.append((tests[-1], first / first.sum(), g.n))
+        if m >= 2 and V ** m <= 4096 and all(len(s) >= m for s in group):
+            law = exact_sequence_law(model, prompts[j], params, m)
+            idx = np.array([sum(t * V ** (m - 1 - i) for i, t in enumerate(s[:m])) for s in group])
+            g = chisquare_gof(np.bincount(idx, minlength=V ** m), law / law.sum())
+            tests.append(TestResult(f"prompt{j}/first-{m}-tokens", "sequence", g.statistic, g.pvalue, g.n, 0.0, "TV"))
+            laws.append((tests[-1], law / law.sum(), g.n))
+    return tests, laws
+
+
+def _two_sample_tests(got, ref_samples, m: int, V: int, tests: list[TestResult], laws: list) -> None:
+    """Tokens at positions 0..m-1 against plain decoding's, per prompt (chi-square homogeneity)."""
+    for j, (a, b) in enumerate(zip(got, ref_samples)):
+        for t in range(m):
+            ca = np.bincount([s[t] for s in a if len(s) > t], minlength=V)[:V]
+            cb = np.bincount([s[t] for s in b if len(s) > t], minlength=V)[:V]
+            g = chisquare_two_sample(ca, cb)
+            tests.append(TestResult(f"prompt{j}/two-sample-pos{t}", "two-sample", g.statistic, g.pvalue, g.n,
+                                    0.0, "TV"))
+            pooled = (ca + cb) / max(1, (ca + cb).sum())
+            laws.append((tests[-1], pooled, ca.sum() * cb.sum() / max(1, ca.sum() + cb.sum())))
+
+
+def _samples_needed(laws, samples: int, per_test: float, power: float) -> int | None:
+    """When a first-token test has no power: the continuations per prompt at which every one detects TARGET_TV."""
+    first = [(t, law, n) for t, law, n in laws if t.kind == "first-token"]
+    if all(t.powered for t, _, _ in first):
+        return None
+    needed = [samples_to_detect(law, TARGET_TV, per_test, power) * samples / max(n, 1) for _, law, n in first]
+    return math.ceil(max(needed)) if all(map(math.isfinite, needed)) else None
 
 
 def write_report(report: GenerateReport, out: str | Path) -> list[Path]:
@@ -490,8 +566,7 @@ def write_report(report: GenerateReport, out: str | Path) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     md, js, png = out / "generate-certificate.md", out / "generate-certificate.json", out / "generate-certificate.png"
     md.write_text(report.to_markdown() + f"\n![plots]({png.name})\n")
-    js.write_text(json.dumps(report.to_json(), indent=1,
-                             default=lambda x: None if isinstance(x, float) and math.isnan(x) else str(x)))
+    strict_json.write(js, report.to_json())
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     bins = 20
     axes[0].hist(report.pit, bins=bins, range=(0, 1), color="tab:blue", alpha=0.8)

@@ -7,7 +7,9 @@ at position j follows the residual (p[j] - q[j])+ / Z; the bonus token follows p
 drafts follows prod(alpha[:m]) (1 - alpha[m]). The certifier draws n independent steps per case from the
 sampler, tests each of these laws with a chi-square goodness of fit, combines every p-value of the run with
 Holm's correction, and reports, for each test, the smallest total-variation deviation it detects with power
-0.99 — so a PASS has a stated strength.
+0.99 — so a PASS has a stated strength. A run in which some case's first-position test cannot detect any
+deviation (too few samples) is INCONCLUSIVE, never PASS, and states the samples per case that would detect
+TV TARGET_TV.
 
 The sampler under test has verify_chain's interface:
     sampler(target_probs [B, k+1, V], draft_token_ids [B, k], draft_probs [B, k, V] or None (one-hot drafts),
@@ -20,7 +22,6 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import json
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -31,15 +32,28 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from .. import strict_json
 from ..sampling import SamplingParams, probs_from_logits, verify_chain
-from .stats import GofResult, chisquare_gof, detectable_tv, holm
+from .stats import GofResult, chisquare_gof, detectable_tv, holm, samples_to_detect
 
-__all__ = ["KernelCase", "KernelReport", "certify_kernel", "default_cases", "load_sampler", "position_tests",
-           "run_case", "DEFAULT_SAMPLES", "DEFAULT_LEVEL", "POWER"]
+__all__ = [
+    "DEFAULT_LEVEL",
+    "DEFAULT_SAMPLES",
+    "POWER",
+    "TARGET_TV",
+    "KernelCase",
+    "KernelReport",
+    "certify_kernel",
+    "default_cases",
+    "load_sampler",
+    "position_tests",
+    "run_case",
+]
 
 DEFAULT_SAMPLES = 100_000  # speculative steps per case
 DEFAULT_LEVEL = 0.01  # family-wise significance level of the whole certificate (Holm)
 POWER = 0.99  # the power at which the detectable effect is stated
+TARGET_TV = 0.05  # an INCONCLUSIVE certificate states the samples per case needed to detect this TV at POWER
 
 Sampler = Callable[..., object]
 
@@ -227,6 +241,20 @@ class TestRow:
     holm_pvalue: float = float("nan")
 
 
+def has_power(detectable: float) -> bool:
+    """A test has power when some deviation smaller than the largest possible one (TV 1) is detected."""
+    return math.isfinite(detectable) and detectable < 1.0
+
+
+def is_first_position(test: str) -> bool:
+    """The chain's `pos0` and the tree's `pos0 | context`: the law of the first emitted token."""
+    return test.split(" ")[0] == "pos0"
+
+
+def _cell(x) -> str:  # a markdown table cell: a literal pipe would split it
+    return str(x).replace("|", "\\|")
+
+
 @dataclass
 class KernelReport:
     sampler: str
@@ -238,14 +266,25 @@ class KernelReport:
     tests: list[TestRow]
     errors: list[str]  # structural violations or crashes (each fails the certificate)
     seconds: float
+    samples_needed: int | None = None  # INCONCLUSIVE: samples per case to detect TARGET_TV in every case
+
+    @property
+    def rejected(self) -> bool:
+        """An error or a rejected test: the sampler is shown not to reproduce the target (FAIL)."""
+        return bool(self.errors) or any(t.holm_pvalue < self.level for t in self.tests)
+
+    @property
+    def conclusive(self) -> bool:
+        """Every case's first-position law is tested with power (a deviation below TV 1 is detectable)."""
+        return has_power(self.headline_tv())
 
     @property
     def passed(self) -> bool:
-        return not self.errors and not any(t.holm_pvalue < self.level for t in self.tests)
+        return not self.rejected and self.conclusive
 
     @property
     def verdict(self) -> str:
-        return "PASS" if self.passed else "FAIL"
+        return "FAIL" if self.rejected else "PASS" if self.conclusive else "INCONCLUSIVE"
 
     @property
     def failing(self) -> list[TestRow]:
@@ -253,9 +292,22 @@ class KernelReport:
 
     def headline_tv(self) -> float:
         """Worst (largest) detectable TV over the first-position tests of every case: each case's position-0
-        law is checked at least this finely."""
-        vals = [t.detectable_tv for t in self.tests if t.test == "pos0"]
-        return max(vals) if vals else float("inf")
+        law is checked at least this finely (inf when a case has none: nothing is stated about it)."""
+        first = {t.case: t.detectable_tv for t in self.tests if is_first_position(t.test)}
+        if not first or any(c["name"] not in first for c in self.cases):
+            return float("inf")
+        return max(first.values())
+
+    def power_note(self) -> str:
+        """One line on the certificate's strength: what a PASS detects, or why it is INCONCLUSIVE."""
+        if self.conclusive:
+            return (f"detects any deviation of the first-position law with TV >= {self.headline_tv():.4f} "
+                    f"(power {self.power}, every case)")
+        weak = sorted(t.case for t in self.tests if is_first_position(t.test) and not has_power(t.detectable_tv))
+        need = (f"; about {self.samples_needed} samples per case would detect TV {TARGET_TV} with power "
+                f"{self.power} in every case" if self.samples_needed else "")
+        return (f"INCONCLUSIVE: with {self.samples_per_case} samples per case the first-position test of "
+                f"{', '.join(weak) or 'some case'} has no power (it cannot detect any deviation){need}")
 
     def to_json(self) -> dict:
         d = asdict(self)
@@ -268,23 +320,39 @@ class KernelReport:
                  f"sampler `{self.sampler}`; {len(self.cases)} cases x {self.samples_per_case} speculative steps; "
                  f"{len(self.tests)} chi-square tests, Holm-corrected at family-wise level {self.level}; seed "
                  f"{self.seed}; {self.seconds:.1f} s.", "",
-                 f"Detectable effect: every case's first-position distribution is checked to total variation "
-                 f"{self.headline_tv():.4f} with power {self.power} (worst case over cases and directions of "
-                 f"deviation; per test below, at the Bonferroni level {self.level / max(1, len(self.tests)):.2g}).",
-                 ""]
+                 f"Detectable effect: {self.power_note()}. Worst case over cases and directions of deviation; per "
+                 f"test below, at the Bonferroni level {self.level / max(1, len(self.tests)):.2g} ('no power': "
+                 "too few samples reached the test to detect anything).", ""]
         if self.errors:
             lines += ["## Errors", ""] + [f"- {e}" for e in self.errors] + [""]
         lines += ["| case | test | n | chi2 | dof | p-value | Holm p | detectable TV | verdict |",
                   "|---|---|---|---|---|---|---|---|---|"]
         for t in self.tests:
-            mark = "**reject**" if t.holm_pvalue < self.level else "ok"
+            mark = "**reject**" if t.holm_pvalue < self.level else "ok" if has_power(t.detectable_tv) else "no power"
             imp = f" ({t.impossible} impossible)" if t.impossible else ""
-            lines.append(f"| {t.case} | {t.test} | {t.n} | {t.statistic:.1f}{imp} | {t.dof} | {t.pvalue:.3g} | "
-                         f"{t.holm_pvalue:.3g} | {t.detectable_tv:.4f} | {mark} |")
+            lines.append(f"| {_cell(t.case)} | {_cell(t.test)} | {t.n} | {t.statistic:.1f}{imp} | {t.dof} | "
+                         f"{t.pvalue:.3g} | {t.holm_pvalue:.3g} | {t.detectable_tv:.4f} | {mark} |")
         lines += ["", "## Cases", ""] + [f"- `{c['name']}` (k = {c['k']}, V = {c['vocab']}"
                                          f"{', ragged' if c['ragged'] else ''}): {c['description']}"
                                          for c in self.cases]
         return "\n".join(lines) + "\n"
+
+
+def assess(rows: list[TestRow], laws: list[tuple[np.ndarray, float]], samples: int, level: float,
+           power: float) -> int | None:
+    """Fill in each row's Holm p-value and detectable TV (law, and the sample size n_law that law is tested at);
+    returns the samples per case at which every first-position test detects TARGET_TV, when one has no power
+    now (None otherwise)."""
+    per_test = level / max(1, len(rows))
+    for r, a, (law, n_law) in zip(rows, holm([r.pvalue for r in rows]), laws):
+        r.holm_pvalue = float(a)
+        r.detectable_tv = detectable_tv(law, n_law, per_test, power)
+    first = [(r, law, n_law) for r, (law, n_law) in zip(rows, laws) if is_first_position(r.test)]
+    if all(has_power(r.detectable_tv) for r, _, _ in first):
+        return None
+    needed = [samples_to_detect(law, TARGET_TV, per_test, power) * samples / max(n_law, 1)
+              for _, law, n_law in first]
+    return math.ceil(max(needed)) if needed and all(map(math.isfinite, needed)) else None
 
 
 def certify_kernel(sampler: Sampler, *, cases: Sequence[KernelCase] | None = None, samples: int = DEFAULT_SAMPLES,
@@ -300,7 +368,7 @@ def certify_kernel(sampler: Sampler, *, cases: Sequence[KernelCase] | None = Non
     cases = list(default_cases() if cases is None else cases)
     t0 = time.perf_counter()
     rows: list[TestRow] = []
-    laws: list[np.ndarray] = []
+    laws: list[tuple[np.ndarray, float]] = []
     errors: list[str] = []
     meta = []
     for i, case in enumerate(cases):
@@ -317,16 +385,13 @@ def certify_kernel(sampler: Sampler, *, cases: Sequence[KernelCase] | None = Non
             continue
         for test, (res, law) in position_tests(case, tok, na, nd).items():
             rows.append(TestRow(case.name, test, res.n, res.statistic, res.dof, res.pvalue, res.impossible, 0.0))
-            laws.append(law)
+            laws.append((law, res.n))
         meta.append(dict(name=case.name, k=case.k, vocab=case.vocab, ragged=case.ragged,
                          description=case.description, seconds=time.perf_counter() - t1))
-    adjusted = holm([r.pvalue for r in rows])
-    per_test = level / max(1, len(rows))
-    for r, a, law in zip(rows, adjusted, laws):
-        r.holm_pvalue = float(a)
-        r.detectable_tv = detectable_tv(law, r.n, per_test, power)
+    needed = assess(rows, laws, samples, level, power)
     return KernelReport(sampler=name or _name(sampler), level=level, power=power, samples_per_case=samples, seed=seed,
-                        cases=meta, tests=rows, errors=errors, seconds=time.perf_counter() - t0)
+                        cases=meta, tests=rows, errors=errors, seconds=time.perf_counter() - t0,
+                        samples_needed=needed)
 
 
 def _name(fn) -> str:
@@ -370,6 +435,5 @@ def write_report(report: KernelReport, out: str | Path) -> tuple[Path, Path]:
     out.mkdir(parents=True, exist_ok=True)
     md, js = out / "kernel-certificate.md", out / "kernel-certificate.json"
     md.write_text(report.to_markdown())
-    js.write_text(json.dumps(report.to_json(), indent=1, default=lambda x: None if isinstance(x, float) and
-                             math.isnan(x) else str(x)))
+    strict_json.write(js, report.to_json())
     return md, js

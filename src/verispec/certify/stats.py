@@ -14,7 +14,7 @@ from scipy import stats
 
 __all__ = ["GofResult", "LikelihoodResult", "UniformityResult", "chisquare_gof", "chisquare_power",
            "chisquare_two_sample", "detectable_tv", "holm", "loglik_test", "merge_small_bins", "pit_uniformity",
-           "randomized_pit"]
+           "samples_to_detect"]
 
 
 @dataclass(frozen=True)
@@ -137,17 +137,37 @@ def detectable_tv(probs: np.ndarray, n: float, level: float, power: float = 0.99
     (Cauchy-Schwarz), so its noncentrality n * divergence is at least 4 n d^2; the test reaches `power` once
     that exceeds lambda*(dof, level, power). The bound holds for every direction of deviation (worst case),
     measured on the merged bins. For two-sample tests pass the effective size n1 n2 / (n1 + n2).
-    Returns inf when the test has no degrees of freedom (nothing can be detected) and clips at 1.
+    A law with a single possible outcome is the exception: any deviation puts mass d on impossible outcomes,
+    seen with probability 1 - (1 - d)^n. Returns inf when the test has no degrees of freedom (nothing can be
+    detected) and clips at 1.
     """
     probs = np.asarray(probs, dtype=np.float64).ravel()
     if n <= 0:
         return float("inf")
+    if int((probs > 0).sum()) == 1:
+        return float(1.0 - (1.0 - power) ** (1.0 / n))
     labels = merge_small_bins(probs * n, min_expected)
     dof = int(labels.max()) if labels.size and labels.max() >= 0 else 0
     if dof < 1:
         return float("inf")
     lam = _ncx2_lambda_for_power(dof, level, power)
     return float(min(1.0, 0.5 * np.sqrt(lam / n)))
+
+
+def samples_to_detect(probs: np.ndarray, tv: float, level: float, power: float = 0.99,
+                      min_expected: float = 5.0, max_n: float = 1e12) -> float:
+    """Smallest n (to within 1%) at which `detectable_tv(probs, n, level, power)` is <= tv; inf beyond max_n."""
+    if not 0 < tv <= 1:
+        raise ValueError(f"tv must lie in (0, 1], got {tv}")
+    lo, hi = 1.0, 16.0
+    while detectable_tv(probs, hi, level, power, min_expected) > tv:
+        lo, hi = hi, hi * 2
+        if hi > max_n:
+            return float("inf")
+    while hi > 1.01 * lo:
+        mid = np.sqrt(lo * hi)
+        lo, hi = (lo, mid) if detectable_tv(probs, mid, level, power, min_expected) <= tv else (mid, hi)
+    return float(np.ceil(hi))
 
 
 # --- two-sample, PIT and likelihood tests (the generator certificate) -----------------------------------
@@ -174,16 +194,6 @@ def chisquare_two_sample(counts_a: np.ndarray, counts_b: np.ndarray, min_expecte
                       np.bincount(labels[keep], weights=b[keep], minlength=g)])
     stat, pvalue, dof, _ = stats.chi2_contingency(table, correction=False)
     return GofResult(float(stat), int(dof), float(pvalue), int(na + nb), 0)
-
-
-def randomized_pit(probs: np.ndarray, token: int, v: float) -> float:
-    """Randomized probability integral transform of `token` under `probs` (token order): F(x-) + v p(x).
-
-    For tokens drawn from the conditionals of the true law, the values of successive positions are i.i.d.
-    U(0, 1) (Rosenblatt's transform), whatever the vocabulary.
-    """
-    probs = np.asarray(probs, dtype=np.float64)
-    return float(probs[:token].sum() + v * probs[token])
 
 
 @dataclass(frozen=True)

@@ -30,11 +30,17 @@ from scipy import stats as sps
 from torch import Tensor
 
 from ..sampling.tree import TREE_RULES, verify_tree
-from .kernel import DEFAULT_LEVEL, POWER, KernelReport, TestRow, _name
-from .stats import chisquare_gof, detectable_tv, holm
+from .kernel import DEFAULT_LEVEL, POWER, KernelReport, TestRow, _name, assess
+from .stats import chisquare_gof
 
-__all__ = ["TreeCase", "certify_tree_kernel", "default_tree_cases", "draft_trees", "verispec_tree_sampler",
-           "DEFAULT_TREE_SAMPLES"]
+__all__ = [
+    "DEFAULT_TREE_SAMPLES",
+    "TreeCase",
+    "certify_tree_kernel",
+    "default_tree_cases",
+    "draft_trees",
+    "verispec_tree_sampler",
+]
 
 DEFAULT_TREE_SAMPLES = 40_000  # rows (independent speculative steps) per case
 
@@ -211,34 +217,43 @@ def certify_tree_kernel(sampler: Callable = verispec_tree_sampler, *, rules: Seq
         if progress:
             progress(case.name)
         t1 = time.perf_counter()
-        g = torch.Generator().manual_seed(seed + 7919 * i)
-        tree = draft_trees(case, samples, g)
-        torch.manual_seed(seed + 7919 * i + 1)
         try:
-            out = sampler(**tree, rule=case.draw)
-            tok, na = (out if isinstance(out, tuple) else (out.token_ids, out.num_accepted))
-            tok, na = tok.cpu().long(), na.cpu().long()
-            bad = _structure_error(tree, tok, na)
-            if bad:
-                errors.append(f"{case.name}: {bad}")
-                continue
-        except Exception as e:  # a crash on a valid case fails the certificate, with the reason
-            errors.append(f"{case.name}: the sampler raised {type(e).__name__}: {e}")
+            tests = _run_case(sampler, case, samples, seed + 7919 * i)
+        except _CaseError as e:
+            errors.append(f"{case.name}: {e}")
             continue
-        seq, emitted = _complete(case, tok, na, g)
-        for test, n, stat, dof, pv, imp, law, n_law in _tests(case, seq, emitted):
+        for test, n, stat, dof, pv, imp, law, n_law in tests:
             rows.append(TestRow(case.name, test, n, stat, dof, pv, imp, 0.0))
             laws.append((law, n_law))
         meta.append(dict(name=case.name, k=sum(np.cumprod(case.widths)), vocab=case.vocab, ragged=case.ragged,
                          description=f"{'-'.join(map(str, case.widths))} tree, children drawn "
                                      f"{case.draw}; {case.description}", seconds=time.perf_counter() - t1))
-    adjusted = holm([r.pvalue for r in rows])
-    per_test = level / max(1, len(rows))
-    for r, a, (law, n_law) in zip(rows, adjusted, laws):
-        r.holm_pvalue = float(a)
-        r.detectable_tv = detectable_tv(law, n_law, per_test, power)
+    needed = assess(rows, laws, samples, level, power)
     return KernelReport(sampler=name or _name(sampler), level=level, power=power, samples_per_case=samples,
-                        seed=seed, cases=meta, tests=rows, errors=errors, seconds=time.perf_counter() - t0)
+                        seed=seed, cases=meta, tests=rows, errors=errors, seconds=time.perf_counter() - t0,
+                        samples_needed=needed)
+
+
+class _CaseError(Exception):
+    """The sampler crashed or broke the structure of a tree step on a valid case (fails the certificate)."""
+
+
+def _run_case(sampler: Callable, case: TreeCase, samples: int, seed: int):
+    """Draft `samples` trees, verify them with `sampler`, complete the sequences and test them (see _tests)."""
+    g = torch.Generator().manual_seed(seed)
+    tree = draft_trees(case, samples, g)
+    torch.manual_seed(seed + 1)
+    try:
+        out = sampler(**tree, rule=case.draw)
+        tok, na = (out if isinstance(out, tuple) else (out.token_ids, out.num_accepted))
+        tok, na = tok.cpu().long(), na.cpu().long()
+        bad = _structure_error(tree, tok, na)
+    except Exception as e:  # a crash on a valid case fails the certificate, with the reason
+        raise _CaseError(f"the sampler raised {type(e).__name__}: {e}") from None
+    if bad:
+        raise _CaseError(bad)
+    seq, emitted = _complete(case, tok, na, g)
+    return _tests(case, seq, emitted)
 
 
 def _structure_error(tree: dict[str, Tensor], tok: Tensor, na: Tensor) -> str | None:
