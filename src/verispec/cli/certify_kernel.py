@@ -117,8 +117,7 @@ def _summary(report) -> str:
         f"verispec certify kernel: {report.verdict} ({report.sampler})",
         f"  {len(report.cases)} cases x {report.samples_per_case} steps, {len(report.tests)} chi-square tests, "
         f"Holm family-wise level {report.level}",
-        f"  detects any deviation of the first-position law with TV >= {report.headline_tv():.4f} "
-        f"(power {report.power}, every case)",
+        f"  {report.power_note()}",
     ]
     for e in report.errors:
         lines.append(f"  error: {e}")
