@@ -59,9 +59,9 @@ def _verify(target_probs, draft_token_ids, draft_probs, num_draft_tokens, genera
     return ChainVerifyOutput(token_ids=tok, num_accepted=na)
 
 
-def lenient_verifier(lenience: float):
-    if not 0 < lenience <= 1:
-        raise ValueError(f"lenience must lie in (0, 1], got {lenience}")
+def _chain_verifier(name: str, accept_fn, residual_fn):
+    """A function with verify_chain's interface that accepts with accept_fn(u, p, q, ids) and, at the first
+    rejection, draws from residual_fn(p, q) (normalised)."""
 
     def verify(
         target_probs: Tensor,
@@ -72,21 +72,20 @@ def lenient_verifier(lenience: float):
         *,
         check: bool = True,
     ) -> ChainVerifyOutput:
-        def accept(u, p, q, safe):  # u [B, k], p / q [B, k, V]
-            return u * lenience * q.gather(-1, safe).squeeze(-1) < p.gather(-1, safe).squeeze(-1)
+        return _verify(target_probs, draft_token_ids, draft_probs, num_draft_tokens, generators, accept_fn, residual_fn)
 
-        return _verify(
-            target_probs,
-            draft_token_ids,
-            draft_probs,
-            num_draft_tokens,
-            generators,
-            accept,
-            lambda p, q: (p - q).clamp_min(0),
-        )
-
-    verify.__name__ = f"lenient_{lenience:g}"
+    verify.__name__ = name
     return verify
+
+
+def lenient_verifier(lenience: float):
+    if not 0 < lenience <= 1:
+        raise ValueError(f"lenience must lie in (0, 1], got {lenience}")
+
+    def accept(u, p, q, safe):  # u [B, k], p / q [B, k, V]
+        return u * lenience * q.gather(-1, safe).squeeze(-1) < p.gather(-1, safe).squeeze(-1)
+
+    return _chain_verifier(f"lenient_{lenience:g}", accept, lambda p, q: (p - q).clamp_min(0))
 
 
 def _typical_threshold(p: Tensor, eps: float, delta: float) -> Tensor:  # p [..., V] -> [...]
@@ -95,22 +94,10 @@ def _typical_threshold(p: Tensor, eps: float, delta: float) -> Tensor:  # p [...
 
 
 def typical_verifier(eps: float = 0.3, delta: float = 0.09):
-    def verify(
-        target_probs: Tensor,
-        draft_token_ids: Tensor,
-        draft_probs: Tensor | None = None,
-        num_draft_tokens: Tensor | None = None,
-        generators: Sequence[torch.Generator | None] | None = None,
-        *,
-        check: bool = True,
-    ) -> ChainVerifyOutput:
-        def accept(u, p, q, safe):
-            return p.gather(-1, safe).squeeze(-1) > _typical_threshold(p, eps, delta)
+    def accept(u, p, q, safe):
+        return p.gather(-1, safe).squeeze(-1) > _typical_threshold(p, eps, delta)
 
-        return _verify(target_probs, draft_token_ids, draft_probs, num_draft_tokens, generators, accept, lambda p, q: p)
-
-    verify.__name__ = f"typical_{eps:g}_{delta:g}"
-    return verify
+    return _chain_verifier(f"typical_{eps:g}_{delta:g}", accept, lambda p, q: p)
 
 
 def one_step_law_lenient(p: Tensor, q: Tensor, lenience: float) -> Tensor:  # p, q [..., V] -> [..., V]
