@@ -31,13 +31,14 @@ from pathlib import Path
 
 import torch
 
+from ..drafting import TreeSpec
 from ..engine.generator import SpeculativeGenerator
-from ..model.loading import LoadedModel
 from ..model.fast import fast_path_unsupported
+from ..model.loading import LoadedModel
 from ..sampling import SamplingParams
 from ..sampling.theory import expected_tokens_per_pass
 
-__all__ = ["E2EConfig", "load_prompts", "run_e2e", "to_markdown", "plot"]
+__all__ = ["E2EConfig", "load_prompts", "plot", "run_e2e", "to_markdown"]
 
 
 @dataclass(frozen=True)
@@ -52,8 +53,14 @@ class E2EConfig:
     runner: str = "auto"  # verispec's model forward (see verispec.model.fast.make_runner)
     draft_quant: str | None = None  # weight-only quantization of the draft model (verispec-draft)
     self_quant: str = "int4"  # quantization of the self-draft (verispec-self)
-    methods: tuple[str, ...] = ("verispec-plain", "verispec-draft", "verispec-ngram", "verispec-self", "hf-plain",
-                                "hf-assisted")
+    methods: tuple[str, ...] = (
+        "verispec-plain",
+        "verispec-draft",
+        "verispec-ngram",
+        "verispec-self",
+        "hf-plain",
+        "hf-assisted",
+    )
 
 
 def load_prompts(paths: list[str]) -> dict[str, list[str]]:
@@ -114,8 +121,14 @@ class _CallCounter:
         self.handle.remove()
 
 
-def _hf_generate(target: LoadedModel, draft: LoadedModel | None, prompts_ids: list[list[int]], temperature: float,
-                 max_new: int, seed: int) -> tuple[int, float, int]:
+def _hf_generate(
+    target: LoadedModel,
+    draft: LoadedModel | None,
+    prompts_ids: list[list[int]],
+    temperature: float,
+    max_new: int,
+    seed: int,
+) -> tuple[int, float, int]:
     """(tokens, seconds, target forward calls) for HF generate over prompts one at a time."""
     tokens = calls = 0
     seconds = 0.0
@@ -123,8 +136,12 @@ def _hf_generate(target: LoadedModel, draft: LoadedModel | None, prompts_ids: li
     try:
         for i, ids in enumerate(prompts_ids):
             torch.manual_seed(seed + i)
-            kwargs = dict(max_new_tokens=max_new, min_new_tokens=max_new, do_sample=temperature > 0,
-                          pad_token_id=target.tokenizer.pad_token_id or target.tokenizer.eos_token_id)
+            kwargs = dict(
+                max_new_tokens=max_new,
+                min_new_tokens=max_new,
+                do_sample=temperature > 0,
+                pad_token_id=target.tokenizer.pad_token_id or target.tokenizer.eos_token_id,
+            )
             if temperature > 0:
                 kwargs.update(temperature=temperature, top_k=None, top_p=None)
             if draft is not None:
@@ -146,12 +163,13 @@ BASE_METHODS = E2EConfig.methods + ("verispec-tree", "verispec-ngram-tree")
 
 def check_method(name: str) -> None:
     """Raise ValueError for a method name run_e2e does not know (see the module docstring)."""
-    from ..drafting import TreeSpec
 
     base, at, arg = name.partition("@")
     if base not in BASE_METHODS or (at and base not in ("verispec-draft", "verispec-tree", "verispec-ngram-tree")):
-        raise ValueError(f"unknown method {name!r}; choose from {', '.join(E2EConfig.methods)}, verispec-draft@G, "
-                         "verispec-tree@SHAPE[/RULE], verispec-ngram-tree@SHAPE")
+        raise ValueError(
+            f"unknown method {name!r}; choose from {', '.join(E2EConfig.methods)}, verispec-draft@G, "
+            "verispec-tree@SHAPE[/RULE], verispec-ngram-tree@SHAPE"
+        )
     if base in ("verispec-tree", "verispec-ngram-tree"):
         if not arg:
             raise ValueError(f"{base} needs a shape: {base}@4-2-2-1")
@@ -164,25 +182,30 @@ def check_method(name: str) -> None:
 def _make(method: str, target: LoadedModel, draft: LoadedModel | None, cfg: E2EConfig) -> SpeculativeGenerator:
     base, _, arg = method.partition("@")
     if base == "verispec-draft":
-        return SpeculativeGenerator(target, draft, gamma=int(arg) if arg else cfg.gamma, runner=cfg.runner,
-                                    draft_quant=cfg.draft_quant)
+        return SpeculativeGenerator(
+            target, draft, gamma=int(arg) if arg else cfg.gamma, runner=cfg.runner, draft_quant=cfg.draft_quant
+        )
     shape, _, rule = arg.partition("/")
     if base == "verispec-tree":
-        return SpeculativeGenerator(target, draft, tree=shape, tree_rule=rule or None, runner=cfg.runner,
-                                    draft_quant=cfg.draft_quant)
+        return SpeculativeGenerator(
+            target, draft, tree=shape, tree_rule=rule or None, runner=cfg.runner, draft_quant=cfg.draft_quant
+        )
     return SpeculativeGenerator(target, "ngram", tree=shape, runner=cfg.runner)  # verispec-ngram-tree
 
 
-def run_e2e(target: LoadedModel, draft: LoadedModel | None, prompts: dict[str, list[str]], cfg: E2EConfig,
-            log=print) -> dict:
+def run_e2e(
+    target: LoadedModel, draft: LoadedModel | None, prompts: dict[str, list[str]], cfg: E2EConfig, log=print
+) -> dict:
     for m in cfg.methods:
         check_method(m)
     needs_draft = ("verispec-draft", "hf-assisted", "verispec-tree")
     methods = [m for m in cfg.methods if draft is not None or m.partition("@")[0] not in needs_draft]
     if "verispec-self" in methods and (cfg.runner == "hf" or fast_path_unsupported(target.model)):
         methods.remove("verispec-self")
-        log("verispec-self skipped: a quantized self-draft needs the fast runner, "
-            + ("and runner='hf' was asked for" if cfg.runner == "hf" else fast_path_unsupported(target.model)))
+        log(
+            "verispec-self skipped: a quantized self-draft needs the fast runner, "
+            + ("and runner='hf' was asked for" if cfg.runner == "hf" else fast_path_unsupported(target.model))
+        )
     gens = {"verispec-plain": SpeculativeGenerator(target, None, runner=cfg.runner)}
     if "verispec-ngram" in methods:
         gens["verispec-ngram"] = SpeculativeGenerator(target, "ngram", gamma=cfg.gamma, runner=cfg.runner)
@@ -191,19 +214,30 @@ def run_e2e(target: LoadedModel, draft: LoadedModel | None, prompts: dict[str, l
             gens[m] = _make(m, target, draft, cfg)
     if "verispec-self" in methods:
         log(f"quantizing the target's weights ({cfg.self_quant}) for the self-draft ...")
-        gens["verispec-self"] = SpeculativeGenerator(target, "self", gamma=cfg.gamma, runner=cfg.runner,
-                                                     draft_quant=cfg.self_quant)
+        gens["verispec-self"] = SpeculativeGenerator(
+            target, "self", gamma=cfg.gamma, runner=cfg.runner, draft_quant=cfg.self_quant
+        )
     vocab = gens["verispec-plain"].vocab_size
     max_gamma = cfg.gamma if isinstance(cfg.gamma, int) else 8
-    widest = max([max_gamma] + [int(m.partition("@")[2]) for m in methods if m.startswith("verispec-draft@")]
-                 + [g.tree.max_nodes for g in gens.values() if g.tree is not None])
+    widest = max(
+        [max_gamma]
+        + [int(m.partition("@")[2]) for m in methods if m.startswith("verispec-draft@")]
+        + [g.tree.max_nodes for g in gens.values() if g.tree is not None]
+    )
     log("calibrating the cost curve ...")
     target_curve = calibrate(gens["verispec-plain"].runner, vocab, min(widest, 64) + 1)
-    draft_steps = {m: calibrate(gens[m].proposer.runner, vocab, 1)[0]
-                   for m in gens if m.startswith(("verispec-draft", "verispec-self"))}
+    draft_steps = {
+        m: calibrate(gens[m].proposer.runner, vocab, 1)[0]
+        for m in gens
+        if m.startswith(("verispec-draft", "verispec-self"))
+    }
     draft_step = draft_steps.get("verispec-draft", 0.0)
-    log("T(n) target seconds: " + ", ".join(f"{t:.3f}" for t in target_curve) + "; draft step "
-        + ", ".join(f"{m} {t:.3f}s" for m, t in draft_steps.items()))
+    log(
+        "T(n) target seconds: "
+        + ", ".join(f"{t:.3f}" for t in target_curve)
+        + "; draft step "
+        + ", ".join(f"{m} {t:.3f}s" for m, t in draft_steps.items())
+    )
 
     records = []
     encode = gens["verispec-plain"].encode
@@ -217,11 +251,22 @@ def run_e2e(target: LoadedModel, draft: LoadedModel | None, prompts: dict[str, l
                 for method in methods:
                     if batch > 1 and method.startswith("hf-"):
                         continue
-                    rec = {"temperature": temp, "category": cat, "batch": batch, "method": method,
-                           "prompts": len(chosen)}
+                    rec = {
+                        "temperature": temp,
+                        "category": cat,
+                        "batch": batch,
+                        "method": method,
+                        "prompts": len(chosen),
+                    }
                     if method.startswith("hf-"):
-                        tok, sec, calls = _hf_generate(target, draft if method == "hf-assisted" else None, chosen,
-                                                       temp, cfg.max_new_tokens, cfg.seed)
+                        tok, sec, calls = _hf_generate(
+                            target,
+                            draft if method == "hf-assisted" else None,
+                            chosen,
+                            temp,
+                            cfg.max_new_tokens,
+                            cfg.seed,
+                        )
                         rec.update(tokens=tok, seconds=sec, tau=tok / calls if calls else None)
                     else:
                         gen = gens[method]
@@ -229,8 +274,12 @@ def run_e2e(target: LoadedModel, draft: LoadedModel | None, prompts: dict[str, l
                         tok, sec = 0, 0.0
                         stats = None
                         for start in range(0, len(chosen), batch):
-                            gen.generate(chosen[start:start + batch], params[start:start + batch],
-                                         max_new_tokens=cfg.max_new_tokens, ignore_eos=True)
+                            gen.generate(
+                                chosen[start : start + batch],
+                                params[start : start + batch],
+                                max_new_tokens=cfg.max_new_tokens,
+                                ignore_eos=True,
+                            )
                             s = gen.last_stats
                             tok += s.output_tokens
                             sec += s.wall_time
@@ -239,34 +288,72 @@ def run_e2e(target: LoadedModel, draft: LoadedModel | None, prompts: dict[str, l
                             else:
                                 stats.merge(s)
                         tree = gen.tree is not None
-                        rec.update(tokens=tok, seconds=sec, tau=stats.tau, alpha=stats.acceptance_rate,
-                                   per_position=stats.per_position_acceptance, drafted=stats.drafted,
-                                   steps=stats.target_passes, draft_s=stats.draft_time, verify_s=stats.verify_time,
-                                   nodes=stats.nodes, drafted_per_step=stats.nodes / max(stats.target_passes, 1))
+                        rec.update(
+                            tokens=tok,
+                            seconds=sec,
+                            tau=stats.tau,
+                            alpha=stats.acceptance_rate,
+                            per_position=stats.per_position_acceptance,
+                            drafted=stats.drafted,
+                            steps=stats.target_passes,
+                            draft_s=stats.draft_time,
+                            verify_s=stats.verify_time,
+                            nodes=stats.nodes,
+                            drafted_per_step=stats.nodes / max(stats.target_passes, 1),
+                        )
                         if tree:  # alpha of a tree is not one number: per-depth acceptance is per_position
                             rec["alpha"] = None
                         if method != "verispec-plain" and stats.drafted and not tree:
                             step_draft = draft_steps.get(method, stats.draft_time / max(stats.drafted, 1))
-                            rec["theory_speedup"] = theory_speedup(stats.acceptance_rate, stats.steps_by_drafted,
-                                                                   step_draft, target_curve)
+                            rec["theory_speedup"] = theory_speedup(
+                                stats.acceptance_rate, stats.steps_by_drafted, step_draft, target_curve
+                            )
                     rec["tokens_per_s"] = rec["tokens"] / rec["seconds"] if rec["seconds"] else None
                     records.append(rec)
-                    log(f"T={temp} {cat:5s} batch {batch} {method:15s} {rec['tokens_per_s']:.2f} tok/s"
-                        + (f" tau {rec['tau']:.2f}" if rec.get("tau") else ""))
+                    log(
+                        f"T={temp} {cat:5s} batch {batch} {method:15s} {rec['tokens_per_s']:.2f} tok/s"
+                        + (f" tau {rec['tau']:.2f}" if rec.get("tau") else "")
+                    )
     for rec in records:  # speedups relative to verispec-plain at the same temperature, category, batch
-        base = next((r for r in records if r["method"] == "verispec-plain" and r["temperature"] == rec["temperature"]
-                     and r["category"] == rec["category"] and r["batch"] == rec["batch"]), None)
+        base = next(
+            (
+                r
+                for r in records
+                if r["method"] == "verispec-plain"
+                and r["temperature"] == rec["temperature"]
+                and r["category"] == rec["category"]
+                and r["batch"] == rec["batch"]
+            ),
+            None,
+        )
         rec["speedup"] = rec["tokens_per_s"] / base["tokens_per_s"] if base and base["tokens_per_s"] else None
         if rec.get("theory_speedup") and rec["speedup"]:
             rec["measured_over_theory"] = rec["speedup"] / rec["theory_speedup"]
-        hf = next((r for r in records if r["method"] == "hf-assisted" and r["temperature"] == rec["temperature"]
-                   and r["category"] == rec["category"] and r["batch"] == 1), None)
+        hf = next(
+            (
+                r
+                for r in records
+                if r["method"] == "hf-assisted"
+                and r["temperature"] == rec["temperature"]
+                and r["category"] == rec["category"]
+                and r["batch"] == 1
+            ),
+            None,
+        )
         if hf and hf["tokens_per_s"]:
             rec["vs_hf_assisted"] = rec["tokens_per_s"] / hf["tokens_per_s"]
-    return {"config": cfg.__dict__ | {"temperatures": list(cfg.temperatures), "methods": list(cfg.methods)},
-            "target": target.name, "draft": draft.name if draft else None, "threads": torch.get_num_threads(),
-            "torch": torch.__version__, "cost_curve_s": target_curve, "draft_step_s": draft_step,
-            "draft_steps_s": draft_steps, "runner": type(gens["verispec-plain"].runner).__name__, "records": records}
+    return {
+        "config": cfg.__dict__ | {"temperatures": list(cfg.temperatures), "methods": list(cfg.methods)},
+        "target": target.name,
+        "draft": draft.name if draft else None,
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "cost_curve_s": target_curve,
+        "draft_step_s": draft_step,
+        "draft_steps_s": draft_steps,
+        "runner": type(gens["verispec-plain"].runner).__name__,
+        "records": records,
+    }
 
 
 def _fmt(x, spec=".2f"):
@@ -274,15 +361,19 @@ def _fmt(x, spec=".2f"):
 
 
 def to_markdown(result: dict) -> str:
-    lines = [f"target: {result['target']}; draft: {result['draft']}; torch {result['torch']}, "
-             f"{result['threads']} threads; max_new_tokens {result['config']['max_new_tokens']}; "
-             f"gamma {result['config']['gamma']}",
-             f"verispec runner: {result.get('runner', 'HFRunner')}; cost curve T(1..n) s: "
-             + ", ".join(f"{t:.3f}" for t in result["cost_curve_s"]) + "; draft step "
-             + (", ".join(f"{m} {t:.3f} s" for m, t in result.get("draft_steps_s", {}).items()) or "-"), "",
-             "| T | category | batch | method | tok/s | speedup | vs HF assisted | tau | drafted / step | alpha "
-             "| per-position (trees: per-depth) acceptance | theory speedup | measured / theory |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"target: {result['target']}; draft: {result['draft']}; torch {result['torch']}, "
+        f"{result['threads']} threads; max_new_tokens {result['config']['max_new_tokens']}; "
+        f"gamma {result['config']['gamma']}",
+        f"verispec runner: {result.get('runner', 'HFRunner')}; cost curve T(1..n) s: "
+        + ", ".join(f"{t:.3f}" for t in result["cost_curve_s"])
+        + "; draft step "
+        + (", ".join(f"{m} {t:.3f} s" for m, t in result.get("draft_steps_s", {}).items()) or "-"),
+        "",
+        "| T | category | batch | method | tok/s | speedup | vs HF assisted | tau | drafted / step | alpha "
+        "| per-position (trees: per-depth) acceptance | theory speedup | measured / theory |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in result["records"]:
         pp = r.get("per_position")
         lines.append(
@@ -290,7 +381,8 @@ def to_markdown(result: dict) -> str:
             f"{_fmt(r.get('speedup'))} | {_fmt(r.get('vs_hf_assisted'))} | {_fmt(r.get('tau'))} | "
             f"{_fmt(r.get('drafted_per_step'), '.1f')} | "
             f"{_fmt(r.get('alpha'))} | {' '.join(f'{x:.2f}' for x in pp) if pp else '-'} | "
-            f"{_fmt(r.get('theory_speedup'))} | {_fmt(r.get('measured_over_theory'))} |")
+            f"{_fmt(r.get('theory_speedup'))} | {_fmt(r.get('measured_over_theory'))} |"
+        )
     return "\n".join(lines)
 
 
@@ -308,8 +400,17 @@ def plot(result: dict, path: str | Path) -> None:
     width = 0.8 / len(methods)
     for ax, temp in zip(axes[0], temps):
         for i, m in enumerate(methods):
-            vals = [next((r["speedup"] or 0 for r in recs if r["temperature"] == temp and r["category"] == c
-                          and r["method"] == m), 0) for c in cats]
+            vals = [
+                next(
+                    (
+                        r["speedup"] or 0
+                        for r in recs
+                        if r["temperature"] == temp and r["category"] == c and r["method"] == m
+                    ),
+                    0,
+                )
+                for c in cats
+            ]
             ax.bar([x + i * width for x in range(len(cats))], vals, width, label=m)
         ax.axhline(1.0, color="black", linewidth=0.8)
         ax.set_xticks([x + width * (len(methods) - 1) / 2 for x in range(len(cats))], cats)

@@ -22,7 +22,11 @@ from ..sampling.chain import verify_chain
 from .table import markdown_table
 
 DEFAULT_SHAPES: tuple[tuple[int, int, int], ...] = (
-    (1, 4, 32000), (1, 4, 151936), (8, 4, 151936), (64, 8, 32000), (32, 8, 151936),
+    (1, 4, 32000),
+    (1, 4, 151936),
+    (8, 4, 151936),
+    (64, 8, 32000),
+    (32, 8, 151936),
 )
 
 
@@ -68,8 +72,12 @@ def make_inputs(B: int, k: int, V: int, device: str = "cpu", seed: int = 0):
     return target_probs, draft_ids, draft_probs
 
 
-def run(shapes: Sequence[tuple[int, int, int]] = DEFAULT_SHAPES, repeats: int = 10, device: str = "cpu",
-        reference: bool = True) -> list[dict]:
+def run(
+    shapes: Sequence[tuple[int, int, int]] = DEFAULT_SHAPES,
+    repeats: int = 10,
+    device: str = "cpu",
+    reference: bool = True,
+) -> list[dict]:
     return [time_shape(B, k, V, repeats, device, reference) for B, k, V in shapes]
 
 
@@ -83,10 +91,15 @@ def time_shape(B: int, k: int, V: int, repeats: int = 10, device: str = "cpu", r
         def call():
             fn()
             sync()
+
         return _time(call, repeats)
 
-    r = {"B": B, "k": k, "V": V,
-         "bytes": target_probs.numel() * target_probs.element_size() + draft_probs.numel() * draft_probs.element_size()}
+    r = {
+        "B": B,
+        "k": k,
+        "V": V,
+        "bytes": target_probs.numel() * target_probs.element_size() + draft_probs.numel() * draft_probs.element_size(),
+    }
     r["read_s"] = timed(lambda: (target_probs.sum(), draft_probs.sum()))
     r["verispec_s"] = timed(lambda: verify_chain(target_probs, draft_ids, draft_probs, check=False))
     r["checked_s"] = timed(lambda: verify_chain(target_probs, draft_ids, draft_probs))
@@ -98,14 +111,35 @@ def time_shape(B: int, k: int, V: int, repeats: int = 10, device: str = "cpu", r
 
 
 def to_markdown(rows: list[dict]) -> str:
-    header = ["B", "k", "V", "read pass ms", "verispec ms", "x read", "+checks ms", "x read", "+generators ms",
-              "reference ms", "reference / verispec"]
+    header = [
+        "B",
+        "k",
+        "V",
+        "read pass ms",
+        "verispec ms",
+        "x read",
+        "+checks ms",
+        "x read",
+        "+generators ms",
+        "reference ms",
+        "reference / verispec",
+    ]
     cells = []
     for r in rows:
         ref = r.get("reference_s")
-        cells.append([r["B"], r["k"], r["V"], f"{r['read_s'] * 1e3:.3f}", f"{r['verispec_s'] * 1e3:.3f}",
-                      f"{r['verispec_s'] / r['read_s']:.2f}", f"{r['checked_s'] * 1e3:.3f}",
-                      f"{r['checked_s'] / r['read_s']:.2f}", f"{r['generators_s'] * 1e3:.3f}",
-                      f"{ref * 1e3:.1f}" if ref is not None else "-",
-                      f"{ref / r['verispec_s']:.1f}" if ref is not None else "-"])
+        cells.append(
+            [
+                r["B"],
+                r["k"],
+                r["V"],
+                f"{r['read_s'] * 1e3:.3f}",
+                f"{r['verispec_s'] * 1e3:.3f}",
+                f"{r['verispec_s'] / r['read_s']:.2f}",
+                f"{r['checked_s'] * 1e3:.3f}",
+                f"{r['checked_s'] / r['read_s']:.2f}",
+                f"{r['generators_s'] * 1e3:.3f}",
+                f"{ref * 1e3:.1f}" if ref is not None else "-",
+                f"{ref / r['verispec_s']:.1f}" if ref is not None else "-",
+            ]
+        )
     return "\n".join(markdown_table(header, cells))

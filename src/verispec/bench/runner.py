@@ -53,8 +53,9 @@ def _prepare(runner: HFRunner, vocab: int, context: int, max_k: int) -> None:
 
 
 @torch.inference_mode()
-def measure_curve(runners: dict[str, HFRunner], vocab: int, ks: list[int], context: int = 64,
-                  repeats: int = 7) -> dict[str, list[float]]:
+def measure_curve(
+    runners: dict[str, HFRunner], vocab: int, ks: list[int], context: int = 64, repeats: int = 7
+) -> dict[str, list[float]]:
     """Median seconds of a forward over k new tokens (each k in ks) after `context` cached tokens, per runner.
     Measurements are interleaved: for each k and repeat, every runner runs once before the next repeat."""
     for r in runners.values():
@@ -84,8 +85,17 @@ def _hf_weight_bytes(model, vocab: int) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters() if p is not emb or p is head)
 
 
-def run(model, vocab: int, *, max_k: int = 16, context: int = 64, repeats: int = 7,
-        paths: tuple[str, ...] = PATHS, bandwidth_bytes: int = 1 << 30, log=lambda m: None) -> dict:
+def run(
+    model,
+    vocab: int,
+    *,
+    max_k: int = 16,
+    context: int = 64,
+    repeats: int = 7,
+    paths: tuple[str, ...] = PATHS,
+    bandwidth_bytes: int = 1 << 30,
+    log=lambda m: None,
+) -> dict:
     """Build the runners for `paths` on one model and measure them side by side."""
     unknown = set(paths) - set(PATHS)
     if unknown:
@@ -118,28 +128,56 @@ def run(model, vocab: int, *, max_k: int = 16, context: int = 64, repeats: int =
             "decode_gbps": step_bytes / curves[name][0] / 1e9,
             "fraction_of_bandwidth": step_bytes / curves[name][0] / bandwidth,
         }
-    return {"device": str(device), "threads": torch.get_num_threads(), "context": context, "repeats": repeats,
-            "ks": ks, "read_bandwidth_gbps": bandwidth / 1e9, "read_bandwidth_best_gbps": best_bandwidth / 1e9, "curves": curves, "paths": info}
+    return {
+        "device": str(device),
+        "threads": torch.get_num_threads(),
+        "context": context,
+        "repeats": repeats,
+        "ks": ks,
+        "read_bandwidth_gbps": bandwidth / 1e9,
+        "read_bandwidth_best_gbps": best_bandwidth / 1e9,
+        "curves": curves,
+        "paths": info,
+    }
 
 
 def to_markdown(res: dict) -> str:
     names = list(res["curves"])
     curves = res["curves"]
     ref = "fast" if "fast" in curves else names[0]
-    lines = [f"Device {res['device']}, {res['threads']} threads, context {res['context']} tokens, median of "
-             f"{res['repeats']} (interleaved). Measured read bandwidth (streaming sum over 1 GiB): median "
-             f"{res['read_bandwidth_gbps']:.1f} GB/s, best {res.get('read_bandwidth_best_gbps', 0):.1f} GB/s; "
-             "'of read bandwidth' below is relative to the median.", ""]
+    lines = [
+        f"Device {res['device']}, {res['threads']} threads, context {res['context']} tokens, median of "
+        f"{res['repeats']} (interleaved). Measured read bandwidth (streaming sum over 1 GiB): median "
+        f"{res['read_bandwidth_gbps']:.1f} GB/s, best {res.get('read_bandwidth_best_gbps', 0):.1f} GB/s; "
+        "'of read bandwidth' below is relative to the median.",
+        "",
+    ]
     lines += [*markdown_table(*_curve_table(res)), ""]
-    header = ["path", "compute dtype", "kernels", "MB read per step", "decode GB/s", "of read bandwidth",
-              "verify5 / decode1", f"decode1 / {ref} decode1"]
+    header = [
+        "path",
+        "compute dtype",
+        "kernels",
+        "MB read per step",
+        "decode GB/s",
+        "of read bandwidth",
+        "verify5 / decode1",
+        f"decode1 / {ref} decode1",
+    ]
     rows = []
     for n in names:
         p = res["paths"][n]
-        rows.append([n, p["compute_dtype"], ", ".join(f"{k}×{v}" for k, v in p["kernels"].items()),
-                     f"{p['bytes_per_step'] / 1e6:.0f}", f"{p['decode_gbps']:.1f}", f"{p['fraction_of_bandwidth']:.0%}",
-                     f"{curves[n][4] / curves[n][0]:.2f}" if len(res["ks"]) >= 5 else "-",
-                     f"{curves[n][0] / curves[ref][0]:.2f}"])
+        rows.append(
+            [
+                n,
+                p["compute_dtype"],
+                ", ".join(f"{k}×{v}" for k, v in p["kernels"].items()),
+                f"{p['bytes_per_step'] / 1e6:.0f}",
+                f"{p['decode_gbps']:.1f}",
+                f"{p['fraction_of_bandwidth']:.0%}",
+                f"{curves[n][4] / curves[n][0]:.2f}" if len(res["ks"]) >= 5 else "-",
+                f"{curves[n][0] / curves[ref][0]:.2f}",
+            ]
+        )
     return "\n".join(lines + markdown_table(header, rows))
 
 
@@ -151,8 +189,11 @@ def _curve_table(res: dict) -> tuple[list[str], list[list[str]]]:
     header = ["k"] + [f"{n} ms" for n in names] + [f"{n} T(k)/T(1)" for n in names] + (["hf / fast"] if both else [])
     rows = []
     for i, k in enumerate(res["ks"]):
-        row = [str(k)] + [f"{curves[n][i] * 1e3:.1f}" for n in names] + [f"{curves[n][i] / curves[n][0]:.2f}"
-                                                                           for n in names]
+        row = (
+            [str(k)]
+            + [f"{curves[n][i] * 1e3:.1f}" for n in names]
+            + [f"{curves[n][i] / curves[n][0]:.2f}" for n in names]
+        )
         if both:
             row.append(f"{curves['hf'][i] / curves['fast'][i]:.2f}")
         rows.append(row)

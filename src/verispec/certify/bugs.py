@@ -36,8 +36,14 @@ from ..sampling.tree import verify_tree, verify_tree_with_uniforms
 
 __all__ = ["BUGS", "TREE_BUGS", "TREE_NON_BUGS", "broken_tree_verifier", "broken_verifier"]
 
-BUGS = ("resample_from_p", "resample_from_abs_diff", "swap_p_q", "q_before_temperature", "le_zero_uniform",
-        "reuse_accept_uniform")
+BUGS = (
+    "resample_from_p",
+    "resample_from_abs_diff",
+    "swap_p_q",
+    "q_before_temperature",
+    "le_zero_uniform",
+    "reuse_accept_uniform",
+)
 
 TREE_BUGS = ("tree_stale_residual", "tree_topk_as_sampled", "tree_wor_as_iid")
 TREE_NON_BUGS = ("tree_iid_as_deterministic",)  # looks wrong, is lossless (see the module docstring)
@@ -52,16 +58,24 @@ def broken_verifier(bug: str | None):
     if bug is not None and bug not in BUGS:
         raise ValueError(f"unknown bug {bug!r}; choose one of: {', '.join(BUGS)}")
 
-    def verify(target_probs: Tensor, draft_token_ids: Tensor, draft_probs: Tensor | None = None,
-               num_draft_tokens: Tensor | None = None,
-               generators: Sequence[torch.Generator | None] | None = None, *, check: bool = True
-               ) -> ChainVerifyOutput:
+    def verify(
+        target_probs: Tensor,
+        draft_token_ids: Tensor,
+        draft_probs: Tensor | None = None,
+        num_draft_tokens: Tensor | None = None,
+        generators: Sequence[torch.Generator | None] | None = None,
+        *,
+        check: bool = True,
+    ) -> ChainVerifyOutput:
         B, k, V, ids, nd = _normalise_args(target_probs, draft_token_ids, draft_probs, num_draft_tokens)
         dev = target_probs.device
         accept_u, final_u = draw_uniforms(nd, k, generators, dev)  # [B, k], [B] float64
         p = target_probs.double()  # [B, k + 1, V]
-        q = (draft_probs.double() if draft_probs is not None
-             else torch.nn.functional.one_hot(ids.clamp(0, V - 1), V).double())  # [B, k, V]
+        q = (
+            draft_probs.double()
+            if draft_probs is not None
+            else torch.nn.functional.one_hot(ids.clamp(0, V - 1), V).double()
+        )  # [B, k, V]
         if bug == "q_before_temperature":
             q = q.pow(_Q_TEMPERATURE)
             q = q / q.sum(-1, keepdim=True)
@@ -105,23 +119,51 @@ def broken_tree_verifier(bug: str):
     """A tree verifier with one deliberate mistake (TREE_BUGS), or the lossless look-alike in TREE_NON_BUGS."""
     if bug not in TREE_BUGS + TREE_NON_BUGS:
         raise ValueError(f"unknown tree bug {bug!r}; choose one of: {', '.join(TREE_BUGS + TREE_NON_BUGS)}")
-    wrong_rule = {"tree_topk_as_sampled": ("deterministic", "iid"), "tree_wor_as_iid": ("without_replacement", "iid"),
-                  "tree_iid_as_deterministic": ("iid", "deterministic")}
+    wrong_rule = {
+        "tree_topk_as_sampled": ("deterministic", "iid"),
+        "tree_wor_as_iid": ("without_replacement", "iid"),
+        "tree_iid_as_deterministic": ("iid", "deterministic"),
+    }
 
-    def verify(target_probs, draft_token_ids, parents, draft_probs=None, num_nodes=None, generators=None, *,
-               rule: str = "deterministic", check: bool = True):
+    def verify(
+        target_probs,
+        draft_token_ids,
+        parents,
+        draft_probs=None,
+        num_nodes=None,
+        generators=None,
+        *,
+        rule: str = "deterministic",
+        check: bool = True,
+    ):
         if bug == "tree_stale_residual":
             B, N = draft_token_ids.shape
             nn = torch.full((B,), N, dtype=torch.int64) if num_nodes is None else torch.as_tensor(num_nodes).long()
             accept_u, final_u = draw_uniforms(nn, N, generators, target_probs.device)
             if N == 0 or draft_probs is None:
                 rule = "deterministic"
-            return verify_tree_with_uniforms(target_probs, draft_token_ids.long(), parents.long(),
-                                             None if rule == "deterministic" else draft_probs, nn, rule, accept_u,
-                                             final_u, _stale_residual=True)
+            return verify_tree_with_uniforms(
+                target_probs,
+                draft_token_ids.long(),
+                parents.long(),
+                None if rule == "deterministic" else draft_probs,
+                nn,
+                rule,
+                accept_u,
+                final_u,
+                _stale_residual=True,
+            )
         used, instead = wrong_rule[bug]
-        return verify_tree(target_probs, draft_token_ids, parents, draft_probs, num_nodes, generators,
-                           rule=instead if rule == used else rule, check=False)
+        return verify_tree(
+            target_probs,
+            draft_token_ids,
+            parents,
+            draft_probs,
+            num_nodes,
+            generators,
+            rule=instead if rule == used else rule,
+            check=False,
+        )
 
     verify.__name__ = f"broken_tree_verifier_{bug}"
     return verify

@@ -32,7 +32,13 @@ import numpy as np
 import torch
 
 from .. import strict_json
+from ..drafting import TreeSpec
+from ..engine.generator import SpeculativeGenerator
+from ..engine.stats import SpecStats
+from ..model.loading import load_model
 from ..sampling import SamplingParams, probs_from_logits
+from ..sampling.lossy import lenient_verifier, typical_verifier
+from .bugs import BUGS, TREE_BUGS, TREE_NON_BUGS, broken_tree_verifier, broken_verifier
 from .kernel import TARGET_TV, has_power, load_sampler
 from .stats import (
     chisquare_gof,
@@ -81,7 +87,6 @@ class MethodSpec:
         if self.tree is not None and self.method != "verispec":
             raise ValueError(f"a tree applies to method 'verispec', not {self.method!r}")
         if self.tree is not None:
-            from ..drafting import TreeSpec
             TreeSpec.parse(self.tree, self.tree_rule)  # validate early
         elif self.tree_rule is not None:
             raise ValueError("tree_rule needs a tree")
@@ -93,8 +98,10 @@ class MethodSpec:
             d = self.draft + (f" ({self.draft_quant})" if self.draft_quant else "")
             extra = f", verifier {self.verifier}" if self.verifier else ""
             if self.tree:
-                return f"verispec (draft {d}, tree {self.tree} {self.tree_rule or 'deterministic'}, " \
-                       f"target {self.dtype}{extra})"
+                return (
+                    f"verispec (draft {d}, tree {self.tree} {self.tree_rule or 'deterministic'}, "
+                    f"target {self.dtype}{extra})"
+                )
             return f"verispec (draft {d}, gamma {self.gamma}, target {self.dtype}{extra})"
         if self.method == "hf-assisted":
             return f"transformers generate(assistant_model={self.draft})"
@@ -104,13 +111,13 @@ class MethodSpec:
 
 
 def _verifier(name: str, tree: bool = False):
-    from ..sampling.lossy import lenient_verifier, typical_verifier
-    from .bugs import BUGS, TREE_BUGS, TREE_NON_BUGS, broken_tree_verifier, broken_verifier
 
     if tree:
         if name in TREE_BUGS + TREE_NON_BUGS:
             return broken_tree_verifier(name)
-        raise ValueError(f"with a tree the verifier override must be a tree bug: {', '.join(TREE_BUGS + TREE_NON_BUGS)}")
+        raise ValueError(
+            f"with a tree the verifier override must be a tree bug: {', '.join(TREE_BUGS + TREE_NON_BUGS)}"
+        )
     if name in TREE_BUGS + TREE_NON_BUGS:
         raise ValueError(f"{name} is a tree bug: it needs a tree")
     if name in BUGS:
@@ -130,7 +137,6 @@ _LOADED: dict = {}
 
 def _load(path: str | None, dtype: str):
     """Load once per process: the float32 reference target doubles as the method's float32 target."""
-    from ..model.loading import load_model
 
     key = (path, dtype)
     if key not in _LOADED:
@@ -164,11 +170,11 @@ def _callable_method(spec: MethodSpec) -> SampleFn:
             toks = [int(t) for t in fn(list(prompt), asdict(replace(params, seed=s)) | {"max_tokens": length}, s)]
             out.append(toks[:length])
         return out, None
+
     return sample_callable
 
 
 def _verispec_method(spec: MethodSpec, target) -> SampleFn:
-    from ..engine.generator import SpeculativeGenerator
 
     draft = "none" if spec.method == "plain" else spec.draft
     if draft not in ("ngram", "none", "self"):
@@ -178,13 +184,24 @@ def _verispec_method(spec: MethodSpec, target) -> SampleFn:
         kwargs["tree_verifier" if spec.tree else "verifier"] = _verifier(spec.verifier, tree=spec.tree is not None)
     if spec.tree:
         kwargs.update(tree=spec.tree, tree_rule=spec.tree_rule)
-    gen = SpeculativeGenerator(target, draft, gamma=spec.gamma if draft != "none" else 0, runner=spec.runner,
-                               draft_quant=spec.draft_quant, **kwargs)
+    gen = SpeculativeGenerator(
+        target,
+        draft,
+        gamma=spec.gamma if draft != "none" else 0,
+        runner=spec.runner,
+        draft_quant=spec.draft_quant,
+        **kwargs,
+    )
 
     def sample_verispec(prompt, params, seeds, length):
-        outs = gen.generate([list(prompt)] * len(seeds), [replace(params, seed=s) for s in seeds],
-                            max_new_tokens=length, ignore_eos=True)
+        outs = gen.generate(
+            [list(prompt)] * len(seeds),
+            [replace(params, seed=s) for s in seeds],
+            max_new_tokens=length,
+            ignore_eos=True,
+        )
         return [o.token_ids for o in outs], gen.last_stats
+
     return sample_verispec
 
 
@@ -202,22 +219,36 @@ def _hf_method(spec: MethodSpec, target) -> SampleFn:
         for s in seeds:
             torch.manual_seed(s)
             with torch.no_grad():
-                seq = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=length,
-                                     min_new_tokens=0, pad_token_id=0, eos_token_id=None, assistant_model=assistant,
-                                     **kw)
-            out.append(seq[0, ids.shape[1]:].tolist())
+                seq = model.generate(
+                    ids,
+                    attention_mask=torch.ones_like(ids),
+                    max_new_tokens=length,
+                    min_new_tokens=0,
+                    pad_token_id=0,
+                    eos_token_id=None,
+                    assistant_model=assistant,
+                    **kw,
+                )
+            out.append(seq[0, ids.shape[1] :].tolist())
         return out, None
+
     return sample_hf
 
 
 def _hf_sampling_kwargs(params: SamplingParams) -> dict:
     if params.temperature == 0:
         return dict(do_sample=False)
-    return dict(do_sample=True, temperature=params.temperature, top_k=params.top_k or None,
-                top_p=params.top_p, min_p=params.min_p or None)
+    return dict(
+        do_sample=True,
+        temperature=params.temperature,
+        top_k=params.top_k or None,
+        top_p=params.top_p,
+        min_p=params.min_p or None,
+    )
 
 
 # --- scoring ------------------------------------------------------------------------------------------------
+
 
 @dataclass
 class Scores:
@@ -231,8 +262,15 @@ class Scores:
 
 
 @torch.no_grad()
-def score(model, prompt: list[int], samples: list[list[int]], params: SamplingParams, rng: np.random.Generator,
-          out: Scores, chunk: int = 8) -> np.ndarray:
+def score(
+    model,
+    prompt: list[int],
+    samples: list[list[int]],
+    params: SamplingParams,
+    rng: np.random.Generator,
+    out: Scores,
+    chunk: int = 8,
+) -> np.ndarray:
     """Score samples of one prompt under the processed target; returns p(. | prompt) [V] (float64)."""
     dev = next(model.parameters()).device
     first = None
@@ -243,7 +281,7 @@ def score(model, prompt: list[int], samples: list[list[int]], params: SamplingPa
         if length == 0:
             continue
         for i in range(0, len(group), chunk):
-            part = group[i:i + chunk]
+            part = group[i : i + chunk]
             ids = torch.tensor([prompt + s[:-1] for s in part], device=dev)  # [b, P + L - 1]
             logits = model(input_ids=ids, logits_to_keep=length).logits[:, -length:].float()  # [b, L, V]
             p = probs_from_logits(logits, params).double()  # [b, L, V]
@@ -254,9 +292,11 @@ def score(model, prompt: list[int], samples: list[list[int]], params: SamplingPa
             before = p.cumsum(-1).gather(-1, tok).squeeze(-1) - px
             logp_all = torch.where(p > 0, p.clamp_min(1e-300).log(), torch.zeros_like(p))
             e = (p * logp_all).sum(-1)
-            var = (p * logp_all ** 2).sum(-1) - e ** 2
+            var = (p * logp_all**2).sum(-1) - e**2
             v = torch.from_numpy(rng.random(px.shape)).to(dev)
-            out.logp += torch.where(px > 0, px.clamp_min(1e-300).log(), torch.full_like(px, -math.inf)).flatten().tolist()
+            out.logp += (
+                torch.where(px > 0, px.clamp_min(1e-300).log(), torch.full_like(px, -math.inf)).flatten().tolist()
+            )
             out.expected += e.flatten().tolist()
             out.variance += var.clamp_min(0).flatten().tolist()
             out.pit += (before + v * px).flatten().tolist()
@@ -280,12 +320,12 @@ def exact_sequence_law(model, prompt: list[int], params: SamplingParams, m: int)
         p = probs_from_logits(model(input_ids=ids, logits_to_keep=1).logits[:, -1].float(), params).double()
         V = p.shape[-1]
         joint = (joint.unsqueeze(1) * p).reshape(-1)
-        prefixes = torch.cat([prefixes.repeat_interleave(V, 0),
-                              torch.arange(V, device=dev).repeat(n).unsqueeze(1)], 1)
+        prefixes = torch.cat([prefixes.repeat_interleave(V, 0), torch.arange(V, device=dev).repeat(n).unsqueeze(1)], 1)
     return joint.cpu().numpy()
 
 
 # --- the certificate -----------------------------------------------------------------------------------------
+
 
 @dataclass
 class TestResult:
@@ -346,10 +386,16 @@ class GenerateReport:
     def power_note(self) -> str:
         if self.conclusive:
             return ""
-        need = (f"; about N = {self.samples_needed} continuations per prompt would detect TV {TARGET_TV} with "
-                f"power {self.power}" if self.samples_needed else "")
-        return (f"INCONCLUSIVE: with N = {self.samples} continuations per prompt a first-token test has no power "
-                f"(it cannot detect any deviation){need}.")
+        need = (
+            f"; about N = {self.samples_needed} continuations per prompt would detect TV {TARGET_TV} with "
+            f"power {self.power}"
+            if self.samples_needed
+            else ""
+        )
+        return (
+            f"INCONCLUSIVE: with N = {self.samples} continuations per prompt a first-token test has no power "
+            f"(it cannot detect any deviation){need}."
+        )
 
     def to_json(self) -> dict:
         d = asdict(self)
@@ -358,32 +404,45 @@ class GenerateReport:
         return d
 
     def to_markdown(self) -> str:
-        lines = [f"# verispec certify generate: **{self.verdict}**", "",
-                 f"method: {self.method}; target `{self.target}`; params {self.params}", "",
-                 f"{self.prompts} prompt(s) x N = {self.samples} continuations x L = {self.length} tokens; "
-                 f"{len(self.tests)} tests, Holm-corrected at family-wise level {self.level}; power {self.power} for "
-                 f"the detectable effects (each at the Bonferroni level); seed {self.seed}; {self.seconds:.0f} s."]
+        lines = [
+            f"# verispec certify generate: **{self.verdict}**",
+            "",
+            f"method: {self.method}; target `{self.target}`; params {self.params}",
+            "",
+            f"{self.prompts} prompt(s) x N = {self.samples} continuations x L = {self.length} tokens; "
+            f"{len(self.tests)} tests, Holm-corrected at family-wise level {self.level}; power {self.power} for "
+            f"the detectable effects (each at the Bonferroni level); seed {self.seed}; {self.seconds:.0f} s.",
+        ]
         if not self.conclusive:
             lines += ["", self.power_note()]
         if self.acceptance:
-            lines += ["", f"acceptance rate {self.acceptance_rate:.3f}, tau {self.tau:.2f} tokens per target pass; "
-                          f"per position: {' '.join(f'{a:.2f}' for a in self.acceptance)}"]
+            lines += [
+                "",
+                f"acceptance rate {self.acceptance_rate:.3f}, tau {self.tau:.2f} tokens per target pass; "
+                f"per position: {' '.join(f'{a:.2f}' for a in self.acceptance)}",
+            ]
         if self.errors:
             lines += ["", "## Errors", ""] + [f"- {e}" for e in self.errors]
-        lines += ["", "| test | kind | statistic | n | p-value | Holm p | detectable effect | verdict |",
-                  "|---|---|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            "| test | kind | statistic | n | p-value | Holm p | detectable effect | verdict |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
         for t in self.tests:
             mark = "**reject**" if t.holm_pvalue < self.level else "ok" if t.powered else "no power"
-            lines.append(f"| {t.name} | {t.kind} | {t.statistic:.3g} | {t.n} | {t.pvalue:.3g} | {t.holm_pvalue:.3g} | "
-                         f"{t.detectable:.4g} {t.effect} | {mark} |")
+            lines.append(
+                f"| {t.name} | {t.kind} | {t.statistic:.3g} | {t.n} | {t.pvalue:.3g} | {t.holm_pvalue:.3g} | "
+                f"{t.detectable:.4g} {t.effect} | {mark} |"
+            )
         return "\n".join(lines) + "\n"
 
 
 def _progress():
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-                    transient=True)
+    return Progress(
+        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(), transient=True
+    )
 
 
 _WORKER: dict = {}
@@ -399,14 +458,26 @@ def _worker_run(task):
     return tokens, stats
 
 
-def draw_samples(spec: MethodSpec, prompts: list[list[int]], params: SamplingParams, n: int, length: int,
-                 seed: int, workers: int = 1, chunk: int = 16, label: str = "sampling", show_progress: bool = True,
-                 sample_fn: SampleFn | None = None):
+def draw_samples(
+    spec: MethodSpec,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    n: int,
+    length: int,
+    seed: int,
+    workers: int = 1,
+    chunk: int = 16,
+    label: str = "sampling",
+    show_progress: bool = True,
+    sample_fn: SampleFn | None = None,
+):
     """N continuations per prompt: returns samples[prompt][i] (token lists) and the pooled SpecStats (or None)."""
-    from ..engine.stats import SpecStats
 
-    tasks = [(j, list(prompts[j]), params, list(range(seed + j * n + i, seed + j * n + min(i + chunk, n))), length)
-             for j in range(len(prompts)) for i in range(0, n, chunk)]
+    tasks = [
+        (j, list(prompts[j]), params, list(range(seed + j * n + i, seed + j * n + min(i + chunk, n))), length)
+        for j in range(len(prompts))
+        for i in range(0, n, chunk)
+    ]
     samples: list[list[list[int]]] = [[] for _ in prompts]
     pooled = SpecStats()
     seen_stats = False
@@ -420,8 +491,9 @@ def draw_samples(spec: MethodSpec, prompts: list[list[int]], params: SamplingPar
             import multiprocessing as mp
 
             wspec = replace(spec, threads=max(1, (os.cpu_count() or 1) // workers))
-            pool = ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=_worker_init,
-                                       initargs=(wspec,))
+            pool = ProcessPoolExecutor(
+                workers, mp_context=mp.get_context("spawn"), initializer=_worker_init, initargs=(wspec,)
+            )
             results = pool.map(_worker_run, [t[1:] for t in tasks])
         else:
             fn = sample_fn or build_method(spec)
@@ -441,11 +513,24 @@ def draw_samples(spec: MethodSpec, prompts: list[list[int]], params: SamplingPar
     return samples, (pooled if seen_stats else None)
 
 
-def certify_generate(spec: MethodSpec, prompts: list[list[int]], params: SamplingParams, *, samples: int = DEFAULT_SAMPLES,
-                     length: int = DEFAULT_LENGTH, level: float = 0.01, power: float = 0.99, seed: int = 0, workers: int = 1,
-                     two_sample_tokens: int = 2, sequence_tokens: int = 2, reference=None,
-                     show_progress: bool = True, sample_fn: SampleFn | None = None,
-                     reference_fn: SampleFn | None = None) -> GenerateReport:
+def certify_generate(
+    spec: MethodSpec,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    *,
+    samples: int = DEFAULT_SAMPLES,
+    length: int = DEFAULT_LENGTH,
+    level: float = 0.01,
+    power: float = 0.99,
+    seed: int = 0,
+    workers: int = 1,
+    two_sample_tokens: int = 2,
+    sequence_tokens: int = 2,
+    reference=None,
+    show_progress: bool = True,
+    sample_fn: SampleFn | None = None,
+    reference_fn: SampleFn | None = None,
+) -> GenerateReport:
     """Run the generator certificate. `reference`: the scoring model (a LoadedModel in float32; loaded from
     spec.target when None). `two_sample_tokens`: m for test (d) (0 = off; skipped for plain methods).
     `sequence_tokens`: m for the whole-sequence test (a) (only when V^m <= 4096)."""
@@ -453,8 +538,18 @@ def certify_generate(spec: MethodSpec, prompts: list[list[int]], params: Samplin
     t0 = time.perf_counter()
     ref = reference if reference is not None else _load(spec.target, "float32")
     model = ref.model
-    got, stats = draw_samples(spec, prompts, params, samples, length, seed, workers, sample_fn=sample_fn,
-                              show_progress=show_progress, label=spec.label())
+    got, stats = draw_samples(
+        spec,
+        prompts,
+        params,
+        samples,
+        length,
+        seed,
+        workers,
+        sample_fn=sample_fn,
+        show_progress=show_progress,
+        label=spec.label(),
+    )
     V = model.get_output_embeddings().weight.shape[0]
     errors = _sample_errors(got, length, V)
     sc = Scores()
@@ -466,9 +561,18 @@ def certify_generate(spec: MethodSpec, prompts: list[list[int]], params: Samplin
     if two_sample_tokens > 0 and spec.method != "plain":
         ref_spec = MethodSpec(method="plain", target=spec.target, runner=spec.runner)
         m = min(length, two_sample_tokens)
-        ref_samples, _ = draw_samples(ref_spec, prompts, params, samples, m, seed + 7_919_000, workers,
-                                      sample_fn=reference_fn, show_progress=show_progress,
-                                      label="plain decoding (two-sample reference)")
+        ref_samples, _ = draw_samples(
+            ref_spec,
+            prompts,
+            params,
+            samples,
+            m,
+            seed + 7_919_000,
+            workers,
+            sample_fn=reference_fn,
+            show_progress=show_progress,
+            label="plain decoding (two-sample reference)",
+        )
         _two_sample_tests(got, ref_samples, m, V, tests, laws)
     per_test = level / len(tests)
     for t, law, n in laws:
@@ -478,17 +582,33 @@ def certify_generate(spec: MethodSpec, prompts: list[list[int]], params: Samplin
     for t, a in zip(tests, holm([t.pvalue for t in tests])):
         t.holm_pvalue = float(a)
     acc = stats.per_position_acceptance if stats is not None and stats.drafted else []
-    return GenerateReport(method=spec.label(), target=spec.target, params=asdict(params), prompts=len(prompts),
-                          samples=samples, length=length, level=level, power=power, seed=seed, tests=tests,
-                          acceptance=acc, acceptance_rate=stats.acceptance_rate if acc else float("nan"),
-                          tau=stats.tau if acc else float("nan"), pit=sc.pit, seconds=time.perf_counter() - t0,
-                          errors=errors, samples_needed=_samples_needed(laws, samples, per_test, power))
+    return GenerateReport(
+        method=spec.label(),
+        target=spec.target,
+        params=asdict(params),
+        prompts=len(prompts),
+        samples=samples,
+        length=length,
+        level=level,
+        power=power,
+        seed=seed,
+        tests=tests,
+        acceptance=acc,
+        acceptance_rate=stats.acceptance_rate if acc else float("nan"),
+        tau=stats.tau if acc else float("nan"),
+        pit=sc.pit,
+        seconds=time.perf_counter() - t0,
+        errors=errors,
+        samples_needed=_samples_needed(laws, samples, per_test, power),
+    )
 
 
 def _check_request(params: SamplingParams, samples: int, length: int, prompts: list, level: float) -> None:
     if params.repetition_penalty != 1.0 or params.presence_penalty or params.frequency_penalty:
-        raise ValueError("certify generate scores tokens under temperature / top-k / top-p / min-p only; penalties "
-                         "make the target's law depend on the whole output and are not supported here")
+        raise ValueError(
+            "certify generate scores tokens under temperature / top-k / top-p / min-p only; penalties "
+            "make the target's law depend on the whole output and are not supported here"
+        )
     if samples < 20 or length < 1:
         raise ValueError(f"need samples >= 20 and length >= 1, got {samples} and {length}")
     if not prompts:
@@ -523,10 +643,10 @@ def _exact_tests(model, prompts, got, params, rng, sc: Scores, m: int):
         g = chisquare_gof(counts, first / first.sum())
         tests.append(TestResult(f"prompt{j}/first-token", "first-token", g.statistic, g.pvalue, g.n, 0.0, "TV"))
         laws.append((tests[-1], first / first.sum(), g.n))
-        if m >= 2 and V ** m <= 4096 and all(len(s) >= m for s in group):
+        if m >= 2 and V**m <= 4096 and all(len(s) >= m for s in group):
             law = exact_sequence_law(model, prompts[j], params, m)
             idx = np.array([sum(t * V ** (m - 1 - i) for i, t in enumerate(s[:m])) for s in group])
-            g = chisquare_gof(np.bincount(idx, minlength=V ** m), law / law.sum())
+            g = chisquare_gof(np.bincount(idx, minlength=V**m), law / law.sum())
             tests.append(TestResult(f"prompt{j}/first-{m}-tokens", "sequence", g.statistic, g.pvalue, g.n, 0.0, "TV"))
             laws.append((tests[-1], law / law.sum(), g.n))
     return tests, laws
@@ -539,8 +659,9 @@ def _two_sample_tests(got, ref_samples, m: int, V: int, tests: list[TestResult],
             ca = np.bincount([s[t] for s in a if len(s) > t], minlength=V)[:V]
             cb = np.bincount([s[t] for s in b if len(s) > t], minlength=V)[:V]
             g = chisquare_two_sample(ca, cb)
-            tests.append(TestResult(f"prompt{j}/two-sample-pos{t}", "two-sample", g.statistic, g.pvalue, g.n,
-                                    0.0, "TV"))
+            tests.append(
+                TestResult(f"prompt{j}/two-sample-pos{t}", "two-sample", g.statistic, g.pvalue, g.n, 0.0, "TV")
+            )
             pooled = (ca + cb) / max(1, (ca + cb).sum())
             laws.append((tests[-1], pooled, ca.sum() * cb.sum() / max(1, ca.sum() + cb.sum())))
 
@@ -580,8 +701,9 @@ def write_report(report: GenerateReport, out: str | Path) -> list[Path]:
     axes[1].set_xlabel("draft position")
     names = [t.name for t in report.tests]
     vals = [-math.log10(max(t.holm_pvalue, 1e-300)) for t in report.tests]
-    axes[2].barh(range(len(vals)), vals, color=["tab:red" if t.holm_pvalue < report.level else "tab:gray"
-                                                for t in report.tests])
+    axes[2].barh(
+        range(len(vals)), vals, color=["tab:red" if t.holm_pvalue < report.level else "tab:gray" for t in report.tests]
+    )
     axes[2].axvline(-math.log10(report.level), color="k", ls="--", lw=1, label=f"level {report.level}")
     axes[2].set_yticks(range(len(vals)), names, fontsize=7)
     axes[2].set_title("-log10 Holm p-value")

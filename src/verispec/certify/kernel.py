@@ -91,35 +91,65 @@ def default_cases(vocab: int = 32, seed: int = 0) -> list[KernelCase]:
         return _softmax(scale * torch.randn(rows, V, generator=g, dtype=torch.float64))
 
     cases = []
-    for name, scale, k in [("random", 2.0, 4), ("random-low-entropy", 5.0, 4), ("random-high-entropy", 0.3, 4),
-                           ("random", 2.0, 1), ("random", 2.0, 8)]:
-        cases.append(KernelCase(f"{name}-k{k}", rnd(k + 1, scale), rnd(k, scale),
-                                description=f"p, q = softmax({scale} * N(0, 1))"))
+    for name, scale, k in [
+        ("random", 2.0, 4),
+        ("random-low-entropy", 5.0, 4),
+        ("random-high-entropy", 0.3, 4),
+        ("random", 2.0, 1),
+        ("random", 2.0, 8),
+    ]:
+        cases.append(
+            KernelCase(
+                f"{name}-k{k}", rnd(k + 1, scale), rnd(k, scale), description=f"p, q = softmax({scale} * N(0, 1))"
+            )
+        )
     p = rnd(5, 2.0)
     q = (1 / p[:4]) / (1 / p[:4]).sum(-1, keepdim=True)
     cases.append(KernelCase("adversarial-k4", p, q, description="q proportional to 1 / p"))
     p, q = rnd(5, 2.0), rnd(4, 2.0)
     p[:, : V // 2] = 0  # p lives on the upper half, q on the lower three quarters
-    q[:, 3 * V // 4:] = 0
-    cases.append(KernelCase("sparse-disjoint-zeros-k4", p / p.sum(-1, keepdim=True), q / q.sum(-1, keepdim=True),
-                            description="p = 0 on half the tokens, q = 0 on another quarter"))
+    q[:, 3 * V // 4 :] = 0
+    cases.append(
+        KernelCase(
+            "sparse-disjoint-zeros-k4",
+            p / p.sum(-1, keepdim=True),
+            q / q.sum(-1, keepdim=True),
+            description="p = 0 on half the tokens, q = 0 on another quarter",
+        )
+    )
     p = rnd(5, 2.0)
     cases.append(KernelCase("equal-k4", p, p[:4].clone(), description="p == q (Z = 0 everywhere)"))
     p = rnd(5, 2.0)
     p[1, 3] = 0
     p = p / p.sum(-1, keepdim=True)
     ids = torch.tensor([int(p[0].argmax()), 3, int(p[2].argmin()), int(p[3].argmax())])
-    cases.append(KernelCase("onehot-k4", p, None, ids,
-                            description="deterministic drafts: likely, p = 0, unlikely, likely"))
+    cases.append(
+        KernelCase("onehot-k4", p, None, ids, description="deterministic drafts: likely, p = 0, unlikely, likely")
+    )
     params = SamplingParams(temperature=0.8, top_k=max(2, V // 4), top_p=0.9)
     pt = probs_from_logits(2 * torch.randn(1, 5, V, generator=g), params)[0].double()
     qt = probs_from_logits(2 * torch.randn(1, 4, V, generator=g), params)[0].double()
-    cases.append(KernelCase("truncated-k4", pt / pt.sum(-1, keepdim=True), qt / qt.sum(-1, keepdim=True),
-                            description="temperature 0.8, top-k, top-p 0.9 on both"))
-    cases.append(KernelCase("ragged-k8", rnd(9, 2.0), rnd(8, 2.0), ragged=True,
-                            description="rows with 0..8 drafts in one batch"))
-    cases.append(KernelCase("ragged-onehot-k4", cases[8].p, None, cases[8].onehot_ids, ragged=True,
-                            description="one-hot drafts, rows with 0..4 drafts"))
+    cases.append(
+        KernelCase(
+            "truncated-k4",
+            pt / pt.sum(-1, keepdim=True),
+            qt / qt.sum(-1, keepdim=True),
+            description="temperature 0.8, top-k, top-p 0.9 on both",
+        )
+    )
+    cases.append(
+        KernelCase("ragged-k8", rnd(9, 2.0), rnd(8, 2.0), ragged=True, description="rows with 0..8 drafts in one batch")
+    )
+    cases.append(
+        KernelCase(
+            "ragged-onehot-k4",
+            cases[8].p,
+            None,
+            cases[8].onehot_ids,
+            ragged=True,
+            description="one-hot drafts, rows with 0..4 drafts",
+        )
+    )
     return cases
 
 
@@ -130,18 +160,23 @@ def _call(sampler: Sampler, target: Tensor, ids: Tensor, q: Tensor | None, nd: T
     elif hasattr(out, "token_ids") and hasattr(out, "num_accepted"):
         tok, na = out.token_ids, out.num_accepted
     else:
-        raise TypeError(f"the sampler returned {type(out).__name__}; expected an object with .token_ids and "
-                        ".num_accepted, or a tuple (token_ids, num_accepted)")
+        raise TypeError(
+            f"the sampler returned {type(out).__name__}; expected an object with .token_ids and "
+            ".num_accepted, or a tuple (token_ids, num_accepted)"
+        )
     tok, na = torch.as_tensor(tok).long().cpu(), torch.as_tensor(na).long().cpu()
     B, k1 = ids.shape[0], ids.shape[1] + 1
     if tuple(tok.shape) != (B, k1) or tuple(na.shape) != (B,):
-        raise ValueError(f"the sampler returned token_ids {tuple(tok.shape)} and num_accepted {tuple(na.shape)}; "
-                         f"expected [{B}, {k1}] and [{B}]")
+        raise ValueError(
+            f"the sampler returned token_ids {tuple(tok.shape)} and num_accepted {tuple(na.shape)}; "
+            f"expected [{B}, {k1}] and [{B}]"
+        )
     return tok, na
 
 
-def run_case(sampler: Sampler, case: KernelCase, n: int, seed: int = 0, chunk: int = 50_000,
-             dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor, Tensor]:
+def run_case(
+    sampler: Sampler, case: KernelCase, n: int, seed: int = 0, chunk: int = 50_000, dtype: torch.dtype = torch.float32
+) -> tuple[Tensor, Tensor, Tensor]:
     """Draw n independent speculative steps of `case` from `sampler`, in chunks of `chunk` rows.
 
     Returns token_ids [n, k + 1], num_accepted [n], num_draft [n] (int64, CPU). Drafts are sampled from q
@@ -155,8 +190,11 @@ def run_case(sampler: Sampler, case: KernelCase, n: int, seed: int = 0, chunk: i
     for start in range(0, n, chunk):
         m = min(chunk, n - start)
         if case.q is not None:
-            ids = (torch.stack([torch.multinomial(case.q[j], m, replacement=True, generator=gen) for j in range(k)], 1)
-                   if k else torch.empty((m, 0), dtype=torch.int64))
+            ids = (
+                torch.stack([torch.multinomial(case.q[j], m, replacement=True, generator=gen) for j in range(k)], 1)
+                if k
+                else torch.empty((m, 0), dtype=torch.int64)
+            )
             q = case.q.to(dtype).unsqueeze(0).expand(m, k, V).contiguous()
         else:
             ids = case.onehot_ids.unsqueeze(0).expand(m, k).contiguous()
@@ -196,8 +234,9 @@ def _residual(p_j: Tensor, q_j: Tensor) -> Tensor:
     return r / r.sum()
 
 
-def position_tests(case: KernelCase, token_ids: Tensor, num_accepted: Tensor, num_draft: Tensor
-                   ) -> dict[str, tuple[GofResult, np.ndarray]]:
+def position_tests(
+    case: KernelCase, token_ids: Tensor, num_accepted: Tensor, num_draft: Tensor
+) -> dict[str, tuple[GofResult, np.ndarray]]:
     """Chi-square goodness of fit, each with the exact law it tests against:
     posJ: token at every emitted position J vs p[J]; recoveredJ: token drawn at a rejection at J vs the residual;
     bonus: token after all k drafts were accepted vs p[k]; num_accepted: accepted drafts (rows with k drafts)."""
@@ -301,13 +340,21 @@ class KernelReport:
     def power_note(self) -> str:
         """One line on the certificate's strength: what a PASS detects, or why it is INCONCLUSIVE."""
         if self.conclusive:
-            return (f"detects any deviation of the first-position law with TV >= {self.headline_tv():.4f} "
-                    f"(power {self.power}, every case)")
+            return (
+                f"detects any deviation of the first-position law with TV >= {self.headline_tv():.4f} "
+                f"(power {self.power}, every case)"
+            )
         weak = sorted(t.case for t in self.tests if is_first_position(t.test) and not has_power(t.detectable_tv))
-        need = (f"; about {self.samples_needed} samples per case would detect TV {TARGET_TV} with power "
-                f"{self.power} in every case" if self.samples_needed else "")
-        return (f"INCONCLUSIVE: with {self.samples_per_case} samples per case the first-position test of "
-                f"{', '.join(weak) or 'some case'} has no power (it cannot detect any deviation){need}")
+        need = (
+            f"; about {self.samples_needed} samples per case would detect TV {TARGET_TV} with power "
+            f"{self.power} in every case"
+            if self.samples_needed
+            else ""
+        )
+        return (
+            f"INCONCLUSIVE: with {self.samples_per_case} samples per case the first-position test of "
+            f"{', '.join(weak) or 'some case'} has no power (it cannot detect any deviation){need}"
+        )
 
     def to_json(self) -> dict:
         d = asdict(self)
@@ -316,30 +363,41 @@ class KernelReport:
         return d
 
     def to_markdown(self) -> str:
-        lines = [f"# verispec certify kernel: **{self.verdict}**", "",
-                 f"sampler `{self.sampler}`; {len(self.cases)} cases x {self.samples_per_case} speculative steps; "
-                 f"{len(self.tests)} chi-square tests, Holm-corrected at family-wise level {self.level}; seed "
-                 f"{self.seed}; {self.seconds:.1f} s.", "",
-                 f"Detectable effect: {self.power_note()}. Worst case over cases and directions of deviation; per "
-                 f"test below, at the Bonferroni level {self.level / max(1, len(self.tests)):.2g} ('no power': "
-                 "too few samples reached the test to detect anything).", ""]
+        lines = [
+            f"# verispec certify kernel: **{self.verdict}**",
+            "",
+            f"sampler `{self.sampler}`; {len(self.cases)} cases x {self.samples_per_case} speculative steps; "
+            f"{len(self.tests)} chi-square tests, Holm-corrected at family-wise level {self.level}; seed "
+            f"{self.seed}; {self.seconds:.1f} s.",
+            "",
+            f"Detectable effect: {self.power_note()}. Worst case over cases and directions of deviation; per "
+            f"test below, at the Bonferroni level {self.level / max(1, len(self.tests)):.2g} ('no power': "
+            "too few samples reached the test to detect anything).",
+            "",
+        ]
         if self.errors:
             lines += ["## Errors", ""] + [f"- {e}" for e in self.errors] + [""]
-        lines += ["| case | test | n | chi2 | dof | p-value | Holm p | detectable TV | verdict |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+        lines += [
+            "| case | test | n | chi2 | dof | p-value | Holm p | detectable TV | verdict |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
         for t in self.tests:
             mark = "**reject**" if t.holm_pvalue < self.level else "ok" if has_power(t.detectable_tv) else "no power"
             imp = f" ({t.impossible} impossible)" if t.impossible else ""
-            lines.append(f"| {_cell(t.case)} | {_cell(t.test)} | {t.n} | {t.statistic:.1f}{imp} | {t.dof} | "
-                         f"{t.pvalue:.3g} | {t.holm_pvalue:.3g} | {t.detectable_tv:.4f} | {mark} |")
-        lines += ["", "## Cases", ""] + [f"- `{c['name']}` (k = {c['k']}, V = {c['vocab']}"
-                                         f"{', ragged' if c['ragged'] else ''}): {c['description']}"
-                                         for c in self.cases]
+            lines.append(
+                f"| {_cell(t.case)} | {_cell(t.test)} | {t.n} | {t.statistic:.1f}{imp} | {t.dof} | "
+                f"{t.pvalue:.3g} | {t.holm_pvalue:.3g} | {t.detectable_tv:.4f} | {mark} |"
+            )
+        lines += ["", "## Cases", ""] + [
+            f"- `{c['name']}` (k = {c['k']}, V = {c['vocab']}{', ragged' if c['ragged'] else ''}): {c['description']}"
+            for c in self.cases
+        ]
         return "\n".join(lines) + "\n"
 
 
-def assess(rows: list[TestRow], laws: list[tuple[np.ndarray, float]], samples: int, level: float,
-           power: float) -> int | None:
+def assess(
+    rows: list[TestRow], laws: list[tuple[np.ndarray, float]], samples: int, level: float, power: float
+) -> int | None:
     """Fill in each row's Holm p-value and detectable TV (law, and the sample size n_law that law is tested at);
     returns the samples per case at which every first-position test detects TARGET_TV, when one has no power
     now (None otherwise)."""
@@ -350,14 +408,21 @@ def assess(rows: list[TestRow], laws: list[tuple[np.ndarray, float]], samples: i
     first = [(r, law, n_law) for r, (law, n_law) in zip(rows, laws) if is_first_position(r.test)]
     if all(has_power(r.detectable_tv) for r, _, _ in first):
         return None
-    needed = [samples_to_detect(law, TARGET_TV, per_test, power) * samples / max(n_law, 1)
-              for _, law, n_law in first]
+    needed = [samples_to_detect(law, TARGET_TV, per_test, power) * samples / max(n_law, 1) for _, law, n_law in first]
     return math.ceil(max(needed)) if needed and all(map(math.isfinite, needed)) else None
 
 
-def certify_kernel(sampler: Sampler, *, cases: Sequence[KernelCase] | None = None, samples: int = DEFAULT_SAMPLES,
-                   level: float = DEFAULT_LEVEL, power: float = POWER, seed: int = 0, name: str | None = None,
-                   progress: Callable[[str], None] | None = None) -> KernelReport:
+def certify_kernel(
+    sampler: Sampler,
+    *,
+    cases: Sequence[KernelCase] | None = None,
+    samples: int = DEFAULT_SAMPLES,
+    level: float = DEFAULT_LEVEL,
+    power: float = POWER,
+    seed: int = 0,
+    name: str | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> KernelReport:
     """Run the battery on `sampler` and return the report (verdict, every test, detectable effects)."""
     if not 0 < level < 1:
         raise ValueError(f"level must lie in (0, 1), got {level}")
@@ -386,12 +451,29 @@ def certify_kernel(sampler: Sampler, *, cases: Sequence[KernelCase] | None = Non
         for test, (res, law) in position_tests(case, tok, na, nd).items():
             rows.append(TestRow(case.name, test, res.n, res.statistic, res.dof, res.pvalue, res.impossible, 0.0))
             laws.append((law, res.n))
-        meta.append(dict(name=case.name, k=case.k, vocab=case.vocab, ragged=case.ragged,
-                         description=case.description, seconds=time.perf_counter() - t1))
+        meta.append(
+            dict(
+                name=case.name,
+                k=case.k,
+                vocab=case.vocab,
+                ragged=case.ragged,
+                description=case.description,
+                seconds=time.perf_counter() - t1,
+            )
+        )
     needed = assess(rows, laws, samples, level, power)
-    return KernelReport(sampler=name or _name(sampler), level=level, power=power, samples_per_case=samples, seed=seed,
-                        cases=meta, tests=rows, errors=errors, seconds=time.perf_counter() - t0,
-                        samples_needed=needed)
+    return KernelReport(
+        sampler=name or _name(sampler),
+        level=level,
+        power=power,
+        samples_per_case=samples,
+        seed=seed,
+        cases=meta,
+        tests=rows,
+        errors=errors,
+        seconds=time.perf_counter() - t0,
+        samples_needed=needed,
+    )
 
 
 def _name(fn) -> str:

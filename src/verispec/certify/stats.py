@@ -12,9 +12,20 @@ from dataclasses import dataclass
 import numpy as np
 from scipy import stats
 
-__all__ = ["GofResult", "LikelihoodResult", "UniformityResult", "chisquare_gof", "chisquare_power",
-           "chisquare_two_sample", "detectable_tv", "holm", "loglik_test", "merge_small_bins", "pit_uniformity",
-           "samples_to_detect"]
+__all__ = [
+    "GofResult",
+    "LikelihoodResult",
+    "UniformityResult",
+    "chisquare_gof",
+    "chisquare_power",
+    "chisquare_two_sample",
+    "detectable_tv",
+    "holm",
+    "loglik_test",
+    "merge_small_bins",
+    "pit_uniformity",
+    "samples_to_detect",
+]
 
 
 @dataclass(frozen=True)
@@ -77,8 +88,7 @@ def chisquare_gof(counts: np.ndarray, probs: np.ndarray, min_expected: float = 5
     return GofResult(stat, dof, float(stats.chi2.sf(stat, dof)), n, 0)
 
 
-def chisquare_power(probs: np.ndarray, alt_probs: np.ndarray, n: int, level: float,
-                    min_expected: float = 5.0) -> float:
+def chisquare_power(probs: np.ndarray, alt_probs: np.ndarray, n: int, level: float, min_expected: float = 5.0) -> float:
     """Power of `chisquare_gof` at sample size n when the data really follow `alt_probs`.
 
     Noncentral chi-square approximation on the same merged bins: lambda = n * sum (a - p)^2 / p.
@@ -101,6 +111,7 @@ def chisquare_power(probs: np.ndarray, alt_probs: np.ndarray, n: int, level: flo
 
 
 # --- multiple testing and detectable effects ------------------------------------------------------------
+
 
 def holm(pvalues) -> np.ndarray:
     """Holm's step-down adjusted p-values (family-wise error control, any dependence between the tests).
@@ -129,8 +140,7 @@ def _ncx2_lambda_for_power(dof: int, level: float, power: float) -> float:
     return float(brentq(lambda lam: stats.ncx2.sf(crit, dof, lam) - power, 1e-9, hi))
 
 
-def detectable_tv(probs: np.ndarray, n: float, level: float, power: float = 0.99,
-                  min_expected: float = 5.0) -> float:
+def detectable_tv(probs: np.ndarray, n: float, level: float, power: float = 0.99, min_expected: float = 5.0) -> float:
     """Smallest total-variation deviation from `probs` that `chisquare_gof` detects with `power` at `level`.
 
     Any alternative a with TV(a, p) = d on the merged bins has chi-square divergence sum (a - p)^2 / p >= 4 d^2
@@ -154,8 +164,9 @@ def detectable_tv(probs: np.ndarray, n: float, level: float, power: float = 0.99
     return float(min(1.0, 0.5 * np.sqrt(lam / n)))
 
 
-def samples_to_detect(probs: np.ndarray, tv: float, level: float, power: float = 0.99,
-                      min_expected: float = 5.0, max_n: float = 1e12) -> float:
+def samples_to_detect(
+    probs: np.ndarray, tv: float, level: float, power: float = 0.99, min_expected: float = 5.0, max_n: float = 1e12
+) -> float:
     """Smallest n (to within 1%) at which `detectable_tv(probs, n, level, power)` is <= tv; inf beyond max_n."""
     if not 0 < tv <= 1:
         raise ValueError(f"tv must lie in (0, 1], got {tv}")
@@ -171,6 +182,7 @@ def samples_to_detect(probs: np.ndarray, tv: float, level: float, power: float =
 
 
 # --- two-sample, PIT and likelihood tests (the generator certificate) -----------------------------------
+
 
 def chisquare_two_sample(counts_a: np.ndarray, counts_b: np.ndarray, min_expected: float = 5.0) -> GofResult:
     """Chi-square test of homogeneity: are two count vectors (same outcome space) draws from one law?
@@ -190,8 +202,12 @@ def chisquare_two_sample(counts_a: np.ndarray, counts_b: np.ndarray, min_expecte
     if g < 2:
         return GofResult(0.0, 0, 1.0, int(na + nb), 0)
     keep = labels >= 0
-    table = np.stack([np.bincount(labels[keep], weights=a[keep], minlength=g),
-                      np.bincount(labels[keep], weights=b[keep], minlength=g)])
+    table = np.stack(
+        [
+            np.bincount(labels[keep], weights=a[keep], minlength=g),
+            np.bincount(labels[keep], weights=b[keep], minlength=g),
+        ]
+    )
     stat, pvalue, dof, _ = stats.chi2_contingency(table, correction=False)
     return GofResult(float(stat), int(dof), float(pvalue), int(na + nb), 0)
 
@@ -257,5 +273,6 @@ def loglik_test(logp: np.ndarray, expected: np.ndarray, variance: np.ndarray) ->
         bad = bool(np.abs(excess).max() > 1e-9)
         return LikelihoodResult(0.0, 0.0 if bad else 1.0, n, float(excess.mean()), 0.0, 0)
     z = float(excess.sum() / np.sqrt(total_var))
-    return LikelihoodResult(z, float(2 * stats.norm.sf(abs(z))), n, float(excess.mean()),
-                            float(np.sqrt(total_var / n)), 0)
+    return LikelihoodResult(
+        z, float(2 * stats.norm.sf(abs(z))), n, float(excess.mean()), float(np.sqrt(total_var / n)), 0
+    )

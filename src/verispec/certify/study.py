@@ -29,10 +29,12 @@ __all__ = ["VARIANTS", "StudyRow", "run_study", "study_markdown"]
 # name -> (description, lossless by construction, MethodSpec overrides)
 VARIANTS: dict[str, tuple[str, bool, dict]] = {
     "exact": ("verispec, exact rule (control)", True, {}),
-    "temperature-mismatch": ("temperature mismatch: q taken before temperature 0.7 (drafts sampled after it)", False,
-                             {"verifier": "q_before_temperature"}),
-    "draft-bf16": ("draft model run in bf16 (q = what the bf16 draft sampled from)", True,
-                   {"draft_dtype": "bfloat16"}),
+    "temperature-mismatch": (
+        "temperature mismatch: q taken before temperature 0.7 (drafts sampled after it)",
+        False,
+        {"verifier": "q_before_temperature"},
+    ),
+    "draft-bf16": ("draft model run in bf16 (q = what the bf16 draft sampled from)", True, {"draft_dtype": "bfloat16"}),
     "target-bf16": ("target probabilities computed in bf16", False, {"dtype": "bfloat16", "runner": "hf"}),
     "target-fp16": ("target probabilities computed in fp16", False, {"dtype": "float16", "runner": "hf"}),
     "lenient-0.5": ("lenient acceptance, l = 0.5", False, {"verifier": "lenient:0.5"}),
@@ -54,8 +56,9 @@ class StudyRow:
 
 
 @torch.no_grad()
-def _probs(model, prompts: list[list[int]], samples: list[list[list[int]]], params: SamplingParams,
-           vocab: int) -> torch.Tensor:
+def _probs(
+    model, prompts: list[list[int]], samples: list[list[list[int]]], params: SamplingParams, vocab: int
+) -> torch.Tensor:
     """Processed distributions at every context prompt + s[:t] (t = 0..len(s)-1), one forward per continuation:
     [contexts, vocab] float64, in (prompt, sample, position) order."""
     out = []
@@ -64,7 +67,7 @@ def _probs(model, prompts: list[list[int]], samples: list[list[list[int]]], para
             if not s:
                 continue
             ids = torch.tensor([prompt + s[:-1]])
-            logits = model(input_ids=ids, logits_to_keep=len(s)).logits[0, -len(s):, :vocab].float()
+            logits = model(input_ids=ids, logits_to_keep=len(s)).logits[0, -len(s) :, :vocab].float()
             out.append(probs_from_logits(logits, params).double())
     return torch.cat(out)
 
@@ -73,10 +76,22 @@ def _tv(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:  # [n, V] x2 -> [n]
     return 0.5 * (a - b).abs().sum(-1)
 
 
-def run_study(target: str | None, draft: str, prompts: list[list[int]], params: SamplingParams, *,
-              variants: list[str] | None = None, contexts: int = 16, length: int = 8, certify_samples: int = 0,
-              certify_length: int = 8, gamma: int = 4, level: float = 0.01, seed: int = 0,
-              show_progress: bool = True) -> list[StudyRow]:
+def run_study(
+    target: str | None,
+    draft: str,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    *,
+    variants: list[str] | None = None,
+    contexts: int = 16,
+    length: int = 8,
+    certify_samples: int = 0,
+    certify_length: int = 8,
+    gamma: int = 4,
+    level: float = 0.01,
+    seed: int = 0,
+    show_progress: bool = True,
+) -> list[StudyRow]:
     """Measure each variant's deviation on `contexts` continuations (x `length` positions) per prompt drawn from
     the fp32 target; with certify_samples > 0 also run the generator certificate on each variant."""
     if params.temperature == 0:
@@ -88,8 +103,16 @@ def run_study(target: str | None, draft: str, prompts: list[list[int]], params: 
     ref = _load(target, "float32")
     vocab = min(len(ref.tokenizer), ref.model.get_output_embeddings().weight.shape[0])
     plain = MethodSpec(method="plain", target=target)
-    samples, _ = draw_samples(plain, prompts, params, contexts, length, seed + 4_242_000,
-                              show_progress=show_progress, label="contexts (plain decoding)")
+    samples, _ = draw_samples(
+        plain,
+        prompts,
+        params,
+        contexts,
+        length,
+        seed + 4_242_000,
+        show_progress=show_progress,
+        label="contexts (plain decoding)",
+    )
     p32 = _probs(ref.model, prompts, samples, params, vocab)  # [contexts, V]
     q32 = _probs(_load(draft, "float32").model, prompts, samples, params, vocab)
     rows = []
@@ -116,21 +139,37 @@ def run_study(target: str | None, draft: str, prompts: list[list[int]], params: 
         verdict, det, min_p = "-", float("nan"), float("nan")
         if certify_samples > 0:
             spec = replace(MethodSpec(target=target, draft=draft, gamma=gamma), **overrides)
-            rep = certify_generate(spec, prompts, params, samples=certify_samples, length=certify_length,
-                                   level=level, seed=seed, reference=ref, show_progress=show_progress)
+            rep = certify_generate(
+                spec,
+                prompts,
+                params,
+                samples=certify_samples,
+                length=certify_length,
+                level=level,
+                seed=seed,
+                reference=ref,
+                show_progress=show_progress,
+            )
             verdict = rep.verdict
             det = max(t.detectable for t in rep.tests if t.kind == "first-token")
             min_p = min(t.holm_pvalue for t in rep.tests)
-        rows.append(StudyRow(name, desc, lossless, float(tv.mean()), float(tv.max()), float(alpha.mean()),
-                             verdict, det, min_p))
+        rows.append(
+            StudyRow(name, desc, lossless, float(tv.mean()), float(tv.max()), float(alpha.mean()), verdict, det, min_p)
+        )
     return rows
 
 
 def study_markdown(rows: list[StudyRow], header: str) -> str:
-    lines = [header, "",
-             "| variant | lossless by construction | mean TV per step (max) | alpha | certificate | smallest Holm p | "
-             "detectable TV (first token) |", "|---|---|---|---|---|---|---|"]
+    lines = [
+        header,
+        "",
+        "| variant | lossless by construction | mean TV per step (max) | alpha | certificate | smallest Holm p | "
+        "detectable TV (first token) |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        lines.append(f"| {r.description} | {'yes' if r.lossless_by_construction else 'no'} | {r.mean_tv:.2e} "
-                     f"({r.max_tv:.2e}) | {r.alpha:.3f} | {r.verdict} | {r.min_holm_p:.3g} | {r.detectable_tv:.3f} |")
+        lines.append(
+            f"| {r.description} | {'yes' if r.lossless_by_construction else 'no'} | {r.mean_tv:.2e} "
+            f"({r.max_tv:.2e}) | {r.alpha:.3f} | {r.verdict} | {r.min_holm_p:.3g} | {r.detectable_tv:.3f} |"
+        )
     return "\n".join(lines) + "\n"

@@ -69,7 +69,7 @@ class TreeCase:
 
 
 def _num_contexts(V: int, L: int) -> int:
-    return sum(V ** i for i in range(L))
+    return sum(V**i for i in range(L))
 
 
 def _ctx_child(ctx: Tensor, tok: Tensor, V: int) -> Tensor:
@@ -97,8 +97,17 @@ def default_tree_cases(vocab: int = 6, seed: int = 0) -> list[TreeCase]:
         cases.append(TreeCase(f"{draw}-4-1", (4, 1), draw, p, q, description="p, q independent"))
         p = model(2, 1.5)
         q = (1 / p) / (1 / p).sum(-1, keepdim=True)
-        cases.append(TreeCase(f"{draw}-2-2-ragged-adversarial", (2, 2), draw, p, q, ragged=True,
-                              description="q proportional to 1 / p; rows keep a random prefix of their nodes"))
+        cases.append(
+            TreeCase(
+                f"{draw}-2-2-ragged-adversarial",
+                (2, 2),
+                draw,
+                p,
+                q,
+                ragged=True,
+                description="q proportional to 1 / p; rows keep a random prefix of their nodes",
+            )
+        )
     p = model(2, 1.5)
     p[:, :2] = 0
     p = p / p.sum(-1, keepdim=True)
@@ -133,8 +142,13 @@ def draft_trees(case: TreeCase, rows: int, generator: torch.Generator) -> dict[s
     num_nodes = torch.full((rows,), N, dtype=torch.int64)
     if case.ragged:
         num_nodes = torch.randint(0, N + 1, (rows,), generator=generator)
-    return dict(target_probs=case.p[slot_ctx], draft_token_ids=ids, parents=par, draft_probs=case.q[slot_ctx],
-                num_nodes=num_nodes)
+    return dict(
+        target_probs=case.p[slot_ctx],
+        draft_token_ids=ids,
+        parents=par,
+        draft_probs=case.q[slot_ctx],
+        num_nodes=num_nodes,
+    )
 
 
 def _complete(case: TreeCase, tok: Tensor, na: Tensor, generator: torch.Generator) -> tuple[Tensor, Tensor]:
@@ -172,8 +186,9 @@ def _tests(case: TreeCase, seq: Tensor, emitted: Tensor) -> list[tuple[str, int,
                 n_max, law_max = len(sel), law
         if n_max:
             pv = 0.0 if imp else (float(sps.chi2.sf(stat, dof)) if dof else 1.0)
-            out.append((f"pos{j} | context", int(on.sum()), stat if not imp else float("inf"), dof, pv, imp,
-                        law_max, n_max))
+            out.append(
+                (f"pos{j} | context", int(on.sum()), stat if not imp else float("inf"), dof, pv, imp, law_max, n_max)
+            )
         ctx = _ctx_child(ctx, seq[:, j], V)
     # the joint law of the completed sequence
     joint = torch.ones(1, dtype=torch.float64)
@@ -185,7 +200,7 @@ def _tests(case: TreeCase, seq: Tensor, emitted: Tensor) -> list[tuple[str, int,
     for j in range(L):
         code = code * V + seq[:, j]
     law = joint.numpy()
-    res = chisquare_gof(np.bincount(code.numpy(), minlength=V ** L), law)
+    res = chisquare_gof(np.bincount(code.numpy(), minlength=V**L), law)
     out.append((f"joint (L = {L})", res.n, res.statistic, res.dof, res.pvalue, res.impossible, law, res.n))
     return out
 
@@ -195,10 +210,18 @@ def verispec_tree_sampler(target_probs, draft_token_ids, parents, draft_probs=No
     return verify_tree(target_probs, draft_token_ids, parents, draft_probs, num_nodes, rule=rule)
 
 
-def certify_tree_kernel(sampler: Callable = verispec_tree_sampler, *, rules: Sequence[str] = TREE_RULES,
-                        cases: Sequence[TreeCase] | None = None, samples: int = DEFAULT_TREE_SAMPLES,
-                        level: float = DEFAULT_LEVEL, power: float = POWER, seed: int = 0, name: str | None = None,
-                        progress: Callable[[str], None] | None = None) -> KernelReport:
+def certify_tree_kernel(
+    sampler: Callable = verispec_tree_sampler,
+    *,
+    rules: Sequence[str] = TREE_RULES,
+    cases: Sequence[TreeCase] | None = None,
+    samples: int = DEFAULT_TREE_SAMPLES,
+    level: float = DEFAULT_LEVEL,
+    power: float = POWER,
+    seed: int = 0,
+    name: str | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> KernelReport:
     """Run the tree battery (cases whose drafting rule is in `rules`) on `sampler`; the sampler is called with
     rule = the case's drafting rule."""
     unknown = [r for r in rules if r not in TREE_RULES]
@@ -225,13 +248,29 @@ def certify_tree_kernel(sampler: Callable = verispec_tree_sampler, *, rules: Seq
         for test, n, stat, dof, pv, imp, law, n_law in tests:
             rows.append(TestRow(case.name, test, n, stat, dof, pv, imp, 0.0))
             laws.append((law, n_law))
-        meta.append(dict(name=case.name, k=sum(np.cumprod(case.widths)), vocab=case.vocab, ragged=case.ragged,
-                         description=f"{'-'.join(map(str, case.widths))} tree, children drawn "
-                                     f"{case.draw}; {case.description}", seconds=time.perf_counter() - t1))
+        meta.append(
+            dict(
+                name=case.name,
+                k=sum(np.cumprod(case.widths)),
+                vocab=case.vocab,
+                ragged=case.ragged,
+                description=f"{'-'.join(map(str, case.widths))} tree, children drawn {case.draw}; {case.description}",
+                seconds=time.perf_counter() - t1,
+            )
+        )
     needed = assess(rows, laws, samples, level, power)
-    return KernelReport(sampler=name or _name(sampler), level=level, power=power, samples_per_case=samples,
-                        seed=seed, cases=meta, tests=rows, errors=errors, seconds=time.perf_counter() - t0,
-                        samples_needed=needed)
+    return KernelReport(
+        sampler=name or _name(sampler),
+        level=level,
+        power=power,
+        samples_per_case=samples,
+        seed=seed,
+        cases=meta,
+        tests=rows,
+        errors=errors,
+        seconds=time.perf_counter() - t0,
+        samples_needed=needed,
+    )
 
 
 class _CaseError(Exception):
@@ -245,7 +284,7 @@ def _run_case(sampler: Callable, case: TreeCase, samples: int, seed: int):
     torch.manual_seed(seed + 1)
     try:
         out = sampler(**tree, rule=case.draw)
-        tok, na = (out if isinstance(out, tuple) else (out.token_ids, out.num_accepted))
+        tok, na = out if isinstance(out, tuple) else (out.token_ids, out.num_accepted)
         tok, na = tok.cpu().long(), na.cpu().long()
         bad = _structure_error(tree, tok, na)
     except Exception as e:  # a crash on a valid case fails the certificate, with the reason

