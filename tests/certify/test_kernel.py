@@ -33,24 +33,37 @@ from verispec.certify.kernel import TestRow as Row
 from verispec.certify.stats import chisquare_gof, chisquare_power, detectable_tv, samples_to_detect
 from verispec.cli import main
 
+# Sizes (steps per case, and the TV to which every case's first-position law is then checked at power 0.99): the
+# default certificate, DEFAULT_SAMPLES = 100k (TV 0.02), in the slow tier; 20k (TV 0.035) in the default tier, where
+# every injected bug still FAILS with Holm p-values that underflow to 0, at a fifth of the default's cost.
+SIZES = [pytest.param(DEFAULT_SAMPLES, 0.02, marks=pytest.mark.slow, id="100k"), pytest.param(20_000, 0.035, id="20k")]
 
-def test_verispec_passes_with_stated_strength():
-    report = certify_kernel(verispec_sampler)
+
+@pytest.mark.statistical
+@pytest.mark.parametrize("samples, tv", SIZES)
+def test_verispec_passes_with_stated_strength(samples, tv):
+    report = certify_kernel(verispec_sampler, samples=samples)
     assert report.passed, report.to_markdown()
-    assert report.samples_per_case == DEFAULT_SAMPLES and report.level == DEFAULT_LEVEL
+    assert report.samples_per_case == samples and report.level == DEFAULT_LEVEL
     assert len(report.cases) == 12 and len(report.tests) > 100
     assert {c["k"] for c in report.cases} == {1, 4, 8}
-    assert report.headline_tv() < 0.02  # every case's first-position law is checked to TV 0.02 at power 0.99
+    assert report.headline_tv() < tv  # every case's first-position law is checked to TV `tv` at power 0.99
 
 
-def test_reference_control_passes():
+@pytest.mark.statistical
+@pytest.mark.parametrize("samples, tv", SIZES)
+def test_reference_control_passes(samples, tv):
     """The straightforward re-implementation the bugs are injected into passes without a bug."""
-    assert certify_kernel(broken_verifier(None)).passed
+    assert certify_kernel(broken_verifier(None), samples=samples).passed
 
 
+@pytest.mark.statistical
+@pytest.mark.parametrize("samples, tv", SIZES)
 @pytest.mark.parametrize("bug", BUGS)
-def test_injected_bug_fails_at_default_size(bug):
-    report = certify_kernel(broken_verifier(bug))
+def test_injected_bug_fails_at_default_size(bug, samples, tv):
+    """Each injected bug FAILS the certificate at the default size (slow tier) and at 20k steps per case (default
+    tier), the sizes at which verispec PASSES with the stated strength above."""
+    report = certify_kernel(broken_verifier(bug), samples=samples)
     assert not report.passed
     assert report.failing  # a statistical rejection, not a crash
     assert not report.errors
@@ -63,6 +76,7 @@ def _cheap_case(seed: int) -> list[KernelCase]:
     return [KernelCase("cheap-k1", p, q)]
 
 
+@pytest.mark.statistical
 def test_false_positive_rate_within_binomial_bound():
     """60 seeds of a correct sampler at family-wise level 0.05: FAIL count <= the 99.9% binomial quantile."""
     level, seeds = 0.05, 60
@@ -71,6 +85,7 @@ def test_false_positive_rate_within_binomial_bound():
     assert fails <= stats.binom.ppf(0.999, seeds, level), fails
 
 
+@pytest.mark.statistical
 def test_same_cheap_setup_has_power_against_a_bug():
     """The cheap setup above is not toothless: resample-from-p fails on (almost) every seed."""
     fails = sum(not certify_kernel(broken_verifier("resample_from_p"), cases=_cheap_case(s), samples=3000,
@@ -78,6 +93,7 @@ def test_same_cheap_setup_has_power_against_a_bug():
     assert fails >= 18
 
 
+@pytest.mark.statistical
 def test_detectable_tv_is_detected():
     """An alternative at exactly the stated detectable TV (in the hardest direction, |a - p| proportional to p)
     is rejected with power >= 0.99: analytically (noncentral chi-square) and by simulation."""
@@ -96,6 +112,7 @@ def test_detectable_tv_is_detected():
     assert rejections >= 0.97 * 300
 
 
+@pytest.mark.statistical
 def test_user_samplers_load_by_name(tmp_path):
     assert load_sampler("verispec.certify.kernel:verispec_sampler") is verispec_sampler
     f = tmp_path / "engine_adapter.py"
@@ -126,6 +143,7 @@ def test_crashing_sampler_fails_with_reason():
     assert not report.passed and "boom" in report.errors[0]
 
 
+@pytest.mark.statistical
 def test_cli(tmp_path, capsys):
     assert main(["certify", "kernel", "--cases", "random-k1,onehot-k4", "--samples", "20000",
                  "--out", str(tmp_path)]) == 0

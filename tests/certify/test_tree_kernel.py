@@ -19,26 +19,39 @@ from verispec.certify.tree_kernel import (
 from verispec.cli import main
 from verispec.sampling.tree import TREE_RULES
 
+# Sizes (rows per case, and the TV to which the first emitted token is then checked at power 0.99 in every case):
+# the default certificate, DEFAULT_TREE_SAMPLES = 40k (TV 0.02), in the slow tier; 10k (TV 0.04) in the default
+# tier, where every broken tree verifier still FAILS with Holm p-values below 1e-200, at a quarter of the cost.
+SIZES = [pytest.param(DEFAULT_TREE_SAMPLES, 0.02, marks=pytest.mark.slow, id="40k"),
+         pytest.param(10_000, 0.04, id="10k")]
 
-def test_verispec_passes_every_rule():
-    report = certify_tree_kernel(verispec_tree_sampler)
+
+@pytest.mark.statistical
+@pytest.mark.parametrize("samples, tv", SIZES)
+def test_verispec_passes_every_rule(samples, tv):
+    report = certify_tree_kernel(verispec_tree_sampler, samples=samples)
     assert report.passed, report.to_markdown()
-    assert report.samples_per_case == DEFAULT_TREE_SAMPLES
+    assert report.samples_per_case == samples
     assert {c["name"].split("-")[0] for c in report.cases} == {"iid", "without_replacement", "deterministic"}
     first = [t.detectable_tv for t in report.tests if t.test.startswith("pos0")]
-    assert max(first) < 0.02  # the first emitted token is checked to TV 0.02 at power 0.99 in every case
+    assert max(first) < tv  # the first emitted token is checked to TV `tv` at power 0.99 in every case
 
 
+@pytest.mark.statistical
+@pytest.mark.parametrize("samples, tv", SIZES)
 @pytest.mark.parametrize("bug", TREE_BUGS)
-def test_broken_tree_verifiers_fail(bug):
-    report = certify_tree_kernel(broken_tree_verifier(bug))
+def test_broken_tree_verifiers_fail(bug, samples, tv):
+    """Each broken tree verifier FAILS at the sizes at which verispec PASSES with the stated strength above."""
+    report = certify_tree_kernel(broken_tree_verifier(bug), samples=samples)
     assert not report.passed and report.failing and not report.errors
 
 
+@pytest.mark.statistical
+@pytest.mark.parametrize("samples, tv", SIZES)
 @pytest.mark.parametrize("bug", TREE_NON_BUGS)
-def test_lossless_look_alike_passes(bug):
+def test_lossless_look_alike_passes(bug, samples, tv):
     """i.i.d. children verified with the deterministic (target-only) rule: lossless, only less accepted."""
-    assert certify_tree_kernel(broken_tree_verifier(bug), rules=("iid",)).passed
+    assert certify_tree_kernel(broken_tree_verifier(bug), rules=("iid",), samples=samples).passed
 
 
 def _cheap(seed: int, draw: str) -> list[TreeCase]:
@@ -49,6 +62,7 @@ def _cheap(seed: int, draw: str) -> list[TreeCase]:
     return [TreeCase(f"{draw}-cheap", (2, 1), draw, p, q)]
 
 
+@pytest.mark.statistical
 @pytest.mark.parametrize("draw", TREE_RULES)
 def test_false_positive_rate_within_binomial_bound(draw):
     """50 seeds of a correct verifier at family-wise level 0.05: FAIL count <= the 99.9% binomial quantile; and
@@ -69,6 +83,7 @@ def test_crash_is_reported():
     assert not report.passed and "boom" in report.errors[0]
 
 
+@pytest.mark.statistical
 def test_cli_tree(tmp_path, capsys):
     assert main(["certify", "kernel", "--tree", "deterministic", "--samples", "2000", "--out", str(tmp_path)]) == 0
     assert "PASS" in capsys.readouterr().out
