@@ -3,6 +3,8 @@
 verispec (draft model), plain decoding and transformers `generate` PASS; every injected bug FAILS at the default
 sample size (N = 2000 continuations of L = 8 tokens per prompt, family-wise level 0.01); a user callable that
 samples at the wrong temperature FAILS; results do not depend on the number of worker processes.
+Tiers: every N = 2000 certificate costs tens of seconds on 2 cores, so the default tier runs one of each kind (a
+PASS, a generator bug, a tree PASS, the CLI) and the slow tier (`pytest -m slow`) all of them.
 Setup for the bug tests: temperature 0.7 and top-k 10 (so that q_before_temperature is exactly "q before the
 temperature was applied", and top-k creates p = 0 tokens a uniform of 0 can wrongly accept), and a draft far
 enough from the target (alpha ~ 0.4) that rejections, where most bugs live, are frequent.
@@ -43,7 +45,10 @@ def models(tmp_path_factory):
         yield str(d / "target"), str(d / "draft")
 
 
+@pytest.mark.statistical
 def test_verispec_passes(models, tmp_path):
+    """verispec with a draft model PASSES the whole certificate at its default size, N = 2000 continuations per
+    prompt: each prompt's first-token law is checked to TV 0.1 at power 0.99 (asserted), at family-wise level 0.01."""
     target, draft = models
     r = certify_generate(MethodSpec(target=target, draft=draft, gamma=4), PROMPTS, PARAMS, show_progress=False)
     assert r.passed, r.to_markdown()
@@ -56,6 +61,7 @@ def test_verispec_passes(models, tmp_path):
     assert all(f.exists() and f.stat().st_size > 0 for f in files)
 
 
+@pytest.mark.statistical
 @pytest.mark.parametrize("method", ["plain", "hf"])
 def test_plain_methods_pass(models, method):
     target, _ = models
@@ -126,10 +132,21 @@ def test_generate_report_verdicts_and_strict_json(models, tmp_path):
 def _reject_constant(name):
     raise AssertionError(f"invalid JSON constant {name}")
 
-@pytest.mark.parametrize("bug", BUGS)
-def test_injected_bugs_fail_at_default_size(models, bug):
+
+# Default tier: q_before_temperature on the first prompt, the one bug only a generator's drafter can make (it hands
+# verification the draft's q before temperature). The slow tier runs every bug on both prompts (the chain-kernel
+# bugs are caught in the default tier by the kernel certificate and the chain distribution tests).
+GENERATOR_BUGS = ([pytest.param("q_before_temperature", 1, id="q_before_temperature-1prompt")]
+                  + [pytest.param(b, 2, marks=pytest.mark.slow, id=b) for b in BUGS])
+
+
+@pytest.mark.statistical
+@pytest.mark.parametrize("bug, prompts", GENERATOR_BUGS)
+def test_injected_bugs_fail_at_default_size(models, bug, prompts):
+    """Each injected bug FAILS at the default N = 2000 per prompt (level 0.01; the first-token tests alone detect
+    TV 0.1 at power 0.99, see test_verispec_passes)."""
     target, draft = models
-    r = certify_generate(MethodSpec(target=target, draft=draft, gamma=4, verifier=bug), PROMPTS, PARAMS,
+    r = certify_generate(MethodSpec(target=target, draft=draft, gamma=4, verifier=bug), PROMPTS[:prompts], PARAMS,
                          show_progress=False)
     assert not r.passed, r.to_markdown()
 
@@ -154,6 +171,7 @@ def hot_callable_sampler(prompt, params, seed):
     return callable_sampler(prompt, params, seed, _scale=1.3)
 
 
+@pytest.mark.statistical
 def test_callable_method(models):
     target, _ = models
     good = certify_generate(MethodSpec(method="callable", target=target,
@@ -191,6 +209,7 @@ def test_bad_input(models):
         certify_generate(MethodSpec(target=target), PROMPTS, PARAMS, samples=5)
 
 
+@pytest.mark.statistical
 def test_cli(models, tmp_path, capsys):
     target, draft = models
     args = ["certify", "generate", "--target", target, "--draft", draft, "--prompt", "a b c", "--samples", "200",
@@ -209,19 +228,31 @@ TREE_CASES = [("3-2-1", "iid"), ("3-2-1", "without_replacement"), ("3-2-1", "det
               ("dynamic-3-3-8", "deterministic")]
 
 
-@pytest.mark.parametrize("tree, rule", TREE_CASES)
-def test_verispec_trees_pass(models, tree, rule):
+@pytest.mark.statistical
+@pytest.mark.parametrize("tree, rule, prompts", [pytest.param("3-2-1", "without_replacement", 1,
+                                                              id="3-2-1-without_replacement-1prompt")]
+                         + [pytest.param(*c, 2, marks=pytest.mark.slow, id="-".join(c)) for c in TREE_CASES])
+def test_verispec_trees_pass(models, tree, rule, prompts):
+    """Trees through the engine PASS at N = 2000 per prompt (first-token law to TV ~0.1 at power 0.99). Default
+    tier: sampled children without replacement (the rule whose draft q changes after every sibling) on the first
+    prompt; every rule and the dynamic tree on both prompts in the slow tier (the tree kernel certificate checks
+    every rule in the default tier)."""
     target, draft = models
-    r = certify_generate(MethodSpec(target=target, draft=draft, tree=tree, tree_rule=rule), PROMPTS, PARAMS,
-                         show_progress=False)
+    r = certify_generate(MethodSpec(target=target, draft=draft, tree=tree, tree_rule=rule), PROMPTS[:prompts],
+                         PARAMS, show_progress=False)
     assert r.passed, r.to_markdown()
 
 
+@pytest.mark.slow
+@pytest.mark.statistical
 @pytest.mark.parametrize("bug, tree, rule", [("tree_stale_residual", "3-2-1", "without_replacement"),
                                              ("tree_stale_residual", "3-2-1", "deterministic"),
                                              ("tree_wor_as_iid", "8", "without_replacement")])
 def test_broken_tree_verifiers_fail_at_default_size(models, bug, tree, rule):
-    """(tree_topk_as_sampled needs the q of top-k children, which the engine's deterministic drafter does not keep:
+    """Each broken tree verifier FAILS the generator certificate at N = 2000 per prompt. Slow tier (~40 s each on
+    2 cores): in the default tier the tree kernel certificate FAILS every tree bug (tests/certify/test_tree_kernel.py)
+    and a generator-level bug FAILS this certificate (test_injected_bugs_fail_at_default_size).
+    (tree_topk_as_sampled needs the q of top-k children, which the engine's deterministic drafter does not keep:
     it is covered by the kernel certificate, tests/certify/test_tree_kernel.py.)"""
     target, draft = models
     r = certify_generate(MethodSpec(target=target, draft=draft, tree=tree, tree_rule=rule, verifier=bug), PROMPTS,
@@ -239,10 +270,33 @@ def test_tree_options_are_checked(models):
         MethodSpec(method="plain", target=target, tree="2-2")
 
 
+def test_study_measures_failure_modes(models):
+    """`certify study` without certificates (certify_samples = 0), every variant on 16 contexts x 8 positions per
+    prompt: the lossless variants (exact rule, draft in bf16) deviate from the fp32 target by float rounding only
+    (mean TV < 1e-6), the lossy rules by more than 0.02, the target in bf16 by ~1e-3 and in fp16 by less than in
+    bf16 (more mantissa bits). An exact measurement, no hypothesis test: the verdicts are the slow test below."""
+    from verispec.certify.study import VARIANTS, run_study
+
+    target, draft = models
+    rows = {r.variant: r for r in run_study(target, draft, PROMPTS, SamplingParams(temperature=0.7), contexts=16,
+                                            show_progress=False)}
+    assert set(rows) == set(VARIANTS)
+    for name in ("exact", "draft-bf16"):
+        assert rows[name].lossless_by_construction and rows[name].mean_tv < 1e-6, name
+    for name in ("temperature-mismatch", "lenient-0.5", "typical"):
+        assert rows[name].mean_tv > 0.02, name
+    assert 1e-4 < rows["target-bf16"].mean_tv < 1e-2
+    assert 1e-6 < rows["target-fp16"].mean_tv < rows["target-bf16"].mean_tv
+    assert all(r.verdict == "-" and 0.3 < r.alpha < 0.9 for r in rows.values())
+
+
+@pytest.mark.slow
+@pytest.mark.statistical
 def test_study_measures_and_certifies_failure_modes(models):
-    """`certify study` on tiny models: the exact rule deviates by float rounding only and PASSES; a temperature
+    """`certify study` on tiny models with a certificate per variant (N = 2000 per prompt, first-token law to
+    TV ~0.1 at power 0.99): the exact rule deviates by float rounding only and PASSES; a temperature
     mismatch and lenient acceptance deviate measurably and FAIL at N = 2000; the target in bf16 moves the output
-    by ~1e-3 TV, measured, and below what N = 2000 can detect."""
+    by ~1e-3 TV, measured, and below what N = 2000 can detect. Slow tier: four N = 2000 certificates."""
     from verispec.certify.study import run_study
 
     target, draft = models
