@@ -28,6 +28,7 @@ def test_merge_small_bins_reaches_threshold():
     assert all(v >= 5 for v in groups.values())
 
 
+@pytest.mark.statistical
 def test_gof_pvalue_uniform_under_null_and_impossible_outcomes():
     rng = np.random.default_rng(0)
     p = rng.dirichlet(np.ones(20))
@@ -45,6 +46,7 @@ def test_gof_pvalue_uniform_under_null_and_impossible_outcomes():
         chisquare_gof(counts, p * 2)
 
 
+@pytest.mark.statistical
 def test_power_monotone_in_n_and_detects():
     p = np.full(10, 0.1)
     alt = p.copy()
@@ -86,6 +88,7 @@ def test_two_sample_chi_square_against_scipy():
         chisquare_two_sample(np.ones(3), np.ones(4))
 
 
+@pytest.mark.statistical
 def test_two_sample_chi_square_null_and_alternative():
     rng = np.random.default_rng(3)
     p = rng.dirichlet(np.ones(12))
@@ -123,6 +126,7 @@ def _loglik_of(tokens: np.ndarray, p: np.ndarray):
     return loglik_test(np.log(p[tokens]), np.full(n, e), np.full(n, var))
 
 
+@pytest.mark.statistical
 def test_loglik_test_catches_a_sharpened_or_flattened_sampler():
     rng = np.random.default_rng(0)
     p = rng.dirichlet(np.ones(10))
@@ -141,6 +145,7 @@ def _pit(tokens: np.ndarray, p: np.ndarray, rng) -> np.ndarray:
     return cdf_before[tokens] + rng.random(tokens.size) * p[tokens]
 
 
+@pytest.mark.statistical
 def test_pit_uniformity_against_scipy_and_a_wrong_law():
     rng = np.random.default_rng(1)
     p = rng.dirichlet(np.ones(6))
