@@ -16,6 +16,7 @@ from verispec.strict_json import dumps, finite_or_none, write
 def strict_loads(text: str):
     def reject(name):
         raise ValueError(f"invalid JSON constant {name}")
+
     return json.loads(text, parse_constant=reject)
 
 
@@ -26,10 +27,26 @@ class Row:
 
 
 def test_non_finite_floats_become_null_everywhere():
-    obj = {"a": math.nan, "b": [1.0, math.inf, (-math.inf, 2)], "c": Row(math.nan, [np.float64("nan"), 3]),
-           "d": np.array([1.0, np.nan]), "e": torch.tensor([np.inf, 0.5]), "f": "NaN", "g": None, "h": 7}
-    assert finite_or_none(obj) == {"a": None, "b": [1.0, None, [None, 2]], "c": {"x": None, "xs": [None, 3]},
-                                   "d": [1.0, None], "e": [None, 0.5], "f": "NaN", "g": None, "h": 7}
+    obj = {
+        "a": math.nan,
+        "b": [1.0, math.inf, (-math.inf, 2)],
+        "c": Row(math.nan, [np.float64("nan"), 3]),
+        "d": np.array([1.0, np.nan]),
+        "e": torch.tensor([np.inf, 0.5]),
+        "f": "NaN",
+        "g": None,
+        "h": 7,
+    }
+    assert finite_or_none(obj) == {
+        "a": None,
+        "b": [1.0, None, [None, 2]],
+        "c": {"x": None, "xs": [None, 3]},
+        "d": [1.0, None],
+        "e": [None, 0.5],
+        "f": "NaN",
+        "g": None,
+        "h": 7,
+    }
     text = dumps(obj)
     assert "NaN" not in text.replace('"NaN"', "") and "Infinity" not in text
     assert strict_loads(text)["c"] == {"x": None, "xs": [None, 3]}

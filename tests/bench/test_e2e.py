@@ -21,11 +21,38 @@ def test_tree_methods_side_by_side(tmp_path, capsys):
         tok.save_pretrained(tmp_path / name)
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"prompt": "a b c a b", "category": "code"}) + "\n")
-    methods = "verispec-plain,verispec-draft@2,verispec-tree@2-2/without_replacement,verispec-tree@dynamic-2-2-4," \
-              "verispec-ngram-tree@2-1"
-    assert main(["bench", "e2e", "--target", str(tmp_path / "target"), "--draft", str(tmp_path / "draft"),
-                 "--prompts", str(prompts), "--num-prompts", "1", "--batch", "1", "--max-new-tokens", "8",
-                 "--temperatures", "1", "--methods", methods, "--no-chat", "--out", str(tmp_path / "out")]) == 0
+    methods = (
+        "verispec-plain,verispec-draft@2,verispec-tree@2-2/without_replacement,verispec-tree@dynamic-2-2-4,"
+        "verispec-ngram-tree@2-1"
+    )
+    assert (
+        main(
+            [
+                "bench",
+                "e2e",
+                "--target",
+                str(tmp_path / "target"),
+                "--draft",
+                str(tmp_path / "draft"),
+                "--prompts",
+                str(prompts),
+                "--num-prompts",
+                "1",
+                "--batch",
+                "1",
+                "--max-new-tokens",
+                "8",
+                "--temperatures",
+                "1",
+                "--methods",
+                methods,
+                "--no-chat",
+                "--out",
+                str(tmp_path / "out"),
+            ]
+        )
+        == 0
+    )
     result = json.loads((tmp_path / "out" / "e2e.json").read_text(), parse_constant=_reject)  # strict JSON
     recs = {r["method"]: r for r in result["records"]}
     assert set(recs) == set(methods.split(","))
@@ -38,8 +65,9 @@ def _reject(name):
     raise AssertionError(f"e2e.json holds {name}: not valid JSON")
 
 
-@pytest.mark.parametrize("bad", ["verispec-tree", "verispec-tree@4-x", "verispec-draft@x", "nope",
-                                 "verispec-tree@dynamic-2-2-4/iid"])
+@pytest.mark.parametrize(
+    "bad", ["verispec-tree", "verispec-tree@4-x", "verispec-draft@x", "nope", "verispec-tree@dynamic-2-2-4/iid"]
+)
 def test_bad_methods(bad):
     with pytest.raises(ValueError):
         e2e.check_method(bad)

@@ -65,8 +65,9 @@ def test_verispec_passes(models, tmp_path):
 @pytest.mark.parametrize("method", ["plain", "hf"])
 def test_plain_methods_pass(models, method):
     target, _ = models
-    r = certify_generate(MethodSpec(method=method, target=target), PROMPTS[:1], PARAMS, samples=500,
-                         show_progress=False)
+    r = certify_generate(
+        MethodSpec(method=method, target=target), PROMPTS[:1], PARAMS, samples=500, show_progress=False
+    )
     assert r.passed, r.to_markdown()
 
 
@@ -76,8 +77,15 @@ def test_hf_assisted_runs(models):
     first-token law checked to TV ~0.24 only), and the cached models it used are left as they were."""
     target, draft = models
     shared = [_load(path, "float32").model for path in (target, draft)]  # the objects build_method will reuse
-    r = certify_generate(MethodSpec(method="hf-assisted", target=target, draft=draft), PROMPTS[:1], PARAMS,
-                         samples=200, length=4, two_sample_tokens=0, show_progress=False)
+    r = certify_generate(
+        MethodSpec(method="hf-assisted", target=target, draft=draft),
+        PROMPTS[:1],
+        PARAMS,
+        samples=200,
+        length=4,
+        two_sample_tokens=0,
+        show_progress=False,
+    )
     assert not r.errors and r.passed, r.to_markdown()
     assert r.method == f"transformers generate(assistant_model={draft})"
     n = {t.kind: t.n for t in r.tests}
@@ -100,8 +108,15 @@ def test_hf_method_turns_eos_off_per_call_only(models):
     stopped = []
     for s in range(12):  # the model itself still stops at EOS
         torch.manual_seed(s)
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=True,
-                             temperature=0.7, top_k=10, pad_token_id=0)
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=24,
+            do_sample=True,
+            temperature=0.7,
+            top_k=10,
+            pad_token_id=0,
+        )
         stopped.append(out.shape[1] - ids.shape[1] < 24)
     assert any(stopped)
 
@@ -110,18 +125,27 @@ def test_generate_report_verdicts_and_strict_json(models, tmp_path):
     """A first-token test without power makes the certificate INCONCLUSIVE (never PASS), with the N needed; the
     JSON report writes the infinite detectable effect and NaN fields as null."""
     target, draft = models
-    r = certify_generate(MethodSpec(target=target, draft=draft, gamma=2), PROMPTS[:1], PARAMS, samples=40,
-                         length=2, two_sample_tokens=0, show_progress=False)
+    r = certify_generate(
+        MethodSpec(target=target, draft=draft, gamma=2),
+        PROMPTS[:1],
+        PARAMS,
+        samples=40,
+        length=2,
+        two_sample_tokens=0,
+        show_progress=False,
+    )
     assert r.verdict == "PASS" and r.samples_needed is None and r.power_note() == ""
     first = next(t for t in r.tests if t.kind == "first-token")
-    weak = replace(r, tests=[replace(t, detectable=float("inf")) if t is first else t for t in r.tests],
-                   samples_needed=5000)
+    weak = replace(
+        r, tests=[replace(t, detectable=float("inf")) if t is first else t for t in r.tests], samples_needed=5000
+    )
     assert weak.verdict == "INCONCLUSIVE" and not weak.passed and not weak.rejected
     assert "N = 5000 continuations per prompt" in weak.power_note() and "no power" in weak.to_markdown()
     rejected = replace(weak, tests=[replace(t, holm_pvalue=0.0) for t in weak.tests])
     assert rejected.verdict == "FAIL"
-    plain = certify_generate(MethodSpec(method="plain", target=target), PROMPTS[:1], PARAMS, samples=40, length=2,
-                             show_progress=False)
+    plain = certify_generate(
+        MethodSpec(method="plain", target=target), PROMPTS[:1], PARAMS, samples=40, length=2, show_progress=False
+    )
     for report in (weak, plain):  # plain decoding has no acceptance: acceptance_rate and tau are NaN
         files = write_report(report, tmp_path)
         data = json.loads(files[1].read_text(), parse_constant=_reject_constant)
@@ -136,8 +160,9 @@ def _reject_constant(name):
 # Default tier: q_before_temperature on the first prompt, the one bug only a generator's drafter can make (it hands
 # verification the draft's q before temperature). The slow tier runs every bug on both prompts (the chain-kernel
 # bugs are caught in the default tier by the kernel certificate and the chain distribution tests).
-GENERATOR_BUGS = ([pytest.param("q_before_temperature", 1, id="q_before_temperature-1prompt")]
-                  + [pytest.param(b, 2, marks=pytest.mark.slow, id=b) for b in BUGS])
+GENERATOR_BUGS = [pytest.param("q_before_temperature", 1, id="q_before_temperature-1prompt")] + [
+    pytest.param(b, 2, marks=pytest.mark.slow, id=b) for b in BUGS
+]
 
 
 @pytest.mark.statistical
@@ -146,8 +171,9 @@ def test_injected_bugs_fail_at_default_size(models, bug, prompts):
     """Each injected bug FAILS at the default N = 2000 per prompt (level 0.01; the first-token tests alone detect
     TV 0.1 at power 0.99, see test_verispec_passes)."""
     target, draft = models
-    r = certify_generate(MethodSpec(target=target, draft=draft, gamma=4, verifier=bug), PROMPTS[:prompts], PARAMS,
-                         show_progress=False)
+    r = certify_generate(
+        MethodSpec(target=target, draft=draft, gamma=4, verifier=bug), PROMPTS[:prompts], PARAMS, show_progress=False
+    )
     assert not r.passed, r.to_markdown()
 
 
@@ -164,7 +190,7 @@ def callable_sampler(prompt, params, seed, _scale=1.0):
         for _ in range(params["max_tokens"]):
             p = probs_from_logits(model(torch.tensor([ids])).logits[:, -1], sp)[0]
             ids.append(int(torch.multinomial(p, 1, generator=g)))
-    return ids[len(prompt):]
+    return ids[len(prompt) :]
 
 
 def hot_callable_sampler(prompt, params, seed):
@@ -174,15 +200,25 @@ def hot_callable_sampler(prompt, params, seed):
 @pytest.mark.statistical
 def test_callable_method(models):
     target, _ = models
-    good = certify_generate(MethodSpec(method="callable", target=target,
-                                       callable="tests.certify.test_generate:callable_sampler"),
-                            PROMPTS[:1], PARAMS, samples=400, two_sample_tokens=0, show_progress=False)
+    good = certify_generate(
+        MethodSpec(method="callable", target=target, callable="tests.certify.test_generate:callable_sampler"),
+        PROMPTS[:1],
+        PARAMS,
+        samples=400,
+        two_sample_tokens=0,
+        show_progress=False,
+    )
     assert good.passed, good.to_markdown()
-    hot = certify_generate(MethodSpec(method="callable", target=target,
-                                      callable="tests.certify.test_generate:hot_callable_sampler"),
-                           PROMPTS[:1], PARAMS, samples=400, two_sample_tokens=0, show_progress=False)
+    hot = certify_generate(
+        MethodSpec(method="callable", target=target, callable="tests.certify.test_generate:hot_callable_sampler"),
+        PROMPTS[:1],
+        PARAMS,
+        samples=400,
+        two_sample_tokens=0,
+        show_progress=False,
+    )
     assert not hot.passed
-    loglik = [t for t in hot.tests if t.kind == "loglik"][0]
+    loglik = next(t for t in hot.tests if t.kind == "loglik")
     assert loglik.holm_pvalue < hot.level and loglik.statistic < 0  # flatter output: lower log-likelihood
 
 
@@ -190,13 +226,12 @@ def test_workers_do_not_change_the_result(models):
     target, draft = models
     spec = MethodSpec(target=target, draft=draft, gamma=3)
     one = certify_generate(spec, PROMPTS[:1], PARAMS, samples=64, two_sample_tokens=0, show_progress=False)
-    two = certify_generate(spec, PROMPTS[:1], PARAMS, samples=64, two_sample_tokens=0, workers=2,
-                           show_progress=False)
+    two = certify_generate(spec, PROMPTS[:1], PARAMS, samples=64, two_sample_tokens=0, workers=2, show_progress=False)
     assert [t.statistic for t in one.tests] == [t.statistic for t in two.tests]
 
 
 def test_bad_input(models):
-    target, draft = models
+    target, _draft = models
     with pytest.raises(ValueError, match="penalties"):
         certify_generate(MethodSpec(target=target), PROMPTS, SamplingParams(repetition_penalty=1.2))
     with pytest.raises(ValueError):
@@ -212,8 +247,24 @@ def test_bad_input(models):
 @pytest.mark.statistical
 def test_cli(models, tmp_path, capsys):
     target, draft = models
-    args = ["certify", "generate", "--target", target, "--draft", draft, "--prompt", "a b c", "--samples", "200",
-            "--temperature", "0.7", "--top-k", "10", "--out", str(tmp_path)]
+    args = [
+        "certify",
+        "generate",
+        "--target",
+        target,
+        "--draft",
+        draft,
+        "--prompt",
+        "a b c",
+        "--samples",
+        "200",
+        "--temperature",
+        "0.7",
+        "--top-k",
+        "10",
+        "--out",
+        str(tmp_path),
+    ]
     assert main(args) == 0
     assert "PASS" in capsys.readouterr().out
     assert (tmp_path / "generate-certificate.png").exists()
@@ -224,30 +275,45 @@ def test_cli(models, tmp_path, capsys):
         main(args + ["--repetition-penalty", "1.1"])  # not offered: penalties cannot be certified here
 
 
-TREE_CASES = [("3-2-1", "iid"), ("3-2-1", "without_replacement"), ("3-2-1", "deterministic"),
-              ("dynamic-3-3-8", "deterministic")]
+TREE_CASES = [
+    ("3-2-1", "iid"),
+    ("3-2-1", "without_replacement"),
+    ("3-2-1", "deterministic"),
+    ("dynamic-3-3-8", "deterministic"),
+]
 
 
 @pytest.mark.statistical
-@pytest.mark.parametrize("tree, rule, prompts", [pytest.param("3-2-1", "without_replacement", 1,
-                                                              id="3-2-1-without_replacement-1prompt")]
-                         + [pytest.param(*c, 2, marks=pytest.mark.slow, id="-".join(c)) for c in TREE_CASES])
+@pytest.mark.parametrize(
+    "tree, rule, prompts",
+    [pytest.param("3-2-1", "without_replacement", 1, id="3-2-1-without_replacement-1prompt")]
+    + [pytest.param(*c, 2, marks=pytest.mark.slow, id="-".join(c)) for c in TREE_CASES],
+)
 def test_verispec_trees_pass(models, tree, rule, prompts):
     """Trees through the engine PASS at N = 2000 per prompt (first-token law to TV ~0.1 at power 0.99). Default
     tier: sampled children without replacement (the rule whose draft q changes after every sibling) on the first
     prompt; every rule and the dynamic tree on both prompts in the slow tier (the tree kernel certificate checks
     every rule in the default tier)."""
     target, draft = models
-    r = certify_generate(MethodSpec(target=target, draft=draft, tree=tree, tree_rule=rule), PROMPTS[:prompts],
-                         PARAMS, show_progress=False)
+    r = certify_generate(
+        MethodSpec(target=target, draft=draft, tree=tree, tree_rule=rule),
+        PROMPTS[:prompts],
+        PARAMS,
+        show_progress=False,
+    )
     assert r.passed, r.to_markdown()
 
 
 @pytest.mark.slow
 @pytest.mark.statistical
-@pytest.mark.parametrize("bug, tree, rule", [("tree_stale_residual", "3-2-1", "without_replacement"),
-                                             ("tree_stale_residual", "3-2-1", "deterministic"),
-                                             ("tree_wor_as_iid", "8", "without_replacement")])
+@pytest.mark.parametrize(
+    "bug, tree, rule",
+    [
+        ("tree_stale_residual", "3-2-1", "without_replacement"),
+        ("tree_stale_residual", "3-2-1", "deterministic"),
+        ("tree_wor_as_iid", "8", "without_replacement"),
+    ],
+)
 def test_broken_tree_verifiers_fail_at_default_size(models, bug, tree, rule):
     """Each broken tree verifier FAILS the generator certificate at N = 2000 per prompt. Slow tier (~40 s each on
     2 cores): in the default tier the tree kernel certificate FAILS every tree bug (tests/certify/test_tree_kernel.py)
@@ -255,8 +321,12 @@ def test_broken_tree_verifiers_fail_at_default_size(models, bug, tree, rule):
     (tree_topk_as_sampled needs the q of top-k children, which the engine's deterministic drafter does not keep:
     it is covered by the kernel certificate, tests/certify/test_tree_kernel.py.)"""
     target, draft = models
-    r = certify_generate(MethodSpec(target=target, draft=draft, tree=tree, tree_rule=rule, verifier=bug), PROMPTS,
-                         PARAMS, show_progress=False)
+    r = certify_generate(
+        MethodSpec(target=target, draft=draft, tree=tree, tree_rule=rule, verifier=bug),
+        PROMPTS,
+        PARAMS,
+        show_progress=False,
+    )
     assert not r.passed, r.to_markdown()
 
 
@@ -278,8 +348,10 @@ def test_study_measures_failure_modes(models):
     from verispec.certify.study import VARIANTS, run_study
 
     target, draft = models
-    rows = {r.variant: r for r in run_study(target, draft, PROMPTS, SamplingParams(temperature=0.7), contexts=16,
-                                            show_progress=False)}
+    rows = {
+        r.variant: r
+        for r in run_study(target, draft, PROMPTS, SamplingParams(temperature=0.7), contexts=16, show_progress=False)
+    }
     assert set(rows) == set(VARIANTS)
     for name in ("exact", "draft-bf16"):
         assert rows[name].lossless_by_construction and rows[name].mean_tv < 1e-6, name
@@ -300,9 +372,19 @@ def test_study_measures_and_certifies_failure_modes(models):
     from verispec.certify.study import run_study
 
     target, draft = models
-    rows = {r.variant: r for r in run_study(target, draft, PROMPTS, SamplingParams(temperature=0.7),
-                                            variants=["exact", "temperature-mismatch", "target-bf16", "lenient-0.5"],
-                                            contexts=16, certify_samples=2000, show_progress=False)}
+    rows = {
+        r.variant: r
+        for r in run_study(
+            target,
+            draft,
+            PROMPTS,
+            SamplingParams(temperature=0.7),
+            variants=["exact", "temperature-mismatch", "target-bf16", "lenient-0.5"],
+            contexts=16,
+            certify_samples=2000,
+            show_progress=False,
+        )
+    }
     assert rows["exact"].mean_tv < 1e-6 and rows["exact"].verdict == "PASS"
     for name in ("temperature-mismatch", "lenient-0.5"):
         assert rows[name].mean_tv > 0.02 and rows[name].verdict == "FAIL", name

@@ -80,16 +80,22 @@ def _cheap_case(seed: int) -> list[KernelCase]:
 def test_false_positive_rate_within_binomial_bound():
     """60 seeds of a correct sampler at family-wise level 0.05: FAIL count <= the 99.9% binomial quantile."""
     level, seeds = 0.05, 60
-    fails = sum(not certify_kernel(verispec_sampler, cases=_cheap_case(s), samples=3000, level=level, seed=s).passed
-                for s in range(seeds))
+    fails = sum(
+        not certify_kernel(verispec_sampler, cases=_cheap_case(s), samples=3000, level=level, seed=s).passed
+        for s in range(seeds)
+    )
     assert fails <= stats.binom.ppf(0.999, seeds, level), fails
 
 
 @pytest.mark.statistical
 def test_same_cheap_setup_has_power_against_a_bug():
     """The cheap setup above is not toothless: resample-from-p fails on (almost) every seed."""
-    fails = sum(not certify_kernel(broken_verifier("resample_from_p"), cases=_cheap_case(s), samples=3000,
-                                   level=0.05, seed=s).passed for s in range(20))
+    fails = sum(
+        not certify_kernel(
+            broken_verifier("resample_from_p"), cases=_cheap_case(s), samples=3000, level=0.05, seed=s
+        ).passed
+        for s in range(20)
+    )
     assert fails >= 18
 
 
@@ -116,8 +122,10 @@ def test_detectable_tv_is_detected():
 def test_user_samplers_load_by_name(tmp_path):
     assert load_sampler("verispec.certify.kernel:verispec_sampler") is verispec_sampler
     f = tmp_path / "engine_adapter.py"
-    f.write_text("from verispec.sampling import verify_chain\n"
-                 "def verify(t, ids, q, nd):\n    return verify_chain(t, ids, q, nd)\n")
+    f.write_text(
+        "from verispec.sampling import verify_chain\n"
+        "def verify(t, ids, q, nd):\n    return verify_chain(t, ids, q, nd)\n"
+    )
     fn = load_sampler(f"{f}:verify")
     assert certify_kernel(fn, cases=default_cases()[:2], samples=5000).passed
     for bad in ["verispec.sampling", "no_such_module:x", "verispec.sampling:no_such", f"{tmp_path}/missing.py:f"]:
@@ -139,14 +147,16 @@ def test_structural_violation_fails_with_reason():
 def test_crashing_sampler_fails_with_reason():
     def crash(t, ids, q, nd):
         raise RuntimeError("boom")
+
     report = certify_kernel(crash, cases=default_cases()[:1], samples=1000)
     assert not report.passed and "boom" in report.errors[0]
 
 
 @pytest.mark.statistical
 def test_cli(tmp_path, capsys):
-    assert main(["certify", "kernel", "--cases", "random-k1,onehot-k4", "--samples", "20000",
-                 "--out", str(tmp_path)]) == 0
+    assert (
+        main(["certify", "kernel", "--cases", "random-k1,onehot-k4", "--samples", "20000", "--out", str(tmp_path)]) == 0
+    )
     assert "PASS" in capsys.readouterr().out
     assert (tmp_path / "kernel-certificate.md").exists() and (tmp_path / "kernel-certificate.json").exists()
     assert main(["certify", "kernel", "--inject", "swap_p_q", "--cases", "random-k4", "--out", str(tmp_path)]) == 1
@@ -159,9 +169,18 @@ def test_cli(tmp_path, capsys):
 
 
 def _report(rows, needed=None, samples=8) -> KernelReport:
-    return KernelReport(sampler="s", level=DEFAULT_LEVEL, power=POWER, samples_per_case=samples, seed=0,
-                        cases=[dict(name="c", k=1, vocab=32, ragged=False, description="", seconds=0.0)], tests=rows,
-                        errors=[], seconds=0.0, samples_needed=needed)
+    return KernelReport(
+        sampler="s",
+        level=DEFAULT_LEVEL,
+        power=POWER,
+        samples_per_case=samples,
+        seed=0,
+        cases=[dict(name="c", k=1, vocab=32, ragged=False, description="", seconds=0.0)],
+        tests=rows,
+        errors=[],
+        seconds=0.0,
+        samples_needed=needed,
+    )
 
 
 def test_a_certificate_without_power_is_inconclusive():
@@ -178,8 +197,9 @@ def test_a_certificate_without_power_is_inconclusive():
     md = report.to_markdown()
     assert "**INCONCLUSIVE**" in md and "| no power |" in md and "no power" in report.power_note()
     # half the samples reach a test: twice as many are needed per case
-    assert assess([Row("c", "pos0", 8, 0.0, 0, 1.0, 0, 0.0)], [(law, 4)], 8, DEFAULT_LEVEL, POWER) == \
-        np.ceil(2 * samples_to_detect(law, TARGET_TV, DEFAULT_LEVEL, POWER))
+    assert assess([Row("c", "pos0", 8, 0.0, 0, 1.0, 0, 0.0)], [(law, 4)], 8, DEFAULT_LEVEL, POWER) == np.ceil(
+        2 * samples_to_detect(law, TARGET_TV, DEFAULT_LEVEL, POWER)
+    )
     # a rejection is a FAIL whatever the power; a powered first-position test makes a PASS
     assert _report([Row("c", "pos0", 8, 9.0, 0, 0.0, 1, float("inf"), holm_pvalue=0.0)]).verdict == "FAIL"
     powered = [Row("c", "pos0", 8, 0.0, 1, 0.5, 0, 0.0)]
@@ -190,6 +210,7 @@ def test_a_certificate_without_power_is_inconclusive():
 def _strict(text: str):
     def reject(name):
         raise AssertionError(f"invalid JSON constant {name}")
+
     return json.loads(text, parse_constant=reject)
 
 

@@ -61,6 +61,7 @@ def test_power_monotone_in_n_and_detects():
 
 # --- direct tests of the other helpers: hand-computed values, scipy, and broken input that must be rejected ---
 
+
 def test_holm_hand_computed():
     # sorted 0.005, 0.01, 0.03, 0.04 times 4, 3, 2, 1 = 0.02, 0.03, 0.06, 0.04 -> running max 0.02, 0.03, 0.06, 0.06
     np.testing.assert_allclose(holm([0.01, 0.04, 0.03, 0.005]), [0.03, 0.06, 0.06, 0.02], rtol=1e-12)
@@ -101,7 +102,7 @@ def test_two_sample_chi_square_null_and_alternative():
 def _law_terms(p: np.ndarray) -> tuple[float, float]:
     logp = np.log(p)
     e = float((p * logp).sum())
-    return e, float((p * logp ** 2).sum() - e ** 2)
+    return e, float((p * logp**2).sum() - e**2)
 
 
 def test_loglik_test_hand_computed():
@@ -131,7 +132,7 @@ def test_loglik_test_catches_a_sharpened_or_flattened_sampler():
     rng = np.random.default_rng(0)
     p = rng.dirichlet(np.ones(10))
     assert not _loglik_of(rng.choice(10, 5000, p=p), p).pvalue < 0.01
-    sharp = p ** 2 / (p ** 2).sum()  # temperature 0.5
+    sharp = p**2 / (p**2).sum()  # temperature 0.5
     r = _loglik_of(rng.choice(10, 5000, p=sharp), p)
     assert r.pvalue < 1e-6 and r.z > 0  # more likely tokens than p emits
     flat = np.sqrt(p) / np.sqrt(p).sum()  # temperature 2

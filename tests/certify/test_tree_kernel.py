@@ -22,8 +22,10 @@ from verispec.sampling.tree import TREE_RULES
 # Sizes (rows per case, and the TV to which the first emitted token is then checked at power 0.99 in every case):
 # the default certificate, DEFAULT_TREE_SAMPLES = 40k (TV 0.02), in the slow tier; 10k (TV 0.04) in the default
 # tier, where every broken tree verifier still FAILS with Holm p-values below 1e-200, at a quarter of the cost.
-SIZES = [pytest.param(DEFAULT_TREE_SAMPLES, 0.02, marks=pytest.mark.slow, id="40k"),
-         pytest.param(10_000, 0.04, id="10k")]
+SIZES = [
+    pytest.param(DEFAULT_TREE_SAMPLES, 0.02, marks=pytest.mark.slow, id="40k"),
+    pytest.param(10_000, 0.04, id="10k"),
+]
 
 
 @pytest.mark.statistical
@@ -68,17 +70,23 @@ def test_false_positive_rate_within_binomial_bound(draw):
     """50 seeds of a correct verifier at family-wise level 0.05: FAIL count <= the 99.9% binomial quantile; and
     the same cheap setup catches the stale-residual bug on (almost) every seed."""
     level, seeds = 0.05, 50
-    fails = sum(not certify_tree_kernel(cases=_cheap(s, draw), samples=2000, level=level, seed=s).passed
-                for s in range(seeds))
+    fails = sum(
+        not certify_tree_kernel(cases=_cheap(s, draw), samples=2000, level=level, seed=s).passed for s in range(seeds)
+    )
     assert fails <= stats.binom.ppf(0.999, seeds, level), fails
-    caught = sum(not certify_tree_kernel(broken_tree_verifier("tree_stale_residual"), cases=_cheap(s, draw),
-                                         samples=2000, level=level, seed=s).passed for s in range(10))
+    caught = sum(
+        not certify_tree_kernel(
+            broken_tree_verifier("tree_stale_residual"), cases=_cheap(s, draw), samples=2000, level=level, seed=s
+        ).passed
+        for s in range(10)
+    )
     assert caught >= 9
 
 
 def test_crash_is_reported():
     def crashing(*args, **kwargs):
         raise RuntimeError("boom")
+
     report = certify_tree_kernel(crashing, cases=default_tree_cases()[:1], samples=200)
     assert not report.passed and "boom" in report.errors[0]
 
@@ -87,8 +95,23 @@ def test_crash_is_reported():
 def test_cli_tree(tmp_path, capsys):
     assert main(["certify", "kernel", "--tree", "deterministic", "--samples", "2000", "--out", str(tmp_path)]) == 0
     assert "PASS" in capsys.readouterr().out
-    assert main(["certify", "kernel", "--tree", "iid", "--inject", "tree_stale_residual", "--samples", "5000",
-                 "--out", str(tmp_path)]) == 1
+    assert (
+        main(
+            [
+                "certify",
+                "kernel",
+                "--tree",
+                "iid",
+                "--inject",
+                "tree_stale_residual",
+                "--samples",
+                "5000",
+                "--out",
+                str(tmp_path),
+            ]
+        )
+        == 1
+    )
     assert main(["certify", "kernel", "--tree", "iid", "--inject", "swap_p_q"]) == 2  # a chain bug: usage error
     assert "not a tree bug" in capsys.readouterr().err
 

@@ -31,8 +31,9 @@ def test_trie_merges_shared_prefixes_and_keeps_the_node_budget():
 
 
 def _view(seqs):
-    return BatchView(seqs=seqs, params=[SamplingParams()] * len(seqs),
-                     generators=[torch.Generator() for _ in seqs], vocab_size=16)
+    return BatchView(
+        seqs=seqs, params=[SamplingParams()] * len(seqs), generators=[torch.Generator() for _ in seqs], vocab_size=16
+    )
 
 
 def test_chain_proposals_are_one_hot_chains_within_each_cap():

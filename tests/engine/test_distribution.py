@@ -49,6 +49,7 @@ def exact_sequence_probs(model, prompt: list[int], params: SamplingParams) -> np
 
 def sample_sequences(gen: SpeculativeGenerator, params: SamplingParams, n: int = N) -> np.ndarray:
     from dataclasses import replace
+
     rows = [replace(params, seed=10_000 + i) for i in range(n)]
     outs = gen.generate([PROMPT] * n, rows, max_new_tokens=L, ignore_eos=True)
     seqs = np.array([o.token_ids for o in outs])
@@ -58,7 +59,7 @@ def sample_sequences(gen: SpeculativeGenerator, params: SamplingParams, n: int =
 
 def gof(seqs: np.ndarray, probs: np.ndarray):
     index = (seqs[:, 0] * V + seqs[:, 1]) * V + seqs[:, 2]
-    return chisquare_gof(np.bincount(index, minlength=V ** L), probs)
+    return chisquare_gof(np.bincount(index, minlength=V**L), probs)
 
 
 class QBeforeTemperature(Proposer):
@@ -93,15 +94,22 @@ SETTINGS = {
 }
 
 
-CASES = ([("draft-model", s) for s in SETTINGS] + [("ngram", "temperature"), ("ngram", "penalties")]
-         + [("self-int4", "top_k_top_p")])  # the target's own weights, int4-quantized, bfloat16 compute
+CASES = (
+    [("draft-model", s) for s in SETTINGS]
+    + [("ngram", "temperature"), ("ngram", "penalties")]
+    + [("self-int4", "top_k_top_p")]
+)  # the target's own weights, int4-quantized, bfloat16 compute
 
 
 # ngram-temperature in the slow tier: prompt lookup's one-hot drafts are checked in the default tier by ngram-penalties
 # (temperature 0.8 with both penalties), the processors at this temperature by draft-model-temperature.
-@pytest.mark.parametrize("drafter,setting", [pytest.param(d, s, id=f"{d}-{s}", marks=[pytest.mark.slow] if
-                                                          (d, s) == ("ngram", "temperature") else [])
-                                             for d, s in CASES])
+@pytest.mark.parametrize(
+    "drafter,setting",
+    [
+        pytest.param(d, s, id=f"{d}-{s}", marks=[pytest.mark.slow] if (d, s) == ("ngram", "temperature") else [])
+        for d, s in CASES
+    ],
+)
 def test_engine_matches_target_sequence_distribution(drafter, setting, tiny_target, tiny_draft):
     params = SETTINGS[setting]
     if drafter == "self-int4":
@@ -117,8 +125,10 @@ def test_engine_matches_target_sequence_distribution(drafter, setting, tiny_targ
 
 def test_plain_decoding_matches_target_sequence_distribution(tiny_target):
     params = SETTINGS["temperature"]
-    result = gof(sample_sequences(SpeculativeGenerator(tiny_target, None), params),
-                 exact_sequence_probs(tiny_target.model, PROMPT, params))
+    result = gof(
+        sample_sequences(SpeculativeGenerator(tiny_target, None), params),
+        exact_sequence_probs(tiny_target.model, PROMPT, params),
+    )
     assert not result.rejects(LEVEL), result
 
 

@@ -20,7 +20,9 @@ GREEDY = SamplingParams(temperature=0)
 @pytest.mark.parametrize("draft", ["ngram", "model", "noisy", "self"])
 @pytest.mark.parametrize("batch", [1, 4])
 def test_greedy_equals_target_greedy(draft, batch, tiny_target, tiny_draft, tiny_noisy):
-    d = {"ngram": "ngram", "model": tiny_draft, "noisy": tiny_noisy, "self": tiny_target}[draft]  # "self": the target drafts for itself
+    d = {"ngram": "ngram", "model": tiny_draft, "noisy": tiny_noisy, "self": tiny_target}[
+        draft
+    ]  # "self": the target drafts for itself
     gen = SpeculativeGenerator(tiny_target, d, gamma=3)
     prompts = PROMPTS[:batch]
     outs = gen.generate(prompts, GREEDY, max_new_tokens=24)
@@ -109,7 +111,7 @@ def test_logprobs_conventions(tiny_target, tiny_draft):
     out = gen.generate(PROMPTS[0], SamplingParams(temperature=0.5, seed=3), max_new_tokens=6, ignore_eos=True)[0]
     seq = PROMPTS[0] + out.token_ids
     with torch.no_grad():
-        logits = tiny_target.model(torch.tensor([seq])).logits[0, len(PROMPTS[0]) - 1: -1]  # [6, V]
+        logits = tiny_target.model(torch.tensor([seq])).logits[0, len(PROMPTS[0]) - 1 : -1]  # [6, V]
     toks = torch.tensor(out.token_ids)
     raw = torch.log_softmax(logits, -1)[torch.arange(6), toks]
     processed = torch.log_softmax(logits / 0.5, -1)[torch.arange(6), toks]
@@ -125,8 +127,9 @@ def test_stats(tiny_target):
     s = out.stats
     assert s.acceptance_rate == 1.0 and s.tau == pytest.approx(4.0) and s.per_position_acceptance == [1, 1, 1]
     assert s.output_tokens == 12 and s.target_passes == 3
-    plain = SpeculativeGenerator(tiny_target, None).generate(PROMPTS[0], SamplingParams(seed=2), max_new_tokens=5,
-                                                        ignore_eos=True)[0]
+    plain = SpeculativeGenerator(tiny_target, None).generate(
+        PROMPTS[0], SamplingParams(seed=2), max_new_tokens=5, ignore_eos=True
+    )[0]
     assert plain.stats.tau == 1.0 and plain.stats.drafted == 0
 
 
@@ -154,6 +157,7 @@ def test_chat_prompts_use_the_template(tiny_target):
 
 # ---- bad input -------------------------------------------------------------------------------------------
 
+
 def test_bad_input(tiny_target, tiny_draft):
     gen = SpeculativeGenerator(tiny_target, tiny_draft)
     with pytest.raises(ValueError, match="prompt is empty"):
@@ -162,7 +166,7 @@ def test_bad_input(tiny_target, tiny_draft):
         gen.generate("a b", GREEDY, max_new_tokens=0)
     with pytest.raises(ValueError, match="context is 256"):
         gen.generate([3] * 300, GREEDY)
-    with pytest.raises(ValueError, match="SamplingParams.top_p"):
+    with pytest.raises(ValueError, match=r"SamplingParams\.top_p"):
         gen.generate("a b", SamplingParams(top_p=2.0))
     with pytest.raises(ValueError, match="one per prompt"):
         gen.generate(["a", "b"], [GREEDY])
@@ -209,6 +213,6 @@ def test_draft_catches_up_a_backlog_after_plain_steps(tiny_draft):
         prop.update(view, old, out, [[0, 1], []])  # row 0 kept both drafts, row 1 had none
         if step == 8:
             with torch.no_grad():
-                fresh = tiny_draft.model(torch.tensor([seqs[1][:old[1]]])).logits[0, -1]
+                fresh = tiny_draft.model(torch.tensor([seqs[1][: old[1]]])).logits[0, -1]
             assert out.token_ids[1, 0].item() == int(fresh.argmax())
     assert prop.runner.lengths[1] == len(seqs[1]) - 1  # backlog fed; the rejected draft rolled back

@@ -74,7 +74,7 @@ def test_params_and_budget(gen):
 def test_generators_must_be_generators():
     p = torch.full((2, 2, 4), 0.25)
     ids = torch.zeros((2, 1), dtype=torch.int64)
-    with pytest.raises(ValueError, match="torch.Generator"):
+    with pytest.raises(ValueError, match=r"torch\.Generator"):
         verify_chain(p, ids, None, generators=[1, 2])
     with pytest.raises(ValueError, match="one entry per row"):
         verify_chain(p, ids, None, generators=torch.Generator())

@@ -19,8 +19,15 @@ GREEDY = SamplingParams(temperature=0)
 TREES = ["3-2-1", "dynamic-3-3-8", "2-2-2-2"]
 
 
-@pytest.mark.parametrize("tree, rule", [(t, r) for t in TREES for r in ("deterministic", "iid", "without_replacement")
-                                          if r == "deterministic" or not t.startswith("dynamic")])
+@pytest.mark.parametrize(
+    "tree, rule",
+    [
+        (t, r)
+        for t in TREES
+        for r in ("deterministic", "iid", "without_replacement")
+        if r == "deterministic" or not t.startswith("dynamic")
+    ],
+)
 def test_greedy_tree_equals_plain_greedy(tree, rule, tiny_target, tiny_noisy):
     gen = SpeculativeGenerator(tiny_target, tiny_noisy, tree=tree, tree_rule=rule)
     outs = gen.generate(PROMPTS, GREEDY, max_new_tokens=20)
@@ -54,7 +61,7 @@ def test_logprobs_are_the_targets_at_the_emitted_positions(tiny_target, tiny_noi
     out = gen.generate([PROMPTS[0]], SamplingParams(temperature=0.8, seed=3), max_new_tokens=12, ignore_eos=True)[0]
     seq = PROMPTS[0] + out.token_ids
     with torch.no_grad():
-        logits = tiny_target.model(torch.tensor([seq])).logits[0, len(PROMPTS[0]) - 1: -1]
+        logits = tiny_target.model(torch.tensor([seq])).logits[0, len(PROMPTS[0]) - 1 : -1]
     raw = logits.log_softmax(-1).gather(1, torch.tensor(out.token_ids).unsqueeze(1)).squeeze(1)
     assert out.raw_logprobs == pytest.approx(raw.tolist(), abs=1e-4)
     proc = (logits / 0.8).log_softmax(-1).gather(1, torch.tensor(out.token_ids).unsqueeze(1)).squeeze(1)

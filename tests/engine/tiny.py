@@ -4,8 +4,17 @@ from __future__ import annotations
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, PreTrainedTokenizerFast,
-                          Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 from verispec.model.loading import LoadedModel
 
@@ -19,22 +28,45 @@ def make_tokenizer(words=WORDS) -> PreTrainedTokenizerFast:
     tk.pre_tokenizer = pre_tokenizers.Whitespace()
     tk.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
     tok = PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
-    tok.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}{% if add_generation_prompt %}x0{% endif %}"
+    tok.chat_template = (
+        "{% for m in messages %}{{ m['content'] }} {% endfor %}{% if add_generation_prompt %}x0{% endif %}"
+    )
     return tok
 
 
-FAMILIES = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
-            "qwen3": (Qwen3Config, Qwen3ForCausalLM), "mistral": (MistralConfig, MistralForCausalLM)}
+FAMILIES = {
+    "llama": (LlamaConfig, LlamaForCausalLM),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+    "mistral": (MistralConfig, MistralForCausalLM),
+}
 
 
-def make_model(seed: int, family: str = "llama", layers: int = 2, scale: float = 4.0, vocab: int = V,
-               max_positions: int = 256, dtype=torch.float32, **extra) -> torch.nn.Module:
+def make_model(
+    seed: int,
+    family: str = "llama",
+    layers: int = 2,
+    scale: float = 4.0,
+    vocab: int = V,
+    max_positions: int = 256,
+    dtype=torch.float32,
+    **extra,
+) -> torch.nn.Module:
     """A random 2-layer model; `scale` sharpens the output layer so distributions are far from uniform.
     family: llama, qwen2 (q/k/v biases), qwen3 (q/k norms), mistral; `extra` goes to the config."""
     torch.manual_seed(seed)
-    kw = dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=max_positions, eos_token_id=EOS, bos_token_id=1,
-              tie_word_embeddings=False)
+    kw = dict(
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=max_positions,
+        eos_token_id=EOS,
+        bos_token_id=1,
+        tie_word_embeddings=False,
+    )
     if family == "qwen3":
         kw["head_dim"] = 8
     config_cls, model_cls = FAMILIES[family]
@@ -47,6 +79,7 @@ def make_model(seed: int, family: str = "llama", layers: int = 2, scale: float =
 def noisy_copy(model, eps: float, seed: int = 0) -> torch.nn.Module:
     """The same model with Gaussian noise on every weight: a draft that agrees often, not always."""
     import copy
+
     g = torch.Generator().manual_seed(seed)
     twin = copy.deepcopy(model)
     with torch.no_grad():

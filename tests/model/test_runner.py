@@ -31,7 +31,7 @@ def test_ragged_chunks_and_rollback_match_fresh_forward(family, runner):
     lo = r.forward([s[2:5] for s in seqs])  # 3, 1 and 3 new tokens
     for b, s in enumerate(seqs):
         n = len(s[2:5])
-        torch.testing.assert_close(lo[b, :n], ref[b][2:2 + n], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(lo[b, :n], ref[b][2 : 2 + n], atol=1e-5, rtol=1e-5)
     # roll rows back by different amounts (a rejected draft), then continue: same logits as a fresh forward
     r.truncate([3, 3, 4])
     lo = r.forward([seqs[0][3:], [], seqs[2][4:]])
@@ -78,13 +78,24 @@ def test_sliding_window_models_keep_their_window(family, runner):
     from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
-    kw = dict(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=64, sliding_window=3)
+    kw = dict(
+        vocab_size=32,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        sliding_window=3,
+    )
     if family == "mistral":
         model = MistralForCausalLM(MistralConfig(**kw)).eval()
     else:  # one full-attention and one sliding layer: the model takes one mask per layer type
-        model = Qwen2ForCausalLM(Qwen2Config(**kw, use_sliding_window=True, max_window_layers=1,
-                                             layer_types=["full_attention", "sliding_attention"])).eval()
+        model = Qwen2ForCausalLM(
+            Qwen2Config(
+                **kw, use_sliding_window=True, max_window_layers=1, layer_types=["full_attention", "sliding_attention"]
+            )
+        ).eval()
     seq = [1, 5, 7, 3, 9, 2, 4, 11, 6, 8, 10, 12]
     with torch.no_grad():
         ref = model(torch.tensor([seq])).logits[0]
@@ -122,10 +133,12 @@ def test_tree_masked_logits_equal_separate_branch_forwards(family, runner):
     assert r.lengths == [6, 5]
     nxt = r.forward([[16], [23]])
     with torch.no_grad():
-        torch.testing.assert_close(nxt[0, 0], model(torch.tensor([prefix[0] + [10, 12, 16]])).logits[0, -1],
-                                   atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(nxt[1, 0], model(torch.tensor([prefix[1] + chain + [23]])).logits[0, -1],
-                                   atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            nxt[0, 0], model(torch.tensor([prefix[0] + [10, 12, 16]])).logits[0, -1], atol=1e-5, rtol=1e-5
+        )
+        torch.testing.assert_close(
+            nxt[1, 0], model(torch.tensor([prefix[1] + chain + [23]])).logits[0, -1], atol=1e-5, rtol=1e-5
+        )
 
 
 @pytest.mark.parametrize("runner", list(RUNNERS))
@@ -149,10 +162,12 @@ def test_tree_grown_over_several_forwards(runner):
     r.keep_paths([4, 2], [[0, 2, 4], [0, 1]])
     nxt = r.forward([[30], [31]])
     with torch.no_grad():
-        torch.testing.assert_close(nxt[0, 0], model(torch.tensor([prefix[0] + [10, 12, 14, 30]])).logits[0, -1],
-                                   atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(nxt[1, 0], model(torch.tensor([prefix[1] + [20, 21, 31]])).logits[0, -1],
-                                   atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            nxt[0, 0], model(torch.tensor([prefix[0] + [10, 12, 14, 30]])).logits[0, -1], atol=1e-5, rtol=1e-5
+        )
+        torch.testing.assert_close(
+            nxt[1, 0], model(torch.tensor([prefix[1] + [20, 21, 31]])).logits[0, -1], atol=1e-5, rtol=1e-5
+        )
 
 
 def test_bad_trees():

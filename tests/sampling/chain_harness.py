@@ -29,5 +29,8 @@ def position_tests(p, q, token_ids, num_accepted, num_draft, onehot_ids=None) ->
 
 
 def failing(results: dict[str, GofResult], level: float = LEVEL) -> list[str]:
-    return [f"{name}: p={r.pvalue:.3g} (stat {r.statistic:.1f}, dof {r.dof}, n {r.n}, impossible {r.impossible})"
-            for name, r in results.items() if r.rejects(level)]
+    return [
+        f"{name}: p={r.pvalue:.3g} (stat {r.statistic:.1f}, dof {r.dof}, n {r.n}, impossible {r.impossible})"
+        for name, r in results.items()
+        if r.rejects(level)
+    ]

@@ -44,7 +44,7 @@ def make_case(name: str, k: int, v: int = V, seed: int = 0):
         q = (1 / p[:k]) / (1 / p[:k]).sum(-1, keepdim=True)
     elif name == "disjoint_zeros":  # q = 0 where p > 0 and p = 0 where q > 0, on different tokens
         p[:, : v // 4] = 0
-        q[:, v // 4: v // 2] = 0
+        q[:, v // 4 : v // 2] = 0
         p, q = p / p.sum(-1, keepdim=True), q / q.sum(-1, keepdim=True)
     elif name == "equal":
         q = p[:k].clone()
@@ -66,10 +66,18 @@ def make_case(name: str, k: int, v: int = V, seed: int = 0):
 
 
 CASES = [
-    ("random", 4, False), ("random", 1, False), ("random", 4, True),
-    ("adversarial", 4, False), ("disjoint_zeros", 4, False), ("disjoint_zeros", 1, True),
-    ("equal", 4, False), ("equal", 4, True), ("onehot", 4, False), ("onehot", 1, True),
-    ("truncated", 4, False), ("truncated", 4, True),
+    ("random", 4, False),
+    ("random", 1, False),
+    ("random", 4, True),
+    ("adversarial", 4, False),
+    ("disjoint_zeros", 4, False),
+    ("disjoint_zeros", 1, True),
+    ("equal", 4, False),
+    ("equal", 4, True),
+    ("onehot", 4, False),
+    ("onehot", 1, True),
+    ("truncated", 4, False),
+    ("truncated", 4, True),
 ]
 
 
@@ -78,7 +86,9 @@ CASES = [
 def test_emitted_tokens_follow_target(name, k, ragged):
     p, q, onehot = make_case(name, k)
     n = N if (name, k, ragged) == ("random", 4, False) else N // 4
-    tok, na, nd = run_case(correct, p, q, n, onehot_ids=onehot, ragged=ragged, seed=zlib.crc32(name.encode()) % 1000 + k)
+    tok, na, nd = run_case(
+        correct, p, q, n, onehot_ids=onehot, ragged=ragged, seed=zlib.crc32(name.encode()) % 1000 + k
+    )
     results = position_tests(p, q, tok, na, nd, onehot_ids=onehot)
     assert failing(results) == []
     assert all(r.impossible == 0 for r in results.values())
@@ -142,7 +152,7 @@ def test_emitted_count_matches_theory():
     _, na, _ = run_case(correct, p, q, N, seed=9)
     emitted = (na + 1).double()
     tau = expected_tokens_per_pass(a, 4)
-    se = float(emitted.std()) / N ** 0.5
+    se = float(emitted.std()) / N**0.5
     assert abs(float(emitted.mean()) - tau) < 5 * se
 
 

@@ -14,8 +14,14 @@ CAT, DOG, FISH = 0, 1, 2
 
 def seed_step(draft: int, u: float, v: float):
     target = torch.stack([P, P]).unsqueeze(0)  # [1, 2, 3]: position 0 and the bonus position
-    return verify_chain_with_uniforms(target, torch.tensor([[draft]]), Q.view(1, 1, 3), torch.tensor([1]),
-                                      torch.tensor([[u]], dtype=torch.float64), torch.tensor([v], dtype=torch.float64))
+    return verify_chain_with_uniforms(
+        target,
+        torch.tensor([[draft]]),
+        Q.view(1, 1, 3),
+        torch.tensor([1]),
+        torch.tensor([[u]], dtype=torch.float64),
+        torch.tensor([v], dtype=torch.float64),
+    )
 
 
 def _first_token_law(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -25,8 +31,15 @@ def _first_token_law(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     at its centre, the answer weighted by q(t) x the rectangle's area."""
     V = p.numel()
     resid = (p - q).clamp_min(0)
-    breaks = torch.unique(torch.cat([torch.zeros(1, dtype=torch.float64), (resid / resid.sum()).cumsum(0).clamp(max=1),
-                                     torch.ones(1, dtype=torch.float64)]))
+    breaks = torch.unique(
+        torch.cat(
+            [
+                torch.zeros(1, dtype=torch.float64),
+                (resid / resid.sum()).cumsum(0).clamp(max=1),
+                torch.ones(1, dtype=torch.float64),
+            ]
+        )
+    )
     cells = []  # (draft, u, v, weight)
     for t in range(V):
         a = min(1.0, float(p[t] / q[t]))
@@ -35,10 +48,14 @@ def _first_token_law(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
                 if u_hi > u_lo and v_hi > v_lo:
                     cells.append((t, (u_lo + u_hi) / 2, (v_lo + v_hi) / 2, float(q[t]) * (u_hi - u_lo) * (v_hi - v_lo)))
     B = len(cells)
-    out = verify_chain_with_uniforms(torch.stack([p, p]).expand(B, 2, V), torch.tensor([[c[0]] for c in cells]),
-                                     q.view(1, 1, V).expand(B, 1, V), torch.ones(B, dtype=torch.int64),
-                                     torch.tensor([[c[1]] for c in cells], dtype=torch.float64),
-                                     torch.tensor([c[2] for c in cells], dtype=torch.float64))
+    out = verify_chain_with_uniforms(
+        torch.stack([p, p]).expand(B, 2, V),
+        torch.tensor([[c[0]] for c in cells]),
+        q.view(1, 1, V).expand(B, 1, V),
+        torch.ones(B, dtype=torch.int64),
+        torch.tensor([[c[1]] for c in cells], dtype=torch.float64),
+        torch.tensor([c[2] for c in cells], dtype=torch.float64),
+    )
     law = torch.zeros(V, dtype=torch.float64)
     law.index_add_(0, out.token_ids[:, 0], torch.tensor([c[3] for c in cells], dtype=torch.float64))
     return law
@@ -86,16 +103,28 @@ def test_bonus_token_after_full_acceptance():
 def test_zero_target_probability_never_accepted_even_with_u_zero():
     p = torch.tensor([[[0.0, 1.0], [0.5, 0.5]]])
     q = torch.tensor([[[1.0, 0.0]]])
-    out = verify_chain_with_uniforms(p, torch.tensor([[0]]), q, torch.tensor([1]),
-                                     torch.zeros(1, 1, dtype=torch.float64), torch.zeros(1, dtype=torch.float64))
+    out = verify_chain_with_uniforms(
+        p,
+        torch.tensor([[0]]),
+        q,
+        torch.tensor([1]),
+        torch.zeros(1, 1, dtype=torch.float64),
+        torch.zeros(1, dtype=torch.float64),
+    )
     assert out.num_accepted.item() == 0 and out.token_ids.tolist() == [[1, -1]]
 
 
 def test_zero_residual_mass_gives_no_nan():
     """p == q with a forced rejection (u = 1, outside the sampler's range) leaves Z = 0: fall back to p."""
     p = torch.tensor([[[0.25, 0.75, 0.0], [1 / 3, 1 / 3, 1 / 3]]])
-    out = verify_chain_with_uniforms(p, torch.tensor([[1]]), p[:, :1].clone(), torch.tensor([1]),
-                                     torch.ones(1, 1, dtype=torch.float64), torch.tensor([0.5], dtype=torch.float64))
+    out = verify_chain_with_uniforms(
+        p,
+        torch.tensor([[1]]),
+        p[:, :1].clone(),
+        torch.tensor([1]),
+        torch.ones(1, 1, dtype=torch.float64),
+        torch.tensor([0.5], dtype=torch.float64),
+    )
     assert out.num_accepted.item() == 0
     assert out.token_ids[0, 0].item() == 1  # drawn from p = (0.25, 0.75, 0): the 0.5 quantile is token 1
 
@@ -103,8 +132,14 @@ def test_zero_residual_mass_gives_no_nan():
 def test_one_hot_drafts_residual_excludes_the_draft():
     p = torch.tensor([[[0.5, 0.25, 0.25], [1.0, 0.0, 0.0]]])
     for v, expect in ((0.0, 0), (0.66, 0), (0.67, 2), (0.999, 2)):  # residual = (0.5, 0, 0.25) / 0.75
-        out = verify_chain_with_uniforms(p, torch.tensor([[1]]), None, torch.tensor([1]),
-                                         torch.tensor([[0.9]], dtype=torch.float64), torch.tensor([v], dtype=torch.float64))
+        out = verify_chain_with_uniforms(
+            p,
+            torch.tensor([[1]]),
+            None,
+            torch.tensor([1]),
+            torch.tensor([[0.9]], dtype=torch.float64),
+            torch.tensor([v], dtype=torch.float64),
+        )
         assert out.num_accepted.item() == 0 and out.token_ids[0, 0].item() == expect
 
 
@@ -122,7 +157,9 @@ def test_per_row_seed_is_batch_invariant():
     gens = [torch.Generator().manual_seed(100 + b) for b in range(6)]
     batch = verify_chain(p, ids, q, nd, gens)
     for b in range(6):
-        alone = verify_chain(p[b:b + 1], ids[b:b + 1], q[b:b + 1], nd[b:b + 1], [torch.Generator().manual_seed(100 + b)])
+        alone = verify_chain(
+            p[b : b + 1], ids[b : b + 1], q[b : b + 1], nd[b : b + 1], [torch.Generator().manual_seed(100 + b)]
+        )
         assert torch.equal(alone.token_ids[0], batch.token_ids[b])
     # another batch around row 2, in another place, with other neighbours: same row-2 output
     perm = [2, 5, 0]
@@ -144,8 +181,12 @@ def test_same_seed_same_output_and_generator_advance():
 
 
 def test_rows_without_drafts_consume_no_acceptance_randomness():
-    accept_u, final_u = draw_uniforms(torch.tensor([0, 3]), 3, [torch.Generator().manual_seed(0)] * 1 +
-                                      [torch.Generator().manual_seed(1)], torch.device("cpu"))
+    accept_u, final_u = draw_uniforms(
+        torch.tensor([0, 3]),
+        3,
+        [torch.Generator().manual_seed(0)] * 1 + [torch.Generator().manual_seed(1)],
+        torch.device("cpu"),
+    )
     assert accept_u[0].tolist() == [0.0, 0.0, 0.0]
     ref = torch.rand(1, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     assert final_u[0].item() == ref.item()
@@ -165,7 +206,7 @@ def test_ragged_rows_ignore_padding_garbage():
     b = verify_chain(p2, ids2, q2, nd, [torch.Generator().manual_seed(s) for s in (0, 1)])
     assert torch.equal(a.token_ids, b.token_ids)
     for row in range(2):
-        assert (b.token_ids[row, int(b.num_accepted[row]) + 1:] == -1).all()
+        assert (b.token_ids[row, int(b.num_accepted[row]) + 1 :] == -1).all()
 
 
 def test_output_layout():
@@ -175,7 +216,7 @@ def test_output_layout():
         n = int(out.num_accepted[b])
         assert out.token_ids[b, :n].tolist() == ids[b, :n].tolist()
         assert 0 <= out.token_ids[b, n] < 20
-        assert (out.token_ids[b, n + 1:] == -1).all()
+        assert (out.token_ids[b, n + 1 :] == -1).all()
     assert torch.equal(out.num_emitted, out.num_accepted + 1)
 
 
@@ -197,6 +238,7 @@ def test_mixed_dtypes_raise():
 
 
 # ---- bad input: each class gets a ValueError with a message that says what is wrong ----
+
 
 def _bad(match, **over):
     p, ids, q = _random_batch(B=2, k=3, V=8)
@@ -262,4 +304,4 @@ def test_checks_can_be_skipped_on_the_hot_path():
     for b in range(4):
         n = int(out.num_accepted[b])
         assert n <= int(nd[b]) and out.token_ids[b, :n].tolist() == ids[b, :n].tolist()
-        assert 0 <= int(out.token_ids[b, n]) < 8 and (out.token_ids[b, n + 1:] == -1).all()
+        assert 0 <= int(out.token_ids[b, n]) < 8 and (out.token_ids[b, n + 1 :] == -1).all()

@@ -72,11 +72,14 @@ def _first_tokens(verify, n: int = 40_000) -> np.ndarray:
 
 
 @pytest.mark.statistical
-@pytest.mark.parametrize("verify, law", [
-    (lenient_verifier(0.8), one_step_law_lenient(P, Q, 0.8)),
-    (lenient_verifier(0.5), Q),
-    (typical_verifier(eps=0.2, delta=0.9), one_step_law_typical(P, Q, eps=0.2, delta=0.9)),
-])
+@pytest.mark.parametrize(
+    "verify, law",
+    [
+        (lenient_verifier(0.8), one_step_law_lenient(P, Q, 0.8)),
+        (lenient_verifier(0.5), Q),
+        (typical_verifier(eps=0.2, delta=0.9), one_step_law_typical(P, Q, eps=0.2, delta=0.9)),
+    ],
+)
 def test_verifiers_sample_their_stated_law_not_p(verify, law):
     counts = _first_tokens(verify)
     assert chisquare_gof(counts, law.numpy()).pvalue > 1e-3  # the law computed above

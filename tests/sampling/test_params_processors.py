@@ -11,12 +11,30 @@ from verispec.sampling import SamplingParams, counts_at_nodes, probs_from_logits
 from verispec.sampling.tree import chain_parents
 
 
-@pytest.mark.parametrize("field,value", [
-    ("temperature", -0.1), ("temperature", float("nan")), ("temperature", float("inf")), ("temperature", "1"),
-    ("top_k", -1), ("top_k", 2.5), ("top_k", True), ("top_p", 0.0), ("top_p", 1.01), ("top_p", -0.5),
-    ("min_p", -0.01), ("min_p", 1.5), ("repetition_penalty", 0.0), ("repetition_penalty", -1.0),
-    ("presence_penalty", 2.5), ("frequency_penalty", -3.0), ("seed", -1), ("seed", 1.5), ("seed", 2**63),
-])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("temperature", -0.1),
+        ("temperature", float("nan")),
+        ("temperature", float("inf")),
+        ("temperature", "1"),
+        ("top_k", -1),
+        ("top_k", 2.5),
+        ("top_k", True),
+        ("top_p", 0.0),
+        ("top_p", 1.01),
+        ("top_p", -0.5),
+        ("min_p", -0.01),
+        ("min_p", 1.5),
+        ("repetition_penalty", 0.0),
+        ("repetition_penalty", -1.0),
+        ("presence_penalty", 2.5),
+        ("frequency_penalty", -3.0),
+        ("seed", -1),
+        ("seed", 1.5),
+        ("seed", 2**63),
+    ],
+)
 def test_invalid_params_name_the_field(field, value):
     with pytest.raises(ValueError, match=f"SamplingParams.{field}"):
         SamplingParams(**{field: value})
@@ -84,7 +102,7 @@ def test_per_row_params_and_mixed_greedy_batch():
     rows = [SamplingParams(temperature=0), SamplingParams(temperature=2.0, top_k=3), SamplingParams()]
     out = probs_from_logits(logits, rows)
     for b, sp in enumerate(rows):
-        assert torch.equal(out[b:b + 1], probs_from_logits(logits[b:b + 1], sp))
+        assert torch.equal(out[b : b + 1], probs_from_logits(logits[b : b + 1], sp))
     with pytest.raises(ValueError, match="3 rows"):
         probs_from_logits(logits, rows[:2])
 

@@ -4,8 +4,12 @@ import pytest
 import torch
 
 from verispec.sampling import (
-    acceptance_rate, expected_tokens_per_pass, optimal_gamma_constant_cost, optimal_gamma_cost_curve,
-    speedup_constant_cost, speedup_cost_curve,
+    acceptance_rate,
+    expected_tokens_per_pass,
+    optimal_gamma_constant_cost,
+    optimal_gamma_cost_curve,
+    speedup_constant_cost,
+    speedup_cost_curve,
 )
 
 
@@ -16,7 +20,7 @@ def test_alpha_seed_example():
 def test_tau_matches_geometric_sum():
     for a in (0.0, 0.3, 0.8, 0.99):
         for g in range(0, 9):
-            assert expected_tokens_per_pass(a, g) == pytest.approx(sum(a ** i for i in range(g + 1)))
+            assert expected_tokens_per_pass(a, g) == pytest.approx(sum(a**i for i in range(g + 1)))
     assert expected_tokens_per_pass(1.0, 4) == 5.0
 
 
@@ -32,7 +36,7 @@ def test_speedups():
 
 def test_optimal_gamma_is_argmax():
     for a, c in ((0.6, 0.05), (0.9, 0.05), (0.9, 0.5), (0.2, 0.9)):
-        g, s = optimal_gamma_constant_cost(a, c, 20)
+        _g, s = optimal_gamma_constant_cost(a, c, 20)
         assert s == max(speedup_constant_cost(a, x, c) for x in range(21))
     assert optimal_gamma_constant_cost(0.2, 0.9)[0] == 0  # a bad draft: do not speculate
     steep = [1.0 + 0.5 * n for n in range(17)]
@@ -46,7 +50,7 @@ def test_theory_bad_input():
         expected_tokens_per_pass(1.5, 2)
     with pytest.raises(ValueError, match="gamma"):
         expected_tokens_per_pass(0.5, -1)
-    with pytest.raises(ValueError, match="covers 1..3"):
+    with pytest.raises(ValueError, match=r"covers 1\.\.3"):
         speedup_cost_curve(0.5, 3, 0.1, [1, 2, 3])
     with pytest.raises(ValueError, match="same shape"):
         acceptance_rate(torch.ones(3), torch.ones(4))

@@ -68,16 +68,40 @@ def test_deterministic_rule_exact_cases():
     p = torch.tensor([[[0.5, 0.3, 0.2], [0.0, 0.0, 1.0], [0.3, 0.3, 0.4], [1.0, 0.0, 0.0]]])
     nn = torch.tensor([3])
     # u(a) = 0.4 < p(a) = 0.5: accept a; at a, c has p = 1: accept; bonus from p after c -> token 0
-    out = verify_tree_with_uniforms(p, ids, parents, None, nn, "deterministic", torch.tensor([[0.4, 0.9, 0.9]],
-                                    dtype=torch.float64), torch.tensor([0.5], dtype=torch.float64))
+    out = verify_tree_with_uniforms(
+        p,
+        ids,
+        parents,
+        None,
+        nn,
+        "deterministic",
+        torch.tensor([[0.4, 0.9, 0.9]], dtype=torch.float64),
+        torch.tensor([0.5], dtype=torch.float64),
+    )
     assert out.token_ids.tolist() == [[0, 2, 0]] and out.num_accepted.tolist() == [2] and out.path[0].tolist() == [0, 2]
     # reject a (u = 0.6 >= 0.5); residual (0, 0.6, 0.4); b: 0.9 >= 0.6 rejected; residual -> token 2 for sure
-    out = verify_tree_with_uniforms(p, ids, parents, None, nn, "deterministic", torch.tensor([[0.6, 0.9, 0.0]],
-                                    dtype=torch.float64), torch.tensor([0.01], dtype=torch.float64))
+    out = verify_tree_with_uniforms(
+        p,
+        ids,
+        parents,
+        None,
+        nn,
+        "deterministic",
+        torch.tensor([[0.6, 0.9, 0.0]], dtype=torch.float64),
+        torch.tensor([0.01], dtype=torch.float64),
+    )
     assert out.token_ids.tolist() == [[2, -1, -1]] and out.num_accepted.tolist() == [0]
     # reject a, accept b (u = 0.5 < 0.6); b is a leaf: bonus from p after b
-    out = verify_tree_with_uniforms(p, ids, parents, None, nn, "deterministic", torch.tensor([[0.6, 0.5, 0.0]],
-                                    dtype=torch.float64), torch.tensor([0.99], dtype=torch.float64))
+    out = verify_tree_with_uniforms(
+        p,
+        ids,
+        parents,
+        None,
+        nn,
+        "deterministic",
+        torch.tensor([[0.6, 0.5, 0.0]], dtype=torch.float64),
+        torch.tensor([0.99], dtype=torch.float64),
+    )
     assert out.token_ids.tolist() == [[1, 2, -1]] and out.num_accepted.tolist() == [1]
 
 
@@ -87,8 +111,9 @@ def test_p_zero_node_never_accepted_even_with_u_zero():
     q = torch.tensor([[[0.9, 0.05, 0.05]] * 4])
     zero = torch.zeros((1, 3), dtype=torch.float64)
     for rule in ("iid", "deterministic"):
-        out = verify_tree_with_uniforms(p, ids, parents, q, torch.tensor([3]), rule, zero,
-                                        torch.tensor([0.0], dtype=torch.float64))
+        out = verify_tree_with_uniforms(
+            p, ids, parents, q, torch.tensor([3]), rule, zero, torch.tensor([0.0], dtype=torch.float64)
+        )
         assert out.token_ids[0, 0] != 0
 
 
@@ -137,8 +162,9 @@ def test_rows_independent_of_batch():
     nn = torch.tensor([5, 3, 0, 5, 2, 5])
     full = verify_tree(p, ids, parents, q, nn, _gens(B), rule="iid")
     for b in range(B):
-        alone = verify_tree(p[b:b + 1], ids[b:b + 1], parents[b:b + 1], q[b:b + 1], nn[b:b + 1], _gens(1, b),
-                            rule="iid")
+        alone = verify_tree(
+            p[b : b + 1], ids[b : b + 1], parents[b : b + 1], q[b : b + 1], nn[b : b + 1], _gens(1, b), rule="iid"
+        )
         width = alone.token_ids.shape[1]
         assert full.token_ids[b, :width].tolist() == alone.token_ids[0].tolist()
 
