@@ -35,7 +35,7 @@ from .. import strict_json
 from ..drafting import TreeSpec
 from ..engine.generator import SpeculativeGenerator
 from ..engine.stats import SpecStats
-from ..model.loading import load_model
+from ..model import loading
 from ..sampling import SamplingParams, probs_from_logits
 from ..sampling.lossy import lenient_verifier, typical_verifier
 from .bugs import BUGS, TREE_BUGS, TREE_NON_BUGS, broken_tree_verifier, broken_verifier
@@ -140,7 +140,7 @@ def _load(path: str | None, dtype: str):
 
     key = (path, dtype)
     if key not in _LOADED:
-        _LOADED[key] = load_model(path, dtype=dtype)
+        _LOADED[key] = loading.load_model(path, dtype=dtype)  # looked up at call time (tests patch it)
     return _LOADED[key]
 
 
