@@ -4,7 +4,9 @@ verispec (draft model), plain decoding and transformers `generate` PASS; every i
 sample size (N = 2000 continuations of L = 8 tokens per prompt, family-wise level 0.01); a user callable that
 samples at the wrong temperature FAILS; results do not depend on the number of worker processes.
 Tiers: every N = 2000 certificate costs tens of seconds on 2 cores, so the default tier runs one of each kind (a
-PASS, a generator bug, a tree PASS, the CLI) and the slow tier (`pytest -m slow`) all of them.
+PASS, a generator bug, a tree PASS, the CLI) and the slow tier (`pytest -m slow`) all of them. SPEC-RL's rollout-reuse
+rule (lossy) FAILS at N = 400 on one prompt, with the power to detect its exact first-token deviation asserted: a
+few seconds, default tier.
 Setup for the bug tests: temperature 0.7 and top-k 10 (so that q_before_temperature is exactly "q before the
 temperature was applied", and top-k creates p = 0 tokens a uniform of 0 can wrongly accept), and a draft far
 enough from the target (alpha ~ 0.4) that rejections, where most bugs live, are frequent.
@@ -13,6 +15,7 @@ enough from the target (alpha ~ 0.4) that rejections, where most bugs live, are 
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import replace
 
@@ -330,6 +333,50 @@ def test_broken_tree_verifiers_fail_at_default_size(models, bug, tree, rule):
     assert not r.passed, r.to_markdown()
 
 
+def _first_token_probs(path: str, prompt: list[int]) -> torch.Tensor:
+    """The processed distribution of a tiny model at the end of prompt (what the certificate's first-token test,
+    and a draft's first proposal, use): [V] float64."""
+    from verispec.sampling import probs_from_logits
+
+    with torch.no_grad():
+        logits = _load(path, "float32").model(torch.tensor([prompt])).logits[:, -1]
+    return probs_from_logits(logits, PARAMS)[0].double()
+
+
+def _merged_tv(law: torch.Tensor, p: torch.Tensor, n: int) -> float:
+    """TV(law, p) on the first-token test's bins (p's bins merged to expected counts >= 5 at n samples; mass on
+    p = 0 outcomes counts in full): the deviation the test's detectable TV is a bound for."""
+    from verispec.certify.stats import merge_small_bins
+
+    labels = torch.from_numpy(merge_small_bins(p.numpy() * n))
+    d = law - p
+    groups = torch.zeros(int(labels.max()) + 1, dtype=torch.float64).index_add_(0, labels.clamp_min(0), d)
+    return 0.5 * float(groups.abs().sum() + d[labels < 0].abs().sum())
+
+
+SPEC_RL_SAMPLES = 400
+
+
+@pytest.mark.statistical
+@pytest.mark.parametrize("lenience", [1.0, math.exp(0.5)], ids=["l1", "l-e0.5"])
+def test_spec_rl_reuse_rule_fails(models, lenience):
+    """SPEC-RL's rollout-reuse rule (accept with probability min(1, l p / q), a fresh draw from p at a rejection),
+    with the tiny draft as the old policy, FAILS the generator certificate at N = 400 on the first prompt (level
+    0.01). Power: the rule's exact first-token law, computed from the two models, deviates from p by more than the
+    first-token test detects with power 0.99 at its Bonferroni level (asserted), so a PASS here would be a miss
+    with probability <= 0.01."""
+    from verispec.sampling.lossy import one_step_law_spec_rl
+
+    target, draft = models
+    p, q = (_first_token_probs(m, PROMPTS[0]) for m in models)
+    tv = _merged_tv(one_step_law_spec_rl(p, q, lenience), p, SPEC_RL_SAMPLES)
+    spec = MethodSpec(target=target, draft=draft, gamma=4, verifier=f"spec-rl:{lenience!r}")
+    r = certify_generate(spec, PROMPTS[:1], PARAMS, samples=SPEC_RL_SAMPLES, show_progress=False)
+    first = next(t for t in r.tests if t.kind == "first-token")
+    assert first.detectable < tv, (first.detectable, tv)
+    assert not r.passed, r.to_markdown()
+
+
 def test_tree_options_are_checked(models):
     target, draft = models
     with pytest.raises(ValueError, match="tree bug"):
@@ -343,8 +390,9 @@ def test_tree_options_are_checked(models):
 def test_study_measures_failure_modes(models):
     """`certify study` without certificates (certify_samples = 0), every variant on 16 contexts x 8 positions per
     prompt: the lossless variants (exact rule, draft in bf16) deviate from the fp32 target by float rounding only
-    (mean TV < 1e-6), the lossy rules by more than 0.02, the target in bf16 by ~1e-3 and in fp16 by less than in
-    bf16 (more mantissa bits). An exact measurement, no hypothesis test: the verdicts are the slow test below."""
+    (mean TV < 1e-6), the lossy rules (SPEC-RL's rollout reuse included) by more than 0.02, the target in bf16 by
+    ~1e-3 and in fp16 by less than in bf16 (more mantissa bits). An exact measurement, no hypothesis test: the
+    verdicts are the slow test below."""
     from verispec.certify.study import VARIANTS, run_study
 
     target, draft = models
@@ -355,7 +403,7 @@ def test_study_measures_failure_modes(models):
     assert set(rows) == set(VARIANTS)
     for name in ("exact", "draft-bf16"):
         assert rows[name].lossless_by_construction and rows[name].mean_tv < 1e-6, name
-    for name in ("temperature-mismatch", "lenient-0.5", "typical"):
+    for name in ("temperature-mismatch", "lenient-0.5", "typical", "spec-rl", "spec-rl-lenient-e0.5"):
         assert rows[name].mean_tv > 0.02, name
     assert 1e-4 < rows["target-bf16"].mean_tv < 1e-2
     assert 1e-6 < rows["target-fp16"].mean_tv < rows["target-bf16"].mean_tv
@@ -367,8 +415,9 @@ def test_study_measures_failure_modes(models):
 def test_study_measures_and_certifies_failure_modes(models):
     """`certify study` on tiny models with a certificate per variant (N = 2000 per prompt, first-token law to
     TV ~0.1 at power 0.99): the exact rule deviates by float rounding only and PASSES; a temperature
-    mismatch and lenient acceptance deviate measurably and FAIL at N = 2000; the target in bf16 moves the output
-    by ~1e-3 TV, measured, and below what N = 2000 can detect. Slow tier: four N = 2000 certificates."""
+    mismatch, lenient acceptance and SPEC-RL's rollout reuse deviate measurably and FAIL at N = 2000; the target in
+    bf16 moves the output by ~1e-3 TV, measured, and below what N = 2000 can detect. Slow tier: five N = 2000
+    certificates."""
     from verispec.certify.study import run_study
 
     target, draft = models
@@ -379,14 +428,14 @@ def test_study_measures_and_certifies_failure_modes(models):
             draft,
             PROMPTS,
             SamplingParams(temperature=0.7),
-            variants=["exact", "temperature-mismatch", "target-bf16", "lenient-0.5"],
+            variants=["exact", "temperature-mismatch", "target-bf16", "lenient-0.5", "spec-rl"],
             contexts=16,
             certify_samples=2000,
             show_progress=False,
         )
     }
     assert rows["exact"].mean_tv < 1e-6 and rows["exact"].verdict == "PASS"
-    for name in ("temperature-mismatch", "lenient-0.5"):
+    for name in ("temperature-mismatch", "lenient-0.5", "spec-rl"):
         assert rows[name].mean_tv > 0.02 and rows[name].verdict == "FAIL", name
     bf16 = rows["target-bf16"]
     assert 1e-5 < bf16.mean_tv < bf16.detectable_tv

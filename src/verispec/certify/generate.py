@@ -37,7 +37,7 @@ from ..engine.generator import SpeculativeGenerator
 from ..engine.stats import SpecStats
 from ..model import loading
 from ..sampling import SamplingParams, probs_from_logits
-from ..sampling.lossy import lenient_verifier, typical_verifier
+from ..sampling.lossy import lenient_verifier, spec_rl_verifier, typical_verifier
 from .bugs import BUGS, TREE_BUGS, TREE_NON_BUGS, broken_tree_verifier, broken_verifier
 from .kernel import TARGET_TV, has_power, load_sampler
 from .stats import (
@@ -70,7 +70,7 @@ class MethodSpec:
     dtype: str = "float32"  # the method's target precision (the reference score is always float32)
     draft_dtype: str = "float32"
     callable: str | None = None  # method 'callable': module:function mapping (prompt_ids, params, seed) -> tokens
-    verifier: str | None = None  # a bug from verispec.certify.bugs, or 'lenient:L' / 'typical' (lossy variants)
+    verifier: str | None = None  # a bug from verispec.certify.bugs, or a lossy rule: LOSSY_VERIFIERS
     threads: int | None = None
     tree: str | None = None  # verispec: a tree shape ('4-2-2-1', 'dynamic-D-K-M'); None = chains
     tree_rule: str | None = None  # 'deterministic' (default), 'iid', 'without_replacement'
@@ -110,6 +110,9 @@ class MethodSpec:
         return {"plain": "verispec plain decoding", "hf": "transformers generate (plain sampling)"}[self.method]
 
 
+LOSSY_VERIFIERS = "lenient:L (L in (0, 1]), typical, spec-rl[:L] (L >= 1)"  # the lossy rules _verifier knows
+
+
 def _verifier(name: str, tree: bool = False):
 
     if tree:
@@ -129,7 +132,14 @@ def _verifier(name: str, tree: bool = False):
             raise ValueError(f"lenient takes a lenience in (0, 1]: 'lenient:0.5', got {name!r}") from None
     if name == "typical":
         return typical_verifier()
-    raise ValueError(f"unknown verifier {name!r}: one of {', '.join(BUGS)}, lenient:L, typical")
+    if name == "spec-rl" or name.startswith("spec-rl:"):
+        try:
+            return spec_rl_verifier(float(name.partition(":")[2] or 1.0))
+        except ValueError:
+            raise ValueError(
+                f"spec-rl takes a finite lenience >= 1: 'spec-rl' (l = 1) or 'spec-rl:2', got {name!r}"
+            ) from None
+    raise ValueError(f"unknown verifier {name!r}: one of {', '.join(BUGS)}, {LOSSY_VERIFIERS}")
 
 
 _LOADED: dict = {}

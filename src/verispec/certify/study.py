@@ -10,22 +10,31 @@ For each variant of speculative decoding the study reports
 Variants: exact verispec (control); temperature mismatch (drafts sampled at the requested temperature, q reported
 before it, i.e. at temperature 1); the draft run in bf16 (still lossless: q is what was sampled); the target's
 probabilities computed in bf16 / fp16 (the output follows the low-precision p); lenient acceptance (l = 0.5);
-Medusa's typical acceptance (eps 0.3, delta 0.09).
+Medusa's typical acceptance (eps 0.3, delta 0.09); SPEC-RL's rollout-reuse rule (Liu et al. 2025: accept with
+probability min(1, l p / q), at a rejection a fresh draw from p; q plays the old policy) at l = 1 and at
+l = e^0.5 ~ 1.65, the lenience its training scripts use (`--bias 0.5`, applied as accept iff log u <= log(p / q) + 0.5).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 import torch
 
 from ..sampling import SamplingParams, probs_from_logits
-from ..sampling.lossy import one_step_law_lenient, one_step_law_mismatched_q, one_step_law_typical
+from ..sampling.lossy import (
+    one_step_law_lenient,
+    one_step_law_mismatched_q,
+    one_step_law_spec_rl,
+    one_step_law_typical,
+)
 from .bugs import _Q_TEMPERATURE
 from .generate import MethodSpec, _load, certify_generate, draw_samples
 
-__all__ = ["VARIANTS", "StudyRow", "run_study", "study_markdown"]
+__all__ = ["SPEC_RL_LENIENCE", "VARIANTS", "StudyRow", "run_study", "study_markdown"]
 
+SPEC_RL_LENIENCE = math.exp(0.5)  # SPEC-RL's scripts: --bias 0.5, i.e. accept iff log u <= log(p / q) + 0.5
 # name -> (description, lossless by construction, MethodSpec overrides)
 VARIANTS: dict[str, tuple[str, bool, dict]] = {
     "exact": ("verispec, exact rule (control)", True, {}),
@@ -39,6 +48,12 @@ VARIANTS: dict[str, tuple[str, bool, dict]] = {
     "target-fp16": ("target probabilities computed in fp16", False, {"dtype": "float16", "runner": "hf"}),
     "lenient-0.5": ("lenient acceptance, l = 0.5", False, {"verifier": "lenient:0.5"}),
     "typical": ("typical acceptance (Medusa, eps 0.3, delta 0.09)", False, {"verifier": "typical"}),
+    "spec-rl": ("SPEC-RL rollout reuse, l = 1 (rejection: fresh draw from p)", False, {"verifier": "spec-rl"}),
+    "spec-rl-lenient-e0.5": (
+        "SPEC-RL rollout reuse, l = e^0.5 ~ 1.65 (its scripts' --bias 0.5)",
+        False,
+        {"verifier": f"spec-rl:{SPEC_RL_LENIENCE!r}"},
+    ),
 }
 
 
@@ -74,6 +89,35 @@ def _probs(
 
 def _tv(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:  # [n, V] x2 -> [n]
     return 0.5 * (a - b).abs().sum(-1)
+
+
+def _variant_law(name: str, p32: torch.Tensor, q32: torch.Tensor, probs_of) -> tuple[torch.Tensor, torch.Tensor]:
+    """(law of the token a step of variant `name` emits at its first position, the q it drafts from): [n, V] each.
+    probs_of("target" | "draft", dtype) gives that model's processed distributions at the study's contexts."""
+    if name == "exact":
+        return one_step_law_mismatched_q(p32, q32, q32), q32
+    if name == "temperature-mismatch":
+        q_used = q32.pow(_Q_TEMPERATURE)  # the bug's q: before temperature 0.7 (exact when T = 0.7)
+        return one_step_law_mismatched_q(p32, q32, q_used / q_used.sum(-1, keepdim=True)), q32
+    if name == "draft-bf16":
+        q = probs_of("draft", "bfloat16")
+        return one_step_law_mismatched_q(p32, q, q), q
+    if name in ("target-bf16", "target-fp16"):
+        return probs_of("target", VARIANTS[name][2]["dtype"]), q32
+    if name == "lenient-0.5":
+        return one_step_law_lenient(p32, q32, 0.5), q32
+    if name == "typical":
+        return one_step_law_typical(p32, q32), q32
+    if name in ("spec-rl", "spec-rl-lenient-e0.5"):
+        return one_step_law_spec_rl(p32, q32, 1.0 if name == "spec-rl" else SPEC_RL_LENIENCE), q32
+    raise ValueError(f"no one-step law for variant {name!r}")
+
+
+def _certificate(spec: MethodSpec, prompts, params, ref, **options) -> tuple[str, float, float]:
+    """(verdict, the first-token tests' largest detectable TV, the smallest Holm p) of the generator certificate."""
+    rep = certify_generate(spec, prompts, params, reference=ref, **options)
+    det = max(t.detectable for t in rep.tests if t.kind == "first-token")
+    return rep.verdict, det, min(t.holm_pvalue for t in rep.tests)
 
 
 def run_study(
@@ -115,44 +159,31 @@ def run_study(
     )
     p32 = _probs(ref.model, prompts, samples, params, vocab)  # [contexts, V]
     q32 = _probs(_load(draft, "float32").model, prompts, samples, params, vocab)
+    paths = {"target": target, "draft": draft}
+
+    def probs_of(role: str, dtype: str) -> torch.Tensor:
+        return _probs(_load(paths[role], dtype).model, prompts, samples, params, vocab)
+
     rows = []
     for name in names:
         desc, lossless, overrides = VARIANTS[name]
-        if name == "exact":
-            law, q = one_step_law_mismatched_q(p32, q32, q32), q32
-        elif name == "temperature-mismatch":
-            q_used = q32.pow(_Q_TEMPERATURE)  # the bug's q: before temperature 0.7 (exact when T = 0.7)
-            q_used = q_used / q_used.sum(-1, keepdim=True)
-            law, q = one_step_law_mismatched_q(p32, q32, q_used), q32
-        elif name == "draft-bf16":
-            q = _probs(_load(draft, "bfloat16").model, prompts, samples, params, vocab)
-            law = one_step_law_mismatched_q(p32, q, q)
-        elif name in ("target-bf16", "target-fp16"):
-            law = _probs(_load(target, overrides["dtype"]).model, prompts, samples, params, vocab)
-            q = q32
-        elif name == "lenient-0.5":
-            law, q = one_step_law_lenient(p32, q32, 0.5), q32
-        else:
-            law, q = one_step_law_typical(p32, q32), q32
+        law, q = _variant_law(name, p32, q32, probs_of)
         tv = _tv(law, p32)
         alpha = torch.minimum(p32 if not name.startswith("target") else law, q).sum(-1)
         verdict, det, min_p = "-", float("nan"), float("nan")
         if certify_samples > 0:
             spec = replace(MethodSpec(target=target, draft=draft, gamma=gamma), **overrides)
-            rep = certify_generate(
+            verdict, det, min_p = _certificate(
                 spec,
                 prompts,
                 params,
+                ref,
                 samples=certify_samples,
                 length=certify_length,
                 level=level,
                 seed=seed,
-                reference=ref,
                 show_progress=show_progress,
             )
-            verdict = rep.verdict
-            det = max(t.detectable for t in rep.tests if t.kind == "first-token")
-            min_p = min(t.holm_pvalue for t in rep.tests)
         rows.append(
             StudyRow(name, desc, lossless, float(tv.mean()), float(tv.max()), float(alpha.mean()), verdict, det, min_p)
         )

@@ -42,7 +42,7 @@ def add_parser(sub) -> None:
 
 def _add_method_args(p: argparse.ArgumentParser) -> None:
     from ..certify.bugs import BUGS, TREE_BUGS
-    from ..certify.generate import METHODS
+    from ..certify.generate import LOSSY_VERIFIERS, METHODS
 
     p.add_argument(
         "--method",
@@ -66,7 +66,8 @@ def _add_method_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--inject",
         help=f"verispec with a deliberately broken verifier (must FAIL): {', '.join(BUGS)}; "
-        f"with --tree: {', '.join(TREE_BUGS)}",
+        f"or a lossy acceptance rule: {LOSSY_VERIFIERS} (spec-rl: SPEC-RL's rollout reuse, a fresh draw from p "
+        f"at a rejection); with --tree: {', '.join(TREE_BUGS)}",
     )
     add_tree_args(p)
 

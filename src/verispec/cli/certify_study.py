@@ -22,8 +22,8 @@ from .options import (
 )
 
 HELP = (
-    "measure how far classic mistakes (temperature mismatch, a bf16 / fp16 target, lossy acceptance rules) move the "
-    "output, and the certificate's verdict on each"
+    "measure how far classic mistakes (temperature mismatch, a bf16 / fp16 target, lossy acceptance rules: "
+    "lenient, typical, SPEC-RL's rollout reuse) move the output, and the certificate's verdict on each"
 )
 
 

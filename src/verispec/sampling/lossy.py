@@ -8,12 +8,21 @@ distribution and show that the certificate catches them. The engine never uses t
                         "lenience"; l = 1 is exact); at a rejection draw from (p - q)+ / Z as usual
   typical(eps, delta)   Medusa's typical acceptance: accept t iff p(t) > min(eps, delta exp(-H(p))); at the
                         first rejection draw from p (no residual)
+  spec_rl(l)            SPEC-RL's rollout reuse (Liu et al. 2025), q = the old policy's rollout: accept t with
+                        probability min(1, l p(t) / q(t)), l >= 1 (l = 1 the paper's rule; its scripts' `--bias b`
+                        is l = e^b); at the first rejection draw a fresh token from p, not from (p - q)+ / Z.
+                        Biased: at l = 1 the first position's law is min(p, q) + (1 - alpha) p, not p (the
+                        rejected mass is redrawn from p, not from what acceptance left out: the seed's "resample
+                        from p" mistake, injected as verispec.certify.bugs' resample_from_p). The engine applies
+                        it at every step; SPEC-RL cuts one old rollout once and decodes plainly after the cut:
+                        the same first-position law, another law beyond it
 
 `one_step_law_*` give the exact law of the token emitted at the first draft position, for measuring deviations.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -25,7 +34,9 @@ __all__ = [
     "lenient_verifier",
     "one_step_law_lenient",
     "one_step_law_mismatched_q",
+    "one_step_law_spec_rl",
     "one_step_law_typical",
+    "spec_rl_verifier",
     "typical_verifier",
 ]
 
@@ -100,6 +111,18 @@ def typical_verifier(eps: float = 0.3, delta: float = 0.09):
     return _chain_verifier(f"typical_{eps:g}_{delta:g}", accept, lambda p, q: p)
 
 
+def spec_rl_verifier(lenience: float = 1.0):
+    """SPEC-RL's reuse rule: accept iff u q(t) < l p(t) (probability min(1, l p / q)); at the first rejection draw
+    from p. Lossy for every l (see the module docstring)."""
+    if not (math.isfinite(lenience) and lenience >= 1):
+        raise ValueError(f"SPEC-RL's lenience must be a finite number >= 1 (1 = the paper's rule), got {lenience}")
+
+    def accept(u, p, q, safe):  # u [B, k], p / q [B, k, V]
+        return u * q.gather(-1, safe).squeeze(-1) < lenience * p.gather(-1, safe).squeeze(-1)
+
+    return _chain_verifier(f"spec_rl_{lenience:g}", accept, lambda p, q: p)
+
+
 def one_step_law_lenient(p: Tensor, q: Tensor, lenience: float) -> Tensor:  # p, q [..., V] -> [..., V]
     a = torch.where(q > 0, torch.minimum(torch.ones_like(p), p / (lenience * q).clamp_min(1e-300)), torch.zeros_like(p))
     acc = q * a
@@ -111,6 +134,12 @@ def one_step_law_lenient(p: Tensor, q: Tensor, lenience: float) -> Tensor:  # p,
 
 def one_step_law_typical(p: Tensor, q: Tensor, eps: float = 0.3, delta: float = 0.09) -> Tensor:
     acc = q * (p > _typical_threshold(p, eps, delta).unsqueeze(-1))
+    return acc + (1 - acc.sum(-1, keepdim=True)) * p
+
+
+def one_step_law_spec_rl(p: Tensor, q: Tensor, lenience: float = 1.0) -> Tensor:  # p, q [..., V] -> [..., V]
+    """Accepted mass min(q, l p); the rest redrawn from p. At l = 1: min(p, q) + (1 - alpha) p."""
+    acc = torch.minimum(q, lenience * p)
     return acc + (1 - acc.sum(-1, keepdim=True)) * p
 
 
