@@ -3,6 +3,8 @@ Distributional tests per rule are in tests/certify/test_tree_kernel.py (the tree
 
 from __future__ import annotations
 
+from fractions import Fraction
+
 import pytest
 import torch
 
@@ -193,3 +195,141 @@ def test_bad_input_is_a_clear_error():
     nan[0, 2, 0] = float("nan")
     with pytest.raises(ValueError, match="not a probability"):
         verify_tree(nan, ids, parents)
+
+
+# --- rule "mixed": per node, sampled from its parent slot's q or chosen (one-hot) ---------------------------------
+
+
+def _random_trees(seed: int, B: int = 300, V: int = 8, distinct: bool = False):
+    """A fixed 7-node shape, random p and q, children i.i.d. from q (or distinct per row, for chosen children),
+    ragged rows, and explicit uniforms."""
+    g = torch.Generator().manual_seed(seed)
+    parents = torch.tensor([-1, -1, 0, 0, 1, 2, -1]).expand(B, 7).contiguous()
+    p = torch.randn(B, 8, V, generator=g, dtype=torch.float64).mul(2).softmax(-1)
+    q = torch.randn(B, 8, V, generator=g, dtype=torch.float64).mul(2).softmax(-1)
+    if distinct:  # every node a different token, so siblings are distinct
+        ids = torch.rand(B, V, generator=g).argsort(-1)[:, :7]
+    else:
+        ids = torch.multinomial(q.gather(1, (parents + 1).unsqueeze(-1).expand(B, 7, V)).reshape(-1, V), 1, generator=g)
+        ids = ids.view(B, 7)
+    nn = torch.randint(0, 8, (B,), generator=g)
+    accept_u = torch.rand(B, 7, generator=g, dtype=torch.float64)
+    final_u = torch.rand(B, generator=g, dtype=torch.float64)
+    return p, ids, parents, q, nn, accept_u, final_u
+
+
+def _same(a, b):
+    return (
+        torch.equal(a.token_ids, b.token_ids)
+        and torch.equal(a.num_accepted, b.num_accepted)
+        and torch.equal(a.path, b.path)
+    )
+
+
+def test_mixed_with_every_node_sampled_is_iid():
+    p, ids, parents, q, nn, au, fu = _random_trees(0)
+    every = torch.ones_like(ids, dtype=torch.bool)
+    mixed = verify_tree_with_uniforms(p, ids, parents, q, nn, "mixed", au, fu, sampled=every)
+    assert _same(mixed, verify_tree_with_uniforms(p, ids, parents, q, nn, "iid", au, fu))
+    assert int(mixed.num_accepted.sum()) > 0 and int((mixed.num_accepted == 0).sum()) > 0
+    via = verify_tree(p, ids, parents, q, nn, _gens(len(ids)), rule="mixed", sampled=every)
+    assert _same(via, verify_tree(p, ids, parents, q, nn, _gens(len(ids)), rule="iid"))
+
+
+def test_mixed_with_no_node_sampled_is_deterministic():
+    p, ids, parents, q, nn, au, fu = _random_trees(1, distinct=True)
+    none = torch.zeros_like(ids, dtype=torch.bool)
+    mixed = verify_tree_with_uniforms(p, ids, parents, q, nn, "mixed", au, fu, sampled=none)
+    assert _same(mixed, verify_tree_with_uniforms(p, ids, parents, None, nn, "deterministic", au, fu))
+    assert int(mixed.num_accepted.sum()) > 0
+    det = verify_tree(p, ids, parents, None, nn, _gens(len(ids)))
+    assert _same(
+        verify_tree(p, ids, parents, None, nn, _gens(len(ids)), rule="mixed", sampled=none), det
+    )  # no q needed
+    assert _same(verify_tree(p, ids, parents, q, nn, _gens(len(ids)), rule="mixed", sampled=none), det)
+
+
+def test_mixed_draft_probs_may_stop_after_the_sampled_slots():
+    """CombinedProposer's layout: a sampled chain (nodes 0-2) first, then chosen branches; q only for slots 0-2."""
+    p, ids, _, q, nn, *_ = _random_trees(2, distinct=True)
+    B = len(ids)
+    parents = torch.tensor([-1, 0, 1, -1, -1, 3, 4]).expand(B, 7).contiguous()
+    sampled = torch.tensor([True, True, True, False, False, False, False]).expand(B, 7)
+    full = verify_tree(p, ids, parents, q, nn, _gens(B), rule="mixed", sampled=sampled)
+    assert _same(verify_tree(p, ids, parents, q[:, :3], nn, _gens(B), rule="mixed", sampled=sampled), full)
+    junk = q.clone()
+    junk[:, 3:] = float("nan")  # slots with chosen children only: never read, not checked
+    assert _same(verify_tree(p, ids, parents, junk, nn, _gens(B), rule="mixed", sampled=sampled), full)
+    empty = verify_tree(p[:, :1], ids[:, :0], parents[:, :0], q[:, :1], rule="mixed", sampled=sampled[:, :0])
+    assert empty.num_accepted.tolist() == [0] * B  # an empty tree: one token from p at the root
+    with pytest.raises(ValueError, match="beyond draft_probs"):  # node 2's parent slot is 2
+        verify_tree(p, ids, parents, q[:, :2], nn.clamp(min=3), rule="mixed", sampled=sampled)
+    verify_tree(p, ids, parents, q[:, :2], torch.full((B,), 2), rule="mixed", sampled=sampled)  # node 2 is padding
+
+
+def test_mixed_bad_input_is_a_clear_error():
+    parents, ids = _tiny_tree()  # root -> 0, 1; node 0 -> 2
+    p = torch.full((1, 4, 3), 1 / 3)
+    some = torch.tensor([[False, True, False]])
+    for bad in (None, some[:, :2], some.long(), some.float(), [[False, True, False]]):
+        with pytest.raises(ValueError, match="needs sampled, a bool tensor of shape"):
+            verify_tree(p, ids, parents, p, rule="mixed", sampled=bad)
+    for rule in ("iid", "without_replacement", "deterministic"):
+        with pytest.raises(ValueError, match="for rule 'mixed' only"):
+            verify_tree(p, ids, parents, p, rule=rule, sampled=some)
+    with pytest.raises(ValueError, match="needs draft_probs"):
+        verify_tree(p, ids, parents, rule="mixed", sampled=some)
+    for S in (0, 5):
+        with pytest.raises(ValueError, match=r"S <= N \+ 1"):
+            verify_tree(p, ids, parents, p[:, :1].expand(1, S, 3), rule="mixed", sampled=some)
+    q = torch.tensor([[[0.5, 0.0, 0.5]] * 4])  # q = 0 at node 1's token
+    with pytest.raises(ValueError, match="q = 0"):
+        verify_tree(p, ids, parents, q, rule="mixed", sampled=some)
+    verify_tree(p, ids, parents, q, rule="mixed", sampled=~some)  # a chosen child may have q = 0
+    with pytest.raises(ValueError, match="not a probability"):  # slot 0 has a sampled child: its q is checked
+        verify_tree(p, ids, parents, q * 2, rule="mixed", sampled=some)
+    verify_tree(p, ids, parents, torch.cat([p[:, :1], p[:, 1:] * 2], 1), rule="mixed", sampled=some)  # not read
+    twins = torch.tensor([[1, 1, 0]])  # nodes 0 and 1: siblings with the same token
+    verify_tree(p, twins, parents, p, rule="mixed", sampled=some)  # a sampled child may repeat a chosen one
+    with pytest.raises(ValueError, match="same token"):  # two chosen ones may not
+        verify_tree(p, twins, parents, p, rule="mixed", sampled=torch.tensor([[False, False, True]]))
+
+
+# p, q over 3 tokens for which, on the mixed root below (both orders, and the broken mixed verifiers of
+# tests/certify/test_tree_kernel.py), every acceptance threshold of node 0, of node 1 and every CDF value of the
+# final draw is a multiple of 1/6, 1/60 and 1/4 respectively (worked out in exact arithmetic)
+MIX_P = (Fraction(1, 3), Fraction(1, 2), Fraction(1, 6))
+MIX_Q = (Fraction(3, 10), Fraction(1, 5), Fraction(1, 2))
+MIX_GRID = (6, 60, 4)
+
+
+def mixed_root_law(verify, p=MIX_P, q=MIX_Q, chosen_first: bool = True, grid=MIX_GRID) -> list[Fraction]:
+    """Exact law of the first emitted token when the root has two leaf children, token 0 chosen and a token x
+    sampled from q (so both are token 0 with probability q(0)), in either order: every x (weight q(x)) against
+    the midpoints of a product grid of (node 0's, node 1's, final) uniforms — an exact integral when the emitted
+    token is constant on every grid cell, i.e. when each uniform's breakpoints lie on its grid's cell edges.
+    verify(target_probs, ids, parents, draft_probs, num_nodes, sampled, accept_u, final_u) -> output."""
+    V = len(p)
+    u = torch.cartesian_prod(*[(torch.arange(m, dtype=torch.float64) + 0.5) / m for m in grid])  # [R, 3]
+    R = u.shape[0]
+    target = torch.tensor([[float(v) for v in p]] + [[1 / V] * V] * 2, dtype=torch.float64).expand(R, 3, V)
+    draft = torch.tensor([[float(v) for v in q]], dtype=torch.float64).expand(R, 1, V)  # q for slot 0 only
+    sampled = torch.tensor([not chosen_first, chosen_first]).expand(R, 2)
+    law = [Fraction(0)] * V
+    for x in range(V):
+        ids = torch.tensor([0, x] if chosen_first else [x, 0]).expand(R, 2)
+        out = verify(target, ids, torch.full((R, 2), -1), draft, torch.full((R,), 2), sampled, u[:, :2], u[:, 2])
+        counts = torch.bincount(out.token_ids[:, 0], minlength=V).tolist()
+        law = [a + q[x] * Fraction(c, R) for a, c in zip(law, counts)]
+    return law
+
+
+def _verispec_mixed(target, ids, parents, draft, nn, sampled, au, fu):
+    return verify_tree_with_uniforms(target, ids, parents, draft, nn, "mixed", au, fu, sampled=sampled)
+
+
+@pytest.mark.parametrize("chosen_first", [True, False], ids=["chosen-first", "sampled-first"])
+def test_mixed_root_with_a_shared_token_emits_p_exactly(chosen_first):
+    assert mixed_root_law(_verispec_mixed, chosen_first=chosen_first) == list(MIX_P)
+    off_grid = mixed_root_law(_verispec_mixed, chosen_first=chosen_first, grid=(5, 7, 3))  # the harness can fail
+    assert off_grid != list(MIX_P) and sum(off_grid) == 1

@@ -3,9 +3,12 @@
 A case is a synthetic language model over a small vocabulary: the target p(. | context) and the draft
 q(. | context) are fixed random distributions for every context up to length L (tables [contexts, V]), so
 both depend on the path, as with real models. Each of n independent rows drafts a tree of a fixed shape (widths
-per depth) from q with the case's drafting rule — children i.i.d. from q, without replacement from q, or the
-top-w of q (deterministic) — the verifier under test checks it against p, and the emitted tokens are completed to
-length L by sampling from p itself. Exact laws, hence exact tests:
+per depth) from q with the case's drafting rule — children i.i.d. from q, without replacement from q, the
+top-w of q (deterministic), or a mix (rule "mixed": at each node, chosen children — the top of q, or the first
+tokens of another fixed ranking, as n-gram or history matches are — beside children sampled i.i.d. from q, in a
+fixed order: a sampled chain numbered first beside chosen branches as `CombinedProposer` drafts them, or chosen
+children first, or interleaved) — the verifier under test checks it against p, and the emitted tokens are
+completed to length L by sampling from p itself. Exact laws, hence exact tests:
   * `pos j | context`: the tokens emitted at position j (accepted, recovered or bonus), grouped by their
     context, against p(. | context) — a chi-square per context, summed (what the chain certificate checks per
     position, now with path-dependent p);
@@ -15,7 +18,9 @@ all Holm-corrected with the detectable total variation at power 0.99, in the cha
 The sampler under test has verify_tree's interface:
     sampler(target_probs [B, N+1, V], draft_token_ids [B, N], parents [B, N], draft_probs [B, N+1, V],
             num_nodes [B], rule=RULE) -> object with .token_ids [B, D+1] (-1 padded) and .num_accepted [B]
-and draws its randomness from torch's global generator (seeded by the certifier).
+(rule "mixed" also passes sampled=[B, N] bool — node n was sampled from its parent slot's q, else chosen — and
+draft_probs may then hold only the first S slots, those with sampled children) and draws its randomness from
+torch's global generator (seeded by the certifier).
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ import torch
 from scipy import stats as sps
 from torch import Tensor
 
-from ..sampling.tree import TREE_RULES, verify_tree
+from ..sampling.tree import TREE_RULES, VERIFY_RULES, verify_tree
 from .kernel import DEFAULT_LEVEL, POWER, KernelReport, TestRow, _name, assess
 from .stats import chisquare_gof
 
@@ -39,6 +44,8 @@ __all__ = [
     "certify_tree_kernel",
     "default_tree_cases",
     "draft_trees",
+    "mixed_case",
+    "mixed_layout",
     "verispec_tree_sampler",
 ]
 
@@ -48,12 +55,23 @@ DEFAULT_TREE_SAMPLES = 40_000  # rows (independent speculative steps) per case
 @dataclass(frozen=True)
 class TreeCase:
     name: str
-    widths: tuple[int, ...]  # children per node at depth 1, 2, ... (a static tree)
-    draw: str  # how the children were drafted: "iid", "without_replacement" or "deterministic" (top-w of q)
+    widths: tuple[int, ...]  # children per node at depth 1, 2, ... (a static tree; "mixed": the most per node)
+    draw: str  # how the children were drafted: "iid", "without_replacement", "deterministic" (top-w of q), "mixed"
     p: Tensor  # [C, V] float64: target distribution per context (see _ctx)
     q: Tensor  # [C, V] float64: draft distribution per context
     ragged: bool = False  # rows keep a random prefix of their nodes (batch rows with different trees)
     description: str = ""
+    mix: tuple[str, ...] = ()  # draw "mixed": the children's kinds per depth (see mixed_layout)
+    ranking: Tensor | None = None  # [C, V] int64, "mixed": chosen children = the first of ranking[ctx] (None: top q)
+    sampled_first: bool = False  # "mixed": sampled nodes numbered first (CombinedProposer), q only for their slots
+
+    def __post_init__(self):
+        if self.draw not in VERIFY_RULES:
+            raise ValueError(f"draw must be one of {', '.join(VERIFY_RULES)}, got {self.draw!r}")
+        if (self.draw == "mixed") != bool(self.mix) or (self.mix and len(self.mix) != len(self.widths)):
+            raise ValueError("a 'mixed' case gives its children's kinds per depth (mix), one per width")
+        if self.mix:
+            mixed_layout(self.mix, self.sampled_first)  # raises on a bad pattern
 
     @property
     def vocab(self) -> int:
@@ -66,6 +84,57 @@ class TreeCase:
     @property
     def length(self) -> int:  # L: emitted tokens at most (path + final)
         return self.depth + 1
+
+    @property
+    def num_nodes(self) -> int:
+        return len(mixed_layout(self.mix)[0]) if self.mix else int(sum(np.cumprod(self.widths)))
+
+    @property
+    def shape(self) -> str:  # "3-2-1", or a mixed tree's kinds: "scc-s/c" (s sampled, c chosen; S/C: below s / c)
+        return "-".join(self.mix) if self.mix else "-".join(map(str, self.widths))
+
+
+def mixed_layout(mix: Sequence[str], sampled_first: bool = False) -> tuple[list[int], list[bool], list[int]]:
+    """A mixed tree's static shape: mix[d] lists the kinds of a depth-d node's children in drafting order, 's'
+    (sampled from q) or 'c' (chosen); 'S/C' gives the children of sampled nodes (S) and of chosen ones (C)
+    apart (the root's pattern has no '/'). Nodes breadth-first, or with sampled_first all sampled nodes first
+    (then no sampled node may hang below a chosen one). Returns per node: its parent (-1: the root), whether it
+    is sampled, and its rank among its chosen siblings (-1 if sampled)."""
+    parents: list[int] = []
+    kinds: list[bool] = []
+    ranks: list[int] = []
+    frontier: list[tuple[int, bool]] = [(-1, True)]  # (node, sampled); the root reads its pattern's first part
+    for d, pattern in enumerate(mix):
+        parts = pattern.split("/")
+        if len(parts) > 2 or (d == 0 and len(parts) > 1) or set(pattern) - set("sc/"):
+            raise ValueError(f"mix[{d}] = {pattern!r}: kinds are 's' and 'c', optionally 'S/C' below depth 0")
+        nxt = []
+        for node, sampled in frontier:
+            chosen = 0
+            for kind in parts[0] if sampled else parts[-1]:
+                parents.append(node)
+                kinds.append(kind == "s")
+                ranks.append(-1 if kind == "s" else chosen)
+                chosen += kind == "c"
+                nxt.append((len(parents) - 1, kind == "s"))
+        frontier = nxt
+    if not sampled_first:
+        return parents, kinds, ranks
+    if any(s and p >= 0 and not kinds[p] for p, s in zip(parents, kinds)):
+        raise ValueError("sampled_first: a sampled node hangs below a chosen one (it would precede its parent)")
+    order = [n for n, s in enumerate(kinds) if s] + [n for n, s in enumerate(kinds) if not s]
+    new = {old: i for i, old in enumerate(order)}
+    return (
+        [new[parents[o]] if parents[o] >= 0 else -1 for o in order],
+        [kinds[o] for o in order],
+        [ranks[o] for o in order],
+    )
+
+
+def mixed_case(name: str, mix: tuple[str, ...], p: Tensor, q: Tensor, **kw) -> TreeCase:
+    """A 'mixed' TreeCase; its widths (the most children of a node per depth) follow from mix."""
+    widths = tuple(max(len(part) for part in pattern.split("/")) for pattern in mix)
+    return TreeCase(name, widths, "mixed", p, q, mix=mix, **kw)
 
 
 def _num_contexts(V: int, L: int) -> int:
@@ -80,7 +149,8 @@ def _ctx_child(ctx: Tensor, tok: Tensor, V: int) -> Tensor:
 
 def default_tree_cases(vocab: int = 6, seed: int = 0) -> list[TreeCase]:
     """For every drafting rule: a 3-2-1 tree and a wide 4-1 tree (different q quality), plus ragged rows and
-    adversarial / sparse q; vocabulary 6, so the joint law of 3-4 tokens is testable exactly."""
+    adversarial / sparse q; then five mixed trees (see _mixed_cases); vocabulary 6, so the joint law of 3-4 tokens
+    is testable exactly. The mixed cases come last: the other cases' p, q and seeds are those they always had."""
     g = torch.Generator().manual_seed(seed)
     V = vocab
 
@@ -113,11 +183,60 @@ def default_tree_cases(vocab: int = 6, seed: int = 0) -> list[TreeCase]:
     p = p / p.sum(-1, keepdim=True)
     q = model(2, 1.5)
     cases.append(TreeCase("iid-3-2-sparse", (3, 2), "iid", p, q, description="p = 0 on two tokens q likes"))
-    return cases
+    return cases + _mixed_cases(g, model)
+
+
+def _mixed_cases(g: torch.Generator, model: Callable[[int, float], Tensor]) -> list[TreeCase]:
+    """Rule "mixed": chosen children (top of q, or a fixed ranking unrelated to q, as n-gram / history matches)
+    and children sampled i.i.d. from q at the same nodes, in CombinedProposer's order, the reverse, interleaved."""
+
+    def noisy(p: Tensor) -> Tensor:
+        return (0.6 * p.log() + 0.8 * torch.randn(p.shape, generator=g, dtype=torch.float64)).softmax(-1)
+
+    def table(p: Tensor) -> Tensor:  # [C, V]: a fixed random ranking of the tokens per context
+        return torch.rand(p.shape, generator=g, dtype=torch.float64).argsort(-1)
+
+    p1 = model(3, 1.5)
+    chain = mixed_case(
+        "mixed-chain3+branches-2-1-1",
+        ("scc", "s/c", "s/c"),
+        p1,
+        noisy(p1),
+        sampled_first=True,
+        description="CombinedProposer's tree: a sampled chain of 3 (numbered first; draft_probs only for its "
+        "slots) beside a chosen 2-1-1 trie (top of q); q = a noisy copy of p",
+    )
+    p2 = model(3, 1.5)
+    q2, rank2 = noisy(p2), table(p2)
+    p3, q3 = model(2, 2.0), model(2, 2.0)
+    p4 = model(2, 1.5)
+    q4, rank4 = (1 / p4) / (1 / p4).sum(-1, keepdim=True), table(p4)
+    p5 = model(2, 1.5)
+    p5[:, :2] = 0
+    p5 = p5 / p5.sum(-1, keepdim=True)
+    reverse = "the reverse order: 2 chosen branches (a fixed ranking) before a sampled chain"
+    interleaved = "interleaved; chosen by a fixed ranking; q proportional to 1 / p; ragged rows"
+    return [
+        chain,
+        mixed_case("mixed-branches+chain-ranked", ("ccs", "c/s", "c/s"), p2, q2, ranking=rank2, description=reverse),
+        mixed_case("mixed-ccss-cs", ("ccss", "cs"), p3, q3, description="2 chosen (top of q), then 2 i.i.d. from q"),
+        mixed_case(
+            "mixed-scsc-sc-ragged-adversarial",
+            ("scsc", "sc"),
+            p4,
+            q4,
+            ranking=rank4,
+            ragged=True,
+            description=interleaved,
+        ),
+        mixed_case("mixed-ccs-sc-sparse", ("ccs", "sc"), p5, model(2, 1.5), description="p = 0 on 2 tokens q likes"),
+    ]
 
 
 def draft_trees(case: TreeCase, rows: int, generator: torch.Generator) -> dict[str, Tensor]:
     """Draft `rows` trees of the case's shape from q; nodes breadth-first, siblings in drafting order."""
+    if case.draw == "mixed":
+        return _draft_mixed(case, rows, generator)
     V = case.vocab
     tokens, parents, ctxs = [], [], []  # per node: [rows] tensors
     frontier = [(-1, torch.zeros(rows, dtype=torch.int64))]  # (parent node index, its context [rows])
@@ -148,6 +267,40 @@ def draft_trees(case: TreeCase, rows: int, generator: torch.Generator) -> dict[s
         parents=par,
         draft_probs=case.q[slot_ctx],
         num_nodes=num_nodes,
+    )
+
+
+def _draft_mixed(case: TreeCase, rows: int, generator: torch.Generator) -> dict[str, Tensor]:
+    """A mixed tree per row (mixed_layout's order): sampled nodes i.i.d. from q at their parent, chosen ones the
+    top of q or of case.ranking there (distinct among the chosen siblings, whatever the sampled ones drew)."""
+    parents, kinds, ranks = mixed_layout(case.mix, case.sampled_first)
+    N, V = len(parents), case.vocab
+    ids = torch.empty((rows, N), dtype=torch.int64)
+    slot_ctx = torch.zeros((rows, N + 1), dtype=torch.int64)
+    ranked: dict[int, Tensor] = {}  # parent slot -> [rows, V]: its tokens in the order chosen children take them
+    for n, (par, sampled, rank) in enumerate(zip(parents, kinds, ranks)):
+        ctx = slot_ctx[:, par + 1]
+        if sampled:
+            x = torch.multinomial(case.q[ctx], 1, generator=generator).squeeze(1)
+        else:
+            if par + 1 not in ranked:
+                order = case.q[ctx].argsort(dim=-1, descending=True, stable=True)
+                ranked[par + 1] = order if case.ranking is None else case.ranking[ctx]
+            x = ranked[par + 1][:, rank]
+        ids[:, n] = x
+        slot_ctx[:, n + 1] = _ctx_child(ctx, x, V)
+    # CombinedProposer's layout gives q only for the first S slots, the parents of sampled nodes
+    S = max(p + 1 for p, s in zip(parents, kinds) if s) + 1 if case.sampled_first else N + 1
+    num_nodes = torch.full((rows,), N, dtype=torch.int64)
+    if case.ragged:
+        num_nodes = torch.randint(0, N + 1, (rows,), generator=generator)
+    return dict(
+        target_probs=case.p[slot_ctx],
+        draft_token_ids=ids,
+        parents=torch.tensor(parents, dtype=torch.int64).expand(rows, N).contiguous(),
+        draft_probs=case.q[slot_ctx[:, :S]],
+        num_nodes=num_nodes,
+        sampled=torch.tensor(kinds, dtype=torch.bool).expand(rows, N).contiguous(),
     )
 
 
@@ -205,15 +358,17 @@ def _tests(case: TreeCase, seq: Tensor, emitted: Tensor) -> list[tuple[str, int,
     return out
 
 
-def verispec_tree_sampler(target_probs, draft_token_ids, parents, draft_probs=None, num_nodes=None, *, rule):
+def verispec_tree_sampler(
+    target_probs, draft_token_ids, parents, draft_probs=None, num_nodes=None, *, rule, sampled=None
+):
     """verispec's own verify_tree with input checks on (the default sampler of `certify kernel --tree`)."""
-    return verify_tree(target_probs, draft_token_ids, parents, draft_probs, num_nodes, rule=rule)
+    return verify_tree(target_probs, draft_token_ids, parents, draft_probs, num_nodes, rule=rule, sampled=sampled)
 
 
 def certify_tree_kernel(
     sampler: Callable = verispec_tree_sampler,
     *,
-    rules: Sequence[str] = TREE_RULES,
+    rules: Sequence[str] = VERIFY_RULES,
     cases: Sequence[TreeCase] | None = None,
     samples: int = DEFAULT_TREE_SAMPLES,
     level: float = DEFAULT_LEVEL,
@@ -222,11 +377,11 @@ def certify_tree_kernel(
     name: str | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> KernelReport:
-    """Run the tree battery (cases whose drafting rule is in `rules`) on `sampler`; the sampler is called with
-    rule = the case's drafting rule."""
-    unknown = [r for r in rules if r not in TREE_RULES]
+    """Run the tree battery (cases whose drafting rule is in `rules`, by default every rule verify_tree knows) on
+    `sampler`; the sampler is called with rule = the case's drafting rule (and, for "mixed", sampled=)."""
+    unknown = [r for r in rules if r not in VERIFY_RULES]
     if unknown:
-        raise ValueError(f"unknown tree rule(s) {unknown}; known: {', '.join(TREE_RULES)}")
+        raise ValueError(f"unknown tree rule(s) {unknown}; known: {', '.join(VERIFY_RULES)}")
     if not 0 < level < 1 or not 0 < power < 1:
         raise ValueError("level and power must lie in (0, 1)")
     if samples < 100:
@@ -251,10 +406,10 @@ def certify_tree_kernel(
         meta.append(
             dict(
                 name=case.name,
-                k=sum(np.cumprod(case.widths)),
+                k=case.num_nodes,
                 vocab=case.vocab,
                 ragged=case.ragged,
-                description=f"{'-'.join(map(str, case.widths))} tree, children drawn {case.draw}; {case.description}",
+                description=f"{case.shape} tree, children drawn {case.draw}; {case.description}",
                 seconds=time.perf_counter() - t1,
             )
         )

@@ -15,11 +15,15 @@ def add_parser(sub) -> None:
     from ..certify.bugs import BUGS, TREE_BUGS, TREE_NON_BUGS
     from ..certify.kernel import DEFAULT_SAMPLES
     from ..certify.tree_kernel import DEFAULT_TREE_SAMPLES
-    from ..sampling.tree import TREE_RULES
+    from ..sampling.tree import VERIFY_RULES
 
     p = sub.add_parser("kernel", help=HELP, description=run.__doc__)
     p.add_argument("--sampler", help=SAMPLER_HELP)
-    p.add_argument("--tree", choices=(*TREE_RULES, "all"), help="certify trees whose children were drawn this way")
+    p.add_argument(
+        "--tree",
+        choices=(*VERIFY_RULES, "all"),
+        help="certify trees whose children were drawn this way ('mixed': chosen and sampled children side by side)",
+    )
     bugs = f"chain bugs {', '.join(BUGS)}; with --tree: {', '.join(TREE_BUGS)}"
     looks_wrong = f"(and {', '.join(TREE_NON_BUGS)}, which only looks wrong: it is lossless)"
     p.add_argument("--inject", help=f"certify a deliberately broken verifier instead (must FAIL): {bugs} {looks_wrong}")
@@ -84,15 +88,16 @@ def _cases(args: argparse.Namespace, rules):
 def run(args: argparse.Namespace) -> int:
     """Run a battery of (p, q) cases through a chain verifier (verispec's, or --sampler module:function with
     verify_chain's interface) and test every emitted position's distribution. With --tree RULE: trees drafted with
-    that rule through a tree verifier (verify_tree's interface). Exit status 0 = PASS, 1 = FAIL."""
+    that rule through a tree verifier (verify_tree's interface; rule 'mixed' also passes sampled=). Exit status
+    0 = PASS, 1 = FAIL."""
     from rich.console import Console
 
     from ..certify.kernel import DEFAULT_SAMPLES, certify_kernel, write_report
     from ..certify.tree_kernel import DEFAULT_TREE_SAMPLES, certify_tree_kernel
-    from ..sampling.tree import TREE_RULES
+    from ..sampling.tree import VERIFY_RULES
 
     tree = args.tree is not None
-    rules = (TREE_RULES if args.tree == "all" else (args.tree,)) if tree else ()
+    rules = (VERIFY_RULES if args.tree == "all" else (args.tree,)) if tree else ()
     with user_errors():
         sampler, name = _sampler(args, tree)
         cases = _cases(args, rules)
