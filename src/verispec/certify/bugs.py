@@ -18,10 +18,18 @@ Broken tree verifiers (drop-in replacements for `verify_tree`, for `certify kern
                           (r is not updated to (r - q)+ / Z)
   tree_topk_as_sampled    deterministic (top-k) children verified as if they had been sampled from q (rule "iid")
   tree_wor_as_iid         children drawn without replacement verified with q instead of q minus earlier siblings
-Not a bug, although it looks like one: i.i.d.-sampled children verified with the deterministic rule stay lossless
+  tree_mixed_dedup        (rule "mixed") a sampled child equal to an earlier chosen sibling is dropped, with its
+                          subtree, as a duplicate: whether the node exists then depends on its own sampled value
+                          (given it was rejected, a sampled x_i moves the residual to (r - q)+ / Z, not r: the
+                          rows that dropped it draw from r instead)
+  tree_mixed_chosen_as_sampled  (rule "mixed") chosen children tested with their slot's q, as if sampled from it
+                          (accepts a chosen x with probability min(1, r(x) / q(x)) instead of r(x))
+Not bugs, although they look like ones: i.i.d.-sampled children verified with the deterministic rule stay lossless
 (that rule accepts x_i with probability r(x_i) and removes it, which samples r exactly for any candidates drawn
-independently of the verifier's uniforms) — it only accepts less. `certify kernel --tree iid --inject
-tree_iid_as_deterministic` PASSES, and the tests check that it does.
+independently of the verifier's uniforms: P(emit y) = E_x[1{y = x} r(x) + 1{y != x} (1 - r(x)) r(y) / (1 - r(x))]
+= r(y), whatever x's law) — it only accepts less. `certify kernel --tree iid --inject tree_iid_as_deterministic`
+PASSES, and the tests check that it does; so does `--tree mixed --inject tree_mixed_sampled_as_chosen`, the
+sampled children of a mixed tree verified as chosen (every node one-hot: the same argument, node by node).
 """
 
 from __future__ import annotations
@@ -32,7 +40,7 @@ import torch
 from torch import Tensor
 
 from ..sampling.chain import ChainVerifyOutput, _normalise_args, draw_uniforms, sample_from_weights
-from ..sampling.tree import verify_tree, verify_tree_with_uniforms
+from ..sampling.tree import TreeVerifyOutput, tree_ancestors, verify_tree, verify_tree_with_uniforms
 
 __all__ = ["BUGS", "TREE_BUGS", "TREE_NON_BUGS", "broken_tree_verifier", "broken_verifier"]
 
@@ -45,8 +53,14 @@ BUGS = (
     "reuse_accept_uniform",
 )
 
-TREE_BUGS = ("tree_stale_residual", "tree_topk_as_sampled", "tree_wor_as_iid")
-TREE_NON_BUGS = ("tree_iid_as_deterministic",)  # looks wrong, is lossless (see the module docstring)
+TREE_BUGS = (
+    "tree_stale_residual",
+    "tree_topk_as_sampled",
+    "tree_wor_as_iid",
+    "tree_mixed_dedup",
+    "tree_mixed_chosen_as_sampled",
+)
+TREE_NON_BUGS = ("tree_iid_as_deterministic", "tree_mixed_sampled_as_chosen")  # look wrong, are lossless (docstring)
 
 _Q_TEMPERATURE = 0.7  # q_before_temperature: the draft sampled at this temperature, the verifier saw q at 1
 _U_LEVELS = 64  # le_zero_uniform: uniforms on the grid {0, 1/64, ..., 63/64}
@@ -115,15 +129,17 @@ def broken_verifier(bug: str | None):
     return verify
 
 
+_WRONG_RULE = {  # bug: (the drafting rule, the rule the broken verifier uses for it instead)
+    "tree_topk_as_sampled": ("deterministic", "iid"),
+    "tree_wor_as_iid": ("without_replacement", "iid"),
+    "tree_iid_as_deterministic": ("iid", "deterministic"),
+}
+
+
 def broken_tree_verifier(bug: str):
-    """A tree verifier with one deliberate mistake (TREE_BUGS), or the lossless look-alike in TREE_NON_BUGS."""
+    """A tree verifier with one deliberate mistake (TREE_BUGS), or a lossless look-alike in TREE_NON_BUGS."""
     if bug not in TREE_BUGS + TREE_NON_BUGS:
         raise ValueError(f"unknown tree bug {bug!r}; choose one of: {', '.join(TREE_BUGS + TREE_NON_BUGS)}")
-    wrong_rule = {
-        "tree_topk_as_sampled": ("deterministic", "iid"),
-        "tree_wor_as_iid": ("without_replacement", "iid"),
-        "tree_iid_as_deterministic": ("iid", "deterministic"),
-    }
 
     def verify(
         target_probs,
@@ -135,35 +151,95 @@ def broken_tree_verifier(bug: str):
         *,
         rule: str = "deterministic",
         check: bool = True,
+        sampled=None,
     ):
+        B, N = draft_token_ids.shape
+        nn = torch.full((B,), N, dtype=torch.int64) if num_nodes is None else torch.as_tensor(num_nodes).long()
+        tree = (target_probs, draft_token_ids.long(), parents.long(), draft_probs, nn)
         if bug == "tree_stale_residual":
-            B, N = draft_token_ids.shape
-            nn = torch.full((B,), N, dtype=torch.int64) if num_nodes is None else torch.as_tensor(num_nodes).long()
-            accept_u, final_u = draw_uniforms(nn, N, generators, target_probs.device)
-            if N == 0 or draft_probs is None:
-                rule = "deterministic"
-            return verify_tree_with_uniforms(
-                target_probs,
-                draft_token_ids.long(),
-                parents.long(),
-                None if rule == "deterministic" else draft_probs,
-                nn,
-                rule,
-                accept_u,
-                final_u,
-                _stale_residual=True,
-            )
-        used, instead = wrong_rule[bug]
-        return verify_tree(
-            target_probs,
-            draft_token_ids,
-            parents,
-            draft_probs,
-            num_nodes,
-            generators,
-            rule=instead if rule == used else rule,
-            check=False,
-        )
+            return _stale_residual(*tree, generators, rule, sampled)
+        if rule == "mixed" and bug in _MIXED_BUGS and N > 0:
+            return _MIXED_BUGS[bug](*tree, generators, sampled)
+        used, instead = _WRONG_RULE.get(bug, (None, None))
+        return verify_tree(*tree, generators, rule=instead if rule == used else rule, check=False, sampled=sampled)
 
     verify.__name__ = f"broken_tree_verifier_{bug}"
     return verify
+
+
+def _stale_residual(target_probs, ids, parents, draft_probs, nn, generators, rule, sampled):
+    """The tree walk with r never updated after a rejection."""
+    N = ids.shape[1]
+    accept_u, final_u = draw_uniforms(nn, N, generators, target_probs.device)
+    if N == 0 or draft_probs is None:
+        rule = "deterministic"
+    return verify_tree_with_uniforms(
+        target_probs,
+        ids,
+        parents,
+        None if rule == "deterministic" else draft_probs,
+        nn,
+        rule,
+        accept_u,
+        final_u,
+        sampled=sampled if rule == "mixed" else None,
+        _stale_residual=True,
+    )
+
+
+def _mixed_chosen_as_sampled(target_probs, ids, parents, draft_probs, nn, generators, sampled):
+    """Every child whose parent slot has a q (within draft_probs) is tested as if sampled from it."""
+    as_sampled = sampled.to(ids.device) | (parents + 1 < draft_probs.shape[1])
+    return verify_tree(
+        target_probs, ids, parents, draft_probs, nn, generators, rule="mixed", check=False, sampled=as_sampled
+    )
+
+
+def _mixed_sampled_as_chosen(target_probs, ids, parents, draft_probs, nn, generators, sampled):
+    """Every child verified as chosen (one-hot q): lossless, see the module docstring."""
+    return verify_tree(target_probs, ids, parents, None, nn, generators, rule="deterministic", check=False)
+
+
+def _mixed_dedup(target_probs, ids, parents, draft_probs, nn, generators, sampled):
+    """Sampled children equal to an earlier chosen sibling are removed with their subtrees (the other nodes keep
+    their order), and the rest is verified exactly; the path is reported in the caller's node indices."""
+    B, N = ids.shape
+    dev = ids.device
+    sampled = sampled.to(dev)
+    valid = torch.arange(N, device=dev) < nn.unsqueeze(1)  # [B, N]
+    earlier = torch.ones((N, N), dtype=torch.bool, device=dev).tril(-1)  # [n, m]: m < n
+    twin = (parents.unsqueeze(2) == parents.unsqueeze(1)) & (ids.unsqueeze(2) == ids.unsqueeze(1))  # [B, n, m]
+    drop = valid & sampled & (twin & earlier & ~sampled.unsqueeze(1)).any(2)
+    anc, _ = tree_ancestors(torch.where(valid, parents, -1))  # [B, n, m]: m is n or an ancestor of n
+    keep = valid & ~(anc & drop.unsqueeze(1)).any(2)
+    new_to_old = torch.sort((~keep).to(torch.int8), dim=1, stable=True).indices  # kept nodes first, in order
+    old_to_new = keep.long().cumsum(1) - 1
+    old_par = parents.gather(1, new_to_old)
+    new_par = torch.where(old_par >= 0, old_to_new.gather(1, old_par.clamp(min=0)), -1)
+    slots = torch.cat([torch.zeros((B, 1), dtype=torch.int64, device=dev), new_to_old + 1], 1)  # [B, N + 1]
+    S = draft_probs.shape[1]  # slots beyond draft_probs have only chosen children: their q is never read
+    q = torch.cat([draft_probs, draft_probs[:, :1].expand(B, N + 1 - S, -1)], 1)
+
+    def take(t: Tensor) -> Tensor:  # [B, N + 1, V], slots renumbered
+        return t.gather(1, slots.unsqueeze(-1).expand(-1, -1, t.shape[-1]))
+
+    out = verify_tree(
+        take(target_probs),
+        ids.gather(1, new_to_old),
+        new_par,
+        take(q),
+        keep.sum(1),
+        generators,
+        rule="mixed",
+        check=False,
+        sampled=sampled.gather(1, new_to_old),
+    )
+    path = torch.where(out.path >= 0, new_to_old.gather(1, out.path.clamp(min=0)), -1)
+    return TreeVerifyOutput(token_ids=out.token_ids, num_accepted=out.num_accepted, path=path)
+
+
+_MIXED_BUGS = {
+    "tree_mixed_dedup": _mixed_dedup,
+    "tree_mixed_chosen_as_sampled": _mixed_chosen_as_sampled,
+    "tree_mixed_sampled_as_chosen": _mixed_sampled_as_chosen,
+}

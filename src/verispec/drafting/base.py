@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from ..sampling import SamplingParams
-from ..sampling.tree import TREE_RULES, chain_parents, tree_ancestors
+from ..sampling.tree import VERIFY_RULES, chain_parents, tree_ancestors
 
 __all__ = ["BatchView", "Draft", "Proposer"]
 
@@ -48,12 +48,15 @@ class Draft:
     probs: Tensor | None  # [B, N + 1, V] float: q each slot's children were drawn from; None: one-hot (chosen)
     num_nodes: list[int]  # [B] nodes per row (the tokens the target checks)
     depth: list[int]  # [B] deepest node per row: the most drafts one step can accept (a chain: its length)
-    rule: str = "deterministic"  # how siblings were drawn: "iid", "without_replacement" or "deterministic"
+    rule: str = "deterministic"  # how siblings were drawn: "iid", "without_replacement", "deterministic", "mixed"
     chain: bool = True
+    sampled: Tensor | None = None  # [B, N] bool, rule "mixed": node drawn from its parent slot's q (else chosen)
 
     def __post_init__(self):
-        if self.rule not in TREE_RULES:
-            raise ValueError(f"rule must be one of {', '.join(TREE_RULES)}, got {self.rule!r}")
+        if self.rule not in VERIFY_RULES:
+            raise ValueError(f"rule must be one of {', '.join(VERIFY_RULES)}, got {self.rule!r}")
+        if (self.sampled is None) != (self.rule != "mixed"):
+            raise ValueError("a draft says which nodes were sampled (`sampled`) exactly when its rule is 'mixed'")
         if (self.probs is None) != (self.rule == "deterministic"):
             raise ValueError(
                 "a draft has probs exactly when its tokens were sampled (rule 'iid' or "
@@ -86,9 +89,15 @@ class Draft:
 
     @staticmethod
     def tree_of(
-        tokens: list[list[int]], parents: list[list[int]], probs: Tensor | None, rule: str, device: torch.device
+        tokens: list[list[int]],
+        parents: list[list[int]],
+        probs: Tensor | None,
+        rule: str,
+        device: torch.device,
+        sampled: list[list[bool]] | None = None,
     ) -> Draft:
-        """Per-row node tokens and parents (-1: the root) -> a padded tree draft; probs [B, >= N + 1, V] or None."""
+        """Per-row node tokens and parents (-1: the root) -> a padded tree draft; probs [B, >= N + 1, V] or None
+        (rule "mixed": [B, S, V], the first S slots); sampled (rule "mixed"): per row, which nodes were sampled."""
         B = len(tokens)
         N = max((len(t) for t in tokens), default=0)
         ids = torch.full((B, N), -1, dtype=torch.int64)
@@ -96,12 +105,30 @@ class Draft:
         for b, (t, p) in enumerate(zip(tokens, parents)):
             ids[b, : len(t)] = torch.as_tensor(t, dtype=torch.int64)
             par[b, : len(p)] = torch.as_tensor(p, dtype=torch.int64)
+        drawn = None
+        if rule == "mixed":
+            drawn = torch.zeros((B, N), dtype=torch.bool)
+            for b, row in enumerate(sampled):
+                drawn[b, : len(row)] = torch.as_tensor(row, dtype=torch.bool)
+            if N and not bool(drawn.any()):  # every node chosen
+                rule, drawn = "deterministic", None
         if N == 0:  # nothing drafted: every row samples from p at its root
-            probs, rule = None, "deterministic"
+            probs, rule, drawn = None, "deterministic", None
+        if rule == "deterministic":
+            probs = None
         depth = tree_ancestors(par)[1].masked_fill(ids < 0, 0).amax(1).tolist() if N else [0] * B
         if probs is not None:
             probs = probs[:, : N + 1]
-        return Draft(ids.to(device), par.to(device), probs, [len(t) for t in tokens], depth, rule, chain=False)
+        return Draft(
+            ids.to(device),
+            par.to(device),
+            probs,
+            [len(t) for t in tokens],
+            depth,
+            rule,
+            chain=False,
+            sampled=None if drawn is None else drawn.to(device),
+        )
 
 
 class Proposer:
@@ -129,3 +156,8 @@ class Proposer:
 
     def select(self, rows: list[int]) -> None:
         """Only these rows stay in the batch."""
+
+    def weights_changed(self, model) -> float:
+        """`model`'s weights were replaced in place (between batches): rebuild whatever the proposer derived from
+        them (e.g. quantized copies). Returns the seconds it took."""
+        return 0.0

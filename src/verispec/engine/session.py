@@ -185,8 +185,7 @@ class GenerationSession:
         draft_capacity = capacity + gen.controller.probe_every + 2  # a plain-decoding backlog, fed in one chunk
         view = self._view(new, True, mask, counts)
         if not self.rows:
-            gen.runner.start(len(new), capacity)
-            gen.runner.prefill([r.seq[:-1] for r in new])
+            gen.runner.fill([r.seq[:-1] for r in new], capacity)  # a group's shared prompt is computed once
             if gen.proposer is not None:
                 gen.proposer.start(view, draft_capacity)
             self.prompt_mask, self.counts = mask, counts
@@ -268,7 +267,8 @@ class GenerationSession:
             paths = [list(range(a)) for a in accepted]
         else:
             q = draft.probs[:, : N + 1] if draft.probs is not None else None  # [B, N + 1, V]
-            out = gen.tree_verifier(p, ids, par, q, num, view.generators, rule=draft.rule, check=False)
+            sampled = draft.sampled[:, :N] if draft.sampled is not None else None
+            out = gen.tree_verifier(p, ids, par, q, num, view.generators, rule=draft.rule, check=False, sampled=sampled)
             accepted = out.num_accepted.tolist()
             paths = [row[:a] for row, a in zip(out.path.tolist(), accepted)]
         step = self._outputs(draft, logits, p, out.token_ids, paths, accepted)

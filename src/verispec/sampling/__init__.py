@@ -14,10 +14,11 @@ from .theory import (
     speedup_constant_cost,
     speedup_cost_curve,
 )
-from .tree import TREE_RULES, TreeVerifyOutput, verify_tree, verify_tree_with_uniforms
+from .tree import TREE_RULES, VERIFY_RULES, TreeVerifyOutput, verify_tree, verify_tree_with_uniforms
 
 __all__ = [
     "TREE_RULES",
+    "VERIFY_RULES",
     "ChainVerifyOutput",
     "ParamError",
     "SamplingParams",

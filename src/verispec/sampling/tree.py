@@ -8,14 +8,18 @@ tests the children one after another against a running residual r (initially p a
 accepted becomes the current node; when every child is rejected, or the node is a leaf, one token is drawn from
 r and the walk ends. The row emits the accepted path's tokens and that final token.
 
-One mechanism, three rules — they differ only in the distribution q_i that child i was drawn from, given the
-earlier siblings:
+One mechanism, three rules (and their mix) — they differ only in the distribution q_i that child i was drawn from,
+given the earlier siblings:
   "iid"                  children i.i.d. from q (SpecInfer's multi-round rejection):        q_i = q
   "without_replacement"  children drawn from q without replacement (recursive rejection sampling,
                          Jeon et al. 2024): q_i = q with siblings 1..i-1 removed, renormalised
   "deterministic"        children are chosen, not sampled (top-k of q, n-gram matches, any rule that uses only
                          the draft's side): q_i = one-hot(x_i) — accept x_i with probability r(x_i), the
                          EAGLE / SGLang target-only rule
+  "mixed"                each node says (`sampled`) whether it was drawn from its parent slot's q (q_i = q) or
+                         chosen (q_i = one-hot): e.g. trie branches from earlier rollouts beside a chain sampled
+                         by a draft model. draft_probs may then cover only the first S slots (the slots whose
+                         children include sampled ones); the other slots' children are all chosen.
 Round i accepts x_i iff u_i * q_i(x_i) < r(x_i) (strict, u in [0, 1)), and on rejection sets
 r <- (r - q_i)+ / Z (for one-hot q_i: r with x_i zeroed, renormalised).
 
@@ -56,6 +60,7 @@ from .chain import check_probability_rows, draw_uniforms, sample_from_weights
 
 __all__ = [
     "TREE_RULES",
+    "VERIFY_RULES",
     "TreeVerifyOutput",
     "chain_parents",
     "tree_ancestors",
@@ -64,7 +69,8 @@ __all__ = [
     "verify_tree_with_uniforms",
 ]
 
-TREE_RULES = ("iid", "without_replacement", "deterministic")
+TREE_RULES = ("iid", "without_replacement", "deterministic")  # how a drafter draws the children of a node
+VERIFY_RULES = (*TREE_RULES, "mixed")  # what verification accepts: also per-node sampled / chosen children
 
 
 @dataclass(frozen=True)
@@ -130,6 +136,7 @@ def verify_tree_with_uniforms(
     accept_u: Tensor,  # [B, N] float64 in [0, 1): node n's acceptance uniform
     final_u: Tensor,  # [B] float64 in [0, 1): the final draw's uniform
     *,
+    sampled: Tensor | None = None,  # [B, N] bool, rule "mixed": node drawn from its parent slot's q (else chosen)
     _stale_residual: bool = False,  # a deliberate bug, for certify.bugs only: r is not updated after a rejection
 ) -> TreeVerifyOutput:
     """The tree walk with explicit randomness; inputs are assumed valid (see verify_tree)."""
@@ -149,7 +156,9 @@ def verify_tree_with_uniforms(
     for _ in range(D + 1):
         r = target_probs[rows, cur].clone()  # [B, V]: running residual, normalised
         q_cur = None
-        if rule != "deterministic":
+        if rule == "mixed":  # slots beyond draft_probs have only chosen children: their q is never read
+            q_cur = draft_probs[rows, cur.clamp(max=draft_probs.shape[1] - 1)].to(r.dtype)  # [B, V]
+        elif rule != "deterministic":
             q_cur = draft_probs[rows, cur].to(r.dtype)  # [B, V]
             if rule == "without_replacement":
                 q_cur = q_cur.clone()
@@ -163,9 +172,14 @@ def verify_tree_with_uniforms(
             c = child.clamp(min=0)
             x = ids[rows, c]  # [B]
             r_x = r.gather(1, x.unsqueeze(1)).squeeze(1).double()
+            s = None
             if rule == "deterministic":
                 q_i = None
                 q_x = torch.ones_like(r_x)
+            elif rule == "mixed":
+                s = sampled[rows, c] & test  # [B]: this child was sampled from q_cur
+                q_i = q_cur
+                q_x = torch.where(s, q_cur.gather(1, x.unsqueeze(1)).squeeze(1).double(), 1.0)
             else:
                 q_i = q_cur / q_cur.sum(-1, keepdim=True) if rule == "without_replacement" else q_cur
                 q_x = q_i.gather(1, x.unsqueeze(1)).squeeze(1).double()
@@ -175,6 +189,8 @@ def verify_tree_with_uniforms(
             if not _stale_residual and bool(rej.any()):
                 if q_i is None:
                     new = r.scatter(1, x.unsqueeze(1), 0.0)
+                elif s is not None:  # mixed: per row, the sampled or the chosen child's residual
+                    new = torch.where(s.unsqueeze(1), (r - q_i).clamp_min(0.0), r.scatter(1, x.unsqueeze(1), 0.0))
                 else:
                     new = (r - q_i).clamp_min_(0.0)
                 z = new.sum(-1, keepdim=True)
@@ -211,6 +227,7 @@ def _check_tree(
     draft_probs: Tensor | None,
     num_nodes: Tensor,
     rule: str,
+    sampled: Tensor | None = None,
 ) -> None:
     """Raise ValueError on input the walk cannot honour."""
     B, N1, V = target_probs.shape
@@ -238,6 +255,11 @@ def _check_tree(
     dup = (
         same_parent & (ids.unsqueeze(2) == ids.unsqueeze(1)) & torch.ones((N, N), dtype=torch.bool, device=dev).tril(-1)
     )
+    if rule == "mixed":  # only chosen siblings must be distinct (a sampled child may repeat any sibling)
+        dup &= ~sampled.unsqueeze(1) & ~sampled.unsqueeze(2)
+        drawn = valid & sampled
+        has_children = torch.zeros_like(slots)  # slots with a sampled child: their q must be a distribution
+        has_children[torch.arange(B, device=dev).unsqueeze(1).expand(B, N)[drawn], (parents + 1)[drawn]] = True
     if rule != "iid" and bool(dup.any()):
         b, n, m = (int(i) for i in dup.nonzero()[0])
         raise ValueError(
@@ -246,10 +268,11 @@ def _check_tree(
         )
     if rule == "deterministic":
         return
-    check_probability_rows("draft_probs", draft_probs, has_children)
-    q_par = draft_probs.gather(1, (parents + 1).clamp(0, N).unsqueeze(-1).expand(B, N, V))  # [B, N, V]
+    S = draft_probs.shape[1]
+    check_probability_rows("draft_probs", draft_probs, has_children[:, :S])
+    q_par = draft_probs.gather(1, (parents + 1).clamp(0, S - 1).unsqueeze(-1).expand(B, N, V))  # [B, N, V]
     q_x = q_par.gather(2, ids.unsqueeze(-1)).squeeze(-1)  # [B, N]
-    zero = valid & (q_x <= 0)
+    zero = valid & (q_x <= 0) & (sampled if rule == "mixed" else True)
     if bool(zero.any()):
         b, n = (int(i) for i in zero.nonzero()[0])
         raise ValueError(
@@ -276,8 +299,9 @@ def verify_tree(
     num_nodes: Tensor | None = None,  # [B] int64: row b uses its first num_nodes[b] nodes (default: all N)
     generators: Sequence[torch.Generator | None] | None = None,  # one per row (per-request seeds)
     *,
-    rule: str = "deterministic",  # "iid", "without_replacement" or "deterministic" (see the module docstring)
+    rule: str = "deterministic",  # "iid", "without_replacement", "deterministic" or "mixed" (module docstring)
     check: bool = True,
+    sampled: Tensor | None = None,  # [B, N] bool, rule "mixed" only: node n was sampled from its parent slot's q
 ) -> TreeVerifyOutput:
     """Verify a batch of draft trees against the target, exactly (see the module docstring for the rules and
     the proof). A chain is the tree with parents [-1, 0, 1, ...]: with rule "iid" this is verify_chain's rule.
@@ -287,8 +311,8 @@ def verify_tree(
     are not distributions, a parent that is not an earlier node, token ids outside [0, V), a sampled node with
     q = 0, repeated siblings outside rule "iid" — raises ValueError.
     """
-    if rule not in TREE_RULES:
-        raise ValueError(f"rule must be one of {', '.join(TREE_RULES)}, got {rule!r}")
+    if rule not in VERIFY_RULES:
+        raise ValueError(f"rule must be one of {', '.join(VERIFY_RULES)}, got {rule!r}")
     if not isinstance(target_probs, Tensor) or target_probs.dim() != 3 or not target_probs.is_floating_point():
         raise ValueError("target_probs must be a floating-point tensor of shape [B, N + 1, V]")
     B, N1, V = target_probs.shape
@@ -301,6 +325,12 @@ def verify_tree(
         if t.device != dev:
             raise ValueError(f"{name} is on {t.device}, target_probs on {dev}")
     draft_token_ids, parents = draft_token_ids.long(), parents.long()
+    if rule == "mixed":
+        sampled = _check_sampled(sampled, B, N, dev)
+        if not bool(sampled.any()):
+            rule = "deterministic"  # every child chosen (or no nodes)
+    elif sampled is not None:
+        raise ValueError(f"sampled is for rule 'mixed' only (rule {rule!r} says how every child was drawn)")
     if N == 0:  # no nodes: every row draws its token from p at the root
         rule, draft_probs = "deterministic", None
     if rule == "deterministic":
@@ -309,13 +339,16 @@ def verify_tree(
         raise ValueError(f"rule {rule!r} needs draft_probs (the distribution the children were drawn from)")
     elif (
         not isinstance(draft_probs, Tensor)
-        or tuple(draft_probs.shape) != (B, N1, V)
+        or draft_probs.dim() != 3
+        or (draft_probs.shape[0], draft_probs.shape[2]) != (B, V)
+        or not (draft_probs.shape[1] == N1 or (rule == "mixed" and 1 <= draft_probs.shape[1] <= N1))
         or not draft_probs.is_floating_point()
         or draft_probs.device != dev
     ):
         got = tuple(draft_probs.shape) if isinstance(draft_probs, Tensor) else type(draft_probs).__name__
+        slots = "S <= N + 1" if rule == "mixed" else "N + 1"
         raise ValueError(
-            f"draft_probs must be a float tensor of shape [B, N + 1, V] = [{B}, {N1}, {V}] on {dev}, got {got}"
+            f"draft_probs must be a float tensor of shape [B, {slots}, V] on {dev} (N + 1 = {N1}), got {got}"
         )
     if num_nodes is None:
         num_nodes = torch.full((B,), N, dtype=torch.int64, device=dev)
@@ -326,9 +359,28 @@ def verify_tree(
         num_nodes = num_nodes.long()
         if bool(((num_nodes < 0) | (num_nodes > N)).any()):
             raise ValueError(f"num_nodes must lie in [0, N] = [0, {N}], got {num_nodes.tolist()}")
+    if rule == "mixed":
+        reach = torch.arange(N, device=dev) < num_nodes.unsqueeze(1)
+        if bool((reach & sampled & (parents + 1 >= draft_probs.shape[1])).any()):
+            raise ValueError("a sampled node's parent slot lies beyond draft_probs (its q is missing)")
     if check:
-        _check_tree(target_probs, draft_token_ids, parents, draft_probs, num_nodes, rule)
+        _check_tree(target_probs, draft_token_ids, parents, draft_probs, num_nodes, rule, sampled)
     accept_u, final_u = draw_uniforms(num_nodes, N, generators, dev)
     return verify_tree_with_uniforms(
-        target_probs, draft_token_ids, parents, draft_probs, num_nodes, rule, accept_u, final_u
+        target_probs,
+        draft_token_ids,
+        parents,
+        draft_probs,
+        num_nodes,
+        rule,
+        accept_u,
+        final_u,
+        sampled=sampled if rule == "mixed" else None,
     )
+
+
+def _check_sampled(sampled, B: int, N: int, dev) -> Tensor:
+    if not isinstance(sampled, Tensor) or tuple(sampled.shape) != (B, N) or sampled.dtype != torch.bool:
+        got = tuple(sampled.shape) if isinstance(sampled, Tensor) else type(sampled).__name__
+        raise ValueError(f"rule 'mixed' needs sampled, a bool tensor of shape [B, N] = [{B}, {N}], got {got}")
+    return sampled.to(dev)
