@@ -1,8 +1,20 @@
 """Drafters behind one small interface (`Proposer`, returning a `Draft`): a new drafter is one new file."""
 
 from .base import BatchView, Draft, Proposer
+from .combined import CombinedProposer
 from .draft_model import DraftModelProposer
+from .history import HistoryProposer, RolloutHistory
 from .prompt_lookup import PromptLookupProposer
 from .tree import TreeSpec
 
-__all__ = ["BatchView", "Draft", "DraftModelProposer", "PromptLookupProposer", "Proposer", "TreeSpec"]
+__all__ = [
+    "BatchView",
+    "CombinedProposer",
+    "Draft",
+    "DraftModelProposer",
+    "HistoryProposer",
+    "PromptLookupProposer",
+    "Proposer",
+    "RolloutHistory",
+    "TreeSpec",
+]

@@ -10,6 +10,8 @@ After a fully accepted chain the last draft was never fed: the next step's first
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from ..model.fast import make_runner
@@ -44,6 +46,8 @@ class DraftModelProposer(Proposer):
             raise ValueError(f"stop_below must be in [0, 1] or None, got {stop_below}")
         if tree is not None and not isinstance(tree, TreeSpec):
             raise ValueError(f"tree must be a TreeSpec or None, got {tree!r}")
+        self.model = model
+        self._runner_args = (vocab_size, runner, quant)
         self.runner = make_runner(model, vocab_size, runner=runner, quant=quant)
         self.stop_below = None if tree is not None else stop_below
         self.tree = tree
@@ -52,8 +56,7 @@ class DraftModelProposer(Proposer):
         self._fed: list[dict[int, int]] = []  # per row: draft node -> its index among the fed drafts
 
     def start(self, view: BatchView, capacity: int) -> None:
-        self.runner.start(len(view.seqs), capacity)
-        self.runner.prefill([s[:-1] for s in view.seqs])  # invariant: the cache holds all but the pending token
+        self.runner.fill([s[:-1] for s in view.seqs], capacity)  # invariant: the cache holds all but the pending token
 
     def add(self, view: BatchView, capacity: int) -> None:
         self.runner.add_rows([s[:-1] for s in view.seqs], capacity)
@@ -115,6 +118,15 @@ class DraftModelProposer(Proposer):
 
     def select(self, rows: list[int]) -> None:
         self.runner.select(rows)
+
+    def weights_changed(self, model) -> float:
+        """A dense runner reads the model's own (updated) parameters; a quantized one is re-quantized from them."""
+        if model is not self.model or self.quant is None:
+            return 0.0
+        t0 = time.perf_counter()
+        vocab, runner, quant = self._runner_args
+        self.runner = make_runner(self.model, vocab, runner=runner, quant=quant)
+        return time.perf_counter() - t0
 
 
 def _uniforms(generators: list[torch.Generator], active: list[bool]) -> torch.Tensor:  # [B] float64

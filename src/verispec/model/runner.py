@@ -54,6 +54,7 @@ class HFRunner:
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.cache: RowKVCache | None = None
+        self.tokens_computed = 0  # token positions run through the model, over the runner's life
         self._base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
         self._head = model.get_output_embeddings()
         self._softcap = getattr(cfg, "final_logit_softcapping", None)
@@ -65,11 +66,20 @@ class HFRunner:
             self.num_layers, batch, self.num_kv_heads, self.head_dim, capacity, self.dtype, self.device
         )
 
+    def fill(self, seqs: Sequence[Sequence[int]], capacity: int) -> None:
+        """A fresh cache for len(seqs) rows with seqs[i] prefilled into row i. Identical sequences (the samples
+        of one group share their prompt) are computed once and their KV rows copied: no recompute."""
+        unique: dict[tuple[int, ...], int] = {}
+        rows = [unique.setdefault(tuple(s), len(unique)) for s in seqs]
+        self.start(len(unique), capacity)
+        self.prefill([list(s) for s in unique])
+        if len(unique) < len(rows):
+            self.cache.select(rows)
+
     def add_rows(self, seqs: Sequence[Sequence[int]], capacity: int) -> None:
         """New rows join the batch after the existing ones, with seqs[i] prefilled into their cache."""
         old = self.cache
-        self.start(len(seqs), capacity)
-        self.prefill(seqs)
+        self.fill(seqs, capacity)
         if old is not None and old.batch_size:
             old.extend(self.cache)
             self.cache = old
@@ -142,6 +152,7 @@ class HFRunner:
             distance = position_ids.unsqueeze(-1) - key_pos.unsqueeze(1)
         hidden = self._body(ids, self._masks(visible, distance), position_ids)
         cache.commit(n_new)
+        self.tokens_computed += sum(n_new)
         return hidden, n_new
 
     def _body(self, ids: Tensor, masks, position_ids: Tensor) -> Tensor:

@@ -1,0 +1,80 @@
+"""Chosen branches and a sampled chain in one tree: e.g. trie branches from earlier rollouts (`HistoryProposer`)
+beside a chain sampled by a draft model or the self-draft (`DraftModelProposer`), verified in one target pass.
+
+Node order per row: the sampled chain first (node j hangs below node j - 1; `sampled`), then the chooser's tree
+(its parents shifted past the chain). Verification uses rule "mixed": each child is tested against the running
+residual with the distribution it came from — q of the draft model for the chain's nodes, one-hot for the chosen
+ones — which is exact because neither part looks at the other's tokens: the chain is sampled without seeing the
+branches, and the branches are chosen without seeing the chain (a chain token equal to a branch token stays, it
+is not deduplicated: whether a node exists must never depend on the sampled value).
+"""
+
+from __future__ import annotations
+
+from .base import BatchView, Draft, Proposer
+from .draft_model import DraftModelProposer
+from .tree import TreeSpec
+
+__all__ = ["CombinedProposer"]
+
+
+class CombinedProposer(Proposer):
+    """chooser: a proposer of deterministic trees (its `tree` has rule "deterministic"); sampler: a chain-drafting
+    DraftModelProposer; gamma: the chain's length (at most; a row's cap bounds both parts)."""
+
+    name = "combined"
+
+    def __init__(self, chooser: Proposer, sampler: DraftModelProposer, gamma: int):
+        spec = chooser.tree
+        if spec is None or spec.rule != "deterministic":
+            raise ValueError("the chooser must draft deterministic trees (a TreeSpec with rule 'deterministic')")
+        if not isinstance(sampler, DraftModelProposer) or sampler.tree is not None:
+            raise ValueError("the sampler must be a DraftModelProposer that drafts chains (tree=None)")
+        if isinstance(gamma, bool) or not isinstance(gamma, int) or gamma < 1:
+            raise ValueError(f"gamma (the sampled chain's length) must be an integer >= 1, got {gamma!r}")
+        self.chooser, self.sampler, self.gamma = chooser, sampler, gamma
+        topk = spec.topk if spec.dynamic else max(spec.widths)
+        # the KV slots and nodes one step can use: the chooser's tree plus the chain
+        self.tree = TreeSpec(
+            dynamic=True, depth=max(spec.max_depth, gamma), topk=topk + 1, budget=spec.max_nodes + gamma
+        )
+        self._chains: list[int] = []  # per row: this step's chain length
+        self.accepted_by_source = {"chain": 0, "branches": 0}  # accepted tokens per part, over the proposer's life
+
+    def start(self, view: BatchView, capacity: int) -> None:
+        self.chooser.start(view, capacity)
+        self.sampler.start(view, capacity)
+
+    def add(self, view: BatchView, capacity: int) -> None:
+        self.chooser.add(view, capacity)
+        self.sampler.add(view, capacity)
+
+    def select(self, rows: list[int]) -> None:
+        self.chooser.select(rows)
+        self.sampler.select(rows)
+
+    def weights_changed(self, model) -> float:
+        return self.chooser.weights_changed(model) + self.sampler.weights_changed(model)
+
+    def propose(self, view: BatchView, caps: list[int]) -> Draft:
+        self._chain = self.sampler.propose(view, [min(self.gamma, c) for c in caps])
+        self._branches = self.chooser.propose(view, caps)
+        chain, branches = self._chain, self._branches
+        self._chains = list(chain.num_nodes)
+        c_ids, b_ids, b_par = chain.token_ids.tolist(), branches.token_ids.tolist(), branches.parents.tolist()
+        tokens, parents, sampled = [], [], []
+        for b, (k, t) in enumerate(zip(chain.num_nodes, branches.num_nodes)):
+            tokens.append(c_ids[b][:k] + b_ids[b][:t])
+            parents.append(list(range(-1, k - 1)) + [p + k if p >= 0 else -1 for p in b_par[b][:t]])
+            sampled.append([True] * k + [False] * t)
+        # q for the chain's slots (root, then each chain node); the branches' slots lie beyond and are never read
+        return Draft.tree_of(tokens, parents, chain.probs, "mixed", view.device, sampled=sampled)
+
+    def update(self, view: BatchView, old_lengths: list[int], draft: Draft, paths: list[list[int]]) -> None:
+        """Each part keeps the accepted path where it went through its own nodes."""
+        chain_paths = [path if path and path[0] < k else [] for path, k in zip(paths, self._chains)]
+        branch_paths = [[n - k for n in path] if path and path[0] >= k else [] for path, k in zip(paths, self._chains)]
+        self.accepted_by_source["chain"] += sum(map(len, chain_paths))
+        self.accepted_by_source["branches"] += sum(map(len, branch_paths))
+        self.sampler.update(view, old_lengths, self._chain, chain_paths)
+        self.chooser.update(view, old_lengths, self._branches, branch_paths)

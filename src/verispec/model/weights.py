@@ -1,0 +1,107 @@
+"""In-place weight updates (RL: the policy changes after every optimizer step).
+
+`update_weights(model, named_tensors)` takes an iterable of `(name, tensor)` — what a trainer's
+`model.named_parameters()` or `state_dict().items()` yields — validates every name, shape, dtype and value
+first, and only then copies them into the model's own parameter storage (`Tensor.copy_` under no_grad).
+A bad update therefore changes nothing, and its error lists what was wrong. Copying in place, not
+re-binding `.data`, matters: the fast runner's fused q/k/v and gate/up matrices, its output layer and its
+norms are views of (or the same tensors as) the model's parameters, so a dense runner sees the new weights
+with no rebuild. Quantized copies (an int4 / int8 self-draft) do not share storage and must be rebuilt by
+whoever owns them.
+
+`load_safetensors_dir(path)` yields the `(name, tensor)` pairs of every `*.safetensors` file in a directory
+(a `save_pretrained` checkpoint, sharded or not).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+__all__ = ["WeightUpdateError", "check_update", "load_safetensors_dir", "update_weights"]
+
+_MAX_LISTED = 8
+
+
+class WeightUpdateError(ValueError):
+    """A weight update was refused before anything was written; the message lists every problem found."""
+
+
+def _targets(model: torch.nn.Module) -> dict[str, Tensor]:
+    """Every name an update may use: parameters and persistent buffers, tied weights under each of their names."""
+    return dict(model.state_dict(keep_vars=True))
+
+
+def check_update(model: torch.nn.Module, named_tensors: Iterable[tuple[str, Tensor]]) -> list[tuple[Tensor, Tensor]]:
+    """Validate an update against the model: (destination, source) pairs, or WeightUpdateError listing every
+    unknown name, duplicate, non-tensor, shape or dtype mismatch and non-finite value."""
+    targets = _targets(model)
+    problems: list[str] = []
+    pairs: list[tuple[Tensor, Tensor]] = []
+    seen: set[str] = set()
+    try:
+        items = list(named_tensors)
+    except TypeError:
+        raise WeightUpdateError("an update is an iterable of (name, tensor) pairs") from None
+    if not items:
+        raise WeightUpdateError("the update is empty")
+    for item in items:
+        if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
+            problems.append(f"not a (name, tensor) pair: {type(item).__name__}")
+            continue
+        name, src = item
+        dst = targets.get(name)
+        if name in seen:
+            problems.append(f"{name}: given twice")
+        elif dst is None:
+            problems.append(f"{name}: no such parameter or buffer in the model")
+        elif not isinstance(src, Tensor):
+            problems.append(f"{name}: expected a torch.Tensor, got {type(src).__name__}")
+        elif tuple(src.shape) != tuple(dst.shape):
+            problems.append(f"{name}: shape {tuple(src.shape)}, the model's is {tuple(dst.shape)}")
+        elif src.dtype != dst.dtype:
+            problems.append(f"{name}: dtype {src.dtype}, the model's is {dst.dtype} (cast it before sending)")
+        elif src.is_floating_point() and not bool(torch.isfinite(src).all()):
+            problems.append(f"{name}: contains NaN or infinite values")
+        else:
+            pairs.append((dst, src))
+        seen.add(name)
+    if problems:
+        listed = "; ".join(problems[:_MAX_LISTED])
+        more = f" (and {len(problems) - _MAX_LISTED} more)" if len(problems) > _MAX_LISTED else ""
+        raise WeightUpdateError(f"weight update refused, nothing was changed: {listed}{more}")
+    return pairs
+
+
+@torch.no_grad()
+def update_weights(model: torch.nn.Module, named_tensors: Iterable[tuple[str, Tensor]]) -> int:
+    """Validate, then copy every tensor into the model's parameter in place; returns how many were written."""
+    pairs = check_update(model, named_tensors)
+    for dst, src in pairs:
+        dst.copy_(src.to(dst.device))
+    return len(pairs)
+
+
+def load_safetensors_dir(path: str | os.PathLike) -> Iterator[tuple[str, Tensor]]:
+    """The (name, tensor) pairs of every *.safetensors file in a directory (or of one file)."""
+    from safetensors.torch import load_file  # a transformers dependency
+
+    p = Path(path)
+    if p.is_file():
+        files = [p]
+    elif p.is_dir():
+        files = sorted(p.glob("*.safetensors"))
+        if not files:
+            raise WeightUpdateError(f"{p} has no *.safetensors files")
+    else:
+        raise WeightUpdateError(f"{p} does not exist")
+    for f in files:
+        try:
+            tensors = load_file(str(f))
+        except Exception as e:  # a truncated or foreign file: say which
+            raise WeightUpdateError(f"{f} is not a readable safetensors file: {e}") from None
+        yield from tensors.items()
