@@ -542,7 +542,8 @@ def certify_generate(
     reference_fn: SampleFn | None = None,
 ) -> GenerateReport:
     """Run the generator certificate. `reference`: the scoring model (a LoadedModel in float32; loaded from
-    spec.target when None). `two_sample_tokens`: m for test (d) (0 = off; skipped for plain methods).
+    spec.target when None; when given, the two-sample test's reference is plain decoding of it unless reference_fn
+    says otherwise). `two_sample_tokens`: m for test (d) (0 = off; skipped for plain methods).
     `sequence_tokens`: m for the whole-sequence test (a) (only when V^m <= 4096)."""
     _check_request(params, samples, length, prompts, level)
     t0 = time.perf_counter()
@@ -570,6 +571,8 @@ def certify_generate(
     tests.append(TestResult("all/log-likelihood", "loglik", ll.z, ll.pvalue, ll.n, 0.0, "nats/token"))
     if two_sample_tokens > 0 and spec.method != "plain":
         ref_spec = MethodSpec(method="plain", target=spec.target, runner=spec.runner)
+        if reference_fn is None and reference is not None:  # plain decoding of the model the scores come from
+            reference_fn = _verispec_method(ref_spec, reference)
         m = min(length, two_sample_tokens)
         ref_samples, _ = draw_samples(
             ref_spec,
