@@ -4,19 +4,17 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
-from ..strict_json import dumps
 from .options import (
     UsageError,
+    add_bench_model_args,
     add_counts,
-    add_device_args,
-    add_quant_arg,
-    add_runner_arg,
     add_seed_arg,
     gamma_type,
     load,
     model_errors,
+    read_bench_prompts,
+    write_bench_report,
 )
 
 METHODS_HELP = (
@@ -43,7 +41,13 @@ def add_parser(sub) -> None:
     p = sub.add_parser("e2e", help="end-to-end tokens/s: verispec (plain, draft, ngram) vs HF generate")
     p.add_argument("--target", help="target model (default: the built-in default model)")
     p.add_argument("--draft", help="draft model for verispec-draft and hf-assisted (omit: those are skipped)")
-    p.add_argument("--prompts", nargs="+", required=True, help="JSONL prompt files ({'prompt', 'category'})")
+    p.add_argument(
+        "--prompts",
+        nargs="+",
+        action="extend",
+        required=True,
+        help="JSONL prompt files ({'prompt', 'category'}; repeatable)",
+    )
     add_counts(
         p,
         ("--num-prompts", 1, 2, "prompts per category at batch 1 (default %(default)s)"),
@@ -54,12 +58,12 @@ def add_parser(sub) -> None:
     p.add_argument("--gamma", type=gamma_type(), default=4, help="drafts per step for verispec, or auto (default 4)")
     p.add_argument("--methods", help=METHODS_HELP)
     add_seed_arg(p)
-    p.add_argument("--no-chat", action="store_true", help="feed prompts raw instead of through the chat template")
-    add_runner_arg(p, "verispec's model forward (default auto)")
-    add_quant_arg(p, "--draft-quant", "quantize the draft model (verispec-draft)")
-    add_quant_arg(p, "--self-quant", "quantization of the self-draft (verispec-self; default int4)", default="int4")
-    add_device_args(p)
-    p.add_argument("--out", default="bench-out", help="folder for e2e.json, e2e.md and e2e.png")
+    add_bench_model_args(
+        p,
+        "e2e",
+        "quantize the draft model (verispec-draft)",
+        "quantization of the self-draft (verispec-self; default int4)",
+    )
     p.set_defaults(func=run)
 
 
@@ -99,23 +103,11 @@ def run(args: argparse.Namespace) -> int:
     from ..bench import e2e
 
     cfg = _config(args)
-    try:
-        prompts = e2e.load_prompts(args.prompts)
-    except OSError as e:
-        raise UsageError(f"cannot read prompts from {e.filename}: {e.strerror}") from None
-    except ValueError as e:
-        raise UsageError(f"--prompts: {e}") from None
+    prompts = read_bench_prompts(args.prompts)
     with model_errors():
         target = load(args.target, args)
         # prompt lookup always runs; a draft model is optional
         draft = load(args.draft, args, threads=False) if args.draft not in (None, "none", "ngram") else None
         result = e2e.run_e2e(target, draft, prompts, cfg, log=lambda m: print(m, file=sys.stderr, flush=True))
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "e2e.json").write_text(dumps(result, indent=2))
-    md = e2e.to_markdown(result)
-    (out / "e2e.md").write_text(md + "\n")
-    e2e.plot(result, out / "e2e.png")
-    print(md)
-    print(f"wrote {out / 'e2e.json'}, {out / 'e2e.md'}, {out / 'e2e.png'}")
+    write_bench_report(args.out, "e2e", result, e2e.to_markdown(result), e2e.plot)
     return 0

@@ -245,7 +245,7 @@ def add_sampling_args(p: argparse.ArgumentParser, names=tuple(_SAMPLING_HELP), *
 
 def add_prompt_args(p: argparse.ArgumentParser, chat_help: str = "wrap prompts in the tokenizer's chat template"):
     p.add_argument("--prompt", action="append", help="prompt text (repeatable)")
-    p.add_argument("--prompts", nargs="+", help="JSONL prompt files ({'prompt': ...})")
+    p.add_argument("--prompts", nargs="+", action="extend", help="JSONL prompt files ({'prompt': ...}; repeatable)")
     p.add_argument("--num-prompts", type=int_range(1), default=1, help="prompts taken from each file (default 1)")
     p.add_argument("--chat", action="store_true", help=chat_help)
 
@@ -330,3 +330,42 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
     if "" in texts:
         raise UsageError("a prompt is empty")
     return texts or ["def fibonacci(n):"]
+
+
+def read_bench_prompts(paths: list[str]) -> dict[str, list[str]]:
+    """The prompt files of a benchmark (--prompts), by category; unreadable or malformed files are usage errors."""
+    from ..bench.e2e import load_prompts
+
+    try:
+        return load_prompts(paths)
+    except OSError as e:
+        raise UsageError(f"cannot read prompts from {e.filename}: {e.strerror}") from None
+    except ValueError as e:
+        raise UsageError(f"--prompts: {e}") from None
+
+
+def write_bench_report(out: str, name: str, result: dict, markdown: str, plot) -> None:
+    """A benchmark's NAME.json (strict JSON), NAME.md and NAME.png (plot(result, path)) in folder `out`; prints the
+    markdown and where the files went."""
+    from pathlib import Path
+
+    from ..strict_json import dumps
+
+    folder = Path(out)
+    folder.mkdir(parents=True, exist_ok=True)
+    files = [folder / f"{name}.{ext}" for ext in ("json", "md", "png")]
+    files[0].write_text(dumps(result, indent=2))
+    files[1].write_text(markdown + "\n")
+    plot(result, files[2])
+    print(markdown)
+    print("wrote " + ", ".join(map(str, files)))
+
+
+def add_bench_model_args(p: argparse.ArgumentParser, name: str, draft_quant_help: str, self_quant_help: str) -> None:
+    """The options a model benchmark shares: chat template, runner, draft / self-draft quantization, device, --out."""
+    p.add_argument("--no-chat", action="store_true", help="feed prompts raw instead of through the chat template")
+    add_runner_arg(p, "verispec's model forward (default auto)")
+    add_quant_arg(p, "--draft-quant", draft_quant_help)
+    add_quant_arg(p, "--self-quant", self_quant_help, default="int4")
+    add_device_args(p)
+    p.add_argument("--out", default=f"bench-{name}", help=f"folder for {name}.json, {name}.md and {name}.png")

@@ -1,0 +1,253 @@
+"""`verispec bench rollout`: a GRPO-shaped rollout workload, every drafting method side by side in one run.
+
+Per category: the first `num_prompts` prompts, G samples each (one `RolloutEngine.generate` call: a batch of
+num_prompts * G rows), temperature 1, `max_new_tokens` per sample (EOS ignored so every method produces the same
+number of tokens), for `epochs` epochs over the same prompts. Between epochs the target's weights are perturbed
+as a stand-in for an optimizer step: every floating-point tensor with two or more dimensions gets Gaussian noise
+of `noise` times its RMS (seeded by epoch), sent to every engine through `update_weights` (the first engine writes
+it, the others write the same values and rebuild what they derived: their int4 self-drafts are re-quantized).
+
+Methods (one engine each, all over the same target object; they keep their history across epochs):
+    plain           plain batched decoding (the baseline)
+    draft           the draft model (quantized with `draft_quant`), chains of `gamma`
+    self            the target's own weights quantized (`self_quant`), chains of `gamma` (re-quantized after updates)
+    history         suffix decoding over the group's siblings and earlier epochs' rollouts (exact trie)
+    history+self    history branches beside a sampled self-draft chain in one tree (rule "mixed")
+    history+draft   history branches beside a sampled draft-model chain
+Reported per method, epoch and category: rollout tokens/s, the ratio to plain (same epoch and category), tau
+(tokens per target pass), accepted tokens per draft source, and the update and re-quantization times.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from ..drafting import TreeSpec
+from ..model.loading import LoadedModel
+from ..rollout import RolloutEngine
+from ..sampling import SamplingParams
+
+__all__ = ["METHODS", "RolloutBenchConfig", "perturbed", "plot", "run_rollout_bench", "to_markdown"]
+
+METHODS = {  # name -> (draft: None / "self" / "model", history)
+    "plain": (None, False),
+    "draft": ("model", False),
+    "self": ("self", False),
+    "history": (None, True),
+    "history+self": ("self", True),
+    "history+draft": ("model", True),
+}
+
+
+@dataclass(frozen=True)
+class RolloutBenchConfig:
+    group: int = 8  # G samples per prompt
+    num_prompts: int = 1  # per category
+    max_new_tokens: int = 128
+    epochs: int = 3
+    temperature: float = 1.0
+    noise: float = 1e-3  # per update: each matrix + N(0, (noise * its RMS)^2)
+    gamma: int = 4
+    seed: int = 0
+    chat: bool = True
+    runner: str = "auto"
+    draft_quant: str | None = None  # of the draft model
+    self_quant: str = "int4"  # of the self-draft
+    history_tree: str = "dynamic-8-3-16"  # the history trie's shape: depth, children per node, node budget per row
+    methods: tuple[str, ...] = ("plain", "draft", "self", "history", "history+self")
+
+    def __post_init__(self):
+        spec = TreeSpec.parse(self.history_tree)
+        if not spec.dynamic:
+            raise ValueError(f"history_tree must be dynamic-D-K-M, got {self.history_tree!r}")
+        unknown = [m for m in self.methods if m not in METHODS]
+        if unknown:
+            raise ValueError(f"unknown rollout method(s) {', '.join(unknown)}; choose from {', '.join(METHODS)}")
+
+
+@torch.no_grad()
+def perturbed(model: torch.nn.Module, noise: float, seed: int) -> list[tuple[str, torch.Tensor]]:
+    """New weights for every floating-point matrix of the model: W + N(0, (noise * rms(W))^2), seeded."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for name, w in model.named_parameters():
+        if w.dim() >= 2 and w.is_floating_point():
+            rms = w.float().pow(2).mean().sqrt()
+            step = torch.randn(w.shape, generator=g, dtype=torch.float32).mul_(noise * rms)
+            out.append((name, (w.float() + step).to(w.dtype)))
+    return out
+
+
+def _engine(method: str, target: LoadedModel, draft: LoadedModel | None, cfg: RolloutBenchConfig) -> RolloutEngine:
+    which, history = METHODS[method]
+    if which == "model" and draft is None:
+        raise ValueError(f"method {method!r} needs --draft")
+    model = draft if which == "model" else which
+    quant = cfg.draft_quant if which == "model" else cfg.self_quant if which == "self" else None
+    return RolloutEngine(
+        target,
+        model,
+        draft_quant=quant,
+        history=history,
+        history_tree=TreeSpec.parse(cfg.history_tree),
+        gamma=cfg.gamma,
+        max_batch_size=cfg.group * cfg.num_prompts,
+        runner=cfg.runner,
+    )
+
+
+@torch.inference_mode()
+def cost_curve(runner, batch: int, per_row: tuple[int, ...] = (1, 2, 3, 5, 9, 17), context: int = 64) -> list[dict]:
+    """Median seconds of one target forward over `batch` rows with n new tokens each, after `context` cached ones:
+    the price of verifying n - 1 drafts per row at this batch size (T_B(n) / T_B(1) is what a step must beat)."""
+    g = torch.Generator().manual_seed(0)
+    vocab = runner.vocab_size
+    runner.start(batch, context + max(per_row) + 1)
+    runner.prefill([torch.randint(0, vocab, (context,), generator=g).tolist() for _ in range(batch)])
+    out = []
+    for n in per_row:
+        times = []
+        for _ in range(3):
+            toks = [torch.randint(0, vocab, (n,), generator=g).tolist() for _ in range(batch)]
+            t0 = time.perf_counter()
+            runner.forward(toks)
+            times.append(time.perf_counter() - t0)
+            runner.truncate([context] * batch)
+        out.append(dict(batch=batch, tokens_per_row=n, seconds=sorted(times)[1]))
+    runner.cache = None
+    return out
+
+
+def run_rollout_bench(
+    target: LoadedModel, draft: LoadedModel | None, prompts: dict[str, list[str]], cfg: RolloutBenchConfig, log=print
+) -> dict:
+    engines = {m: _engine(m, target, draft, cfg) for m in cfg.methods}
+    first = next(iter(engines.values()))
+    ids = {c: [first.gen.encode(p, cfg.chat) for p in ps[: cfg.num_prompts]] for c, ps in prompts.items()}
+    params = SamplingParams(temperature=cfg.temperature)
+    records, updates = [], []
+    rows = cfg.group * cfg.num_prompts
+    curve = cost_curve(first.gen.runner, rows)
+    log(f"T_B(n) at batch {rows}: " + ", ".join(f"{c['tokens_per_row']}: {c['seconds']:.3f}s" for c in curve))
+    for epoch in range(cfg.epochs):
+        if epoch:
+            t0 = time.perf_counter()
+            new = perturbed(target.model, cfg.noise, cfg.seed * 1000 + epoch)
+            made = time.perf_counter() - t0
+            for m, eng in engines.items():
+                rep = eng.update_weights(new)
+                updates.append(dict(epoch=epoch, method=m, noise_seconds=made, **asdict(rep)))
+                log(f"epoch {epoch}: {m} update {rep.seconds:.2f}s, re-quantization {rep.requantize_seconds:.2f}s")
+            del new
+        for cat, cat_ids in ids.items():
+            for m, eng in engines.items():
+                records.append(_measure(eng, m, epoch, cat, cat_ids, params, cfg))
+                r = records[-1]
+                log(f"epoch {epoch} {cat:5s} {m:14s} {r['tokens_per_s']:6.2f} tok/s  tau {r['tau']:.2f}")
+    _ratios(records)
+    return dict(
+        config=asdict(cfg),
+        target=target.name,
+        draft=draft.name if draft else None,
+        cost_curve=curve,
+        records=records,
+        updates=updates,
+    )
+
+
+def _measure(eng: RolloutEngine, method: str, epoch: int, cat: str, ids, params, cfg) -> dict:
+    before = dict(getattr(eng.gen.proposer, "accepted_by_source", {}))
+    t0 = time.perf_counter()
+    outs = eng.generate(
+        ids, n=cfg.group, params=params, max_new_tokens=cfg.max_new_tokens, seed=cfg.seed + epoch, ignore_eos=True
+    )
+    seconds = time.perf_counter() - t0
+    st = eng.last_stats
+    tokens = sum(len(o.completion_token_ids) for o in outs)
+    after = getattr(eng.gen.proposer, "accepted_by_source", None)
+    by_source = (
+        {k: v - before.get(k, 0) for k, v in after.items()}
+        if after is not None
+        else {eng.gen.proposer.name: st.accepted}
+        if eng.gen.proposer is not None
+        else {}
+    )
+    return dict(
+        method=method,
+        epoch=epoch,
+        category=cat,
+        rows=len(outs),
+        tokens=tokens,
+        seconds=seconds,
+        tokens_per_s=tokens / seconds,
+        tau=tokens / max(st.target_passes, 1),
+        drafted_per_step=st.drafted / max(st.target_passes, 1),
+        nodes_per_step=st.nodes / max(st.target_passes, 1),
+        accepted=st.accepted,
+        accepted_by_source=by_source,
+        weight_version=outs[0].weight_version,
+    )
+
+
+def _ratios(records: list[dict]) -> None:
+    plain = {(r["epoch"], r["category"]): r["tokens_per_s"] for r in records if r["method"] == "plain"}
+    for r in records:
+        base = plain.get((r["epoch"], r["category"]))
+        r["ratio_to_plain"] = r["tokens_per_s"] / base if base else None
+
+
+def to_markdown(result: dict) -> str:
+    cfg = result["config"]
+    lines = [
+        f"bench rollout: target {result['target']}, draft {result['draft']}, G = {cfg['group']} x "
+        f"{cfg['num_prompts']} prompt(s) per category, {cfg['max_new_tokens']} new tokens, temperature "
+        f"{cfg['temperature']:g}, {cfg['epochs']} epochs, weights + noise {cfg['noise']:g} x RMS between epochs",
+        "",
+        "| epoch | category | method | tokens/s | x plain | tau | drafted/step | nodes/step | accepted by source |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in result["records"]:
+        ratio = "-" if r["ratio_to_plain"] is None else f"{r['ratio_to_plain']:.2f}"
+        src = ", ".join(f"{k} {v}" for k, v in r["accepted_by_source"].items()) or "-"
+        lines.append(
+            f"| {r['epoch']} | {r['category']} | {r['method']} | {r['tokens_per_s']:.2f} | {ratio} | {r['tau']:.2f} "
+            f"| {r['drafted_per_step']:.2f} | {r['nodes_per_step']:.2f} | {src} |"
+        )
+    curve = result.get("cost_curve") or []
+    if curve:
+        t1 = curve[0]["seconds"]
+        lines += ["", f"target cost curve at batch {curve[0]['batch']} (one forward, n new tokens per row):", ""]
+        lines += ["| n | seconds | x T(1) |", "|---|---|---|"]
+        lines += [f"| {c['tokens_per_row']} | {c['seconds']:.3f} | {c['seconds'] / t1:.2f} |" for c in curve]
+    if result["updates"]:
+        lines += ["", "| epoch | method | update s | re-quantization s |", "|---|---|---|---|"]
+        for u in result["updates"]:
+            lines.append(f"| {u['epoch']} | {u['method']} | {u['seconds']:.2f} | {u['requantize_seconds']:.2f} |")
+    return "\n".join(lines)
+
+
+def plot(result: dict, path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    recs = result["records"]
+    cats = list(dict.fromkeys(r["category"] for r in recs))
+    methods = [m for m in dict.fromkeys(r["method"] for r in recs) if m != "plain"]
+    fig, axes = plt.subplots(1, len(cats), figsize=(5 * len(cats), 4), squeeze=False)
+    for ax, cat in zip(axes[0], cats):
+        for m in methods:
+            pts = [(r["epoch"], r["ratio_to_plain"] or 0) for r in recs if r["category"] == cat and r["method"] == m]
+            ax.plot([e for e, _ in pts], [v for _, v in pts], marker="o", label=m)
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_title(f"{cat}: rollout tokens/s over plain")
+        ax.set_xlabel("epoch (weights perturbed before each)")
+        ax.set_xticks(range(result["config"]["epochs"]))
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

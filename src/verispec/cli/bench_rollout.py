@@ -1,0 +1,105 @@
+"""`verispec bench rollout`: RL rollout throughput (groups, epochs, weight updates), every drafting method side by
+side in one run."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .options import (
+    UsageError,
+    add_bench_model_args,
+    add_counts,
+    add_seed_arg,
+    load,
+    model_errors,
+    read_bench_prompts,
+    write_bench_report,
+)
+
+
+def _methods(text: str) -> tuple[str, ...]:
+    from ..bench.rollout import METHODS
+
+    names = tuple(m.strip() for m in text.split(",") if m.strip())
+    unknown = [m for m in names if m not in METHODS]
+    if not names or unknown:
+        raise argparse.ArgumentTypeError(f"choose from {', '.join(METHODS)}, got {text!r}")
+    return names
+
+
+def add_parser(sub) -> None:
+    from ..bench.rollout import RolloutBenchConfig
+
+    d = RolloutBenchConfig()
+    p = sub.add_parser("rollout", help="RL rollout tokens/s: groups of samples over epochs with weight updates")
+    p.add_argument("--target", help="the policy (default: the built-in default model)")
+    p.add_argument("--draft", help="draft model for the draft and history+draft methods")
+    p.add_argument(
+        "--prompts",
+        nargs="+",
+        action="extend",
+        required=True,
+        help="JSONL prompt files ({'prompt', 'category'}; repeatable)",
+    )
+    add_counts(
+        p,
+        ("--group", 1, d.group, "samples per prompt, G (default %(default)s)"),
+        ("--num-prompts", 1, d.num_prompts, "prompts per category (default %(default)s)"),
+        ("--max-new-tokens", 1, d.max_new_tokens, "per sample (default %(default)s)"),
+        ("--epochs", 1, d.epochs, "passes over the same prompts, weights perturbed between them (default %(default)s)"),
+        ("--gamma", 1, d.gamma, "draft chain length (default %(default)s)"),
+    )
+    p.add_argument("--noise", type=float, default=d.noise, help="update noise, times each matrix's RMS (default 1e-3)")
+    p.add_argument(
+        "--methods", type=_methods, default=d.methods, help=f"comma-separated (default {','.join(d.methods)})"
+    )
+    p.add_argument(
+        "--history-tree",
+        default=d.history_tree,
+        help="history trie per row: dynamic-DEPTH-CHILDREN-NODES (default %(default)s)",
+    )
+    add_seed_arg(p)
+    add_bench_model_args(
+        p,
+        "rollout",
+        "quantize the draft model (default: not quantized)",
+        "quantization of the self-draft (default int4)",
+    )
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..bench import rollout
+
+    if not (0 <= args.noise < 1):
+        raise UsageError(f"--noise must be in [0, 1), got {args.noise}")
+    if args.draft is None and any(rollout.METHODS[m][0] == "model" for m in args.methods):
+        raise UsageError("methods draft and history+draft need --draft PATH")
+    try:
+        cfg = rollout.RolloutBenchConfig(
+            group=args.group,
+            num_prompts=args.num_prompts,
+            max_new_tokens=args.max_new_tokens,
+            epochs=args.epochs,
+            noise=args.noise,
+            gamma=args.gamma,
+            seed=args.seed,
+            chat=not args.no_chat,
+            runner=args.runner,
+            draft_quant=args.draft_quant,
+            self_quant=args.self_quant,
+            history_tree=args.history_tree,
+            methods=args.methods,
+        )
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    prompts = read_bench_prompts(args.prompts)
+    with model_errors():
+        target = load(args.target, args)
+        draft = load(args.draft, args, threads=False) if args.draft else None
+        result = rollout.run_rollout_bench(
+            target, draft, prompts, cfg, log=lambda m: print(m, file=sys.stderr, flush=True)
+        )
+    write_bench_report(args.out, "rollout", result, rollout.to_markdown(result), rollout.plot)
+    return 0
