@@ -383,6 +383,8 @@ def test_tree_options_are_checked(models):
         MethodSpec(target=target, draft=draft, tree="2-2", verifier="swap_p_q")
     with pytest.raises(ValueError, match="needs a tree"):
         MethodSpec(target=target, draft=draft, verifier="tree_stale_residual")
+    with pytest.raises(ValueError, match="rule 'mixed' only"):  # never used by these trees: it would surely PASS
+        MethodSpec(target=target, draft=draft, tree="2-2", verifier="tree_mixed_dedup")
     with pytest.raises(ValueError, match="method 'verispec'"):
         MethodSpec(method="plain", target=target, tree="2-2")
 
