@@ -27,6 +27,8 @@ def test_frequency_trie_takes_the_most_travelled_nodes_first():
     toks, pars = frequency_trie(conts, max_nodes=10, max_children=1)
     assert toks == [1, 2, 3] and pars == [-1, 0, 1]  # one child per node: the chain of the most common path
     assert frequency_trie([], 4, 2) == ([], [])
+    toks, pars = frequency_trie(conts, max_nodes=10, max_children=3, min_share=0.5)
+    assert toks == [1, 2] and pars == [-1, 0]  # (1): 3 of 4, (1, 2): 2 of 4; every other node 1 of 4
     toks, pars = frequency_trie(conts, max_nodes=10, max_children=3)
     assert sorted(toks) == [1, 2, 3, 4, 5, 6] and all(p < i for i, p in enumerate(pars))
 

@@ -57,6 +57,7 @@ class RolloutBenchConfig:
     draft_quant: str | None = None  # of the draft model
     self_quant: str = "int4"  # of the self-draft
     history_tree: str = "dynamic-8-3-16"  # the history trie's shape: depth, children per node, node budget per row
+    history_min_share: float = 0.0  # a trie node needs this share of the matched continuations
     methods: tuple[str, ...] = ("plain", "draft", "self", "history", "history+self")
 
     def __post_init__(self):
@@ -93,6 +94,7 @@ def _engine(method: str, target: LoadedModel, draft: LoadedModel | None, cfg: Ro
         draft_quant=quant,
         history=history,
         history_tree=TreeSpec.parse(cfg.history_tree),
+        history_min_share=cfg.history_min_share,
         gamma=cfg.gamma,
         max_batch_size=cfg.group * cfg.num_prompts,
         runner=cfg.runner,

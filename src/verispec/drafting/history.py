@@ -107,10 +107,13 @@ def continuations(corpus: np.ndarray, query: np.ndarray, depth: int, max_hits: i
     return [row[:k] for row, k in zip(conts.tolist(), length.tolist()) if k]
 
 
-def frequency_trie(conts: list[list[int]], max_nodes: int, max_children: int) -> tuple[list[int], list[int]]:
+def frequency_trie(
+    conts: list[list[int]], max_nodes: int, max_children: int, min_share: float = 0.0
+) -> tuple[list[int], list[int]]:
     """Continuations -> a trie of at most max_nodes nodes (tokens, parents; -1 = the root), chosen best-first by
-    the number of continuations through each node (ties: shallower, then earlier), at most max_children each.
-    Parents precede children."""
+    the number of continuations through each node (ties: shallower, then earlier), at most max_children each,
+    and only nodes that at least min_share of the continuations pass through (the empirical probability of the
+    path: a node the history barely supports costs a verification slot for little). Parents precede children."""
     count: dict[tuple[int, ...], int] = {}
     for c in conts:
         for d in range(1, len(c) + 1):
@@ -131,7 +134,8 @@ def frequency_trie(conts: list[list[int]], max_nodes: int, max_children: int) ->
     push((), -1)
     toks: list[int] = []
     pars: list[int] = []
-    while heap and len(toks) < max_nodes:
+    need = min_share * len(conts)
+    while heap and len(toks) < max_nodes and -heap[0][0] >= need:
         _, _, _, path, parent = heapq.heappop(heap)
         toks.append(path[-1])
         pars.append(parent)
@@ -142,7 +146,8 @@ def frequency_trie(conts: list[list[int]], max_nodes: int, max_children: int) ->
 class HistoryProposer(Proposer):
     """Suffix decoding over each row's own sequence, its group's running samples and `history` (see the module
     docstring). tree: the trie's shape as a dynamic TreeSpec (depth, children per node, node budget). siblings: how
-    many running samples of the same prompt a row reads (the nearest rows: a group's samples sit together)."""
+    many running samples of the same prompt a row reads (the nearest rows: a group's samples sit together).
+    min_share: keep only trie nodes that at least this share of the matched continuations pass through."""
 
     name = "history"
 
@@ -150,6 +155,7 @@ class HistoryProposer(Proposer):
         self,
         history: RolloutHistory | None = None,
         ngram_sizes: Sequence[int] = (8, 4, 2, 1),
+        min_share: float = 0.0,
         tree: TreeSpec | None = None,
         siblings: int = 16,
     ):
@@ -159,6 +165,9 @@ class HistoryProposer(Proposer):
         tree = tree if tree is not None else TreeSpec(dynamic=True, depth=8, topk=3, budget=16)
         if not isinstance(tree, TreeSpec) or tree.rule != "deterministic":
             raise ValueError("history tries are deterministic (one-hot q): give a TreeSpec with rule 'deterministic'")
+        if not 0.0 <= min_share <= 1.0:
+            raise ValueError(f"min_share must be in [0, 1], got {min_share!r}")
+        self.min_share = min_share
         self.history = history if history is not None else RolloutHistory()
         self.ngram_sizes = sizes
         self.tree = tree
@@ -194,7 +203,7 @@ class HistoryProposer(Proposer):
             if cap > 0:
                 corpus = self._corpus(seqs, b, groups[self._keys[b]])
                 conts = self._match(corpus, seqs[b], min(cap, spec.max_depth))
-                toks, pars = frequency_trie(conts, spec.max_nodes, spec.topk)
+                toks, pars = frequency_trie(conts, spec.max_nodes, spec.topk, self.min_share)
             tokens.append(toks)
             parents.append(pars)
         return Draft.tree_of(tokens, parents, None, "deterministic", view.device)

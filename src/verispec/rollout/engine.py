@@ -108,7 +108,9 @@ class RolloutEngine:
     and from the running siblings of each group (`HistoryProposer`; True, a `RolloutHistory` to share, or
     False). A draft model and history together draft one tree per step: the history's trie branches beside the
     draft model's sampled chain (`CombinedProposer`, verified with rule "mixed"). gamma: the draft model's chain
-    length ("auto" without history). max_batch_size: rows in the running batch. runner: see `make_runner`.
+    length ("auto" without history). history_tree / history_min_share: the history trie's shape and the least
+    share of matched continuations a node needs (`HistoryProposer`). max_batch_size: rows in the running batch.
+    runner: see `make_runner`.
     """
 
     def __init__(
@@ -119,6 +121,7 @@ class RolloutEngine:
         draft_quant: str | None = None,
         history: bool | RolloutHistory = True,
         history_tree: TreeSpec | None = None,
+        history_min_share: float = 0.0,
         gamma: int | str = 4,
         max_batch_size: int = 64,
         runner: str = "auto",
@@ -131,7 +134,8 @@ class RolloutEngine:
         self.history = history if isinstance(history, RolloutHistory) else RolloutHistory() if history is True else None
         if history not in (True, False) and not isinstance(history, RolloutHistory):
             raise ValueError(f"history must be True, False or a RolloutHistory, got {history!r}")
-        proposer = self._proposer(target, draft, draft_quant, history_tree, runner, gamma)
+        history_args = dict(tree=history_tree, min_share=history_min_share)
+        proposer = self._proposer(target, draft, draft_quant, history_args, runner, gamma)
         self.gen = SpeculativeGenerator(
             target,
             proposer,
@@ -147,7 +151,7 @@ class RolloutEngine:
         self.last_stats = SpecStats()
         self._lock = threading.Lock()  # generate and weight updates never overlap
 
-    def _proposer(self, target, draft, quant, history_tree, runner, gamma) -> Proposer | None:
+    def _proposer(self, target, draft, quant, history_args, runner, gamma) -> Proposer | None:
         if isinstance(draft, Proposer):
             if quant is not None or self.history is not None:
                 raise ValueError("a custom Proposer brings its own drafting: pass draft_quant=None, history=False")
@@ -157,7 +161,7 @@ class RolloutEngine:
             raise ValueError(f"draft must be None, 'self', a LoadedModel or a Proposer, got {draft!r}")
         if quant is not None and model is None:
             raise ValueError("draft_quant needs draft='self' or a draft model")
-        history = HistoryProposer(self.history, tree=history_tree) if self.history is not None else None
+        history = HistoryProposer(self.history, **history_args) if self.history is not None else None
         if model is None:
             return history
         sampler = DraftModelProposer(model.model, shared_vocab_size(target, model), None, runner=runner, quant=quant)
