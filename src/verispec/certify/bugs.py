@@ -34,12 +34,13 @@ sampled children of a mixed tree verified as chosen (every node one-hot: the sam
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
 
 import torch
 from torch import Tensor
 
-from ..sampling.chain import ChainVerifyOutput, _normalise_args, draw_uniforms, sample_from_weights
+from ..sampling.chain import ChainVerifyOutput, _normalise_args, draw_uniforms
+from ..sampling.lossy import chain_interface, draft_q, finish_chain
 from ..sampling.tree import TreeVerifyOutput, tree_ancestors, verify_tree, verify_tree_with_uniforms
 
 __all__ = ["BUGS", "TREE_BUGS", "TREE_NON_BUGS", "broken_tree_verifier", "broken_verifier"]
@@ -71,62 +72,45 @@ def broken_verifier(bug: str | None):
     (a control: it must pass, so failures are the bug's and not the harness's)."""
     if bug is not None and bug not in BUGS:
         raise ValueError(f"unknown bug {bug!r}; choose one of: {', '.join(BUGS)}")
+    name = f"broken_verifier_{bug}" if bug else "reference_verifier"
+    return chain_interface(name, functools.partial(_broken_chain, bug), broken_verifier)
 
-    def verify(
-        target_probs: Tensor,
-        draft_token_ids: Tensor,
-        draft_probs: Tensor | None = None,
-        num_draft_tokens: Tensor | None = None,
-        generators: Sequence[torch.Generator | None] | None = None,
-        *,
-        check: bool = True,
-    ) -> ChainVerifyOutput:
-        B, k, V, ids, nd = _normalise_args(target_probs, draft_token_ids, draft_probs, num_draft_tokens)
-        dev = target_probs.device
-        accept_u, final_u = draw_uniforms(nd, k, generators, dev)  # [B, k], [B] float64
-        p = target_probs.double()  # [B, k + 1, V]
-        q = (
-            draft_probs.double()
-            if draft_probs is not None
-            else torch.nn.functional.one_hot(ids.clamp(0, V - 1), V).double()
-        )  # [B, k, V]
-        if bug == "q_before_temperature":
-            q = q.pow(_Q_TEMPERATURE)
-            q = q / q.sum(-1, keepdim=True)
-        if bug == "swap_p_q":  # the whole rule with the roles exchanged (q treated as the target)
-            p = torch.cat([q, p[:, k:]], 1)
-            q = target_probs[:, :k].double()
-        rows = torch.arange(B, device=dev)
-        safe = ids.clamp(0, V - 1)
-        p_t = p[:, :k].gather(-1, safe.unsqueeze(-1)).squeeze(-1)  # [B, k]
-        q_t = q.gather(-1, safe.unsqueeze(-1)).squeeze(-1)
-        if bug == "le_zero_uniform":
-            u = torch.floor(accept_u * _U_LEVELS) / _U_LEVELS
-            accept = u * q_t <= p_t
-        else:
-            accept = accept_u * q_t < p_t
-        accept &= torch.arange(k, device=dev) < nd.unsqueeze(1)
-        na = accept.long().cumprod(1).sum(1)  # [B]
-        rejected = na < nd
-        p_row = p[rows, na]  # [B, V]
-        q_row = q[rows, na.clamp(max=max(k - 1, 0))] * rejected.unsqueeze(1) if k > 0 else torch.zeros_like(p_row)
-        if bug == "resample_from_p":
-            w = p_row.clone()
-        elif bug == "resample_from_abs_diff":
-            w = (p_row - q_row).abs()
-        else:
-            w = (p_row - q_row).clamp_min(0)
-        w = torch.where(w.sum(1, keepdim=True) > 0, w, p_row)
-        if bug == "reuse_accept_uniform" and k > 0:
-            final_u = torch.where(rejected, accept_u[rows, na.clamp(max=k - 1)], final_u)
-        final = sample_from_weights(w, final_u)
-        tok = torch.where(torch.arange(k, device=dev) < na.unsqueeze(1), ids, -1)
-        tok = torch.cat([tok, torch.full((B, 1), -1, dtype=torch.int64, device=dev)], 1)
-        tok.scatter_(1, na.unsqueeze(1), final.unsqueeze(1))
-        return ChainVerifyOutput(token_ids=tok, num_accepted=na)
 
-    verify.__name__ = f"broken_verifier_{bug}" if bug else "reference_verifier"
-    return verify
+def _broken_chain(bug, target_probs, draft_token_ids, draft_probs, num_draft_tokens, generators) -> ChainVerifyOutput:
+    B, k, V, ids, nd = _normalise_args(target_probs, draft_token_ids, draft_probs, num_draft_tokens)
+    dev = target_probs.device
+    accept_u, final_u = draw_uniforms(nd, k, generators, dev)  # [B, k], [B] float64
+    p = target_probs.double()  # [B, k + 1, V]
+    q = draft_q(draft_probs, ids, V)  # [B, k, V]
+    if bug == "q_before_temperature":
+        q = q.pow(_Q_TEMPERATURE)
+        q = q / q.sum(-1, keepdim=True)
+    if bug == "swap_p_q":  # the whole rule with the roles exchanged (q treated as the target)
+        p = torch.cat([q, p[:, k:]], 1)
+        q = target_probs[:, :k].double()
+    rows = torch.arange(B, device=dev)
+    safe = ids.clamp(0, V - 1)
+    p_t = p[:, :k].gather(-1, safe.unsqueeze(-1)).squeeze(-1)  # [B, k]
+    q_t = q.gather(-1, safe.unsqueeze(-1)).squeeze(-1)
+    if bug == "le_zero_uniform":
+        u = torch.floor(accept_u * _U_LEVELS) / _U_LEVELS
+        accept = u * q_t <= p_t
+    else:
+        accept = accept_u * q_t < p_t
+    accept &= torch.arange(k, device=dev) < nd.unsqueeze(1)
+    na = accept.long().cumprod(1).sum(1)  # [B]
+    rejected = na < nd
+    p_row = p[rows, na]  # [B, V]
+    q_row = q[rows, na.clamp(max=max(k - 1, 0))] * rejected.unsqueeze(1) if k > 0 else torch.zeros_like(p_row)
+    if bug == "resample_from_p":
+        w = p_row.clone()
+    elif bug == "resample_from_abs_diff":
+        w = (p_row - q_row).abs()
+    else:
+        w = (p_row - q_row).clamp_min(0)
+    if bug == "reuse_accept_uniform" and k > 0:
+        final_u = torch.where(rejected, accept_u[rows, na.clamp(max=k - 1)], final_u)
+    return finish_chain(ids, na, w, p_row, final_u)
 
 
 _WRONG_RULE = {  # bug: (the drafting rule, the rule the broken verifier uses for it instead)

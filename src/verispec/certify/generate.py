@@ -39,7 +39,7 @@ from ..model import loading
 from ..sampling import SamplingParams, probs_from_logits
 from ..sampling.lossy import lenient_verifier, spec_rl_verifier, typical_verifier
 from .bugs import BUGS, TREE_BUGS, TREE_NON_BUGS, broken_tree_verifier, broken_verifier
-from .kernel import TARGET_TV, has_power, load_sampler
+from .kernel import DEFAULT_LEVEL, POWER, Verdict, has_power, load_sampler, samples_needed
 from .stats import (
     chisquare_gof,
     chisquare_two_sample,
@@ -47,7 +47,6 @@ from .stats import (
     holm,
     loglik_test,
     pit_uniformity,
-    samples_to_detect,
 )
 
 __all__ = ["METHODS", "GenerateReport", "MethodSpec", "build_method", "certify_generate", "write_report"]
@@ -356,7 +355,7 @@ class TestResult:
 
 
 @dataclass
-class GenerateReport:
+class GenerateReport(Verdict):
     method: str
     target: str | None
     params: dict
@@ -376,41 +375,22 @@ class GenerateReport:
     samples_needed: int | None = None  # INCONCLUSIVE: continuations per prompt to detect TARGET_TV everywhere
 
     @property
-    def rejected(self) -> bool:
-        """An error or a rejected test: the method is shown not to follow the target (FAIL)."""
-        return bool(self.errors) or any(t.holm_pvalue < self.level for t in self.tests)
-
-    @property
     def conclusive(self) -> bool:
         """Every prompt's first-token law is tested with power (a deviation below TV 1 is detectable)."""
         first = [t for t in self.tests if t.kind == "first-token"]
         return bool(first) and all(t.powered for t in first)
 
-    @property
-    def passed(self) -> bool:
-        return not self.rejected and self.conclusive
-
-    @property
-    def verdict(self) -> str:
-        return "FAIL" if self.rejected else "PASS" if self.conclusive else "INCONCLUSIVE"
-
     def power_note(self) -> str:
         if self.conclusive:
             return ""
-        need = (
-            f"; about N = {self.samples_needed} continuations per prompt would detect TV {TARGET_TV} with "
-            f"power {self.power}"
-            if self.samples_needed
-            else ""
-        )
+        need = self.needed_note(f"N = {self.samples_needed} continuations per prompt")
         return (
             f"INCONCLUSIVE: with N = {self.samples} continuations per prompt a first-token test has no power "
             f"(it cannot detect any deviation){need}."
         )
 
     def to_json(self) -> dict:
-        d = asdict(self)
-        d["verdict"] = self.verdict
+        d = self.json_with_verdict()
         d.pop("pit")
         return d
 
@@ -531,8 +511,8 @@ def certify_generate(
     *,
     samples: int = DEFAULT_SAMPLES,
     length: int = DEFAULT_LENGTH,
-    level: float = 0.01,
-    power: float = 0.99,
+    level: float = DEFAULT_LEVEL,
+    power: float = POWER,
     seed: int = 0,
     workers: int = 1,
     two_sample_tokens: int = 2,
@@ -548,8 +528,7 @@ def certify_generate(
     `sequence_tokens`: m for the whole-sequence test (a) (only when V^m <= 4096)."""
     _check_request(params, samples, length, prompts, level)
     t0 = time.perf_counter()
-    ref = reference if reference is not None else _load(spec.target, "float32")
-    model = ref.model
+    model = (reference if reference is not None else _load(spec.target, "float32")).model
     got, stats = draw_samples(
         spec,
         prompts,
@@ -571,31 +550,13 @@ def certify_generate(
     ll = loglik_test(sc.logp, sc.expected, sc.variance)
     tests.append(TestResult("all/log-likelihood", "loglik", ll.z, ll.pvalue, ll.n, 0.0, "nats/token"))
     if two_sample_tokens > 0 and spec.method != "plain":
-        ref_spec = MethodSpec(method="plain", target=spec.target, runner=spec.runner)
-        if reference_fn is None and reference is not None:  # plain decoding of the model the scores come from
-            reference_fn = _verispec_method(ref_spec, reference)
         m = min(length, two_sample_tokens)
-        ref_samples, _ = draw_samples(
-            ref_spec,
-            prompts,
-            params,
-            samples,
-            m,
-            seed + 7_919_000,
-            workers,
-            sample_fn=reference_fn,
-            show_progress=show_progress,
-            label="plain decoding (two-sample reference)",
+        ref_samples = _reference_samples(
+            spec, reference, reference_fn, prompts, params, samples, m, seed, workers, show_progress
         )
         _two_sample_tests(got, ref_samples, m, V, tests, laws)
     per_test = level / len(tests)
-    for t, law, n in laws:
-        t.detectable = detectable_tv(law, n, per_test, power)
-    tests[[t.kind for t in tests].index("pit")].detectable = u.detectable(per_test, power)
-    tests[[t.kind for t in tests].index("loglik")].detectable = ll.detectable(per_test, power)
-    for t, a in zip(tests, holm([t.pvalue for t in tests])):
-        t.holm_pvalue = float(a)
-    acc = stats.per_position_acceptance if stats is not None and stats.drafted else []
+    _size_tests(tests, laws, per_test, power, u.detectable(per_test, power), ll.detectable(per_test, power))
     return GenerateReport(
         method=spec.label(),
         target=spec.target,
@@ -607,14 +568,50 @@ def certify_generate(
         power=power,
         seed=seed,
         tests=tests,
-        acceptance=acc,
-        acceptance_rate=stats.acceptance_rate if acc else float("nan"),
-        tau=stats.tau if acc else float("nan"),
+        **_acceptance(stats),
         pit=sc.pit,
         seconds=time.perf_counter() - t0,
         errors=errors,
         samples_needed=_samples_needed(laws, samples, per_test, power),
     )
+
+
+def _size_tests(tests: list[TestResult], laws, per_test: float, power: float, pit: float, loglik: float) -> None:
+    """Each test's detectable effect (from its law, or `pit` / `loglik` for those two) and Holm p-value."""
+    for t, law, n in laws:
+        t.detectable = detectable_tv(law, n, per_test, power)
+    tests[[t.kind for t in tests].index("pit")].detectable = pit
+    tests[[t.kind for t in tests].index("loglik")].detectable = loglik
+    for t, a in zip(tests, holm([t.pvalue for t in tests])):
+        t.holm_pvalue = float(a)
+
+
+def _acceptance(stats: SpecStats | None) -> dict:
+    """The report's acceptance fields: per position, the rate and tau of a speculative method (empty / nan else)."""
+    acc = stats.per_position_acceptance if stats is not None and stats.drafted else []
+    nan = float("nan")
+    return dict(acceptance=acc, acceptance_rate=stats.acceptance_rate if acc else nan, tau=stats.tau if acc else nan)
+
+
+def _reference_samples(spec: MethodSpec, reference, reference_fn, prompts, params, n, m, seed, workers, show_progress):
+    """The two-sample test's reference: n continuations of m tokens per prompt by plain decoding of `reference`
+    (when given, unless reference_fn says otherwise), else of spec.target."""
+    ref_spec = MethodSpec(method="plain", target=spec.target, runner=spec.runner)
+    if reference_fn is None and reference is not None:  # plain decoding of the model the scores come from
+        reference_fn = _verispec_method(ref_spec, reference)
+    ref_samples, _ = draw_samples(
+        ref_spec,
+        prompts,
+        params,
+        n,
+        m,
+        seed + 7_919_000,
+        workers,
+        sample_fn=reference_fn,
+        show_progress=show_progress,
+        label="plain decoding (two-sample reference)",
+    )
+    return ref_samples
 
 
 def _check_request(params: SamplingParams, samples: int, length: int, prompts: list, level: float) -> None:
@@ -685,8 +682,7 @@ def _samples_needed(laws, samples: int, per_test: float, power: float) -> int | 
     first = [(t, law, n) for t, law, n in laws if t.kind == "first-token"]
     if all(t.powered for t, _, _ in first):
         return None
-    needed = [samples_to_detect(law, TARGET_TV, per_test, power) * samples / max(n, 1) for _, law, n in first]
-    return math.ceil(max(needed)) if all(map(math.isfinite, needed)) else None
+    return samples_needed([(law, n) for _, law, n in first], samples, per_test, power)
 
 
 def write_report(report: GenerateReport, out: str | Path) -> list[Path]:

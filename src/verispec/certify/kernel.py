@@ -80,6 +80,11 @@ def _softmax(x: Tensor) -> Tensor:
     return x.double().softmax(-1)
 
 
+def normalised(x: Tensor) -> Tensor:
+    """x with its last dimension rescaled to sum to 1 (rows of a distribution table)."""
+    return x / x.sum(-1, keepdim=True)
+
+
 def default_cases(vocab: int = 32, seed: int = 0) -> list[KernelCase]:
     """The battery: random p / q at several entropies, k in {1, 4, 8}, adversarial q, sparse p and q with
     disjoint zeros, p == q, one-hot drafts (including a p = 0 draft), top-k / top-p truncation, and batches
@@ -104,24 +109,17 @@ def default_cases(vocab: int = 32, seed: int = 0) -> list[KernelCase]:
             )
         )
     p = rnd(5, 2.0)
-    q = (1 / p[:4]) / (1 / p[:4]).sum(-1, keepdim=True)
-    cases.append(KernelCase("adversarial-k4", p, q, description="q proportional to 1 / p"))
+    cases.append(KernelCase("adversarial-k4", p, normalised(1 / p[:4]), description="q proportional to 1 / p"))
     p, q = rnd(5, 2.0), rnd(4, 2.0)
     p[:, : V // 2] = 0  # p lives on the upper half, q on the lower three quarters
     q[:, 3 * V // 4 :] = 0
-    cases.append(
-        KernelCase(
-            "sparse-disjoint-zeros-k4",
-            p / p.sum(-1, keepdim=True),
-            q / q.sum(-1, keepdim=True),
-            description="p = 0 on half the tokens, q = 0 on another quarter",
-        )
-    )
+    sparse = "p = 0 on half the tokens, q = 0 on another quarter"
+    cases.append(KernelCase("sparse-disjoint-zeros-k4", normalised(p), normalised(q), description=sparse))
     p = rnd(5, 2.0)
     cases.append(KernelCase("equal-k4", p, p[:4].clone(), description="p == q (Z = 0 everywhere)"))
     p = rnd(5, 2.0)
     p[1, 3] = 0
-    p = p / p.sum(-1, keepdim=True)
+    p = normalised(p)
     ids = torch.tensor([int(p[0].argmax()), 3, int(p[2].argmin()), int(p[3].argmax())])
     cases.append(
         KernelCase("onehot-k4", p, None, ids, description="deterministic drafts: likely, p = 0, unlikely, likely")
@@ -129,14 +127,8 @@ def default_cases(vocab: int = 32, seed: int = 0) -> list[KernelCase]:
     params = SamplingParams(temperature=0.8, top_k=max(2, V // 4), top_p=0.9)
     pt = probs_from_logits(2 * torch.randn(1, 5, V, generator=g), params)[0].double()
     qt = probs_from_logits(2 * torch.randn(1, 4, V, generator=g), params)[0].double()
-    cases.append(
-        KernelCase(
-            "truncated-k4",
-            pt / pt.sum(-1, keepdim=True),
-            qt / qt.sum(-1, keepdim=True),
-            description="temperature 0.8, top-k, top-p 0.9 on both",
-        )
-    )
+    truncated = "temperature 0.8, top-k, top-p 0.9 on both"
+    cases.append(KernelCase("truncated-k4", normalised(pt), normalised(qt), description=truncated))
     cases.append(
         KernelCase("ragged-k8", rnd(9, 2.0), rnd(8, 2.0), ragged=True, description="rows with 0..8 drafts in one batch")
     )
@@ -294,8 +286,36 @@ def _cell(x) -> str:  # a markdown table cell: a literal pipe would split it
     return str(x).replace("|", "\\|")
 
 
+class Verdict:
+    """The verdict of a certificate report (a dataclass with `errors`, `tests` carrying `holm_pvalue`, `level`,
+    `power` and `samples_needed`, and its own `conclusive`): FAIL on an error or a rejected test, else PASS when
+    conclusive, else INCONCLUSIVE."""
+
+    @property
+    def rejected(self) -> bool:
+        """An error or a rejected test: the sampler or method is shown not to reproduce the target (FAIL)."""
+        return bool(self.errors) or any(t.holm_pvalue < self.level for t in self.tests)
+
+    @property
+    def passed(self) -> bool:
+        return not self.rejected and self.conclusive
+
+    @property
+    def verdict(self) -> str:
+        return "FAIL" if self.rejected else "PASS" if self.conclusive else "INCONCLUSIVE"
+
+    def needed_note(self, samples: str, where: str = "") -> str:
+        """'; about SAMPLES would detect TV TARGET_TV with power P WHERE' when samples_needed is known, else ''."""
+        if not self.samples_needed:
+            return ""
+        return f"; about {samples} would detect TV {TARGET_TV} with power {self.power}{where}"
+
+    def json_with_verdict(self) -> dict:
+        return asdict(self) | {"verdict": self.verdict}
+
+
 @dataclass
-class KernelReport:
+class KernelReport(Verdict):
     sampler: str
     level: float
     power: float
@@ -308,22 +328,9 @@ class KernelReport:
     samples_needed: int | None = None  # INCONCLUSIVE: samples per case to detect TARGET_TV in every case
 
     @property
-    def rejected(self) -> bool:
-        """An error or a rejected test: the sampler is shown not to reproduce the target (FAIL)."""
-        return bool(self.errors) or any(t.holm_pvalue < self.level for t in self.tests)
-
-    @property
     def conclusive(self) -> bool:
         """Every case's first-position law is tested with power (a deviation below TV 1 is detectable)."""
         return has_power(self.headline_tv())
-
-    @property
-    def passed(self) -> bool:
-        return not self.rejected and self.conclusive
-
-    @property
-    def verdict(self) -> str:
-        return "FAIL" if self.rejected else "PASS" if self.conclusive else "INCONCLUSIVE"
 
     @property
     def failing(self) -> list[TestRow]:
@@ -345,22 +352,14 @@ class KernelReport:
                 f"(power {self.power}, every case)"
             )
         weak = sorted(t.case for t in self.tests if is_first_position(t.test) and not has_power(t.detectable_tv))
-        need = (
-            f"; about {self.samples_needed} samples per case would detect TV {TARGET_TV} with power "
-            f"{self.power} in every case"
-            if self.samples_needed
-            else ""
-        )
+        need = self.needed_note(f"{self.samples_needed} samples per case", " in every case")
         return (
             f"INCONCLUSIVE: with {self.samples_per_case} samples per case the first-position test of "
             f"{', '.join(weak) or 'some case'} has no power (it cannot detect any deviation){need}"
         )
 
     def to_json(self) -> dict:
-        d = asdict(self)
-        d["verdict"] = self.verdict
-        d["headline_detectable_tv"] = self.headline_tv()
-        return d
+        return self.json_with_verdict() | {"headline_detectable_tv": self.headline_tv()}
 
     def to_markdown(self) -> str:
         lines = [
@@ -395,6 +394,13 @@ class KernelReport:
         return "\n".join(lines) + "\n"
 
 
+def samples_needed(laws: Sequence[tuple[np.ndarray, float]], samples: int, per_test: float, power: float) -> int | None:
+    """The sample size (in the unit of `samples`) at which every test of `laws` — (law, the n it is tested at now,
+    with `samples`) — detects TARGET_TV with `power` at level per_test; None when some never would."""
+    needed = [samples_to_detect(law, TARGET_TV, per_test, power) * samples / max(n, 1) for law, n in laws]
+    return math.ceil(max(needed)) if needed and all(map(math.isfinite, needed)) else None
+
+
 def assess(
     rows: list[TestRow], laws: list[tuple[np.ndarray, float]], samples: int, level: float, power: float
 ) -> int | None:
@@ -408,8 +414,93 @@ def assess(
     first = [(r, law, n_law) for r, (law, n_law) in zip(rows, laws) if is_first_position(r.test)]
     if all(has_power(r.detectable_tv) for r, _, _ in first):
         return None
-    needed = [samples_to_detect(law, TARGET_TV, per_test, power) * samples / max(n_law, 1) for _, law, n_law in first]
-    return math.ceil(max(needed)) if needed and all(map(math.isfinite, needed)) else None
+    return samples_needed([(law, n_law) for _, law, n_law in first], samples, per_test, power)
+
+
+class CaseError(Exception):
+    """The sampler crashed on a valid case or broke the structure of a step (fails the certificate, with why)."""
+
+    @classmethod
+    def raised(cls, e: Exception) -> CaseError:
+        return cls(f"the sampler raised {type(e).__name__}: {e}")
+
+
+# A case's tests: (test, n, statistic, dof, p-value, impossible, the law for the detectable effect, its n)
+CaseTests = list[tuple[str, int, float, int, float, int, np.ndarray, float]]
+CaseRunner = Callable[[Sampler, object, int, int], CaseTests]  # (sampler, case, samples, seed) -> its tests
+
+
+def run_battery(
+    sampler: Sampler,
+    cases: Sequence,
+    run: CaseRunner,
+    describe: Callable[[object], dict],
+    seed_stride: int,
+    samples: int,
+    level: float,
+    power: float,
+    seed: int,
+    name: str | None,
+    progress: Callable[[str], None] | None,
+) -> KernelReport:
+    """A kernel certificate: run(sampler, case, samples, seed + seed_stride * i) tests case i (a CaseError fails
+    it, with the reason); the tests are Holm-corrected and sized (assess). describe(case): the case's k, vocab,
+    ragged and description in the report."""
+    if not 0 < level < 1:
+        raise ValueError(f"level must lie in (0, 1), got {level}")
+    if not 0 < power < 1:
+        raise ValueError(f"power must lie in (0, 1), got {power}")
+    if samples < 100:
+        raise ValueError(f"samples must be >= 100 per case, got {samples}")
+    t0 = time.perf_counter()
+    found, laws = _run_cases(sampler, cases, run, describe, seed_stride, samples, seed, progress)
+    needed = assess(found["tests"], laws, samples, level, power)
+    return KernelReport(
+        sampler=name or _name(sampler),
+        level=level,
+        power=power,
+        samples_per_case=samples,
+        seed=seed,
+        **found,
+        seconds=time.perf_counter() - t0,
+        samples_needed=needed,
+    )
+
+
+def _run_cases(sampler, cases, run: CaseRunner, describe, seed_stride: int, samples: int, seed: int, progress):
+    """The report's cases, tests and errors (as KernelReport's fields), and each test's (law, n_law)."""
+    found: dict[str, list] = dict(cases=[], tests=[], errors=[])
+    laws: list[tuple[np.ndarray, float]] = []
+    for i, case in enumerate(cases):
+        if progress:
+            progress(case.name)
+        t1 = time.perf_counter()
+        try:
+            tests = run(sampler, case, samples, seed + seed_stride * i)
+        except CaseError as e:
+            found["errors"].append(f"{case.name}: {e}")
+            continue
+        for test, n, stat, dof, pv, imp, law, n_law in tests:
+            found["tests"].append(TestRow(case.name, test, n, stat, dof, pv, imp, 0.0))
+            laws.append((law, n_law))
+        found["cases"].append(dict(name=case.name, **describe(case), seconds=time.perf_counter() - t1))
+    return found, laws
+
+
+def _chain_tests(sampler: Sampler, case: KernelCase, samples: int, seed: int) -> CaseTests:
+    """Draw the case's steps (run_case) and test them (position_tests)."""
+    try:
+        tok, na, nd = run_case(sampler, case, samples, seed=seed)
+    except StructureError as e:
+        raise CaseError(str(e)) from None
+    except Exception as e:  # a sampler that crashes on a valid case fails the certificate, with the reason
+        raise CaseError.raised(e) from None
+    tests = position_tests(case, tok, na, nd).items()
+    return [(test, r.n, r.statistic, r.dof, r.pvalue, r.impossible, law, r.n) for test, (r, law) in tests]
+
+
+def _describe_chain(case: KernelCase) -> dict:
+    return dict(k=case.k, vocab=case.vocab, ragged=case.ragged, description=case.description)
 
 
 def certify_kernel(
@@ -424,56 +515,8 @@ def certify_kernel(
     progress: Callable[[str], None] | None = None,
 ) -> KernelReport:
     """Run the battery on `sampler` and return the report (verdict, every test, detectable effects)."""
-    if not 0 < level < 1:
-        raise ValueError(f"level must lie in (0, 1), got {level}")
-    if not 0 < power < 1:
-        raise ValueError(f"power must lie in (0, 1), got {power}")
-    if samples < 100:
-        raise ValueError(f"samples must be >= 100 per case, got {samples}")
     cases = list(default_cases() if cases is None else cases)
-    t0 = time.perf_counter()
-    rows: list[TestRow] = []
-    laws: list[tuple[np.ndarray, float]] = []
-    errors: list[str] = []
-    meta = []
-    for i, case in enumerate(cases):
-        if progress:
-            progress(case.name)
-        t1 = time.perf_counter()
-        try:
-            tok, na, nd = run_case(sampler, case, samples, seed=seed + 1000 * i)
-        except StructureError as e:
-            errors.append(f"{case.name}: {e}")
-            continue
-        except Exception as e:  # a sampler that crashes on a valid case fails the certificate, with the reason
-            errors.append(f"{case.name}: the sampler raised {type(e).__name__}: {e}")
-            continue
-        for test, (res, law) in position_tests(case, tok, na, nd).items():
-            rows.append(TestRow(case.name, test, res.n, res.statistic, res.dof, res.pvalue, res.impossible, 0.0))
-            laws.append((law, res.n))
-        meta.append(
-            dict(
-                name=case.name,
-                k=case.k,
-                vocab=case.vocab,
-                ragged=case.ragged,
-                description=case.description,
-                seconds=time.perf_counter() - t1,
-            )
-        )
-    needed = assess(rows, laws, samples, level, power)
-    return KernelReport(
-        sampler=name or _name(sampler),
-        level=level,
-        power=power,
-        samples_per_case=samples,
-        seed=seed,
-        cases=meta,
-        tests=rows,
-        errors=errors,
-        seconds=time.perf_counter() - t0,
-        samples_needed=needed,
-    )
+    return run_battery(sampler, cases, _chain_tests, _describe_chain, 1000, samples, level, power, seed, name, progress)
 
 
 def _name(fn) -> str:

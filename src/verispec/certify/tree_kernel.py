@@ -25,7 +25,6 @@ torch's global generator (seeded by the certifier).
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -35,7 +34,7 @@ from scipy import stats as sps
 from torch import Tensor
 
 from ..sampling.tree import TREE_RULES, VERIFY_RULES, verify_tree
-from .kernel import DEFAULT_LEVEL, POWER, KernelReport, TestRow, _name, assess
+from .kernel import DEFAULT_LEVEL, POWER, CaseError, CaseTests, KernelReport, normalised, run_battery
 from .stats import chisquare_gof
 
 __all__ = [
@@ -166,7 +165,7 @@ def default_tree_cases(vocab: int = 6, seed: int = 0) -> list[TreeCase]:
         p, q = model(2, 2.0), model(2, 2.0)
         cases.append(TreeCase(f"{draw}-4-1", (4, 1), draw, p, q, description="p, q independent"))
         p = model(2, 1.5)
-        q = (1 / p) / (1 / p).sum(-1, keepdim=True)
+        q = normalised(1 / p)
         cases.append(
             TreeCase(
                 f"{draw}-2-2-ragged-adversarial",
@@ -180,7 +179,7 @@ def default_tree_cases(vocab: int = 6, seed: int = 0) -> list[TreeCase]:
         )
     p = model(2, 1.5)
     p[:, :2] = 0
-    p = p / p.sum(-1, keepdim=True)
+    p = normalised(p)
     q = model(2, 1.5)
     cases.append(TreeCase("iid-3-2-sparse", (3, 2), "iid", p, q, description="p = 0 on two tokens q likes"))
     return cases + _mixed_cases(g, model)
@@ -210,10 +209,10 @@ def _mixed_cases(g: torch.Generator, model: Callable[[int, float], Tensor]) -> l
     q2, rank2 = noisy(p2), table(p2)
     p3, q3 = model(2, 2.0), model(2, 2.0)
     p4 = model(2, 1.5)
-    q4, rank4 = (1 / p4) / (1 / p4).sum(-1, keepdim=True), table(p4)
+    q4, rank4 = normalised(1 / p4), table(p4)
     p5 = model(2, 1.5)
     p5[:, :2] = 0
-    p5 = p5 / p5.sum(-1, keepdim=True)
+    p5 = normalised(p5)
     reverse = "the reverse order: 2 chosen branches (a fixed ranking) before a sampled chain"
     interleaved = "interleaved; chosen by a fixed ranking; q proportional to 1 / p; ragged rows"
     return [
@@ -254,19 +253,26 @@ def draft_trees(case: TreeCase, rows: int, generator: torch.Generator) -> dict[s
                 ctxs.append(_ctx_child(ctx, kids[:, i], V))
                 nxt.append((len(tokens) - 1, ctxs[-1]))
         frontier = nxt
-    N = len(tokens)
-    ids = torch.stack(tokens, 1)  # [rows, N]
-    par = torch.stack(parents, 1)  # [rows, N]
     slot_ctx = torch.cat([torch.zeros(rows, 1, dtype=torch.int64), torch.stack(ctxs, 1)], 1)  # [rows, N + 1]
+    return _tree_inputs(case, generator, torch.stack(tokens, 1), torch.stack(parents, 1), slot_ctx, slot_ctx)
+
+
+def _tree_inputs(
+    case: TreeCase, generator: torch.Generator, ids: Tensor, parents: Tensor, slot_ctx: Tensor, q_ctx: Tensor, **extra
+) -> dict[str, Tensor]:
+    """The sampler's arguments for drafted trees (ids, parents [rows, N]): p at every slot's context (slot_ctx
+    [rows, N + 1]), q at the contexts q_ctx, and N nodes per row (ragged: a random prefix of them)."""
+    rows, N = ids.shape
     num_nodes = torch.full((rows,), N, dtype=torch.int64)
     if case.ragged:
         num_nodes = torch.randint(0, N + 1, (rows,), generator=generator)
     return dict(
         target_probs=case.p[slot_ctx],
         draft_token_ids=ids,
-        parents=par,
-        draft_probs=case.q[slot_ctx],
+        parents=parents,
+        draft_probs=case.q[q_ctx],
         num_nodes=num_nodes,
+        **extra,
     )
 
 
@@ -291,17 +297,9 @@ def _draft_mixed(case: TreeCase, rows: int, generator: torch.Generator) -> dict[
         slot_ctx[:, n + 1] = _ctx_child(ctx, x, V)
     # CombinedProposer's layout gives q only for the first S slots, the parents of sampled nodes
     S = max(p + 1 for p, s in zip(parents, kinds) if s) + 1 if case.sampled_first else N + 1
-    num_nodes = torch.full((rows,), N, dtype=torch.int64)
-    if case.ragged:
-        num_nodes = torch.randint(0, N + 1, (rows,), generator=generator)
-    return dict(
-        target_probs=case.p[slot_ctx],
-        draft_token_ids=ids,
-        parents=torch.tensor(parents, dtype=torch.int64).expand(rows, N).contiguous(),
-        draft_probs=case.q[slot_ctx[:, :S]],
-        num_nodes=num_nodes,
-        sampled=torch.tensor(kinds, dtype=torch.bool).expand(rows, N).contiguous(),
-    )
+    par = torch.tensor(parents, dtype=torch.int64).expand(rows, N).contiguous()
+    sampled = torch.tensor(kinds, dtype=torch.bool).expand(rows, N).contiguous()
+    return _tree_inputs(case, generator, ids, par, slot_ctx, slot_ctx[:, :S], sampled=sampled)
 
 
 def _complete(case: TreeCase, tok: Tensor, na: Tensor, generator: torch.Generator) -> tuple[Tensor, Tensor]:
@@ -382,57 +380,16 @@ def certify_tree_kernel(
     unknown = [r for r in rules if r not in VERIFY_RULES]
     if unknown:
         raise ValueError(f"unknown tree rule(s) {unknown}; known: {', '.join(VERIFY_RULES)}")
-    if not 0 < level < 1 or not 0 < power < 1:
-        raise ValueError("level and power must lie in (0, 1)")
-    if samples < 100:
-        raise ValueError(f"samples must be >= 100 per case, got {samples}")
     cases = [c for c in (default_tree_cases() if cases is None else cases) if c.draw in rules]
-    t0 = time.perf_counter()
-    rows: list[TestRow] = []
-    laws: list[tuple[np.ndarray, int]] = []
-    errors, meta = [], []
-    for i, case in enumerate(cases):
-        if progress:
-            progress(case.name)
-        t1 = time.perf_counter()
-        try:
-            tests = _run_case(sampler, case, samples, seed + 7919 * i)
-        except _CaseError as e:
-            errors.append(f"{case.name}: {e}")
-            continue
-        for test, n, stat, dof, pv, imp, law, n_law in tests:
-            rows.append(TestRow(case.name, test, n, stat, dof, pv, imp, 0.0))
-            laws.append((law, n_law))
-        meta.append(
-            dict(
-                name=case.name,
-                k=case.num_nodes,
-                vocab=case.vocab,
-                ragged=case.ragged,
-                description=f"{case.shape} tree, children drawn {case.draw}; {case.description}",
-                seconds=time.perf_counter() - t1,
-            )
-        )
-    needed = assess(rows, laws, samples, level, power)
-    return KernelReport(
-        sampler=name or _name(sampler),
-        level=level,
-        power=power,
-        samples_per_case=samples,
-        seed=seed,
-        cases=meta,
-        tests=rows,
-        errors=errors,
-        seconds=time.perf_counter() - t0,
-        samples_needed=needed,
-    )
+    return run_battery(sampler, cases, _run_case, _describe, 7919, samples, level, power, seed, name, progress)
 
 
-class _CaseError(Exception):
-    """The sampler crashed or broke the structure of a tree step on a valid case (fails the certificate)."""
+def _describe(case: TreeCase) -> dict:
+    description = f"{case.shape} tree, children drawn {case.draw}; {case.description}"
+    return dict(k=case.num_nodes, vocab=case.vocab, ragged=case.ragged, description=description)
 
 
-def _run_case(sampler: Callable, case: TreeCase, samples: int, seed: int):
+def _run_case(sampler: Callable, case: TreeCase, samples: int, seed: int) -> CaseTests:
     """Draft `samples` trees, verify them with `sampler`, complete the sequences and test them (see _tests)."""
     g = torch.Generator().manual_seed(seed)
     tree = draft_trees(case, samples, g)
@@ -443,9 +400,9 @@ def _run_case(sampler: Callable, case: TreeCase, samples: int, seed: int):
         tok, na = tok.cpu().long(), na.cpu().long()
         bad = _structure_error(tree, tok, na)
     except Exception as e:  # a crash on a valid case fails the certificate, with the reason
-        raise _CaseError(f"the sampler raised {type(e).__name__}: {e}") from None
+        raise CaseError.raised(e) from None
     if bad:
-        raise _CaseError(bad)
+        raise CaseError(bad)
     seq, emitted = _complete(case, tok, na, g)
     return _tests(case, seq, emitted)
 

@@ -7,12 +7,13 @@ import sys
 
 from .options import (
     UsageError,
+    add_bench_inputs,
     add_bench_model_args,
-    add_counts,
-    add_seed_arg,
+    bench_model_options,
     gamma_type,
     load,
     model_errors,
+    pick,
     read_bench_prompts,
     write_bench_report,
 )
@@ -39,17 +40,10 @@ def _temperatures(text: str) -> tuple[float, ...]:
 
 def add_parser(sub) -> None:
     p = sub.add_parser("e2e", help="end-to-end tokens/s: verispec (plain, draft, ngram) vs HF generate")
-    p.add_argument("--target", help="target model (default: the built-in default model)")
-    p.add_argument("--draft", help="draft model for verispec-draft and hf-assisted (omit: those are skipped)")
-    p.add_argument(
-        "--prompts",
-        nargs="+",
-        action="extend",
-        required=True,
-        help="JSONL prompt files ({'prompt', 'category'}; repeatable)",
-    )
-    add_counts(
+    add_bench_inputs(
         p,
+        "target model (default: the built-in default model)",
+        "draft model for verispec-draft and hf-assisted (omit: those are skipped)",
         ("--num-prompts", 1, 2, "prompts per category at batch 1 (default %(default)s)"),
         ("--batch", 1, 4, "batch size of the batched verispec runs (default %(default)s)"),
         ("--max-new-tokens", 1, 64, "default %(default)s"),
@@ -57,7 +51,6 @@ def add_parser(sub) -> None:
     p.add_argument("--temperatures", type=_temperatures, default="0,1", help="comma-separated (default 0,1)")
     p.add_argument("--gamma", type=gamma_type(), default=4, help="drafts per step for verispec, or auto (default 4)")
     p.add_argument("--methods", help=METHODS_HELP)
-    add_seed_arg(p)
     add_bench_model_args(
         p,
         "e2e",
@@ -84,19 +77,8 @@ def _config(args: argparse.Namespace):
             e2e.check_method(m)
     except ValueError as e:
         raise UsageError(f"--methods: {e}") from None
-    return e2e.E2EConfig(
-        max_new_tokens=args.max_new_tokens,
-        temperatures=args.temperatures,
-        num_prompts=args.num_prompts,
-        batch=args.batch,
-        gamma=args.gamma,
-        seed=args.seed,
-        chat=not args.no_chat,
-        methods=methods,
-        runner=args.runner,
-        draft_quant=args.draft_quant,
-        self_quant=args.self_quant,
-    )
+    options = pick(args, "max_new_tokens", "temperatures", "num_prompts", "batch", "gamma")
+    return e2e.E2EConfig(**options, methods=methods, **bench_model_options(args))
 
 
 def run(args: argparse.Namespace) -> int:

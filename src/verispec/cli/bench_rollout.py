@@ -8,11 +8,12 @@ import sys
 
 from .options import (
     UsageError,
+    add_bench_inputs,
     add_bench_model_args,
-    add_counts,
-    add_seed_arg,
+    bench_model_options,
     load,
     model_errors,
+    pick,
     read_bench_prompts,
     write_bench_report,
 )
@@ -33,17 +34,10 @@ def add_parser(sub) -> None:
 
     d = RolloutBenchConfig()
     p = sub.add_parser("rollout", help="RL rollout tokens/s: groups of samples over epochs with weight updates")
-    p.add_argument("--target", help="the policy (default: the built-in default model)")
-    p.add_argument("--draft", help="draft model for the draft and history+draft methods")
-    p.add_argument(
-        "--prompts",
-        nargs="+",
-        action="extend",
-        required=True,
-        help="JSONL prompt files ({'prompt', 'category'}; repeatable)",
-    )
-    add_counts(
+    add_bench_inputs(
         p,
+        "the policy (default: the built-in default model)",
+        "draft model for the draft and history+draft methods",
         ("--group", 1, d.group, "samples per prompt, G (default %(default)s)"),
         ("--num-prompts", 1, d.num_prompts, "prompts per category (default %(default)s)"),
         ("--max-new-tokens", 1, d.max_new_tokens, "per sample (default %(default)s)"),
@@ -59,7 +53,6 @@ def add_parser(sub) -> None:
         default=d.history_tree,
         help="history trie per row: dynamic-DEPTH-CHILDREN-NODES (default %(default)s)",
     )
-    add_seed_arg(p)
     add_bench_model_args(
         p,
         "rollout",
@@ -77,21 +70,8 @@ def run(args: argparse.Namespace) -> int:
     if args.draft is None and any(rollout.METHODS[m][0] == "model" for m in args.methods):
         raise UsageError("methods draft and history+draft need --draft PATH")
     try:
-        cfg = rollout.RolloutBenchConfig(
-            group=args.group,
-            num_prompts=args.num_prompts,
-            max_new_tokens=args.max_new_tokens,
-            epochs=args.epochs,
-            noise=args.noise,
-            gamma=args.gamma,
-            seed=args.seed,
-            chat=not args.no_chat,
-            runner=args.runner,
-            draft_quant=args.draft_quant,
-            self_quant=args.self_quant,
-            history_tree=args.history_tree,
-            methods=args.methods,
-        )
+        options = pick(args, "group", "num_prompts", "max_new_tokens", "epochs", "noise", "gamma", "history_tree")
+        cfg = rollout.RolloutBenchConfig(**options, methods=args.methods, **bench_model_options(args))
     except ValueError as e:
         raise UsageError(str(e)) from None
     prompts = read_bench_prompts(args.prompts)

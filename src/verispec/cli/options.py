@@ -361,11 +361,34 @@ def write_bench_report(out: str, name: str, result: dict, markdown: str, plot) -
     print("wrote " + ", ".join(map(str, files)))
 
 
+def add_bench_inputs(
+    p: argparse.ArgumentParser, target_help: str, draft_help: str, *counts: tuple[str, int, int | None, str]
+) -> None:
+    """What a model benchmark runs on: --target, --draft, the --prompts files, then its integer options (add_counts)."""
+    p.add_argument("--target", help=target_help)
+    p.add_argument("--draft", help=draft_help)
+    p.add_argument(
+        "--prompts",
+        nargs="+",
+        action="extend",
+        required=True,
+        help="JSONL prompt files ({'prompt', 'category'}; repeatable)",
+    )
+    add_counts(p, *counts)
+
+
 def add_bench_model_args(p: argparse.ArgumentParser, name: str, draft_quant_help: str, self_quant_help: str) -> None:
-    """The options a model benchmark shares: chat template, runner, draft / self-draft quantization, device, --out."""
+    """The options a model benchmark shares: seed, chat template, runner, draft / self-draft quantization, device,
+    --out."""
+    add_seed_arg(p)
     p.add_argument("--no-chat", action="store_true", help="feed prompts raw instead of through the chat template")
     add_runner_arg(p, "verispec's model forward (default auto)")
     add_quant_arg(p, "--draft-quant", draft_quant_help)
     add_quant_arg(p, "--self-quant", self_quant_help, default="int4")
     add_device_args(p)
     p.add_argument("--out", default=f"bench-{name}", help=f"folder for {name}.json, {name}.md and {name}.png")
+
+
+def bench_model_options(args: argparse.Namespace) -> dict:
+    """The benchmark config fields that add_bench_model_args' options give (seed, chat, runner, quantizations)."""
+    return pick(args, "seed", "runner", "draft_quant", "self_quant") | {"chat": not args.no_chat}

@@ -22,6 +22,7 @@ distribution and show that the certificate catches them. The engine never uses t
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 
@@ -41,16 +42,54 @@ __all__ = [
 ]
 
 
-def _verify(target_probs, draft_token_ids, draft_probs, num_draft_tokens, generators, accept_fn, residual_fn):
-    B, k, V, ids, nd = _normalise_args(target_probs, draft_token_ids, draft_probs, num_draft_tokens)
-    dev = target_probs.device
-    accept_u, final_u = draw_uniforms(nd, k, generators, dev)
-    p = target_probs.double()  # [B, k + 1, V]
-    q = (
+def draft_q(draft_probs: Tensor | None, ids: Tensor, V: int) -> Tensor:
+    """q [B, k, V] in float64: draft_probs, or one-hot at the draft ids for one-hot drafts (None)."""
+    return (
         draft_probs.double()
         if draft_probs is not None
         else torch.nn.functional.one_hot(ids.clamp(0, V - 1), V).double()
     )
+
+
+def finish_chain(ids: Tensor, na: Tensor, w: Tensor, p_row: Tensor, final_u: Tensor) -> ChainVerifyOutput:
+    """A chain step's output: the na accepted drafts, then a token drawn with final_u from the weights w [B, V]
+    (p_row where w has no mass), then -1."""
+    B, k = ids.shape
+    w = torch.where(w.sum(1, keepdim=True) > 0, w, p_row)
+    final = sample_from_weights(w, final_u)
+    tok = torch.where(torch.arange(k, device=ids.device) < na.unsqueeze(1), ids, -1)
+    tok = torch.cat([tok, torch.full((B, 1), -1, dtype=torch.int64, device=ids.device)], 1)
+    tok.scatter_(1, na.unsqueeze(1), final.unsqueeze(1))
+    return ChainVerifyOutput(token_ids=tok, num_accepted=na)
+
+
+def chain_interface(name: str, impl, owner):
+    """impl(target_probs, draft_token_ids, draft_probs, num_draft_tokens, generators) -> ChainVerifyOutput as a
+    function with verify_chain's interface (its `check` is accepted and ignored), named `name`; reports label it
+    as a closure of `owner`, the factory that builds it."""
+
+    def verify(
+        target_probs: Tensor,
+        draft_token_ids: Tensor,
+        draft_probs: Tensor | None = None,
+        num_draft_tokens: Tensor | None = None,
+        generators: Sequence[torch.Generator | None] | None = None,
+        *,
+        check: bool = True,
+    ) -> ChainVerifyOutput:
+        return impl(target_probs, draft_token_ids, draft_probs, num_draft_tokens, generators)
+
+    verify.__name__ = name
+    verify.__module__, verify.__qualname__ = owner.__module__, f"{owner.__qualname__}.<locals>.verify"
+    return verify
+
+
+def _verify(accept_fn, residual_fn, target_probs, draft_token_ids, draft_probs, num_draft_tokens, generators):
+    B, k, V, ids, nd = _normalise_args(target_probs, draft_token_ids, draft_probs, num_draft_tokens)
+    dev = target_probs.device
+    accept_u, final_u = draw_uniforms(nd, k, generators, dev)
+    p = target_probs.double()  # [B, k + 1, V]
+    q = draft_q(draft_probs, ids, V)
     safe = ids.clamp(0, V - 1).unsqueeze(-1)
     accept = accept_fn(accept_u, p[:, :k], q, safe) & (torch.arange(k, device=dev) < nd.unsqueeze(1))
     na = accept.long().cumprod(1).sum(1)
@@ -62,31 +101,13 @@ def _verify(target_probs, draft_token_ids, draft_probs, num_draft_tokens, genera
         w = torch.where(rejected.unsqueeze(1), residual_fn(p_row, q_row), p_row)
     else:
         w = p_row
-    w = torch.where(w.sum(1, keepdim=True) > 0, w, p_row)
-    final = sample_from_weights(w, final_u)
-    tok = torch.where(torch.arange(k, device=dev) < na.unsqueeze(1), ids, -1)
-    tok = torch.cat([tok, torch.full((B, 1), -1, dtype=torch.int64, device=dev)], 1)
-    tok.scatter_(1, na.unsqueeze(1), final.unsqueeze(1))
-    return ChainVerifyOutput(token_ids=tok, num_accepted=na)
+    return finish_chain(ids, na, w, p_row, final_u)
 
 
 def _chain_verifier(name: str, accept_fn, residual_fn):
     """A function with verify_chain's interface that accepts with accept_fn(u, p, q, ids) and, at the first
     rejection, draws from residual_fn(p, q) (normalised)."""
-
-    def verify(
-        target_probs: Tensor,
-        draft_token_ids: Tensor,
-        draft_probs: Tensor | None = None,
-        num_draft_tokens: Tensor | None = None,
-        generators: Sequence[torch.Generator | None] | None = None,
-        *,
-        check: bool = True,
-    ) -> ChainVerifyOutput:
-        return _verify(target_probs, draft_token_ids, draft_probs, num_draft_tokens, generators, accept_fn, residual_fn)
-
-    verify.__name__ = name
-    return verify
+    return chain_interface(name, functools.partial(_verify, accept_fn, residual_fn), _chain_verifier)
 
 
 def lenient_verifier(lenience: float):
