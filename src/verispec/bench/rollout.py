@@ -64,6 +64,8 @@ class RolloutBenchConfig:
         spec = TreeSpec.parse(self.history_tree)
         if not spec.dynamic:
             raise ValueError(f"history_tree must be dynamic-D-K-M, got {self.history_tree!r}")
+        if not 0.0 <= self.history_min_share <= 1.0:
+            raise ValueError(f"history_min_share must be in [0, 1], got {self.history_min_share}")
         unknown = [m for m in self.methods if m not in METHODS]
         if unknown:
             raise ValueError(f"unknown rollout method(s) {', '.join(unknown)}; choose from {', '.join(METHODS)}")

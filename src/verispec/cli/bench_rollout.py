@@ -53,6 +53,12 @@ def add_parser(sub) -> None:
         default=d.history_tree,
         help="history trie per row: dynamic-DEPTH-CHILDREN-NODES (default %(default)s)",
     )
+    p.add_argument(
+        "--history-min-share",
+        type=float,
+        default=d.history_min_share,
+        help="least share of the matched continuations a history trie node needs (default %(default)s)",
+    )
     add_bench_model_args(
         p,
         "rollout",
@@ -70,7 +76,17 @@ def run(args: argparse.Namespace) -> int:
     if args.draft is None and any(rollout.METHODS[m][0] == "model" for m in args.methods):
         raise UsageError("methods draft and history+draft need --draft PATH")
     try:
-        options = pick(args, "group", "num_prompts", "max_new_tokens", "epochs", "noise", "gamma", "history_tree")
+        options = pick(
+            args,
+            "group",
+            "num_prompts",
+            "max_new_tokens",
+            "epochs",
+            "noise",
+            "gamma",
+            "history_tree",
+            "history_min_share",
+        )
         cfg = rollout.RolloutBenchConfig(**options, methods=args.methods, **bench_model_options(args))
     except ValueError as e:
         raise UsageError(str(e)) from None
