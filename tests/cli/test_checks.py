@@ -202,3 +202,27 @@ def test_the_draft_is_described_as_the_user_named_it():
     assert label("ngram") == "ngram" and label("none") == "none"
     assert label("models/draft", "int8") == "models/draft(int8)"
     assert label("ngram", tree=TreeSpec.parse("2-1")) == "ngram, tree=2-1 (deterministic)"
+
+
+@pytest.mark.parametrize("command", [["bench", "e2e"], ["bench", "rollout"], ["certify", "generate"]])
+def test_repeated_prompts_flags_add_up(command):
+    """`--prompts a --prompts b c` reads all three files (a second --prompts used to replace the first)."""
+    from verispec.cli import build_parser
+
+    args = build_parser().parse_args([*command, "--prompts", "a.jsonl", "--prompts", "b.jsonl", "c.jsonl"])
+    assert args.prompts == ["a.jsonl", "b.jsonl", "c.jsonl"]
+
+
+@pytest.mark.parametrize(
+    "extra,pattern",
+    [
+        (["--history-min-share", "2"], "history_min_share must be in"),
+        (["--noise", "-1"], "--noise must be in"),
+        (["--methods", "history,nope"], "--methods: choose from"),
+        (["--history-tree", "2-2"], "history_tree must be dynamic"),
+        (["--methods", "draft"], "need --draft PATH"),
+    ],
+)
+def test_bench_rollout_options_are_checked_before_loading(extra, pattern, capsys):
+    argv = ["bench", "rollout", "--prompts", "p.jsonl", "--methods", "plain,history", *extra]  # the last --methods wins
+    assert re.search(pattern, usage_error(argv, capsys))
