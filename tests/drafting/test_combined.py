@@ -160,3 +160,22 @@ def test_bad_arguments_are_refused(tiny_draft):
     # the KV slots and nodes a step can use: the trie plus the chain
     spec = CombinedProposer(chooser, sampler, 4).tree
     assert (spec.dynamic, spec.max_depth, spec.topk, spec.max_nodes) == (True, 4, 3, TRIE.max_nodes + 4)
+
+
+def test_choose_depth_gives_each_row_one_part(tiny_draft):
+    """With choose_depth, a row whose trie is deep enough is drafted by the trie alone (no draft-model work, no
+    randomness consumed), the others by the chain alone; both kinds share one "mixed" draft."""
+    chooser, sampler, _ = _parts(tiny_draft.model)
+    combined = CombinedProposer(chooser, sampler, 3, choose_depth=2)
+    combined.start(_view(PROMPTS), 64)
+    branches = HistoryProposer(chooser.history, ngram_sizes=(2, 1), tree=TRIE)
+    branches.start(_view(PROMPTS), 64)
+    depths = branches.propose(_view(SEQS), CAPS).depth
+    view = _view(SEQS)
+    draft = combined.propose(view, CAPS)
+    for b, d in enumerate(depths):
+        flags = draft.sampled[b, : draft.num_nodes[b]].tolist()
+        assert flags and (all(not f for f in flags) if d >= 2 else all(flags)), (b, d, flags)
+    assert any(d >= 2 for d in depths) and any(d < 2 for d in depths)
+    with pytest.raises(ValueError, match="choose_depth"):
+        CombinedProposer(chooser, sampler, 3, choose_depth="deep")

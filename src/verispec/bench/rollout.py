@@ -14,6 +14,8 @@ Methods (one engine each, all over the same target object; they keep their histo
     history         suffix decoding over the group's siblings and earlier epochs' rollouts (exact trie)
     history+self    history branches beside a sampled self-draft chain in one tree (rule "mixed")
     history+draft   history branches beside a sampled draft-model chain
+    history|self    per row and step, the history trie alone where it is at least `choose_depth` deep, else the
+    history|draft   self-draft's / draft model's chain alone
 Reported per method, epoch and category: rollout tokens/s, the ratio to plain (same epoch and category), tau
 (tokens per target pass), accepted tokens per draft source, and the update and re-quantization times.
 """
@@ -32,13 +34,15 @@ from ..sampling import SamplingParams
 
 __all__ = ["METHODS", "RolloutBenchConfig", "perturbed", "plot", "run_rollout_bench", "to_markdown"]
 
-METHODS = {  # name -> (draft: None / "self" / "model", history)
-    "plain": (None, False),
-    "draft": ("model", False),
-    "self": ("self", False),
-    "history": (None, True),
-    "history+self": ("self", True),
-    "history+draft": ("model", True),
+METHODS = {  # name -> (draft: None / "self" / "model", history, one part per row: CombinedProposer's choose_depth)
+    "plain": (None, False, False),
+    "draft": ("model", False, False),
+    "self": ("self", False, False),
+    "history": (None, True, False),
+    "history+self": ("self", True, False),
+    "history+draft": ("model", True, False),
+    "history|self": ("self", True, True),
+    "history|draft": ("model", True, True),
 }
 
 
@@ -58,6 +62,7 @@ class RolloutBenchConfig:
     self_quant: str = "int4"  # of the self-draft
     history_tree: str = "dynamic-8-3-16"  # the history trie's shape: depth, children per node, node budget per row
     history_min_share: float = 0.0  # a trie node needs this share of the matched continuations
+    choose_depth: int = 3  # history|draft, history|self: the trie alone where it is this deep, else the chain
     methods: tuple[str, ...] = ("plain", "draft", "self", "history", "history+self")
 
     def __post_init__(self):
@@ -85,7 +90,7 @@ def perturbed(model: torch.nn.Module, noise: float, seed: int) -> list[tuple[str
 
 
 def _engine(method: str, target: LoadedModel, draft: LoadedModel | None, cfg: RolloutBenchConfig) -> RolloutEngine:
-    which, history = METHODS[method]
+    which, history, pick = METHODS[method]
     if which == "model" and draft is None:
         raise ValueError(f"method {method!r} needs --draft")
     model = draft if which == "model" else which
@@ -97,6 +102,7 @@ def _engine(method: str, target: LoadedModel, draft: LoadedModel | None, cfg: Ro
         history=history,
         history_tree=TreeSpec.parse(cfg.history_tree),
         history_min_share=cfg.history_min_share,
+        choose_depth=cfg.choose_depth if pick else None,
         gamma=cfg.gamma,
         max_batch_size=cfg.group * cfg.num_prompts,
         runner=cfg.runner,

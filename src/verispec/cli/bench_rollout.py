@@ -59,6 +59,12 @@ def add_parser(sub) -> None:
         default=d.history_min_share,
         help="least share of the matched continuations a history trie node needs (default %(default)s)",
     )
+    p.add_argument(
+        "--choose-depth",
+        type=int,
+        default=d.choose_depth,
+        help="history|draft, history|self: the trie alone where it is this deep, else the chain (default %(default)s)",
+    )
     add_bench_model_args(
         p,
         "rollout",
@@ -74,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
     if not (0 <= args.noise < 1):
         raise UsageError(f"--noise must be in [0, 1), got {args.noise}")
     if args.draft is None and any(rollout.METHODS[m][0] == "model" for m in args.methods):
-        raise UsageError("methods draft and history+draft need --draft PATH")
+        raise UsageError("methods draft, history+draft and history|draft need --draft PATH")
     try:
         options = pick(
             args,
@@ -86,6 +92,7 @@ def run(args: argparse.Namespace) -> int:
             "gamma",
             "history_tree",
             "history_min_share",
+            "choose_depth",
         )
         cfg = rollout.RolloutBenchConfig(**options, methods=args.methods, **bench_model_options(args))
     except ValueError as e:

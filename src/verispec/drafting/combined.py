@@ -20,11 +20,15 @@ __all__ = ["CombinedProposer"]
 
 class CombinedProposer(Proposer):
     """chooser: a proposer of deterministic trees (its `tree` has rule "deterministic"); sampler: a chain-drafting
-    DraftModelProposer; gamma: the chain's length (at most; a row's cap bounds both parts)."""
+    DraftModelProposer; gamma: the chain's length (at most; a row's cap bounds both parts).
+    choose_depth: None drafts both parts for every row; an integer d picks one part per row and step — the chooser's
+    tree alone where it reaches depth d (a long, well-supported match), else the chain alone — so no row pays for
+    nodes that are rarely reached. Still exact: the pick looks only at the chooser's tree, which does not depend on
+    anything sampled."""
 
     name = "combined"
 
-    def __init__(self, chooser: Proposer, sampler: DraftModelProposer, gamma: int):
+    def __init__(self, chooser: Proposer, sampler: DraftModelProposer, gamma: int, choose_depth: int | None = None):
         spec = chooser.tree
         if spec is None or spec.rule != "deterministic":
             raise ValueError("the chooser must draft deterministic trees (a TreeSpec with rule 'deterministic')")
@@ -32,7 +36,9 @@ class CombinedProposer(Proposer):
             raise ValueError("the sampler must be a DraftModelProposer that drafts chains (tree=None)")
         if isinstance(gamma, bool) or not isinstance(gamma, int) or gamma < 1:
             raise ValueError(f"gamma (the sampled chain's length) must be an integer >= 1, got {gamma!r}")
-        self.chooser, self.sampler, self.gamma = chooser, sampler, gamma
+        if choose_depth is not None and (isinstance(choose_depth, bool) or not isinstance(choose_depth, int)):
+            raise ValueError(f"choose_depth must be None or an integer, got {choose_depth!r}")
+        self.chooser, self.sampler, self.gamma, self.choose_depth = chooser, sampler, gamma, choose_depth
         topk = spec.topk if spec.dynamic else max(spec.widths)
         # the KV slots and nodes one step can use: the chooser's tree plus the chain
         self.tree = TreeSpec(
@@ -57,13 +63,16 @@ class CombinedProposer(Proposer):
         return self.chooser.weights_changed(model) + self.sampler.weights_changed(model)
 
     def propose(self, view: BatchView, caps: list[int]) -> Draft:
-        self._chain = self.sampler.propose(view, [min(self.gamma, c) for c in caps])
-        self._branches = self.chooser.propose(view, caps)
-        chain, branches = self._chain, self._branches
+        self._branches = branches = self.chooser.propose(view, caps)  # chosen first: it never sees the chain
+        pick = self.choose_depth
+        trie = [pick is not None and d >= pick for d in branches.depth]  # rows drafted by the chooser alone
+        chain_caps = [0 if t else min(self.gamma, c) for t, c in zip(trie, caps)]
+        self._chain = chain = self.sampler.propose(view, chain_caps)
         self._chains = list(chain.num_nodes)
         c_ids, b_ids, b_par = chain.token_ids.tolist(), branches.token_ids.tolist(), branches.parents.tolist()
         tokens, parents, sampled = [], [], []
-        for b, (k, t) in enumerate(zip(chain.num_nodes, branches.num_nodes)):
+        kept = [t if trie[b] or pick is None else 0 for b, t in enumerate(branches.num_nodes)]
+        for b, (k, t) in enumerate(zip(chain.num_nodes, kept)):
             tokens.append(c_ids[b][:k] + b_ids[b][:t])
             parents.append(list(range(-1, k - 1)) + [p + k if p >= 0 else -1 for p in b_par[b][:t]])
             sampled.append([True] * k + [False] * t)

@@ -109,7 +109,9 @@ class RolloutEngine:
     False). A draft model and history together draft one tree per step: the history's trie branches beside the
     draft model's sampled chain (`CombinedProposer`, verified with rule "mixed"). gamma: the draft model's chain
     length ("auto" without history). history_tree / history_min_share: the history trie's shape and the least
-    share of matched continuations a node needs (`HistoryProposer`). max_batch_size: rows in the running batch.
+    share of matched continuations a node needs (`HistoryProposer`). choose_depth (draft model + history): None
+    drafts both in one tree every step; d picks per row the history trie alone where it is at least d deep, else
+    the chain alone (`CombinedProposer`). max_batch_size: rows in the running batch.
     runner: see `make_runner`.
     """
 
@@ -122,6 +124,7 @@ class RolloutEngine:
         history: bool | RolloutHistory = True,
         history_tree: TreeSpec | None = None,
         history_min_share: float = 0.0,
+        choose_depth: int | None = None,
         gamma: int | str = 4,
         max_batch_size: int = 64,
         runner: str = "auto",
@@ -135,6 +138,7 @@ class RolloutEngine:
         if history not in (True, False) and not isinstance(history, RolloutHistory):
             raise ValueError(f"history must be True, False or a RolloutHistory, got {history!r}")
         history_args = dict(tree=history_tree, min_share=history_min_share)
+        self._choose_depth = choose_depth
         proposer = self._proposer(target, draft, draft_quant, history_args, runner, gamma)
         self.gen = SpeculativeGenerator(
             target,
@@ -171,7 +175,7 @@ class RolloutEngine:
             raise ValueError(
                 f"a draft model with history drafts a chain of fixed length: gamma must be an integer, got {gamma!r}"
             )
-        return CombinedProposer(history, sampler, gamma)
+        return CombinedProposer(history, sampler, gamma, choose_depth=self._choose_depth)
 
     # --- rollouts -------------------------------------------------------------------------------------
     def generate(
