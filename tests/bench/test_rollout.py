@@ -27,7 +27,7 @@ def test_every_method_over_epochs_with_updates(tmp_path):
     prompts.write_text(
         "\n".join(json.dumps({"prompt": p, "category": c}) for p, c in (("a b c a b", "code"), ("x0 d e d", "math")))
     )
-    methods = "plain,draft,self,history,history+self,history+draft"
+    methods = "plain,draft,self,history,history+self,history+draft,history/draft"
     argv = ["bench", "rollout", "--target", str(tmp_path / "target"), "--draft", str(tmp_path / "draft")]
     argv += ["--prompts", str(prompts), "--group", "3", "--max-new-tokens", "6", "--epochs", "2", "--no-chat"]
     argv += ["--methods", methods, "--out", str(tmp_path / "out")]

@@ -36,13 +36,19 @@ def foreign_history(model, n: int = 64) -> RolloutHistory:
     return history
 
 
-@pytest.mark.parametrize("with_draft", [False, True], ids=["history", "history+draft"])
-def test_rollouts_after_an_update_with_a_foreign_history_follow_the_new_target(with_draft, tiny_draft):
+@pytest.mark.parametrize(
+    "with_draft,choose_depth",
+    [(False, None), (True, None), (True, 2)],
+    ids=["history", "history+draft", "history/draft"],
+)
+def test_rollouts_after_an_update_with_a_foreign_history_follow_the_new_target(with_draft, choose_depth, tiny_draft):
     """History alone, and beside a stale separate draft model's sampled chain (rule "mixed"; a weak draft, so that
-    its chain is often rejected at the root and the history's branches get tested and accepted there)."""
+    its chain is often rejected at the root and the history's branches get tested and accepted there), and with one
+    part per row and step (choose_depth 2: the trie where it is 2 deep, else the chain)."""
     policy, updated = loaded(0), loaded(5)
     draft = tiny_draft if with_draft else None
-    eng = RolloutEngine(policy, draft=draft, history=foreign_history(tiny_draft), gamma=2, max_batch_size=256)
+    history = foreign_history(tiny_draft)
+    eng = RolloutEngine(policy, draft=draft, history=history, gamma=2, max_batch_size=256, choose_depth=choose_depth)
     eng.generate([PROMPT], n=G, params=T1, max_new_tokens=8, seed=99)  # rollouts of the old weights join the history
     eng.update_weights(updated.model.state_dict().items())
     outs = eng.generate([PROMPT] * (N // G), n=G, params=T1, max_new_tokens=3, seed=1, ignore_eos=True)

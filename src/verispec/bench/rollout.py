@@ -14,8 +14,8 @@ Methods (one engine each, all over the same target object; they keep their histo
     history         suffix decoding over the group's siblings and earlier epochs' rollouts (exact trie)
     history+self    history branches beside a sampled self-draft chain in one tree (rule "mixed")
     history+draft   history branches beside a sampled draft-model chain
-    history|self    per row and step, the history trie alone where it is at least `choose_depth` deep, else the
-    history|draft   self-draft's / draft model's chain alone
+    history/self    per row and step, the history trie alone where it is at least `choose_depth` deep, else the
+    history/draft   self-draft's / draft model's chain alone
 Reported per method, epoch and category: rollout tokens/s, the ratio to plain (same epoch and category), tau
 (tokens per target pass), accepted tokens per draft source, and the update and re-quantization times.
 """
@@ -41,8 +41,8 @@ METHODS = {  # name -> (draft: None / "self" / "model", history, one part per ro
     "history": (None, True, False),
     "history+self": ("self", True, False),
     "history+draft": ("model", True, False),
-    "history|self": ("self", True, True),
-    "history|draft": ("model", True, True),
+    "history/self": ("self", True, True),
+    "history/draft": ("model", True, True),
 }
 
 
@@ -62,7 +62,7 @@ class RolloutBenchConfig:
     self_quant: str = "int4"  # of the self-draft
     history_tree: str = "dynamic-8-3-16"  # the history trie's shape: depth, children per node, node budget per row
     history_min_share: float = 0.0  # a trie node needs this share of the matched continuations
-    choose_depth: int = 3  # history|draft, history|self: the trie alone where it is this deep, else the chain
+    choose_depth: int = 3  # history/draft, history/self: the trie alone where it is this deep, else the chain
     methods: tuple[str, ...] = ("plain", "draft", "self", "history", "history+self")
 
     def __post_init__(self):

@@ -63,7 +63,7 @@ def add_parser(sub) -> None:
         "--choose-depth",
         type=int,
         default=d.choose_depth,
-        help="history|draft, history|self: the trie alone where it is this deep, else the chain (default %(default)s)",
+        help="history/draft, history/self: the trie alone where it is this deep, else the chain (default %(default)s)",
     )
     add_bench_model_args(
         p,
@@ -80,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
     if not (0 <= args.noise < 1):
         raise UsageError(f"--noise must be in [0, 1), got {args.noise}")
     if args.draft is None and any(rollout.METHODS[m][0] == "model" for m in args.methods):
-        raise UsageError("methods draft, history+draft and history|draft need --draft PATH")
+        raise UsageError("methods draft, history+draft and history/draft need --draft PATH")
     try:
         options = pick(
             args,

@@ -182,7 +182,9 @@ class GenerationSession:
             mask[b, torch.as_tensor(r.prompt, device=dev)] = True
         counts = torch.zeros((len(new), V), dtype=torch.float32, device=dev)
         capacity = self._capacity(new)
-        draft_capacity = capacity + gen.controller.probe_every + 2  # a plain-decoding backlog, fed in one chunk
+        # a draft cache may lag behind by a backlog fed in one chunk (plain probes; rows another drafter served for
+        # several steps: up to a whole output), and a ragged chunk is written up to the longest row + the longest chunk
+        draft_capacity = capacity + max(gen.controller.probe_every, max(r.max_new for r in new)) + 2
         view = self._view(new, True, mask, counts)
         if not self.rows:
             gen.runner.fill([r.seq[:-1] for r in new], capacity)  # a group's shared prompt is computed once
