@@ -10,15 +10,11 @@ import pytest
 from verispec.bench import e2e
 from verispec.cli import main
 
-from ..engine.tiny import make_model, make_tokenizer, noisy_copy
+from .saved import read_strict_json, save_tiny_pair
 
 
 def test_tree_methods_side_by_side(tmp_path, capsys):
-    tok = make_tokenizer()
-    target = make_model(0)
-    for name, model in (("target", target), ("draft", noisy_copy(target, 0.3))):
-        model.save_pretrained(tmp_path / name)
-        tok.save_pretrained(tmp_path / name)
+    save_tiny_pair(tmp_path)
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"prompt": "a b c a b", "category": "code"}) + "\n")
     methods = (
@@ -53,16 +49,12 @@ def test_tree_methods_side_by_side(tmp_path, capsys):
         )
         == 0
     )
-    result = json.loads((tmp_path / "out" / "e2e.json").read_text(), parse_constant=_reject)  # strict JSON
+    result = read_strict_json(tmp_path / "out" / "e2e.json")
     recs = {r["method"]: r for r in result["records"]}
     assert set(recs) == set(methods.split(","))
     tree = recs["verispec-tree@2-2/without_replacement"]
     assert tree["tokens"] == 8 and tree["nodes"] > 0 and tree["drafted_per_step"] > 2
     assert len(result["cost_curve_s"]) == 7  # calibrated up to the widest verification (6 nodes + root)
-
-
-def _reject(name):
-    raise AssertionError(f"e2e.json holds {name}: not valid JSON")
 
 
 @pytest.mark.parametrize(

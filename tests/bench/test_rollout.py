@@ -10,19 +10,12 @@ import torch
 from verispec.bench.rollout import perturbed
 from verispec.cli import main
 
-from ..engine.tiny import make_model, make_tokenizer, noisy_copy
-
-
-def _reject(name):
-    raise ValueError(f"non-standard JSON constant {name}")
+from ..engine.tiny import make_model
+from .saved import read_strict_json, save_tiny_pair
 
 
 def test_every_method_over_epochs_with_updates(tmp_path):
-    tok = make_tokenizer()
-    target = make_model(0)
-    for name, model in (("target", target), ("draft", noisy_copy(target, 0.3))):
-        model.save_pretrained(tmp_path / name)
-        tok.save_pretrained(tmp_path / name)
+    save_tiny_pair(tmp_path)
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(
         "\n".join(json.dumps({"prompt": p, "category": c}) for p, c in (("a b c a b", "code"), ("x0 d e d", "math")))
@@ -32,7 +25,7 @@ def test_every_method_over_epochs_with_updates(tmp_path):
     argv += ["--prompts", str(prompts), "--group", "3", "--max-new-tokens", "6", "--epochs", "2", "--no-chat"]
     argv += ["--methods", methods, "--out", str(tmp_path / "out")]
     assert main(argv) == 0
-    result = json.loads((tmp_path / "out" / "rollout.json").read_text(), parse_constant=_reject)  # strict JSON
+    result = read_strict_json(tmp_path / "out" / "rollout.json")
     recs = result["records"]
     assert {(r["method"], r["epoch"], r["category"]) for r in recs} == {
         (m, e, c) for m in methods.split(",") for e in (0, 1) for c in ("code", "math")
