@@ -45,7 +45,7 @@ def test_verispec_passes_with_stated_strength(samples, tv):
     report = certify_kernel(verispec_sampler, samples=samples)
     assert report.passed, report.to_markdown()
     assert report.samples_per_case == samples and report.level == DEFAULT_LEVEL
-    assert len(report.cases) == 12 and len(report.tests) > 100
+    assert len(report.cases) == 14 and len(report.tests) > 100
     assert {c["k"] for c in report.cases} == {1, 4, 8}
     assert report.headline_tv() < tv  # every case's first-position law is checked to TV `tv` at power 0.99
 

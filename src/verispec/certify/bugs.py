@@ -24,6 +24,16 @@ Broken tree verifiers (drop-in replacements for `verify_tree`, for `certify kern
                           rows that dropped it draw from r instead)
   tree_mixed_chosen_as_sampled  (rule "mixed") chosen children tested with their slot's q, as if sampled from it
                           (accepts a chosen x with probability min(1, r(x) / q(x)) instead of r(x))
+Broken block verifiers (drop-in replacements for `verify_block`, for `certify kernel --verify block`):
+  block_plain_residual    the block decision, then the token-wise residual (P - Q)+ instead of (rho P - Q)+
+                          (vllm-ascend #7807: "does not adjust the distribution according to the correct formula")
+  block_first_rejection   the block thresholds h_i read as a token-wise chain, stopping at the first u_i >= h_i
+                          (a contiguous accepted prefix, as a review bot asked of vllm-ascend #11985) instead of
+                          keeping the last i with u_i < h_i
+  block_placeholder_threshold  a row with fewer drafts than the batch's k tests its last real draft with the
+                          residual-mass threshold Z / (Z + 1 - rho) of the padding slot instead of rho (vLLM's
+                          placeholder-truncation test guards this)
+
 Not bugs, although they look like ones: i.i.d.-sampled children verified with the deterministic rule stay lossless
 (that rule accepts x_i with probability r(x_i) and removes it, which samples r exactly for any candidates drawn
 independently of the verifier's uniforms: P(emit y) = E_x[1{y = x} r(x) + 1{y != x} (1 - r(x)) r(y) / (1 - r(x))]
@@ -39,11 +49,20 @@ import functools
 import torch
 from torch import Tensor
 
+from ..sampling.block import block_final_weights, block_residual_mass, block_terms
 from ..sampling.chain import ChainVerifyOutput, _normalise_args, draw_uniforms
 from ..sampling.lossy import chain_interface, draft_q, finish_chain
 from ..sampling.tree import TreeVerifyOutput, tree_ancestors, verify_tree, verify_tree_with_uniforms
 
-__all__ = ["BUGS", "TREE_BUGS", "TREE_NON_BUGS", "broken_tree_verifier", "broken_verifier"]
+__all__ = [
+    "BLOCK_BUGS",
+    "BUGS",
+    "TREE_BUGS",
+    "TREE_NON_BUGS",
+    "broken_block_verifier",
+    "broken_tree_verifier",
+    "broken_verifier",
+]
 
 BUGS = (
     "resample_from_p",
@@ -61,6 +80,7 @@ TREE_BUGS = (
     "tree_mixed_dedup",
     "tree_mixed_chosen_as_sampled",
 )
+BLOCK_BUGS = ("block_plain_residual", "block_first_rejection", "block_placeholder_threshold")
 TREE_NON_BUGS = ("tree_iid_as_deterministic", "tree_mixed_sampled_as_chosen")  # look wrong, are lossless (docstring)
 
 _Q_TEMPERATURE = 0.7  # q_before_temperature: the draft sampled at this temperature, the verifier saw q at 1
@@ -111,6 +131,36 @@ def _broken_chain(bug, target_probs, draft_token_ids, draft_probs, num_draft_tok
     if bug == "reuse_accept_uniform" and k > 0:
         final_u = torch.where(rejected, accept_u[rows, na.clamp(max=k - 1)], final_u)
     return finish_chain(ids, na, w, p_row, final_u)
+
+
+def broken_block_verifier(bug: str):
+    """A block verifier with one deliberate mistake (BLOCK_BUGS), verify_block's interface."""
+    if bug not in BLOCK_BUGS:
+        raise ValueError(f"unknown block bug {bug!r}; choose one of: {', '.join(BLOCK_BUGS)}")
+    return chain_interface(f"broken_block_verifier_{bug}", functools.partial(_broken_block, bug), broken_block_verifier)
+
+
+def _broken_block(bug, target_probs, draft_token_ids, draft_probs, num_draft_tokens, generators) -> ChainVerifyOutput:
+    B, k, _, ids, nd = _normalise_args(target_probs, draft_token_ids, draft_probs, num_draft_tokens)
+    dev = target_probs.device
+    accept_u, final_u = draw_uniforms(nd, k, generators, dev)
+    rho, h = block_terms(target_probs, ids, draft_probs, nd)  # [B, k + 1] each
+    rows, pos = torch.arange(B, device=dev), torch.arange(1, k + 1, device=dev)
+    if bug == "block_placeholder_threshold" and k > 0 and draft_probs is not None:
+        short = nd < k  # the padding slot nd holds a q: use its residual mass at the last real draft
+        z = block_residual_mass(target_probs, ids, draft_probs, rho, torch.full_like(nd, k))  # Z at every slot
+        z_n, rho_n = z[rows, nd.clamp(max=k - 1)], rho[rows, nd]
+        wrong = torch.where(z_n > 0, z_n / (z_n + 1 - rho_n).clamp_min(1e-300), 0.0)
+        h[rows, nd] = torch.where(short & (nd > 0), wrong, h[rows, nd])
+    passed = accept_u < h[:, 1:]  # [B, k]
+    if bug == "block_first_rejection":
+        tau = (passed | (pos > nd.unsqueeze(1))).long().cumprod(1).sum(1).clamp(max=nd)
+    else:
+        tau = torch.where(passed, pos, 0).amax(1) if k > 0 else torch.zeros_like(nd)
+    if bug == "block_plain_residual":
+        rho = torch.ones_like(rho)
+    w = block_final_weights(target_probs, ids, draft_probs, nd, rho, tau)
+    return finish_chain(ids, tau, w, target_probs[rows, tau], final_u)
 
 
 _WRONG_RULE = {  # bug: (the drafting rule, the rule the broken verifier uses for it instead)

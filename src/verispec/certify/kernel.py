@@ -20,6 +20,7 @@ and draws its randomness from torch's global generator (seeded by the certifier)
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import math
@@ -34,11 +35,13 @@ from torch import Tensor
 
 from .. import strict_json
 from ..sampling import SamplingParams, probs_from_logits, verify_chain
+from ..sampling.block import verify_block
 from .stats import GofResult, chisquare_gof, detectable_tv, holm, samples_to_detect
 
 __all__ = [
     "DEFAULT_LEVEL",
     "DEFAULT_SAMPLES",
+    "LAWS",
     "POWER",
     "TARGET_TV",
     "KernelCase",
@@ -48,6 +51,7 @@ __all__ = [
     "load_sampler",
     "position_tests",
     "run_case",
+    "sequence_tests",
 ]
 
 DEFAULT_SAMPLES = 100_000  # speculative steps per case
@@ -88,7 +92,7 @@ def normalised(x: Tensor) -> Tensor:
 def default_cases(vocab: int = 32, seed: int = 0) -> list[KernelCase]:
     """The battery: random p / q at several entropies, k in {1, 4, 8}, adversarial q, sparse p and q with
     disjoint zeros, p == q, one-hot drafts (including a p = 0 draft), top-k / top-p truncation, and batches
-    whose rows carry different draft counts."""
+    whose rows carry different draft counts (at low and at high acceptance)."""
     g = torch.Generator().manual_seed(seed)
     V = vocab
 
@@ -140,6 +144,24 @@ def default_cases(vocab: int = 32, seed: int = 0) -> list[KernelCase]:
             cases[8].onehot_ids,
             ragged=True,
             description="one-hot drafts, rows with 0..4 drafts",
+        )
+    )
+    cases.append(  # high acceptance with short rows: a short row's last threshold matters (block verification)
+        KernelCase(
+            "ragged-high-entropy-k4",
+            rnd(5, 0.5),
+            rnd(4, 0.5),
+            ragged=True,
+            description="p, q = softmax(0.5 * N(0, 1)), rows with 0..4 drafts",
+        )
+    )
+    small = max(4, V // 4)  # few tokens, so each law is tested finely (block verification's residual)
+    cases.append(
+        KernelCase(
+            "small-vocab-k2",
+            _softmax(torch.randn(3, small, generator=g, dtype=torch.float64)),
+            _softmax(torch.randn(2, small, generator=g, dtype=torch.float64)),
+            description=f"V = {small}, p, q = softmax(N(0, 1))",
         )
     )
     return cases
@@ -259,6 +281,42 @@ def position_tests(
     return out
 
 
+LAWS = ("step", "sequence")  # which exact laws certify_kernel tests (see sequence_tests)
+_LAWS_NOTE = {
+    "step": "Laws tested: token-wise verification's exact one-step laws (emitted, recovered and bonus tokens, "
+    "accepted count).",
+    "sequence": "Laws tested: the completed sequence's (each step's output completed by sampling p at the "
+    "positions it did not emit follows prod_j p[j]; tests pos0, seqJ, pairJ), which every lossless rule keeps.",
+    "tree": "Laws tested: each tree step's output, completed to a fixed length by sampling p, follows p's law "
+    "given the context (see verispec.certify.tree_kernel).",
+}
+
+
+def sequence_tests(
+    case: KernelCase, token_ids: Tensor, num_accepted: Tensor, num_draft: Tensor, seed: int = 0
+) -> dict[str, tuple[GofResult, np.ndarray]]:
+    """The laws every lossless rule keeps, also one whose single step is not token-wise (block verification keeps
+    a prefix by its block masses, so its recovered tokens and accepted counts follow other laws than
+    position_tests'): each step's output, completed to k + 1 tokens by plain sampling from p[j] at the positions
+    it did not emit (the next steps of an exact decoder), follows prod_j p[j]. pos0: the first emitted token vs
+    p[0]; seqJ (J >= 1): completed token J vs p[J]; pairJ: completed tokens J and J + 1 vs p[J] x p[J + 1]."""
+    p = case.p.double()
+    k, V = case.k, case.vocab
+    n = token_ids.shape[0]
+    gen = torch.Generator().manual_seed(seed + 2)
+    emitted = (num_accepted + 1).unsqueeze(1)  # [n, 1]
+    fill = torch.stack([torch.multinomial(p[j], n, replacement=True, generator=gen) for j in range(k + 1)], 1)
+    seq = torch.where(torch.arange(k + 1) < emitted, token_ids, fill).numpy()  # [n, k + 1]
+    out: dict[str, tuple[GofResult, np.ndarray]] = {}
+    for j in range(k + 1):
+        law = p[j].numpy()
+        out["pos0" if j == 0 else f"seq{j}"] = (chisquare_gof(np.bincount(seq[:, j], minlength=V), law), law)
+    for j in range(k):
+        law = np.outer(p[j].numpy(), p[j + 1].numpy()).ravel()
+        out[f"pair{j}"] = (chisquare_gof(np.bincount(seq[:, j] * V + seq[:, j + 1], minlength=V * V), law), law)
+    return out
+
+
 @dataclass
 class TestRow:
     case: str
@@ -326,6 +384,7 @@ class KernelReport(Verdict):
     errors: list[str]  # structural violations or crashes (each fails the certificate)
     seconds: float
     samples_needed: int | None = None  # INCONCLUSIVE: samples per case to detect TARGET_TV in every case
+    laws: str = "step"  # "step": token-wise one-step laws; "sequence": the completed sequence's; "tree"
 
     @property
     def conclusive(self) -> bool:
@@ -368,6 +427,8 @@ class KernelReport(Verdict):
             f"sampler `{self.sampler}`; {len(self.cases)} cases x {self.samples_per_case} speculative steps; "
             f"{len(self.tests)} chi-square tests, Holm-corrected at family-wise level {self.level}; seed "
             f"{self.seed}; {self.seconds:.1f} s.",
+            "",
+            _LAWS_NOTE[self.laws],
             "",
             f"Detectable effect: {self.power_note()}. Worst case over cases and directions of deviation; per "
             f"test below, at the Bonferroni level {self.level / max(1, len(self.tests)):.2g} ('no power': "
@@ -487,15 +548,16 @@ def _run_cases(sampler, cases, run: CaseRunner, describe, seed_stride: int, samp
     return found, laws
 
 
-def _chain_tests(sampler: Sampler, case: KernelCase, samples: int, seed: int) -> CaseTests:
-    """Draw the case's steps (run_case) and test them (position_tests)."""
+def _chain_tests(sampler: Sampler, case: KernelCase, samples: int, seed: int, laws: str = "step") -> CaseTests:
+    """Draw the case's steps (run_case) and test them (position_tests, or sequence_tests for laws="sequence")."""
     try:
         tok, na, nd = run_case(sampler, case, samples, seed=seed)
     except StructureError as e:
         raise CaseError(str(e)) from None
     except Exception as e:  # a sampler that crashes on a valid case fails the certificate, with the reason
         raise CaseError.raised(e) from None
-    tests = position_tests(case, tok, na, nd).items()
+    found = position_tests(case, tok, na, nd) if laws == "step" else sequence_tests(case, tok, na, nd, seed)
+    tests = found.items()
     return [(test, r.n, r.statistic, r.dof, r.pvalue, r.impossible, law, r.n) for test, (r, law) in tests]
 
 
@@ -513,10 +575,19 @@ def certify_kernel(
     seed: int = 0,
     name: str | None = None,
     progress: Callable[[str], None] | None = None,
+    laws: str = "step",
 ) -> KernelReport:
-    """Run the battery on `sampler` and return the report (verdict, every test, detectable effects)."""
+    """Run the battery on `sampler` and return the report (verdict, every test, detectable effects).
+
+    laws: "step" tests token-wise verification's exact one-step laws (position_tests); "sequence" the laws any
+    lossless rule keeps (sequence_tests), for rules such as block verification whose single step differs."""
+    if laws not in LAWS:
+        raise ValueError(f"laws must be one of {', '.join(LAWS)}, got {laws!r}")
     cases = list(default_cases() if cases is None else cases)
-    return run_battery(sampler, cases, _chain_tests, _describe_chain, 1000, samples, level, power, seed, name, progress)
+    run = functools.partial(_chain_tests, laws=laws)
+    report = run_battery(sampler, cases, run, _describe_chain, 1000, samples, level, power, seed, name, progress)
+    report.laws = laws
+    return report
 
 
 def _name(fn) -> str:
@@ -553,6 +624,11 @@ def load_sampler(spec: str) -> Sampler:
 def verispec_sampler(target_probs, draft_token_ids, draft_probs=None, num_draft_tokens=None):
     """verispec's own verify_chain with input checks on (the default sampler of `certify kernel`)."""
     return verify_chain(target_probs, draft_token_ids, draft_probs, num_draft_tokens)
+
+
+def verispec_block_sampler(target_probs, draft_token_ids, draft_probs=None, num_draft_tokens=None):
+    """verispec's verify_block with input checks on (`certify kernel --verify block`)."""
+    return verify_block(target_probs, draft_token_ids, draft_probs, num_draft_tokens)
 
 
 def write_report(report: KernelReport, out: str | Path) -> tuple[Path, Path]:

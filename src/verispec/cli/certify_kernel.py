@@ -12,7 +12,7 @@ SAMPLER_HELP = "module:function or file.py:function with verify_chain's (or, wit
 
 
 def add_parser(sub) -> None:
-    from ..certify.bugs import BUGS, TREE_BUGS, TREE_NON_BUGS
+    from ..certify.bugs import BLOCK_BUGS, BUGS, TREE_BUGS, TREE_NON_BUGS
     from ..certify.kernel import DEFAULT_SAMPLES
     from ..certify.tree_kernel import DEFAULT_TREE_SAMPLES
     from ..sampling.tree import VERIFY_RULES
@@ -24,7 +24,14 @@ def add_parser(sub) -> None:
         choices=(*VERIFY_RULES, "all"),
         help="certify trees whose children were drawn this way ('mixed': chosen and sampled children side by side)",
     )
-    bugs = f"chain bugs {', '.join(BUGS)}; with --tree: {', '.join(TREE_BUGS)}"
+    p.add_argument(
+        "--verify",
+        choices=("token", "block"),
+        default="token",
+        help="the chain rule: token-wise (its exact one-step laws are tested) or block verification (the laws of "
+        "the completed sequence, which every lossless rule keeps, are tested; with --sampler: a block verifier)",
+    )
+    bugs = f"chain bugs {', '.join(BUGS)}; with --verify block: {', '.join(BLOCK_BUGS)}; with --tree: {', '.join(TREE_BUGS)}"
     looks_wrong = f"(and {', '.join(TREE_NON_BUGS)}, which only looks wrong: it is lossless)"
     p.add_argument("--inject", help=f"certify a deliberately broken verifier instead (must FAIL): {bugs} {looks_wrong}")
     add_counts(
@@ -47,22 +54,41 @@ def add_parser(sub) -> None:
 
 def _sampler(args: argparse.Namespace, tree: bool):
     """(the verifier to certify, its name in the report)."""
-    from ..certify.bugs import BUGS, TREE_BUGS, TREE_NON_BUGS, broken_tree_verifier, broken_verifier
-    from ..certify.kernel import load_sampler, verispec_sampler
+    from ..certify.bugs import (
+        BLOCK_BUGS,
+        BUGS,
+        TREE_BUGS,
+        TREE_NON_BUGS,
+        broken_block_verifier,
+        broken_tree_verifier,
+        broken_verifier,
+    )
+    from ..certify.kernel import load_sampler, verispec_block_sampler, verispec_sampler
     from ..certify.tree_kernel import verispec_tree_sampler
 
     if args.sampler and args.inject:
         raise UsageError("--sampler and --inject exclude each other (--inject replaces verispec's own verifier)")
+    if tree and args.verify == "block":
+        raise UsageError("--verify block applies to chains; trees are verified by their --tree rule")
     if args.sampler:
         return load_sampler(args.sampler), args.sampler
+    block = args.verify == "block"
     if args.inject:
-        kind, bugs = ("tree", TREE_BUGS + TREE_NON_BUGS) if tree else ("chain", BUGS)
+        kind, bugs, make = (
+            ("tree", TREE_BUGS + TREE_NON_BUGS, broken_tree_verifier)
+            if tree
+            else ("block", BLOCK_BUGS, broken_block_verifier)
+            if block
+            else ("chain", BUGS, broken_verifier)
+        )
         if args.inject not in bugs:
-            raise UsageError(f"--inject {args.inject} is not a {kind} bug; {kind} bugs: {', '.join(bugs)}")
-        broken = broken_tree_verifier(args.inject) if tree else broken_verifier(args.inject)
-        return broken, f"verispec.certify.bugs:{args.inject}"
+            where = {"tree": " (with --tree)", "block": " (with --verify block)", "chain": ""}[kind]
+            raise UsageError(f"--inject {args.inject} is not a {kind} bug; {kind} bugs{where}: {', '.join(bugs)}")
+        return make(args.inject), f"verispec.certify.bugs:{args.inject}"
     if tree:
         return verispec_tree_sampler, "verispec.sampling.tree:verify_tree"
+    if block:
+        return verispec_block_sampler, "verispec.sampling.block:verify_block"
     return verispec_sampler, "verispec.sampling:verify_chain"
 
 
@@ -87,7 +113,8 @@ def _cases(args: argparse.Namespace, rules):
 
 def run(args: argparse.Namespace) -> int:
     """Run a battery of (p, q) cases through a chain verifier (verispec's, or --sampler module:function with
-    verify_chain's interface) and test every emitted position's distribution. With --tree RULE: trees drafted with
+    verify_chain's interface) and test every emitted position's distribution. With --verify block: verispec's block
+    verifier (or the --sampler) against the laws of the completed sequence. With --tree RULE: trees drafted with
     that rule through a tree verifier (verify_tree's interface; rule 'mixed' also passes sampled=). Exit status
     0 = PASS, 1 = FAIL."""
     from rich.console import Console
@@ -110,7 +137,8 @@ def run(args: argparse.Namespace) -> int:
                     sampler, rules=rules, samples=args.samples or DEFAULT_TREE_SAMPLES, **common
                 )
             else:
-                report = certify_kernel(sampler, samples=args.samples or DEFAULT_SAMPLES, **common)
+                laws = "sequence" if args.verify == "block" else "step"
+                report = certify_kernel(sampler, samples=args.samples or DEFAULT_SAMPLES, laws=laws, **common)
     md, js = write_report(report, args.out)
     print(report.to_markdown() if args.verbose else _summary(report))
     print(f"report: {md}, {js}", file=sys.stderr)
