@@ -97,25 +97,27 @@ SETTINGS = {
 CASES = (
     [("draft-model", s) for s in SETTINGS]
     + [("ngram", "temperature"), ("ngram", "penalties")]
-    + [("self-int4", "top_k_top_p")]
-)  # the target's own weights, int4-quantized, bfloat16 compute
+    + [("self-int4", "top_k_top_p")]  # the target's own weights, int4-quantized, bfloat16 compute
+    + [("draft-model-block", "top_k_top_p"), ("ngram-block", "penalties")]  # verify="block"
+)
+SLOW_CASES = {("ngram", "temperature"), ("ngram-block", "penalties")}
 
 
 # ngram-temperature in the slow tier: prompt lookup's one-hot drafts are checked in the default tier by ngram-penalties
 # (temperature 0.8 with both penalties), the processors at this temperature by draft-model-temperature.
 @pytest.mark.parametrize(
     "drafter,setting",
-    [
-        pytest.param(d, s, id=f"{d}-{s}", marks=[pytest.mark.slow] if (d, s) == ("ngram", "temperature") else [])
-        for d, s in CASES
-    ],
+    [pytest.param(d, s, id=f"{d}-{s}", marks=[pytest.mark.slow] if (d, s) in SLOW_CASES else []) for d, s in CASES],
 )
 def test_engine_matches_target_sequence_distribution(drafter, setting, tiny_target, tiny_draft):
     params = SETTINGS[setting]
+    drafter, block, _ = drafter.partition("-block")
+    verify = "block" if block else "token"
     if drafter == "self-int4":
         gen = SpeculativeGenerator(tiny_target, "self", draft_quant="int4", gamma=2)
     else:
-        gen = SpeculativeGenerator(tiny_target, tiny_draft if drafter == "draft-model" else "ngram", gamma=2)
+        draft = tiny_draft if drafter == "draft-model" else "ngram"
+        gen = SpeculativeGenerator(tiny_target, draft, gamma=2, verify=verify)
     seqs = sample_sequences(gen, params)
     result = gof(seqs, exact_sequence_probs(tiny_target.model, PROMPT, params))
     assert not result.rejects(LEVEL), result
@@ -135,5 +137,17 @@ def test_plain_decoding_matches_target_sequence_distribution(tiny_target):
 def test_broken_engine_fails(tiny_target, tiny_draft):
     params = SETTINGS["temperature"]
     gen = SpeculativeGenerator(tiny_target, QBeforeTemperature(DraftModelProposer(tiny_draft.model, V)), gamma=2)
+    result = gof(sample_sequences(gen, params), exact_sequence_probs(tiny_target.model, PROMPT, params))
+    assert result.rejects(LEVEL), result
+
+
+def test_broken_block_engine_fails(tiny_target, tiny_draft):
+    """The block case has power too: the engine with a block verifier that stops at the first u >= h fails
+    (p ~ 1e-12 at this size; the subtler block_plain_residual needs the kernel certificate's sizes)."""
+    from verispec.certify.bugs import broken_block_verifier
+
+    params = SETTINGS["top_k_top_p"]
+    broken = broken_block_verifier("block_first_rejection")
+    gen = SpeculativeGenerator(tiny_target, tiny_draft, gamma=2, verifier=broken, draft_stop_below=None)
     result = gof(sample_sequences(gen, params), exact_sequence_probs(tiny_target.model, PROMPT, params))
     assert result.rejects(LEVEL), result

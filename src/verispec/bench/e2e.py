@@ -9,6 +9,7 @@ Methods (same target, prompts, max_new_tokens, temperature and seeds):
     hf-assisted       HF transformers generate(assistant_model=draft)
   and, named with an argument:
     verispec-draft@G              the draft model with a fixed draft length G (chains of several lengths side by side)
+    verispec-draft[@G]/block      the same chains under block verification (token-wise and block side by side)
     verispec-tree@SHAPE[/RULE]    draft-model trees: SHAPE = widths per depth (4-2-2-1) or dynamic-D-K-M, RULE =
                                   deterministic (default), iid or without_replacement
     verispec-ngram-tree@SHAPE     prompt-lookup tries (SHAPE's first width = branches, its depth = length)
@@ -164,10 +165,11 @@ BASE_METHODS = E2EConfig.methods + ("verispec-tree", "verispec-ngram-tree")
 def check_method(name: str) -> None:
     """Raise ValueError for a method name run_e2e does not know (see the module docstring)."""
 
-    base, at, arg = name.partition("@")
+    block = name.startswith("verispec-draft") and name.endswith("/block")
+    base, at, arg = name.removesuffix("/block" if block else "").partition("@")
     if base not in BASE_METHODS or (at and base not in ("verispec-draft", "verispec-tree", "verispec-ngram-tree")):
         raise ValueError(
-            f"unknown method {name!r}; choose from {', '.join(E2EConfig.methods)}, verispec-draft@G, "
+            f"unknown method {name!r}; choose from {', '.join(E2EConfig.methods)}, verispec-draft[@G][/block], "
             "verispec-tree@SHAPE[/RULE], verispec-ngram-tree@SHAPE"
         )
     if base in ("verispec-tree", "verispec-ngram-tree"):
@@ -181,9 +183,16 @@ def check_method(name: str) -> None:
 
 def _make(method: str, target: LoadedModel, draft: LoadedModel | None, cfg: E2EConfig) -> SpeculativeGenerator:
     base, _, arg = method.partition("@")
-    if base == "verispec-draft":
+    if base.startswith("verispec-draft"):  # verispec-draft[@G][/block]
+        verify = "block" if method.endswith("/block") else "token"
+        arg, base = arg.removesuffix("/block"), base.removesuffix("/block")
         return SpeculativeGenerator(
-            target, draft, gamma=int(arg) if arg else cfg.gamma, runner=cfg.runner, draft_quant=cfg.draft_quant
+            target,
+            draft,
+            gamma=int(arg) if arg else cfg.gamma,
+            runner=cfg.runner,
+            draft_quant=cfg.draft_quant,
+            verify=verify,
         )
     shape, _, rule = arg.partition("/")
     if base == "verispec-tree":
@@ -193,13 +202,18 @@ def _make(method: str, target: LoadedModel, draft: LoadedModel | None, cfg: E2EC
     return SpeculativeGenerator(target, "ngram", tree=shape, runner=cfg.runner)  # verispec-ngram-tree
 
 
+def _base(method: str) -> str:
+    """verispec-draft@4/block -> verispec-draft; verispec-tree@4-2/iid -> verispec-tree."""
+    return method.partition("@")[0].removesuffix("/block")
+
+
 def run_e2e(
     target: LoadedModel, draft: LoadedModel | None, prompts: dict[str, list[str]], cfg: E2EConfig, log=print
 ) -> dict:
     for m in cfg.methods:
         check_method(m)
     needs_draft = ("verispec-draft", "hf-assisted", "verispec-tree")
-    methods = [m for m in cfg.methods if draft is not None or m.partition("@")[0] not in needs_draft]
+    methods = [m for m in cfg.methods if draft is not None or _base(m) not in needs_draft]
     if "verispec-self" in methods and (cfg.runner == "hf" or fast_path_unsupported(target.model)):
         methods.remove("verispec-self")
         log(
@@ -210,7 +224,7 @@ def run_e2e(
     if "verispec-ngram" in methods:
         gens["verispec-ngram"] = SpeculativeGenerator(target, "ngram", gamma=cfg.gamma, runner=cfg.runner)
     for m in methods:
-        if m.partition("@")[0] in ("verispec-draft", "verispec-tree", "verispec-ngram-tree"):
+        if _base(m) in ("verispec-draft", "verispec-tree", "verispec-ngram-tree"):
             gens[m] = _make(m, target, draft, cfg)
     if "verispec-self" in methods:
         log(f"quantizing the target's weights ({cfg.self_quant}) for the self-draft ...")
@@ -221,7 +235,7 @@ def run_e2e(
     max_gamma = cfg.gamma if isinstance(cfg.gamma, int) else 8
     widest = max(
         [max_gamma]
-        + [int(m.partition("@")[2]) for m in methods if m.startswith("verispec-draft@")]
+        + [int(m.partition("@")[2].removesuffix("/block")) for m in methods if m.startswith("verispec-draft@")]
         + [g.tree.max_nodes for g in gens.values() if g.tree is not None]
     )
     log("calibrating the cost curve ...")

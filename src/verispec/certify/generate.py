@@ -36,9 +36,17 @@ from ..drafting import TreeSpec
 from ..engine.generator import SpeculativeGenerator
 from ..engine.stats import SpecStats
 from ..model import loading
-from ..sampling import SamplingParams, probs_from_logits
+from ..sampling import CHAIN_RULES, SamplingParams, probs_from_logits
 from ..sampling.lossy import lenient_verifier, spec_rl_verifier, typical_verifier
-from .bugs import BUGS, TREE_BUGS, TREE_NON_BUGS, broken_tree_verifier, broken_verifier
+from .bugs import (
+    BLOCK_BUGS,
+    BUGS,
+    TREE_BUGS,
+    TREE_NON_BUGS,
+    broken_block_verifier,
+    broken_tree_verifier,
+    broken_verifier,
+)
 from .kernel import DEFAULT_LEVEL, POWER, Verdict, has_power, load_sampler, samples_needed
 from .stats import (
     chisquare_gof,
@@ -73,6 +81,7 @@ class MethodSpec:
     threads: int | None = None
     tree: str | None = None  # verispec: a tree shape ('4-2-2-1', 'dynamic-D-K-M'); None = chains
     tree_rule: str | None = None  # 'deterministic' (default), 'iid', 'without_replacement'
+    verify: str = "token"  # verispec chains: 'token' or 'block' verification
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -89,13 +98,18 @@ class MethodSpec:
             TreeSpec.parse(self.tree, self.tree_rule)  # validate early
         elif self.tree_rule is not None:
             raise ValueError("tree_rule needs a tree")
+        if self.verify not in CHAIN_RULES:
+            raise ValueError(f"verify must be one of {', '.join(CHAIN_RULES)}, got {self.verify!r}")
+        if self.verify != "token" and (self.method != "verispec" or self.tree is not None):
+            raise ValueError(f"verify={self.verify!r} applies to method 'verispec' with chains (no tree)")
         if self.verifier is not None:
-            _verifier(self.verifier, tree=self.tree is not None)  # validate the name early
+            _verifier(self.verifier, tree=self.tree is not None, block=self.verify == "block")  # validate early
 
     def label(self) -> str:
         if self.method == "verispec":
             d = self.draft + (f" ({self.draft_quant})" if self.draft_quant else "")
             extra = f", verifier {self.verifier}" if self.verifier else ""
+            extra += f", {self.verify} verification" if self.verify != "token" else ""
             if self.tree:
                 return (
                     f"verispec (draft {d}, tree {self.tree} {self.tree_rule or 'deterministic'}, "
@@ -112,7 +126,13 @@ class MethodSpec:
 LOSSY_VERIFIERS = "lenient:L (L in (0, 1]), typical, spec-rl[:L] (L >= 1)"  # the lossy rules _verifier knows
 
 
-def _verifier(name: str, tree: bool = False):
+def _verifier(name: str, tree: bool = False, block: bool = False):
+    if block:
+        if name not in BLOCK_BUGS:
+            raise ValueError(f"with verify='block' the verifier override must be a block bug: {', '.join(BLOCK_BUGS)}")
+        return broken_block_verifier(name)
+    if name in BLOCK_BUGS:
+        raise ValueError(f"{name} is a block verification bug: it needs verify='block'")
 
     if tree:
         usable = [b for b in TREE_BUGS + TREE_NON_BUGS if not b.startswith("tree_mixed_")]
@@ -190,8 +210,11 @@ def _verispec_method(spec: MethodSpec, target) -> SampleFn:
     if draft not in ("ngram", "none", "self"):
         draft = _load(draft, spec.draft_dtype)
     kwargs = {}
-    if spec.verifier:
-        kwargs["tree_verifier" if spec.tree else "verifier"] = _verifier(spec.verifier, tree=spec.tree is not None)
+    if spec.verifier:  # the override replaces the rule's verifier (a block bug replaces verify_block)
+        override = _verifier(spec.verifier, tree=spec.tree is not None, block=spec.verify == "block")
+        kwargs["tree_verifier" if spec.tree else "verifier"] = override
+    elif spec.verify != "token":
+        kwargs["verify"] = spec.verify
     if spec.tree:
         kwargs.update(tree=spec.tree, tree_rule=spec.tree_rule)
     gen = SpeculativeGenerator(

@@ -16,6 +16,7 @@ from .options import (
     add_sampling_args,
     add_seed_arg,
     add_tree_args,
+    add_verify_arg,
     check_draft,
     dtype_name,
     gamma_type,
@@ -41,7 +42,7 @@ def add_parser(sub) -> None:
 
 
 def _add_method_args(p: argparse.ArgumentParser) -> None:
-    from ..certify.bugs import BUGS, TREE_BUGS
+    from ..certify.bugs import BLOCK_BUGS, BUGS, TREE_BUGS
     from ..certify.generate import LOSSY_VERIFIERS, METHODS
 
     p.add_argument(
@@ -67,9 +68,10 @@ def _add_method_args(p: argparse.ArgumentParser) -> None:
         "--inject",
         help=f"verispec with a deliberately broken verifier (must FAIL): {', '.join(BUGS)}; "
         f"or a lossy acceptance rule: {LOSSY_VERIFIERS} (spec-rl: SPEC-RL's rollout reuse, a fresh draw from p "
-        f"at a rejection); with --tree: {', '.join(TREE_BUGS)}",
+        f"at a rejection); with --verify block: {', '.join(BLOCK_BUGS)}; with --tree: {', '.join(TREE_BUGS)}",
     )
     add_tree_args(p)
+    add_verify_arg(p)
 
 
 def _add_certificate_args(p: argparse.ArgumentParser) -> None:
@@ -115,6 +117,7 @@ def _method_spec(args: argparse.Namespace):
             verifier=args.inject,
             tree=args.tree,
             tree_rule=args.tree_rule,
+            verify=args.verify,
         )
     except ValueError as e:  # what MethodSpec still checks itself is the --inject name
         raise UsageError(f"--inject {args.inject}: {e}" if args.inject else str(e)) from None

@@ -52,6 +52,7 @@ def build_generator(args: argparse.Namespace, tree=None):
             runner=args.runner,
             draft_quant=args.draft_quant,
             tree=tree,
+            verify=args.verify,
         )
 
 

@@ -206,6 +206,16 @@ def add_tree_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tree-rule", choices=TREE_RULES, help=_HELP["tree_rule"])
 
 
+def add_verify_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--verify",
+        choices=("token", "block"),
+        default="token",
+        help="how drafted chains are verified: token-wise (default) or block verification (exact too, an accepted "
+        "prefix at least as long in expectation; chains only)",
+    )
+
+
 def add_speculation_args(p: argparse.ArgumentParser) -> None:
     """Target, draft and how the draft runs: the options of `generate` and `serve`."""
     p.add_argument("--target", help=_HELP["target"])
@@ -218,6 +228,7 @@ def add_speculation_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--ngram-sizes", type=_int_list, default="3,2,1", help=_HELP["ngram_sizes"])
     add_tree_args(p)
+    add_verify_arg(p)
     add_device_args(p)
 
 
@@ -291,12 +302,15 @@ def check_draft(args: argparse.Namespace):
     tree = tree_spec(args)
     if tree is not None and args.draft == "none":
         raise UsageError("--tree needs a drafter: a draft model, --draft self or --draft ngram")
+    if tree is not None and getattr(args, "verify", "token") != "token":
+        raise UsageError(f"--verify {args.verify} verifies chains; a --tree is verified by its --tree-rule")
     return tree
 
 
 def draft_label(args: argparse.Namespace, tree=None) -> str:
     """The draft as the user named it: ngram, none, self(int4), path/to/draft(int8), with the tree if any."""
     label = args.draft + (f"({args.draft_quant})" if args.draft_quant else "")
+    label += f", verify={args.verify}" if getattr(args, "verify", "token") != "token" else ""
     return label + (f", tree={tree}" if tree is not None else "")
 
 

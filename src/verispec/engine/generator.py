@@ -5,7 +5,7 @@
     for event in gen.stream("Hello", SamplingParams()):  # text deltas as they are accepted
         print(event.delta, end="")
 
-Every emitted token follows the target's distribution exactly (verify_chain); the target's cache is
+Every emitted token follows the target's distribution exactly (verify_chain or verify_block); the target's cache is
 rolled back to the accepted prefix after each step, the draft's too. Rows finish independently (EOS,
 stop strings, max_new_tokens, the context end) and leave the batch. Each request draws its randomness
 from its own generator (SamplingParams.seed, or a seed drawn from torch's global RNG), so with a fixed
@@ -28,7 +28,7 @@ from collections.abc import Iterator, Sequence
 from ..drafting import DraftModelProposer, PromptLookupProposer, Proposer, TreeSpec
 from ..model.fast import make_runner
 from ..model.loading import LoadedModel, shared_vocab_size
-from ..sampling import SamplingParams, verify_chain, verify_tree
+from ..sampling import CHAIN_RULES, SamplingParams, verify_tree
 from .adaptive import GammaController
 from .rows import Completion, StreamEvent
 from .session import GenerationSession, check_limits
@@ -53,6 +53,8 @@ class SpeculativeGenerator:
     matches as branches; a custom `Proposer` brings its own `tree`) and verified in one tree-masked target pass with verify_tree; tree_rule: how children
     are drawn and verified ("deterministic" top-k, "iid", "without_replacement"). With a tree, gamma only
     switches speculation on or off per request; the tree's shape sets the draft.
+    verify: how chains are verified — "token" (token-wise, Leviathan et al.) or "block" (block verification, Sun
+    et al. 2025: the same exactness, an accepted prefix at least as long in expectation; `sampling.block`).
     """
 
     def __init__(
@@ -66,22 +68,32 @@ class SpeculativeGenerator:
         draft_stop_below: float | None = 0.3,
         runner: str = "auto",
         draft_quant: str | None = None,
-        verifier=verify_chain,
+        verify: str = "token",
+        verifier=None,
         tree: TreeSpec | str | None = None,
         tree_rule: str | None = None,
         tree_verifier=verify_tree,
     ):
         self.target = target
         self.tokenizer = target.tokenizer
+        if verify not in CHAIN_RULES:
+            raise ValueError(f"verify must be one of {', '.join(CHAIN_RULES)}, got {verify!r}")
+        if verifier is not None and verify != "token":
+            raise ValueError(f"verify={verify!r} and a verifier override exclude each other")
+        self.verify = verify
         # the verification functions (verify_chain's and verify_tree's interfaces): `verispec certify --inject`
         # and the lossy variants of the study swap them, nothing else should
-        self.verifier = verifier
+        self.verifier = CHAIN_RULES[verify] if verifier is None else verifier
         self.tree_verifier = tree_verifier
         tree = _tree_spec(tree, tree_rule)
         self.proposer, self.vocab_size = self._proposer(
             target, draft, tree, ngram_sizes, draft_stop_below, runner, draft_quant
         )
         self.tree = self.proposer.tree if self.proposer is not None else None
+        if self.tree is not None and verify != "token":
+            raise ValueError(
+                f"verify={verify!r} verifies chains; a tree is verified by its own rule (tree_rule), drop one of them"
+            )
         self.controller = GammaController(0 if self.proposer is None else gamma, max_gamma)
         self.runner = make_runner(target.model, self.vocab_size, runner=runner)
         self.device = self.runner.device

@@ -111,7 +111,8 @@ class RolloutEngine:
     length ("auto" without history). history_tree / history_min_share: the history trie's shape and the least
     share of matched continuations a node needs (`HistoryProposer`). choose_depth (draft model + history): None
     drafts both in one tree every step; d picks per row the history trie alone where it is at least d deep, else
-    the chain alone (`CombinedProposer`). max_batch_size: rows in the running batch.
+    the chain alone (`CombinedProposer`). max_batch_size: rows in the running batch. verify: "token" or "block"
+    verification of a draft model's chains (block needs history=False: history drafts trees).
     runner: see `make_runner`.
     """
 
@@ -129,6 +130,7 @@ class RolloutEngine:
         max_batch_size: int = 64,
         runner: str = "auto",
         strict_on_policy: bool = True,
+        verify: str = "token",
     ):
         if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise ValueError(f"max_batch_size must be an integer >= 1, got {max_batch_size!r}")
@@ -140,12 +142,17 @@ class RolloutEngine:
         history_args = dict(tree=history_tree, min_share=history_min_share)
         self._choose_depth = choose_depth
         proposer = self._proposer(target, draft, draft_quant, history_args, runner, gamma)
+        if verify != "token" and proposer is not None and proposer.tree is not None:
+            raise ValueError(
+                f"verify={verify!r} verifies chains, and history drafts trees: pass history=False to use it"
+            )
         self.gen = SpeculativeGenerator(
             target,
             proposer,
             gamma=gamma if proposer is not None else 0,
             runner=runner,
             max_gamma=max(8, gamma) if isinstance(gamma, int) else 8,
+            verify=verify,
         )
         self.target = target
         self.draft = draft

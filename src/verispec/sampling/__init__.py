@@ -3,6 +3,7 @@
 Nothing here knows about models or caches: tensors in, tensors out, explicit randomness.
 """
 
+from .block import verify_block, verify_block_with_uniforms
 from .chain import ChainVerifyOutput, draw_uniforms, sample_from_weights, verify_chain, verify_chain_with_uniforms
 from .params import ParamError, SamplingParams
 from .processors import counts_at_nodes, probs_from_logits
@@ -16,7 +17,10 @@ from .theory import (
 )
 from .tree import TREE_RULES, VERIFY_RULES, TreeVerifyOutput, verify_tree, verify_tree_with_uniforms
 
+CHAIN_RULES = {"token": verify_chain, "block": verify_block}  # how a drafted chain is verified (all exact)
+
 __all__ = [
+    "CHAIN_RULES",
     "TREE_RULES",
     "VERIFY_RULES",
     "ChainVerifyOutput",
@@ -33,6 +37,8 @@ __all__ = [
     "sample_from_weights",
     "speedup_constant_cost",
     "speedup_cost_curve",
+    "verify_block",
+    "verify_block_with_uniforms",
     "verify_chain",
     "verify_chain_with_uniforms",
     "verify_tree",
