@@ -18,8 +18,8 @@ def test_tree_methods_side_by_side(tmp_path, capsys):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"prompt": "a b c a b", "category": "code"}) + "\n")
     methods = (
-        "verispec-plain,verispec-draft@2,verispec-tree@2-2/without_replacement,verispec-tree@dynamic-2-2-4,"
-        "verispec-ngram-tree@2-1"
+        "verispec-plain,verispec-draft@2,verispec-draft@2/block,verispec-tree@2-2/without_replacement,"
+        "verispec-tree@dynamic-2-2-4,verispec-ngram-tree@2-1"
     )
     assert (
         main(
@@ -55,6 +55,7 @@ def test_tree_methods_side_by_side(tmp_path, capsys):
     tree = recs["verispec-tree@2-2/without_replacement"]
     assert tree["tokens"] == 8 and tree["nodes"] > 0 and tree["drafted_per_step"] > 2
     assert len(result["cost_curve_s"]) == 7  # calibrated up to the widest verification (6 nodes + root)
+    assert recs["verispec-draft@2/block"]["tokens"] == 8
 
 
 @pytest.mark.parametrize(

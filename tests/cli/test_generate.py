@@ -34,7 +34,8 @@ def run_cli(*argv):
     return subprocess.run([sys.executable, "-m", "verispec.cli", *argv], capture_output=True, text=True)
 
 
-def test_generate_json_greedy_matches_reference(model_dirs, capsys):
+@pytest.mark.parametrize("verify", ["token", "block"])
+def test_generate_json_greedy_matches_reference(model_dirs, capsys, verify):
     argv = [
         "generate",
         "a b c a b",
@@ -49,6 +50,8 @@ def test_generate_json_greedy_matches_reference(model_dirs, capsys):
         "--gamma",
         "3",
         "--json",
+        "--verify",
+        verify,
     ]
     assert main(argv) == 0
     doc = json.loads(capsys.readouterr().out)
