@@ -5,6 +5,7 @@ For each (B, k, V) it times, on the same inputs:
   * verispec   — verify_chain(check=False): the hot-path call an engine makes with trusted inputs;
   * +checks    — verify_chain(check=True): the default, with input validation;
   * +per-row generators — check=False with one torch.Generator per row (per-request seeds);
+  * block      — verify_block(check=False): block verification (one more read of p and q, for the block masses);
   * reference  — a plain implementation that builds the full residual at every position, row by row.
 and prints the ratios. Times are medians over repeats; ratios are what to read (shared, noisy machines).
 """
@@ -18,6 +19,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
+from ..sampling.block import verify_block
 from ..sampling.chain import verify_chain
 from .table import markdown_table
 
@@ -104,6 +106,7 @@ def time_shape(B: int, k: int, V: int, repeats: int = 10, device: str = "cpu", r
     r["verispec_s"] = timed(lambda: verify_chain(target_probs, draft_ids, draft_probs, check=False))
     r["checked_s"] = timed(lambda: verify_chain(target_probs, draft_ids, draft_probs))
     r["generators_s"] = timed(lambda: verify_chain(target_probs, draft_ids, draft_probs, generators=gens, check=False))
+    r["block_s"] = timed(lambda: verify_block(target_probs, draft_ids, draft_probs, check=False))
     if reference:
         tp, di, dp = target_probs.cpu(), draft_ids.cpu(), draft_probs.cpu()
         r["reference_s"] = _time(lambda: reference_verify_chain(tp, di, dp), max(2, repeats // 4), 0.0)
@@ -121,6 +124,8 @@ def to_markdown(rows: list[dict]) -> str:
         "+checks ms",
         "x read",
         "+generators ms",
+        "block ms",
+        "x read",
         "reference ms",
         "reference / verispec",
     ]
@@ -138,6 +143,8 @@ def to_markdown(rows: list[dict]) -> str:
                 f"{r['checked_s'] * 1e3:.3f}",
                 f"{r['checked_s'] / r['read_s']:.2f}",
                 f"{r['generators_s'] * 1e3:.3f}",
+                f"{r['block_s'] * 1e3:.3f}",
+                f"{r['block_s'] / r['read_s']:.2f}",
                 f"{ref * 1e3:.1f}" if ref is not None else "-",
                 f"{ref / r['verispec_s']:.1f}" if ref is not None else "-",
             ]

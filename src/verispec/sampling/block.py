@@ -102,9 +102,11 @@ def block_residual_mass(
         z = rho[:, :k] * (1.0 - p_next).clamp_min(0.0)
     else:
         buf = torch.empty(B, V, dtype=target_probs.dtype, device=dev)
-        for i in range(k):  # one [B, V] buffer per position: no [B, k, V] temporary
-            torch.mul(target_probs[:, i], rho[:, i : i + 1].to(buf.dtype), out=buf)
-            z[:, i] = buf.sub_(draft_probs[:, i]).clamp_min_(0.0).sum(1, dtype=torch.float64)
+        for i in range(k):  # one [B, V] buffer for every position: no [B, k, V] temporary
+            # buf = Q_i - rho_i P_i, so Z_i = -sum(min(buf, 0)); a sum in the inputs' dtype (pairwise, relative
+            # error ~1e-7 in float32): summing float32 into float64 costs 60x more on CPU
+            torch.addcmul(draft_probs[:, i], target_probs[:, i], rho[:, i : i + 1].to(buf.dtype), value=-1, out=buf)
+            z[:, i] = buf.clamp_max_(0.0).sum(1).neg().double()
     return torch.where(torch.arange(k, device=dev) < num_draft.unsqueeze(1), z, 0.0)
 
 
