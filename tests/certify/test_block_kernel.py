@@ -99,3 +99,10 @@ def test_cli(tmp_path, capsys):
     assert main(["certify", "kernel", "--verify", "block", "--inject", "swap_p_q", *out]) == 2
     assert main(["certify", "kernel", "--verify", "block", "--tree", "iid", *out]) == 2
     assert "applies to chains" in capsys.readouterr().err
+    small = ["--cases", "small-vocab-k2", "--samples", "20000"]
+    assert main(["certify", "kernel", "--coupling", "gumbel", *small, *out]) == 0
+    assert "PASS (verispec.sampling.coupling:gumbel_verifier)" in capsys.readouterr().out
+    assert main(["certify", "kernel", "--coupling", "gumbel", "--inject", "gumbel_position_unkeyed", *small, *out]) == 1
+    assert main(["certify", "kernel", "--seeding", "position", *small, *out]) == 0
+    assert "PASS (verispec.sampling.positional:positional_verifier)" in capsys.readouterr().out
+    assert main(["certify", "kernel", "--seeding", "position", "--verify", "block", *out]) == 2

@@ -47,6 +47,10 @@ SPECULATION = [  # options of generate and serve
     (["--tree", "64-64"], r"--tree 64-64: .*at most 256"),
     (["--tree-rule", "iid"], r"--tree-rule needs --tree"),
     (["--tree", "2-1", "--verify", "block"], r"--verify block verifies chains"),
+    (["--seeding", "position"], r"--seeding position needs a draft model"),  # the default draft is ngram
+    (["--seeding", "position", "--draft", "none", "--coupling", "gumbel"], r"--seeding position works with"),
+    (["--seeding", "keyed"], r"--seeding: invalid choice"),
+    (["--coupling", "normal"], r"--coupling: invalid choice"),
     (["--draft", "none", "--tree", "2-1"], r"--tree needs a drafter"),
     (["--draft", "ngram", "--draft-quant", "int4"], r"--draft-quant applies to a draft model"),
     (["--draft", "none", "--draft-quant", "int8"], r"--draft-quant applies to a draft model"),

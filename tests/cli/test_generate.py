@@ -189,3 +189,15 @@ def test_default_model_for_real():
     spec = SpeculativeGenerator(target, "ngram", gamma=4).generate(prompt, greedy, max_new_tokens=32)[0]
     assert spec.token_ids == plain.token_ids and len(plain.token_ids) > 0
     assert "return" in spec.text
+
+
+@pytest.mark.parametrize("mode", [["--seeding", "position"], ["--coupling", "gumbel"]], ids=["position", "gumbel"])
+def test_seeded_output_does_not_depend_on_gamma(model_dirs, capsys, mode):
+    """--seeding position and --coupling gumbel: one seed gives the same tokens under --gamma 1, 5 and auto."""
+    outs = []
+    for gamma in ("1", "5", "auto"):
+        argv = ["generate", "a b c a b", "--target", str(model_dirs["target"]), "--draft", str(model_dirs["draft"])]
+        argv += ["--max-new-tokens", "16", "--seed", "7", "--gamma", gamma, "--json", *mode]
+        assert main(argv) == 0
+        outs.append(json.loads(capsys.readouterr().out)["token_ids"])
+    assert outs[0] == outs[1] == outs[2]

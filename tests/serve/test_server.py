@@ -385,3 +385,31 @@ def test_cli_serve_starts_and_answers(tmp_path):
         proc.wait(timeout=30)
     bad = subprocess.run([sys.executable, "-m", "verispec.cli", "serve", "--port", "0"], capture_output=True, text=True)
     assert bad.returncode == 2 and "--port" in bad.stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize(
+    "mode", [dict(coupling="gumbel"), dict(seeding="position", draft_stop_below=None)], ids=["gumbel", "position"]
+)
+def test_seeded_requests_do_not_depend_on_gamma_auto_or_load(mode, tiny_target, tiny_noisy):
+    """The server's default gamma auto with --coupling gumbel (reference: plain decoding under the coupling) or
+    --seeding position (reference: the engine alone at gamma 1): seeded requests sent 16 at a time return the
+    reference's text, whatever batch they shared."""
+    gen = SpeculativeGenerator(tiny_target, tiny_noisy, gamma="auto", **mode)
+    plain = dict(coupling="gumbel") if "coupling" in mode else dict(seeding="position")  # default stop_below: ok
+    ref_gen = SpeculativeGenerator(tiny_target, None if "coupling" in mode else tiny_noisy, gamma=1, **plain)
+    with LiveServer(gen, max_batch=8, max_queue=64) as s:
+        c = s.client()
+
+        def ask(seed):
+            body = dict(ignore_eos=True)
+            out = c.completions.create(model=MODEL, prompt=[3, 7, 7, 12], max_tokens=12, seed=seed, extra_body=body)
+            return out.choices[0].text, out.usage.model_extra["speculation"]["draft_tokens"]
+
+        with ThreadPoolExecutor(16) as pool:
+            texts, drafted = zip(*pool.map(ask, range(32)))
+    ref = [
+        ref_gen.generate([[3, 7, 7, 12]], SamplingParams(seed=s), max_new_tokens=12, ignore_eos=True)[0].text
+        for s in range(32)
+    ]
+    assert list(texts) == ref
+    assert sum(drafted) > 0  # speculation was on

@@ -9,7 +9,8 @@ Methods (same target, prompts, max_new_tokens, temperature and seeds):
     hf-assisted       HF transformers generate(assistant_model=draft)
   and, named with an argument:
     verispec-draft@G              the draft model with a fixed draft length G (chains of several lengths side by side)
-    verispec-draft[@G]/block      the same chains under block verification (token-wise and block side by side)
+    verispec-draft[@G]/MODE       the same chains with MODE = block (block verification), position (seeding by
+                                  position: gamma-invariant seeded output) or gumbel (Gumbel coupling), side by side
     verispec-tree@SHAPE[/RULE]    draft-model trees: SHAPE = widths per depth (4-2-2-1) or dynamic-D-K-M, RULE =
                                   deterministic (default), iid or without_replacement
     verispec-ngram-tree@SHAPE     prompt-lookup tries (SHAPE's first width = branches, its depth = length)
@@ -165,11 +166,10 @@ BASE_METHODS = E2EConfig.methods + ("verispec-tree", "verispec-ngram-tree")
 def check_method(name: str) -> None:
     """Raise ValueError for a method name run_e2e does not know (see the module docstring)."""
 
-    block = name.startswith("verispec-draft") and name.endswith("/block")
-    base, at, arg = name.removesuffix("/block" if block else "").partition("@")
+    base, at, arg = _strip_mode(name).partition("@")
     if base not in BASE_METHODS or (at and base not in ("verispec-draft", "verispec-tree", "verispec-ngram-tree")):
         raise ValueError(
-            f"unknown method {name!r}; choose from {', '.join(E2EConfig.methods)}, verispec-draft[@G][/block], "
+            f"unknown method {name!r}; choose from {', '.join(E2EConfig.methods)}, verispec-draft[@G][/{'|'.join(MODES)}], "
             "verispec-tree@SHAPE[/RULE], verispec-ngram-tree@SHAPE"
         )
     if base in ("verispec-tree", "verispec-ngram-tree"):
@@ -183,16 +183,16 @@ def check_method(name: str) -> None:
 
 def _make(method: str, target: LoadedModel, draft: LoadedModel | None, cfg: E2EConfig) -> SpeculativeGenerator:
     base, _, arg = method.partition("@")
-    if base.startswith("verispec-draft"):  # verispec-draft[@G][/block]
-        verify = "block" if method.endswith("/block") else "token"
-        arg, base = arg.removesuffix("/block"), base.removesuffix("/block")
+    if base.startswith("verispec-draft"):  # verispec-draft[@G][/MODE]
+        mode = method.rpartition("/")[2] if _strip_mode(method) != method else None
+        arg = _strip_mode(method).partition("@")[2]
         return SpeculativeGenerator(
             target,
             draft,
             gamma=int(arg) if arg else cfg.gamma,
             runner=cfg.runner,
             draft_quant=cfg.draft_quant,
-            verify=verify,
+            **MODES.get(mode, {}),
         )
     shape, _, rule = arg.partition("/")
     if base == "verispec-tree":
@@ -202,9 +202,18 @@ def _make(method: str, target: LoadedModel, draft: LoadedModel | None, cfg: E2EC
     return SpeculativeGenerator(target, "ngram", tree=shape, runner=cfg.runner)  # verispec-ngram-tree
 
 
+MODES = {"block": dict(verify="block"), "position": dict(seeding="position"), "gumbel": dict(coupling="gumbel")}
+
+
+def _strip_mode(method: str) -> str:
+    """verispec-draft@4/block -> verispec-draft@4 (a draft-model chain's MODE suffix; other names unchanged)."""
+    head, _, mode = method.rpartition("/")
+    return head if method.startswith("verispec-draft") and mode in MODES else method
+
+
 def _base(method: str) -> str:
     """verispec-draft@4/block -> verispec-draft; verispec-tree@4-2/iid -> verispec-tree."""
-    return method.partition("@")[0].removesuffix("/block")
+    return _strip_mode(method).partition("@")[0]
 
 
 def run_e2e(
@@ -235,7 +244,7 @@ def run_e2e(
     max_gamma = cfg.gamma if isinstance(cfg.gamma, int) else 8
     widest = max(
         [max_gamma]
-        + [int(m.partition("@")[2].removesuffix("/block")) for m in methods if m.startswith("verispec-draft@")]
+        + [int(_strip_mode(m).partition("@")[2]) for m in methods if m.startswith("verispec-draft@")]
         + [g.tree.max_nodes for g in gens.values() if g.tree is not None]
     )
     log("calibrating the cost curve ...")

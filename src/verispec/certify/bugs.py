@@ -34,6 +34,10 @@ Broken block verifiers (drop-in replacements for `verify_block`, for `certify ke
                           residual-mass threshold Z / (Z + 1 - rho) of the padding slot instead of rho (vLLM's
                           placeholder-truncation test guards this)
 
+A broken coupled verifier (for `certify kernel --coupling gumbel`):
+  gumbel_position_unkeyed the race noise keyed by the request alone, not by (request, position): one noise vector
+                          for every position of a step, so the emitted tokens of a step are dependent
+
 Not bugs, although they look like ones: i.i.d.-sampled children verified with the deterministic rule stay lossless
 (that rule accepts x_i with probability r(x_i) and removes it, which samples r exactly for any candidates drawn
 independently of the verifier's uniforms: P(emit y) = E_x[1{y = x} r(x) + 1{y != x} (1 - r(x)) r(y) / (1 - r(x))]
@@ -50,16 +54,19 @@ import torch
 from torch import Tensor
 
 from ..sampling.block import block_final_weights, block_residual_mass, block_terms
-from ..sampling.chain import ChainVerifyOutput, _normalise_args, draw_uniforms
+from ..sampling.chain import ChainVerifyOutput, _normalise_args, draw_uniforms, verify_chain
+from ..sampling.coupling import onehot_winners
 from ..sampling.lossy import chain_interface, draft_q, finish_chain
 from ..sampling.tree import TreeVerifyOutput, tree_ancestors, verify_tree, verify_tree_with_uniforms
 
 __all__ = [
     "BLOCK_BUGS",
     "BUGS",
+    "COUPLING_BUGS",
     "TREE_BUGS",
     "TREE_NON_BUGS",
     "broken_block_verifier",
+    "broken_coupled_verifier",
     "broken_tree_verifier",
     "broken_verifier",
 ]
@@ -80,6 +87,7 @@ TREE_BUGS = (
     "tree_mixed_dedup",
     "tree_mixed_chosen_as_sampled",
 )
+COUPLING_BUGS = ("gumbel_position_unkeyed",)
 BLOCK_BUGS = ("block_plain_residual", "block_first_rejection", "block_placeholder_threshold")
 TREE_NON_BUGS = ("tree_iid_as_deterministic", "tree_mixed_sampled_as_chosen")  # look wrong, are lossless (docstring)
 
@@ -161,6 +169,19 @@ def _broken_block(bug, target_probs, draft_token_ids, draft_probs, num_draft_tok
         rho = torch.ones_like(rho)
     w = block_final_weights(target_probs, ids, draft_probs, nd, rho, tau)
     return finish_chain(ids, tau, w, target_probs[rows, tau], final_u)
+
+
+def broken_coupled_verifier(bug: str):
+    """A coupled (Gumbel) chain verifier with one deliberate mistake (COUPLING_BUGS)."""
+    if bug not in COUPLING_BUGS:
+        raise ValueError(f"unknown coupling bug {bug!r}; choose one of: {', '.join(COUPLING_BUGS)}")
+
+    def impl(target_probs, draft_token_ids, draft_probs, num_draft_tokens, generators):
+        B, K1, V = target_probs.shape
+        exps = torch.rand((B, 1, V), dtype=torch.float64).neg_().log1p_().neg_().expand(B, K1, V)  # one vector per row
+        return verify_chain(onehot_winners(target_probs, exps), draft_token_ids, draft_probs, num_draft_tokens)
+
+    return chain_interface(f"broken_coupled_verifier_{bug}", impl, broken_coupled_verifier)
 
 
 _WRONG_RULE = {  # bug: (the drafting rule, the rule the broken verifier uses for it instead)

@@ -37,6 +37,7 @@ from ..engine.generator import SpeculativeGenerator
 from ..engine.stats import SpecStats
 from ..model import loading
 from ..sampling import CHAIN_RULES, SamplingParams, probs_from_logits
+from ..sampling.coupling import COUPLINGS
 from ..sampling.lossy import lenient_verifier, spec_rl_verifier, typical_verifier
 from .bugs import (
     BLOCK_BUGS,
@@ -82,6 +83,8 @@ class MethodSpec:
     tree: str | None = None  # verispec: a tree shape ('4-2-2-1', 'dynamic-D-K-M'); None = chains
     tree_rule: str | None = None  # 'deterministic' (default), 'iid', 'without_replacement'
     verify: str = "token"  # verispec chains: 'token' or 'block' verification
+    coupling: str | None = None  # verispec / plain: 'gumbel' (sampling.coupling)
+    seeding: str = "stream"  # verispec / plain: 'position' (sampling.positional)
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -104,12 +107,22 @@ class MethodSpec:
             raise ValueError(f"verify={self.verify!r} applies to method 'verispec' with chains (no tree)")
         if self.verifier is not None:
             _verifier(self.verifier, tree=self.tree is not None, block=self.verify == "block")  # validate early
+        if self.seeding not in ("stream", "position"):
+            raise ValueError(f"seeding must be 'stream' or 'position', got {self.seeding!r}")
+        if self.seeding == "position" and (
+            self.method not in ("verispec", "plain") or self.tree or self.draft in ("ngram", "self")
+        ):
+            raise ValueError("seeding 'position' applies to verispec with a draft model's chains, or to plain")
+        if self.coupling is not None and (self.coupling not in COUPLINGS or self.method not in ("verispec", "plain")):
+            raise ValueError(f"coupling {self.coupling!r} applies to methods 'verispec' and 'plain' ({COUPLINGS})")
 
     def label(self) -> str:
         if self.method == "verispec":
             d = self.draft + (f" ({self.draft_quant})" if self.draft_quant else "")
             extra = f", verifier {self.verifier}" if self.verifier else ""
             extra += f", {self.verify} verification" if self.verify != "token" else ""
+            extra += f", {self.coupling} coupling" if self.coupling else ""
+            extra += ", seeding by position" if self.seeding == "position" else ""
             if self.tree:
                 return (
                     f"verispec (draft {d}, tree {self.tree} {self.tree_rule or 'deterministic'}, "
@@ -215,6 +228,10 @@ def _verispec_method(spec: MethodSpec, target) -> SampleFn:
         kwargs["tree_verifier" if spec.tree else "verifier"] = override
     elif spec.verify != "token":
         kwargs["verify"] = spec.verify
+    if spec.coupling is not None:
+        kwargs["coupling"] = spec.coupling
+    if spec.seeding != "stream":
+        kwargs["seeding"] = spec.seeding
     if spec.tree:
         kwargs.update(tree=spec.tree, tree_rule=spec.tree_rule)
     gen = SpeculativeGenerator(

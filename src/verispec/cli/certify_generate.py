@@ -8,6 +8,7 @@ import sys
 from .options import (
     UsageError,
     add_counts,
+    add_coupling_arg,
     add_device_args,
     add_level_arg,
     add_prompt_args,
@@ -15,6 +16,7 @@ from .options import (
     add_runner_arg,
     add_sampling_args,
     add_seed_arg,
+    add_seeding_arg,
     add_tree_args,
     add_verify_arg,
     check_draft,
@@ -72,6 +74,8 @@ def _add_method_args(p: argparse.ArgumentParser) -> None:
     )
     add_tree_args(p)
     add_verify_arg(p)
+    add_coupling_arg(p)
+    add_seeding_arg(p)
 
 
 def _add_certificate_args(p: argparse.ArgumentParser) -> None:
@@ -118,6 +122,8 @@ def _method_spec(args: argparse.Namespace):
             tree=args.tree,
             tree_rule=args.tree_rule,
             verify=args.verify,
+            coupling=args.coupling,
+            seeding=args.seeding,
         )
     except ValueError as e:  # what MethodSpec still checks itself is the --inject name
         raise UsageError(f"--inject {args.inject}: {e}" if args.inject else str(e)) from None

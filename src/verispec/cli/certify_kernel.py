@@ -12,7 +12,7 @@ SAMPLER_HELP = "module:function or file.py:function with verify_chain's (or, wit
 
 
 def add_parser(sub) -> None:
-    from ..certify.bugs import BLOCK_BUGS, BUGS, TREE_BUGS, TREE_NON_BUGS
+    from ..certify.bugs import BLOCK_BUGS, BUGS, COUPLING_BUGS, TREE_BUGS, TREE_NON_BUGS
     from ..certify.kernel import DEFAULT_SAMPLES
     from ..certify.tree_kernel import DEFAULT_TREE_SAMPLES
     from ..sampling.tree import VERIFY_RULES
@@ -31,7 +31,19 @@ def add_parser(sub) -> None:
         help="the chain rule: token-wise (its exact one-step laws are tested) or block verification (the laws of "
         "the completed sequence, which every lossless rule keeps, are tested; with --sampler: a block verifier)",
     )
-    bugs = f"chain bugs {', '.join(BUGS)}; with --verify block: {', '.join(BLOCK_BUGS)}; with --tree: {', '.join(TREE_BUGS)}"
+    p.add_argument(
+        "--coupling",
+        choices=("gumbel",),
+        help="certify Gumbel-coupled verification (the target's race winner at every position; drafts kept while "
+        "they equal it) against the completed-sequence laws",
+    )
+    p.add_argument(
+        "--seeding",
+        choices=("position",),
+        help="certify position-keyed verification (each row's last draft verified like the others, no bonus after "
+        "it) against the completed-sequence laws",
+    )
+    bugs = f"chain bugs {', '.join(BUGS)}; with --verify block: {', '.join(BLOCK_BUGS)}; with --coupling gumbel: {', '.join(COUPLING_BUGS)}; with --tree: {', '.join(TREE_BUGS)}"
     looks_wrong = f"(and {', '.join(TREE_NON_BUGS)}, which only looks wrong: it is lossless)"
     p.add_argument("--inject", help=f"certify a deliberately broken verifier instead (must FAIL): {bugs} {looks_wrong}")
     add_counts(
@@ -54,42 +66,46 @@ def add_parser(sub) -> None:
 
 def _sampler(args: argparse.Namespace, tree: bool):
     """(the verifier to certify, its name in the report)."""
-    from ..certify.bugs import (
-        BLOCK_BUGS,
-        BUGS,
-        TREE_BUGS,
-        TREE_NON_BUGS,
-        broken_block_verifier,
-        broken_tree_verifier,
-        broken_verifier,
-    )
+    from ..certify import bugs
     from ..certify.kernel import load_sampler, verispec_block_sampler, verispec_sampler
     from ..certify.tree_kernel import verispec_tree_sampler
+    from ..sampling.coupling import gumbel_verifier
+    from ..sampling.positional import positional_verifier
 
     if args.sampler and args.inject:
         raise UsageError("--sampler and --inject exclude each other (--inject replaces verispec's own verifier)")
-    if tree and args.verify == "block":
-        raise UsageError("--verify block applies to chains; trees are verified by their --tree rule")
+    if args.verify == "block" and (tree or args.coupling):
+        raise UsageError("--verify block applies to chains, without --tree or --coupling")
+    if tree and args.coupling:
+        raise UsageError("--coupling applies to chains here (the engine couples trees too; certify them end to end)")
     if args.sampler:
         return load_sampler(args.sampler), args.sampler
-    block = args.verify == "block"
-    if args.inject:
-        kind, bugs, make = (
-            ("tree", TREE_BUGS + TREE_NON_BUGS, broken_tree_verifier)
-            if tree
-            else ("block", BLOCK_BUGS, broken_block_verifier)
-            if block
-            else ("chain", BUGS, broken_verifier)
+    if args.seeding and (tree or args.coupling or args.verify == "block" or args.inject):
+        raise UsageError(
+            "--seeding position certifies the token-wise chain rule alone (no --tree, --coupling, "
+            "--verify block or --inject)"
         )
-        if args.inject not in bugs:
-            where = {"tree": " (with --tree)", "block": " (with --verify block)", "chain": ""}[kind]
-            raise UsageError(f"--inject {args.inject} is not a {kind} bug; {kind} bugs{where}: {', '.join(bugs)}")
+    if args.seeding and not args.sampler:
+        return positional_verifier, "verispec.sampling.positional:positional_verifier"
+    kind = "tree" if tree else "block" if args.verify == "block" else "coupling" if args.coupling else "chain"
+    if args.inject:
+        known, make = {
+            "tree": (bugs.TREE_BUGS + bugs.TREE_NON_BUGS, bugs.broken_tree_verifier),
+            "block": (bugs.BLOCK_BUGS, bugs.broken_block_verifier),
+            "coupling": (bugs.COUPLING_BUGS, bugs.broken_coupled_verifier),
+            "chain": (bugs.BUGS, bugs.broken_verifier),
+        }[kind]
+        if args.inject not in known:
+            where = {"tree": " (with --tree)", "block": " (with --verify block)", "coupling": " (with --coupling)"}
+            msg = f"--inject {args.inject} is not a {kind} bug; {kind} bugs{where.get(kind, '')}: {', '.join(known)}"
+            raise UsageError(msg)
         return make(args.inject), f"verispec.certify.bugs:{args.inject}"
-    if tree:
-        return verispec_tree_sampler, "verispec.sampling.tree:verify_tree"
-    if block:
-        return verispec_block_sampler, "verispec.sampling.block:verify_block"
-    return verispec_sampler, "verispec.sampling:verify_chain"
+    return {
+        "tree": (verispec_tree_sampler, "verispec.sampling.tree:verify_tree"),
+        "block": (verispec_block_sampler, "verispec.sampling.block:verify_block"),
+        "coupling": (gumbel_verifier, "verispec.sampling.coupling:gumbel_verifier"),
+        "chain": (verispec_sampler, "verispec.sampling:verify_chain"),
+    }[kind]
 
 
 def _cases(args: argparse.Namespace, rules):
@@ -114,7 +130,8 @@ def _cases(args: argparse.Namespace, rules):
 def run(args: argparse.Namespace) -> int:
     """Run a battery of (p, q) cases through a chain verifier (verispec's, or --sampler module:function with
     verify_chain's interface) and test every emitted position's distribution. With --verify block: verispec's block
-    verifier (or the --sampler) against the laws of the completed sequence. With --tree RULE: trees drafted with
+    verifier (or the --sampler) against the laws of the completed sequence; with --coupling gumbel, Gumbel-coupled
+    verification against the same laws. With --tree RULE: trees drafted with
     that rule through a tree verifier (verify_tree's interface; rule 'mixed' also passes sampled=). Exit status
     0 = PASS, 1 = FAIL."""
     from rich.console import Console
@@ -137,7 +154,7 @@ def run(args: argparse.Namespace) -> int:
                     sampler, rules=rules, samples=args.samples or DEFAULT_TREE_SAMPLES, **common
                 )
             else:
-                laws = "sequence" if args.verify == "block" else "step"
+                laws = "sequence" if args.verify == "block" or args.coupling or args.seeding else "step"
                 report = certify_kernel(sampler, samples=args.samples or DEFAULT_SAMPLES, laws=laws, **common)
     md, js = write_report(report, args.out)
     print(report.to_markdown() if args.verbose else _summary(report))

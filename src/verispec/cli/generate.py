@@ -53,6 +53,8 @@ def build_generator(args: argparse.Namespace, tree=None):
             draft_quant=args.draft_quant,
             tree=tree,
             verify=args.verify,
+            coupling=args.coupling,
+            seeding=args.seeding,
         )
 
 

@@ -216,6 +216,26 @@ def add_verify_arg(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_coupling_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--coupling",
+        choices=("gumbel",),
+        help="gumbel: every token is the exponential race of p under noise keyed by (seed, position), drafts draw "
+        "with the same noise: a seeded request then gives plain decoding's tokens for any drafter, gamma and batch",
+    )
+
+
+def add_seeding_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--seeding",
+        choices=("stream", "position"),
+        default="stream",
+        help="position: key every random number by (seed, output position) and draft each step's last position "
+        "too, so a seeded request's tokens do not depend on --gamma (auto included), the batch or timing; one draft "
+        "forward more per step; a draft model's chains (or --draft none) with --verify token (default stream)",
+    )
+
+
 def add_speculation_args(p: argparse.ArgumentParser) -> None:
     """Target, draft and how the draft runs: the options of `generate` and `serve`."""
     p.add_argument("--target", help=_HELP["target"])
@@ -229,6 +249,8 @@ def add_speculation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ngram-sizes", type=_int_list, default="3,2,1", help=_HELP["ngram_sizes"])
     add_tree_args(p)
     add_verify_arg(p)
+    add_coupling_arg(p)
+    add_seeding_arg(p)
     add_device_args(p)
 
 
@@ -304,6 +326,11 @@ def check_draft(args: argparse.Namespace):
         raise UsageError("--tree needs a drafter: a draft model, --draft self or --draft ngram")
     if tree is not None and getattr(args, "verify", "token") != "token":
         raise UsageError(f"--verify {args.verify} verifies chains; a --tree is verified by its --tree-rule")
+    if getattr(args, "seeding", "stream") == "position":
+        if args.draft in ("ngram", "self") or tree is not None:
+            raise UsageError("--seeding position needs a draft model drafting chains (or --draft none)")
+        if args.verify != "token" or getattr(args, "coupling", None):
+            raise UsageError("--seeding position works with --verify token and without --coupling")
     return tree
 
 
@@ -311,6 +338,8 @@ def draft_label(args: argparse.Namespace, tree=None) -> str:
     """The draft as the user named it: ngram, none, self(int4), path/to/draft(int8), with the tree if any."""
     label = args.draft + (f"({args.draft_quant})" if args.draft_quant else "")
     label += f", verify={args.verify}" if getattr(args, "verify", "token") != "token" else ""
+    label += f", coupling={args.coupling}" if getattr(args, "coupling", None) else ""
+    label += ", seeding=position" if getattr(args, "seeding", "stream") == "position" else ""
     return label + (f", tree={tree}" if tree is not None else "")
 
 

@@ -32,6 +32,10 @@ class BatchView:
     output_counts: Tensor | None = None  # [B, V] generated-token counts, for penalties
     vocab_size: int = 0
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    seeds: list[int] | None = None  # per-row request seeds (the coupling noise's key)
+    positions: list[int] | None = None  # per row: the output position of the next token (tokens emitted so far)
+    coupling: str | None = None  # "gumbel": draw drafts with the target's keyed noise (sampling.coupling)
+    seeding: str = "stream"  # "position": draw drafts with uniforms keyed by (seed, position) (sampling.positional)
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,8 @@ import torch
 
 from ..model.fast import make_runner
 from ..sampling import counts_at_nodes, probs_from_logits, sample_from_weights
+from ..sampling.coupling import coupled_draws
+from ..sampling.positional import DRAFT, keyed_uniforms
 from ..sampling.tree import chain_parents
 from .base import BatchView, Draft, Proposer
 from .tree import TreeSpec, grow_tree
@@ -89,7 +91,13 @@ class DraftModelProposer(Proposer):
                 probs = torch.zeros((B, k + 1, q.shape[-1]), dtype=q.dtype, device=dev)
             probs[:, j] = q
             active = [g > j for g in gammas]
-            tok = sample_from_weights(q, _uniforms(view.generators, active).to(dev))  # [B]
+            if view.coupling == "gumbel":  # the target's race at this output position: agrees often, stays exact
+                tok = coupled_draws(q, view.seeds, [pos + j for pos in view.positions], active).clamp(min=0)
+            elif view.seeding == "position":  # U(seed, position, DRAFT): the same draw whatever the step
+                u = keyed_uniforms(view.seeds, [[pos + j] for pos in view.positions], DRAFT, dev).squeeze(1)
+                tok = sample_from_weights(q, u)
+            else:
+                tok = sample_from_weights(q, _uniforms(view.generators, active).to(dev))  # [B]
             ids[:, j] = torch.where(torch.tensor(active, device=dev), tok, -1)
             if self.stop_below is not None:
                 # confidence from the draft's own unprocessed distribution (a greedy q is always one-hot)

@@ -29,6 +29,7 @@ from ..drafting import DraftModelProposer, PromptLookupProposer, Proposer, TreeS
 from ..model.fast import make_runner
 from ..model.loading import LoadedModel, shared_vocab_size
 from ..sampling import CHAIN_RULES, SamplingParams, verify_tree
+from ..sampling.coupling import COUPLINGS
 from .adaptive import GammaController
 from .rows import Completion, StreamEvent
 from .session import GenerationSession, check_limits
@@ -55,6 +56,14 @@ class SpeculativeGenerator:
     switches speculation on or off per request; the tree's shape sets the draft.
     verify: how chains are verified — "token" (token-wise, Leviathan et al.) or "block" (block verification, Sun
     et al. 2025: the same exactness, an accepted prefix at least as long in expectation; `sampling.block`).
+    coupling: None, or "gumbel": every output token is the exponential race of the target's p under noise keyed by
+    (request seed, output position), and a draft model draws with the same noise (`sampling.coupling`): a seeded
+    request then gives plain decoding's output under the same coupling, token for token, for every drafter, gamma,
+    tree and batch (at a lower acceptance than the optimal rule).
+    seeding: "stream" (each request's uniforms come from its generator in draw order) or "position" (every uniform
+    keyed by (seed, output position, purpose) and the step's last position drafted too, `sampling.positional`): a
+    seeded request's tokens then do not depend on gamma (auto included), the batch or timing, at the cost of one
+    draft forward per step; token-wise chains from a draft model (or plain decoding) only.
     """
 
     def __init__(
@@ -69,6 +78,8 @@ class SpeculativeGenerator:
         runner: str = "auto",
         draft_quant: str | None = None,
         verify: str = "token",
+        coupling: str | None = None,
+        seeding: str = "stream",
         verifier=None,
         tree: TreeSpec | str | None = None,
         tree_rule: str | None = None,
@@ -80,7 +91,13 @@ class SpeculativeGenerator:
             raise ValueError(f"verify must be one of {', '.join(CHAIN_RULES)}, got {verify!r}")
         if verifier is not None and verify != "token":
             raise ValueError(f"verify={verify!r} and a verifier override exclude each other")
+        if coupling is not None and coupling not in COUPLINGS:
+            raise ValueError(f"coupling must be None or one of {', '.join(COUPLINGS)}, got {coupling!r}")
+        if seeding not in SEEDINGS:
+            raise ValueError(f"seeding must be one of {', '.join(SEEDINGS)}, got {seeding!r}")
         self.verify = verify
+        self.coupling = coupling
+        self.seeding = seeding
         # the verification functions (verify_chain's and verify_tree's interfaces): `verispec certify --inject`
         # and the lossy variants of the study swap them, nothing else should
         self.verifier = CHAIN_RULES[verify] if verifier is None else verifier
@@ -94,6 +111,8 @@ class SpeculativeGenerator:
             raise ValueError(
                 f"verify={verify!r} verifies chains; a tree is verified by its own rule (tree_rule), drop one of them"
             )
+        if seeding == "position":
+            _check_position_seeding(self.proposer, verify, coupling, verifier)
         self.controller = GammaController(0 if self.proposer is None else gamma, max_gamma)
         self.runner = make_runner(target.model, self.vocab_size, runner=runner)
         self.device = self.runner.device
@@ -224,6 +243,21 @@ class SpeculativeGenerator:
         pooled.other_time = pooled.wall_time - pooled.draft_time - pooled.verify_time
         self.last_stats = pooled
         self.stats.merge(pooled)
+
+
+SEEDINGS = ("stream", "position")
+
+
+def _check_position_seeding(proposer, verify: str, coupling: str | None, verifier) -> None:
+    if proposer is not None and (not isinstance(proposer, DraftModelProposer) or proposer.tree is not None):
+        raise ValueError(
+            "seeding='position' needs a draft model drafting chains (its q at every position) or no drafter: "
+            "prompt lookup's and history's proposals depend on where a step starts, trees on their shape"
+        )
+    if verify != "token" or verifier is not None:
+        raise ValueError("seeding='position' verifies token-wise (block verification's decisions read later positions)")
+    if coupling is not None:
+        raise ValueError("coupling='gumbel' keys its noise by position already: drop seeding='position'")
 
 
 def _tree_spec(tree: TreeSpec | str | None, rule: str | None) -> TreeSpec | None:

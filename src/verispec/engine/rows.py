@@ -52,6 +52,7 @@ class Row:
     params: SamplingParams
     generator: torch.Generator
     seq: list[int]  # prompt + generated tokens; the last one is pending (in no model's cache yet)
+    seed: int = 0  # the request's seed (its generator's, and the coupling noise's key)
     max_new: int = 128
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False

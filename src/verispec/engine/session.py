@@ -24,6 +24,9 @@ from torch import Tensor
 
 from ..drafting import BatchView, Draft
 from ..sampling import SamplingParams, counts_at_nodes, probs_from_logits
+from ..sampling.coupling import coupled_targets
+from ..sampling.positional import ACCEPT, FINAL, keyed_uniforms, verify_positional
+from ..sampling.tree import chain_parents
 from .adaptive import check_gamma
 from .rows import Row, StreamEvent, TopLogprobs
 from .stats import SpecStats
@@ -117,6 +120,7 @@ class GenerationSession:
             params,
             torch.Generator().manual_seed(seed),
             list(ids),
+            seed=seed,
             max_new=max_new_tokens,
             stop=stop,
             ignore_eos=ignore_eos,
@@ -161,6 +165,10 @@ class GenerationSession:
             output_counts=counts if penalties else None,
             vocab_size=gen.vocab_size,
             device=gen.device,
+            seeds=[r.seed for r in rows],
+            positions=[len(r.tokens) for r in rows],
+            coupling=gen.coupling,
+            seeding=gen.seeding,
         )
 
     def _capacity(self, rows: list[Row]) -> int:
@@ -238,6 +246,8 @@ class GenerationSession:
         caps = self._caps()
         t0 = time.perf_counter()
         if gen.proposer is not None:  # also with every cap 0: its state then follows the step (update)
+            if gen.seeding == "position":  # one draft more than the target is fed: the last position is drafted
+                caps = [c + 1 for c in caps]
             draft = gen.proposer.propose(view, caps)
         else:
             draft = Draft.empty(len(self.rows), gen.device)
@@ -252,6 +262,8 @@ class GenerationSession:
         """One target forward over the pending tokens and the drafts, then exact verification."""
         gen, rows, dev = self.gen, self.rows, self.gen.device
         t0 = time.perf_counter()
+        if gen.seeding == "position":
+            return self._verify_positional(view, draft, t0)
         nn = draft.num_nodes
         N = max(nn)
         ids, par = draft.token_ids[:, :N], draft.parents[:, :N]  # [B, N]
@@ -262,15 +274,18 @@ class GenerationSession:
         counts = counts_at_nodes(view.output_counts, ids, par) if view.output_counts is not None else None
         p = probs_from_logits(logits, view.params, prompt_mask=view.prompt_mask, output_counts=counts)
         num = torch.tensor(nn, device=dev)
+        p_v = p if gen.coupling is None else coupled_targets(p, view.seeds, _slot_positions(view, draft, N))
         if draft.chain:
             q = draft.probs[:, :N] if draft.probs is not None else None  # [B, N, V]
-            out = gen.verifier(p, ids, q, num, view.generators, check=False)
+            out = gen.verifier(p_v, ids, q, num, view.generators, check=False)
             accepted = out.num_accepted.tolist()
             paths = [list(range(a)) for a in accepted]
         else:
             q = draft.probs[:, : N + 1] if draft.probs is not None else None  # [B, N + 1, V]
             sampled = draft.sampled[:, :N] if draft.sampled is not None else None
-            out = gen.tree_verifier(p, ids, par, q, num, view.generators, rule=draft.rule, check=False, sampled=sampled)
+            out = gen.tree_verifier(
+                p_v, ids, par, q, num, view.generators, rule=draft.rule, check=False, sampled=sampled
+            )
             accepted = out.num_accepted.tolist()
             paths = [row[:a] for row, a in zip(out.path.tolist(), accepted)]
         step = self._outputs(draft, logits, p, out.token_ids, paths, accepted)
@@ -278,6 +293,47 @@ class GenerationSession:
         self.stats.verify_time += seconds
         if draft.chain:
             gen.controller.observe_verify(N + 1, seconds, len(rows))
+        return step
+
+    def _verify_positional(self, view: BatchView, draft: Draft, t0: float) -> StepOutput:
+        """seeding="position" (chains): the target is fed every draft but each row's last, which is verified
+        against the p after the fed ones like any draft (sampling.positional), every uniform keyed by position."""
+        gen, dev = self.gen, self.gen.device
+        fed = [max(n - 1, 0) for n in draft.num_nodes]
+        F = max(fed)
+        B = len(fed)
+        ids = torch.full((B, F + 1), -1, dtype=torch.int64, device=dev)  # [B, F + 1]: drafts at every slot
+        width = min(draft.token_ids.shape[1], F + 1)
+        ids[:, :width] = draft.token_ids[:, :width]
+        node_ids = ids.tolist()
+        chunk = [[r.seq[-1]] + node_ids[b][: fed[b]] for b, r in enumerate(self.rows)]
+        logits = gen.runner.forward(chunk)[:, : F + 1]  # [B, F + 1, V]
+        fed_ids = torch.where(torch.arange(F, device=dev) < torch.tensor(fed, device=dev).unsqueeze(1), ids[:, :F], -1)
+        counts = (
+            counts_at_nodes(view.output_counts, fed_ids, chain_parents(B, F, dev))
+            if view.output_counts is not None
+            else None
+        )
+        p = probs_from_logits(logits, view.params, prompt_mask=view.prompt_mask, output_counts=counts)
+        q = torch.zeros_like(p) if draft.probs is None else draft.probs[:, : F + 1].to(p.dtype)
+        if q.shape[1] < F + 1:
+            q = torch.cat([q, torch.zeros_like(p[:, q.shape[1] :])], 1)
+        slots = [[n + j for j in range(F + 1)] for n in view.positions]
+        out = verify_positional(
+            p,
+            ids,
+            q,
+            torch.tensor(fed, device=dev),
+            keyed_uniforms(view.seeds, slots, ACCEPT, dev),
+            keyed_uniforms(view.seeds, slots, FINAL, dev),
+            has_last=torch.tensor([n > 0 for n in draft.num_nodes], device=dev),
+        )
+        accepted = out.num_accepted.tolist()
+        fed_draft = Draft.chain_of(fed_ids, None if draft.probs is None else q, fed)
+        step = self._outputs(fed_draft, logits, p, out.token_ids, [list(range(a)) for a in accepted], accepted)
+        seconds = time.perf_counter() - t0
+        self.stats.verify_time += seconds
+        gen.controller.observe_verify(F + 1, seconds, B)
         return step
 
     def _outputs(
@@ -363,3 +419,18 @@ class GenerationSession:
                     events.append(event)
         self._keep(keep)
         return events
+
+
+def _slot_positions(view: BatchView, draft: Draft, N: int) -> list[list[int]]:
+    """[B][N + 1]: the output position each verification slot samples (slot 0: the next token; slot n + 1: the
+    token after node n, one deeper than n). Padding slots get a position too (never emitted)."""
+    out = []
+    for b, start in enumerate(view.positions):
+        if draft.chain:
+            out.append([start + t for t in range(N + 1)])
+            continue
+        depth: list[int] = []
+        for par in draft.parents[b, :N].tolist():
+            depth.append(depth[par] + 1 if par >= 0 else 0)
+        out.append([start] + [start + d + 1 for d in depth])
+    return out

@@ -112,7 +112,10 @@ class RolloutEngine:
     share of matched continuations a node needs (`HistoryProposer`). choose_depth (draft model + history): None
     drafts both in one tree every step; d picks per row the history trie alone where it is at least d deep, else
     the chain alone (`CombinedProposer`). max_batch_size: rows in the running batch. verify: "token" or "block"
-    verification of a draft model's chains (block needs history=False: history drafts trees).
+    verification of a draft model's chains (block needs history=False: history drafts trees). coupling: None or
+    "gumbel" — each sample is then plain decoding's under the same seed, token for token, whatever drafted
+    (`SpeculativeGenerator`), for rollouts that must match a non-speculative reference bit for bit. seeding:
+    "position" makes a seeded sample independent of gamma and batch at full acceptance (a draft model, no history).
     runner: see `make_runner`.
     """
 
@@ -131,6 +134,8 @@ class RolloutEngine:
         runner: str = "auto",
         strict_on_policy: bool = True,
         verify: str = "token",
+        coupling: str | None = None,
+        seeding: str = "stream",
     ):
         if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise ValueError(f"max_batch_size must be an integer >= 1, got {max_batch_size!r}")
@@ -153,6 +158,8 @@ class RolloutEngine:
             runner=runner,
             max_gamma=max(8, gamma) if isinstance(gamma, int) else 8,
             verify=verify,
+            coupling=coupling,
+            seeding=seeding,
         )
         self.target = target
         self.draft = draft
