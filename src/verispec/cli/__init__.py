@@ -13,6 +13,7 @@ import os
 import sys
 
 from . import (
+    bench_acceptance,
     bench_e2e,
     bench_kernel,
     bench_rollout,
@@ -36,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
         command.add_parser(sub)
     bench = sub.add_parser("bench", help="benchmarks, side by side in one run")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCH")
-    for command in (bench_kernel, bench_e2e, bench_runner, bench_rollout):
+    for command in (bench_kernel, bench_e2e, bench_runner, bench_rollout, bench_acceptance):
         command.add_parser(bench_sub)
     certify = sub.add_parser("certify", help="statistical certificate that a sampler / generator is lossless")
     certify_sub = certify.add_subparsers(dest="certify_command", required=True, metavar="CERTIFY")
