@@ -62,9 +62,13 @@ def test_speculative_output_is_plain_output(drafter, setting, tiny_target, tiny_
     assert gen.stats.accepted > 0  # speculation really happened (and was accepted)
 
 
-def test_alone_and_in_a_batch_of_eight(tiny_target, tiny_noisy, plain_outputs):
-    """Batch 1 (each seed alone) and batch 8 give plain decoding's tokens, with a draft model at gamma auto."""
-    gen = DRAFTERS["draft-auto"](tiny_target, tiny_noisy)
+@pytest.mark.parametrize(
+    "drafter", [pytest.param(d, marks=[] if d == "draft-auto" else [pytest.mark.slow]) for d in DRAFTERS]
+)
+def test_alone_as_in_a_batch_of_eight(drafter, tiny_target, tiny_noisy, plain_outputs):
+    """Batch 1 (each of the 200 seeds alone) gives plain decoding's tokens too: the default tier with a draft model
+    at gamma auto, the slow tier with every drafter."""
+    gen = DRAFTERS[drafter](tiny_target, tiny_noisy)
     assert _run(gen, _requests("t1-top-p"), 1) == plain_outputs["t1-top-p"]
 
 

@@ -317,3 +317,25 @@ def test_bad_input_is_rejected_like_verify_chain():
         verify_block(p, ids, q0 / q0.sum(-1, keepdim=True))
     with pytest.raises(ValueError, match="num_draft_tokens"):
         verify_block(p, ids, q, torch.tensor([4, 0]))
+
+
+def test_mixed_greedy_and_sampled_rows_in_one_batch():
+    """A batch whose rows alternate a greedy (one-hot) target and a sampled one, with ragged draft counts: greedy
+    rows verify by exact match, and every row's output is what it gets alone with its generator."""
+    p, ids, q = _block_case(seed=8, B=8, k=4, V=9)
+    greedy = torch.arange(8) % 2 == 0
+    onehot = torch.nn.functional.one_hot(p.argmax(-1), 9).double()
+    p = torch.where(greedy.view(8, 1, 1), onehot, p)
+    ids[0, :2] = p[0, :2].argmax(-1)  # a greedy row whose first two drafts match
+    nd = torch.tensor([4, 3, 2, 4, 0, 1, 4, 2])
+    out = verify_block(p, ids, q, nd, [torch.Generator().manual_seed(b) for b in range(8)])
+    for b in range(8):
+        alone = verify_block(
+            p[b : b + 1], ids[b : b + 1], q[b : b + 1], nd[b : b + 1], [torch.Generator().manual_seed(b)]
+        )
+        assert torch.equal(alone.token_ids[0], out.token_ids[b])
+        if greedy[b]:
+            n = int(nd[b])
+            match = int((ids[b, :n] == p[b, :n].argmax(-1)).long().cumprod(0).sum())
+            assert int(out.num_accepted[b]) == match
+            assert int(out.token_ids[b, match]) == int(p[b, match].argmax())

@@ -29,6 +29,19 @@ def _dist(seed: int, V: int, scale: float = 2.0, zeros: int = 0) -> torch.Tensor
     return p / p.sum()
 
 
+def test_counter_hash_matches_the_scalar_splitmix64():
+    """The int64 tensor version wraps like the 64-bit reference, bit for bit (so it is the same on every device)."""
+    from verispec.sampling.coupling import _GOLDEN, _MASK64, _splitmix64, splitmix64_counter
+
+    for key in (0, 1, 2**62 + 12345, 2**63 - 1):
+        got = splitmix64_counter(key, 5).tolist()
+        want = []
+        for i in range(1, 6):
+            h = _splitmix64((key + (i - 1) * (_GOLDEN & _MASK64)) & _MASK64)  # _splitmix64 adds golden itself
+            want.append(h - (1 << 64) if h >= 1 << 63 else h)
+        assert got == want
+
+
 def test_noise_is_a_function_of_seed_and_position():
     a = keyed_exponentials(7, 3, 50)
     assert torch.equal(a, keyed_exponentials(7, 3, 50))

@@ -178,7 +178,8 @@ def broken_coupled_verifier(bug: str):
 
     def impl(target_probs, draft_token_ids, draft_probs, num_draft_tokens, generators):
         B, K1, V = target_probs.shape
-        exps = torch.rand((B, 1, V), dtype=torch.float64).neg_().log1p_().neg_().expand(B, K1, V)  # one vector per row
+        u = torch.rand((B, 1, V), dtype=torch.float64, device=target_probs.device)
+        exps = u.neg_().log1p_().neg_().expand(B, K1, V)  # one noise vector per row, for every position
         return verify_chain(onehot_winners(target_probs, exps), draft_token_ids, draft_probs, num_draft_tokens)
 
     return chain_interface(f"broken_coupled_verifier_{bug}", impl, broken_coupled_verifier)

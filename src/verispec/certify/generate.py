@@ -110,9 +110,14 @@ class MethodSpec:
         if self.seeding not in ("stream", "position"):
             raise ValueError(f"seeding must be 'stream' or 'position', got {self.seeding!r}")
         if self.seeding == "position" and (
-            self.method not in ("verispec", "plain") or self.tree or self.draft in ("ngram", "self")
+            self.method not in ("verispec", "plain") or self.tree or self.draft == "ngram"
         ):
             raise ValueError("seeding 'position' applies to verispec with a draft model's chains, or to plain")
+        if self.coupling is not None and self.verifier is not None:
+            raise ValueError(
+                "an injected verifier under coupling sees one-hot targets, where most bugs verify exactly: "
+                "certify the coupled verifier with `certify kernel --coupling gumbel --inject ...`"
+            )
         if self.coupling is not None and (self.coupling not in COUPLINGS or self.method not in ("verispec", "plain")):
             raise ValueError(f"coupling {self.coupling!r} applies to methods 'verispec' and 'plain' ({COUPLINGS})")
 

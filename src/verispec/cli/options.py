@@ -327,7 +327,7 @@ def check_draft(args: argparse.Namespace):
     if tree is not None and getattr(args, "verify", "token") != "token":
         raise UsageError(f"--verify {args.verify} verifies chains; a --tree is verified by its --tree-rule")
     if getattr(args, "seeding", "stream") == "position":
-        if args.draft in ("ngram", "self") or tree is not None:
+        if args.draft == "ngram" or tree is not None:
             raise UsageError("--seeding position needs a draft model drafting chains (or --draft none)")
         if args.verify != "token" or getattr(args, "coupling", None):
             raise UsageError("--seeding position works with --verify token and without --coupling")

@@ -59,11 +59,14 @@ class SpeculativeGenerator:
     coupling: None, or "gumbel": every output token is the exponential race of the target's p under noise keyed by
     (request seed, output position), and a draft model draws with the same noise (`sampling.coupling`): a seeded
     request then gives plain decoding's output under the same coupling, token for token, for every drafter, gamma,
-    tree and batch (at a lower acceptance than the optimal rule).
+    tree and batch (per position it keeps a draft with probability between (1 - TV) / (1 + TV) and 1 - TV, the
+    optimal rules' acceptance).
     seeding: "stream" (each request's uniforms come from its generator in draw order) or "position" (every uniform
     keyed by (seed, output position, purpose) and the step's last position drafted too, `sampling.positional`): a
-    seeded request's tokens then do not depend on gamma (auto included), the batch or timing, at the cost of one
-    draft forward per step; token-wise chains from a draft model (or plain decoding) only.
+    seeded request's tokens then do not depend on gamma (auto included), the batch or timing, with no loss of
+    acceptance, for one draft forward more per step; token-wise chains from a draft model (or plain decoding) only.
+    Its stats count the drafts fed to the target (the last draft of a step shows in tau, not in `accepted`), and
+    gamma auto prices a step's drafts without that last one.
     """
 
     def __init__(

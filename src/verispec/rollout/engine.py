@@ -115,7 +115,8 @@ class RolloutEngine:
     verification of a draft model's chains (block needs history=False: history drafts trees). coupling: None or
     "gumbel" — each sample is then plain decoding's under the same seed, token for token, whatever drafted
     (`SpeculativeGenerator`), for rollouts that must match a non-speculative reference bit for bit. seeding:
-    "position" makes a seeded sample independent of gamma and batch at full acceptance (a draft model, no history).
+    "position" makes a seeded sample independent of gamma and batch, with no loss of acceptance (a draft model, no
+    history).
     runner: see `make_runner`.
     """
 

@@ -4,18 +4,19 @@ and drafter-invariant speculative decoding", 2024), with the noise keyed by (req
 Plain decoding under the coupling draws output token i as the exponential race (Gumbel-max)
     x_i = argmax_x p_i(x) / E_i(x),     E_i(x) ~ Exp(1) i.i.d. over x, a function of (seed, i) only,
 which is an exact sample of p_i (P(argmax = x) = p_i(x) / sum p_i = p_i(x)). A drafter that sees the same noise
-samples argmax_x q_i(x) / E_i(x): it agrees with the target with probability >= (1 - TV) / (1 + TV) (the paper's
-bound; TV = TV(p_i, q_i)). Verification keeps a draft token iff it equals the target's own race winner at that
+samples argmax_x q_i(x) / E_i(x): it agrees with the target with probability between (1 - TV) / (1 + TV) (the
+paper's bound; TV = TV(p_i, q_i)) and 1 - TV (no coupling does better; the optimal rules reach it). Verification keeps a draft token iff it equals the target's own race winner at that
 position, and at the first disagreement emits the target's winner: every emitted token is x_i, so the output is
 plain decoding's under the same seed, token for token, whatever drafted (a model, prompt lookup, a tree), whatever
 gamma, batch or timing. The engine implements this by handing its usual verifiers the one-hot target
 onehot(x_i) at each position (`coupled_targets`): with a one-hot p every rule — token, block, every tree rule —
 is exact match that emits the argmax, so one mechanism covers chains and trees.
 
-Exactness needs only that E_i does not depend on anything the drafter or the step decides: it is drawn from a
-generator seeded by a hash of (seed, i), never from a stream whose position depends on gamma. Numerics: the race
-runs in float64 over the target's probabilities; E = -log(1 - U) with U in [0, 1) a float64 uniform, so no token
-with p > 0 is starved (an fp32 race loses the tail: vLLM #43150).
+Exactness needs only that E_i does not depend on anything the drafter or the step decides: it is a counter-based
+hash of (seed, i, token), never a stream whose position depends on gamma, and the same on every device. Numerics:
+the race runs in float64 over the target's probabilities; E = -log(1 - U) with U a 53-bit uniform in [0, 1), so no
+token with p > 0 is starved (an fp32 race loses the tail: vLLM #43150). Cost: one [V] hash and log per row and
+output position, for the target's slots and again for the draft's draws (about 2 ms at V = 151 936 on CPU).
 """
 
 from __future__ import annotations
@@ -44,11 +45,32 @@ def noise_seed(seed: int, position: int) -> int:
     return _splitmix64(_splitmix64(seed & _MASK64) ^ (position & _MASK64)) >> 1
 
 
+def _signed(c: int) -> int:  # a 64-bit constant as torch's int64
+    return c - (1 << 64) if c >= 1 << 63 else c
+
+
+_GOLDEN, _C1, _C2 = (_signed(c) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB))
+
+
+def _shr(z: Tensor, s: int) -> Tensor:  # logical right shift of int64 (torch's >> is arithmetic)
+    return (z >> s) & ((1 << (64 - s)) - 1)
+
+
+def splitmix64_counter(key: int, n: int, device: torch.device | str = "cpu") -> Tensor:  # [n] int64
+    """Outputs 1..n of the splitmix64 sequence started at `key`, computed in parallel (a counter-based generator:
+    element i is mix(key + (i + 1) * golden), int64 arithmetic wrapping mod 2^64 on every device)."""
+    z = torch.arange(1, n + 1, dtype=torch.int64, device=device) * _GOLDEN + _signed(key & _MASK64)
+    z = (z ^ _shr(z, 30)) * _C1
+    z = (z ^ _shr(z, 27)) * _C2
+    return z ^ _shr(z, 31)
+
+
 def keyed_exponentials(
     seed: int, position: int, vocab: int, device: torch.device | str = "cpu"
-) -> Tensor:  # [vocab] float64, Exp(1) i.i.d., a function of (seed, position, vocab) only
-    g = torch.Generator(device=device).manual_seed(noise_seed(seed, position))
-    u = torch.rand(vocab, dtype=torch.float64, generator=g, device=device)
+) -> Tensor:  # [vocab] float64, Exp(1) i.i.d., a function of (seed, position, vocab) only, the same on every device
+    """One Exp(1) per token from 53 bits of a counter-based hash of (seed, position, token): no generator state,
+    so 2^63 keys (a torch CPU generator would take only 32 bits of a seed) and the same values on CPU and CUDA."""
+    u = _shr(splitmix64_counter(noise_seed(seed, position), vocab, device), 11).double() * 2.0**-53  # [0, 1)
     return torch.log1p(-u).neg_()  # -log(1 - U) in [0, inf)
 
 

@@ -80,7 +80,7 @@ def verify_positional(
     all_kept = run > num_fed  # the last slot's draft is the step's final token
     row0 = torch.arange(B, device=dev)
     p_row = target_probs[row0, kept]  # [B, V]
-    q_row = draft_probs[row0, kept] * present[row0, kept].unsqueeze(1)  # 0 where the slot has no draft
+    q_row = torch.where(present[row0, kept].unsqueeze(1), draft_probs[row0, kept], 0.0)  # 0 without a draft
     w = (p_row - q_row.to(p_row.dtype)).clamp_min(0.0)
     w = torch.where(w.sum(1, keepdim=True) > 0, w, p_row)  # Z = 0 only in inexact arithmetic
     resid = sample_from_weights(w, final_u[row0, kept])
