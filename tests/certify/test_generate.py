@@ -446,11 +446,11 @@ def test_study_measures_and_certifies_failure_modes(models):
 @pytest.mark.statistical
 @pytest.mark.parametrize(
     "mode",
-    [dict(verify="block", gamma=4), dict(seeding="position", gamma="auto"), dict(coupling="gumbel", gamma=3)],
+    [dict(verify="block", gamma=4), dict(seeding="position", gamma=4), dict(coupling="gumbel", gamma=3)],
     ids=["block", "position", "gumbel"],
 )
 def test_verification_modes_pass(models, mode):
-    """Block verification, position seeding (gamma auto) and Gumbel coupling PASS the generator certificate at its
+    """Block verification, position seeding and Gumbel coupling PASS the generator certificate at its
     default size (N = 2000 per prompt, first-token law to TV 0.1 at power 0.99, family-wise level 0.01)."""
     target, draft = models
     r = certify_generate(MethodSpec(target=target, draft=draft, **mode), PROMPTS[:1], PARAMS, show_progress=False)

@@ -100,9 +100,11 @@ class DraftModelProposer(Proposer):
                 tok = sample_from_weights(q, _uniforms(view.generators, active).to(dev))  # [B]
             ids[:, j] = torch.where(torch.tensor(active, device=dev), tok, -1)
             if self.stop_below is not None:
-                # confidence from the draft's own unprocessed distribution (a greedy q is always one-hot)
+                # confidence from the draft's own unprocessed distribution (a greedy q is always one-hot); with
+                # seeding="position" the step's last draft is not fed to the target, so draft one more after it
                 unsure = (logits.softmax(-1).gather(1, tok.unsqueeze(1)).squeeze(1) < self.stop_below).tolist()
-                gammas = [j + 1 if (a and low) else g for g, a, low in zip(gammas, active, unsure)]
+                last = j + (2 if view.seeding == "position" else 1)
+                gammas = [min(last, g) if (a and low) else g for g, a, low in zip(gammas, active, unsure)]
             if max(gammas) <= j + 1:
                 break
             feed = [[t] if g > j + 1 else [] for t, g in zip(tok.tolist(), gammas)]
