@@ -37,6 +37,7 @@ def test_block_verification_passes_the_sequence_laws(samples, tv):
     assert report.headline_tv() < tv
 
 
+@pytest.mark.slow
 @pytest.mark.statistical
 def test_token_wise_verification_passes_the_sequence_laws_too():
     """The sequence laws hold for every lossless rule, not only for block verification."""

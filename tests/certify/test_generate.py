@@ -443,6 +443,7 @@ def test_study_measures_and_certifies_failure_modes(models):
     assert 1e-5 < bf16.mean_tv < bf16.detectable_tv
 
 
+@pytest.mark.slow  # the engine-level distribution tests of each mode run in the default tier
 @pytest.mark.statistical
 @pytest.mark.parametrize(
     "mode",

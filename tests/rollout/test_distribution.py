@@ -38,8 +38,11 @@ def foreign_history(model, n: int = 64) -> RolloutHistory:
 
 @pytest.mark.parametrize(
     "with_draft,choose_depth",
-    [(False, None), (True, None), (True, 2)],
-    ids=["history", "history+draft", "history/draft"],
+    [  # the default tier keeps the mixed tree of both sources; history alone and choose_depth in the slow tier
+        pytest.param(False, None, id="history", marks=pytest.mark.slow),
+        pytest.param(True, None, id="history+draft"),
+        pytest.param(True, 2, id="history/draft", marks=pytest.mark.slow),
+    ],
 )
 def test_rollouts_after_an_update_with_a_foreign_history_follow_the_new_target(with_draft, choose_depth, tiny_draft):
     """History alone, and beside a stale separate draft model's sampled chain (rule "mixed"; a weak draft, so that

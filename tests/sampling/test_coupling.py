@@ -51,9 +51,9 @@ def test_noise_is_a_function_of_seed_and_position():
 
 @pytest.mark.statistical
 def test_keyed_race_is_an_exact_sampler():
-    """60 000 positions of one seed, each an independent race over the same p (with a p = 0 tail): the winners
+    """20 000 positions of one seed, each an independent race over the same p (with a p = 0 tail): the winners
     pass a chi-square test against p (level 1e-3) and never pick a p = 0 token; a race over p**2 fails it."""
-    V, n = 16, 60_000
+    V, n = 16, 20_000
     p = _dist(1, V, zeros=3)
     exps = torch.stack([keyed_exponentials(5, i, V) for i in range(n)])  # [n, V]
     wins = race_winner(p.expand(n, V), exps).numpy()
@@ -66,9 +66,9 @@ def test_keyed_race_is_an_exact_sampler():
 @pytest.mark.statistical
 @pytest.mark.parametrize("scale", [0.5, 2.0])
 def test_coupled_drafter_agrees_at_least_the_bound(scale):
-    """P(race(q) == race(p)) >= (1 - TV) / (1 + TV) (Daliri et al.), over 20 000 keyed positions: the observed
+    """P(race(q) == race(p)) >= (1 - TV) / (1 + TV) (Daliri et al.), over 5 000 keyed positions: the observed
     agreement is above the bound minus 4 binomial standard deviations (a one-sided test at level ~3e-5)."""
-    V, n = 32, 20_000
+    V, n = 32, 5_000
     p, q = _dist(2, V, scale), _dist(3, V, scale)
     tv = 0.5 * float((p - q).abs().sum())
     bound = (1 - tv) / (1 + tv)
@@ -92,9 +92,9 @@ def test_coupled_targets_are_one_hot_and_share_noise_by_position():
 
 @pytest.mark.statistical
 def test_kernel_certificate_passes_the_coupled_verifier_and_fails_unkeyed_noise():
-    """At 20k steps per case: Gumbel-coupled verification PASSES the completed-sequence laws; the same race with
+    """At 10k steps per case: Gumbel-coupled verification PASSES the completed-sequence laws; the same race with
     one noise vector for every position of a step FAILS them (its emitted tokens are dependent)."""
-    good = certify_kernel(gumbel_verifier, samples=20_000, laws="sequence")
+    good = certify_kernel(gumbel_verifier, samples=10_000, laws="sequence")
     assert good.passed, good.to_markdown()
-    bad = certify_kernel(broken_coupled_verifier("gumbel_position_unkeyed"), samples=20_000, laws="sequence")
+    bad = certify_kernel(broken_coupled_verifier("gumbel_position_unkeyed"), samples=10_000, laws="sequence")
     assert not bad.passed and bad.failing and not bad.errors
