@@ -141,6 +141,7 @@ def test_broken_engine_fails(tiny_target, tiny_draft):
     assert result.rejects(LEVEL), result
 
 
+@pytest.mark.slow  # the kernel certificate shows the block bugs' failure in the default tier
 def test_broken_block_engine_fails(tiny_target, tiny_draft):
     """The block case has power too: the engine with a block verifier that stops at the first u >= h fails
     (p ~ 1e-12 at this size; the subtler block_plain_residual needs the kernel certificate's sizes)."""

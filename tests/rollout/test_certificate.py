@@ -35,6 +35,7 @@ def rollout_sampler(eng: RolloutEngine):
     return sample
 
 
+@pytest.mark.slow  # the default tier's rollout distribution test covers the same setting (tests/rollout)
 def test_certificate_after_two_updates_with_stale_history_and_draft():
     policy, stale_draft = loaded(0), loaded(1, layers=1)
     eng = RolloutEngine(policy, draft=stale_draft, history=True, gamma=2, max_batch_size=G)
