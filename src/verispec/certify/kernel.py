@@ -503,6 +503,7 @@ def run_battery(
     seed: int,
     name: str | None,
     progress: Callable[[str], None] | None,
+    law_set: str = "step",
 ) -> KernelReport:
     """A kernel certificate: run(sampler, case, samples, seed + seed_stride * i) tests case i (a CaseError fails
     it, with the reason); the tests are Holm-corrected and sized (assess). describe(case): the case's k, vocab,
@@ -525,6 +526,7 @@ def run_battery(
         **found,
         seconds=time.perf_counter() - t0,
         samples_needed=needed,
+        laws=law_set,
     )
 
 
@@ -585,9 +587,7 @@ def certify_kernel(
         raise ValueError(f"laws must be one of {', '.join(LAWS)}, got {laws!r}")
     cases = list(default_cases() if cases is None else cases)
     run = functools.partial(_chain_tests, laws=laws)
-    report = run_battery(sampler, cases, run, _describe_chain, 1000, samples, level, power, seed, name, progress)
-    report.laws = laws
-    return report
+    return run_battery(sampler, cases, run, _describe_chain, 1000, samples, level, power, seed, name, progress, laws)
 
 
 def _name(fn) -> str:

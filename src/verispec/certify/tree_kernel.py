@@ -381,9 +381,9 @@ def certify_tree_kernel(
     if unknown:
         raise ValueError(f"unknown tree rule(s) {unknown}; known: {', '.join(VERIFY_RULES)}")
     cases = [c for c in (default_tree_cases() if cases is None else cases) if c.draw in rules]
-    report = run_battery(sampler, cases, _run_case, _describe, 7919, samples, level, power, seed, name, progress)
-    report.laws = "tree"
-    return report
+    return run_battery(
+        sampler, cases, _run_case, _describe, 7919, samples, level, power, seed, name, progress, law_set="tree"
+    )
 
 
 def _describe(case: TreeCase) -> dict:

@@ -78,16 +78,24 @@ def _sampler(args: argparse.Namespace, tree: bool):
         raise UsageError("--verify block applies to chains, without --tree or --coupling")
     if tree and args.coupling:
         raise UsageError("--coupling applies to chains here (the engine couples trees too; certify them end to end)")
-    if args.sampler:
-        return load_sampler(args.sampler), args.sampler
     if args.seeding and (tree or args.coupling or args.verify == "block" or args.inject):
         raise UsageError(
             "--seeding position certifies the token-wise chain rule alone (no --tree, --coupling, "
             "--verify block or --inject)"
         )
-    if args.seeding and not args.sampler:
-        return positional_verifier, "verispec.sampling.positional:positional_verifier"
-    kind = "tree" if tree else "block" if args.verify == "block" else "coupling" if args.coupling else "chain"
+    if args.sampler:
+        return load_sampler(args.sampler), args.sampler
+    kind = (
+        "tree"
+        if tree
+        else "block"
+        if args.verify == "block"
+        else "coupling"
+        if args.coupling
+        else "positional"
+        if args.seeding
+        else "chain"
+    )
     if args.inject:
         known, make = {
             "tree": (bugs.TREE_BUGS + bugs.TREE_NON_BUGS, bugs.broken_tree_verifier),
@@ -104,6 +112,7 @@ def _sampler(args: argparse.Namespace, tree: bool):
         "tree": (verispec_tree_sampler, "verispec.sampling.tree:verify_tree"),
         "block": (verispec_block_sampler, "verispec.sampling.block:verify_block"),
         "coupling": (gumbel_verifier, "verispec.sampling.coupling:gumbel_verifier"),
+        "positional": (positional_verifier, "verispec.sampling.positional:positional_verifier"),
         "chain": (verispec_sampler, "verispec.sampling:verify_chain"),
     }[kind]
 

@@ -270,9 +270,7 @@ class GenerationSession:
         node_ids, node_par = ids.tolist(), par.tolist()
         chunk = [[r.seq[-1]] + node_ids[b][: nn[b]] for b, r in enumerate(rows)]
         parents = None if draft.chain else [[-1] + [p + 1 for p in node_par[b][: nn[b]]] for b in range(len(rows))]
-        logits = gen.runner.forward(chunk, parents=parents)[:, : N + 1]  # [B, N + 1, V]: root, then the nodes
-        counts = counts_at_nodes(view.output_counts, ids, par) if view.output_counts is not None else None
-        p = probs_from_logits(logits, view.params, prompt_mask=view.prompt_mask, output_counts=counts)
+        logits, p = self._score(view, chunk, ids, par, parents)  # [B, N + 1, V]: root, then the nodes
         num = torch.tensor(nn, device=dev)
         p_v = p if gen.coupling is None else coupled_targets(p, view.seeds, _slot_positions(view, draft, N))
         if draft.chain:
@@ -295,6 +293,13 @@ class GenerationSession:
             gen.controller.observe_verify(N + 1, seconds, len(rows))
         return step
 
+    def _score(self, view: BatchView, chunk, ids: Tensor, par: Tensor, parents=None) -> tuple[Tensor, Tensor]:
+        """One target forward over each row's chunk (pending token + fed nodes `ids` [B, N] below `par`): the logits
+        and the processed p at the root and after every node, [B, N + 1, V] each."""
+        logits = self.gen.runner.forward(chunk, parents=parents)[:, : ids.shape[1] + 1]
+        counts = counts_at_nodes(view.output_counts, ids, par) if view.output_counts is not None else None
+        return logits, probs_from_logits(logits, view.params, prompt_mask=view.prompt_mask, output_counts=counts)
+
     def _verify_positional(self, view: BatchView, draft: Draft, t0: float) -> StepOutput:
         """seeding="position" (chains): the target is fed every draft but each row's last, which is verified
         against the p after the fed ones like any draft (sampling.positional), every uniform keyed by position."""
@@ -307,14 +312,8 @@ class GenerationSession:
         ids[:, :width] = draft.token_ids[:, :width]
         node_ids = ids.tolist()
         chunk = [[r.seq[-1]] + node_ids[b][: fed[b]] for b, r in enumerate(self.rows)]
-        logits = gen.runner.forward(chunk)[:, : F + 1]  # [B, F + 1, V]
         fed_ids = torch.where(torch.arange(F, device=dev) < torch.tensor(fed, device=dev).unsqueeze(1), ids[:, :F], -1)
-        counts = (
-            counts_at_nodes(view.output_counts, fed_ids, chain_parents(B, F, dev))
-            if view.output_counts is not None
-            else None
-        )
-        p = probs_from_logits(logits, view.params, prompt_mask=view.prompt_mask, output_counts=counts)
+        logits, p = self._score(view, chunk, fed_ids, chain_parents(B, F, dev))  # [B, F + 1, V]
         q = torch.zeros_like(p) if draft.probs is None else draft.probs[:, : F + 1].to(p.dtype)
         if q.shape[1] < F + 1:
             q = torch.cat([q, torch.zeros_like(p[:, q.shape[1] :])], 1)

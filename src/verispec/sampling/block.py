@@ -96,11 +96,11 @@ def block_residual_mass(
     B, K1, V = target_probs.shape
     k = K1 - 1
     dev = target_probs.device
-    z = torch.zeros(B, k, dtype=torch.float64, device=dev)
     if draft_probs is None:  # q = onehot(X_{i+1}): Z_i = rho_i (1 - P_i(X_{i+1})), since rho_i P_i <= 1
         p_next = target_probs[:, :k].gather(-1, ids.unsqueeze(-1)).squeeze(-1).double()
         z = rho[:, :k] * (1.0 - p_next).clamp_min(0.0)
     else:
+        z = torch.zeros(B, k, dtype=torch.float64, device=dev)
         buf = torch.empty(B, V, dtype=target_probs.dtype, device=dev)
         for i in range(k):  # one [B, V] buffer for every position: no [B, k, V] temporary
             # buf = Q_i - rho_i P_i, so Z_i = -sum(min(buf, 0)); a sum in the inputs' dtype (pairwise, relative
