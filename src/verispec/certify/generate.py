@@ -9,7 +9,12 @@ the target's processed conditionals (transformers forward, the reference precisi
       Kolmogorov-Smirnov test;
   (c) log-likelihood: sum_t log p_t(x_t) against its expectation -sum_t H(p_t), standardized by the conditional
       variances (catches sharpened / flattened output, e.g. a temperature mismatch);
-  (d) two-sample: tokens at positions 1..m against as many samples of plain decoding (chi-square homogeneity).
+  (d) two-sample: tokens at positions 1..m against as many samples of plain decoding (chi-square homogeneity),
+      or of a reference endpoint (`reference_fn`), the test that assumes nothing about numerics.
+Methods that return their tokens' logprobs (verispec; an OpenAI endpoint, `method="openai"`, see endpoint.py)
+also get a logprob-parity table: the returned logprobs against the float32 recompute of the same tokens.
+With `tv_tolerance` > 0 (another engine's numerics), (a) becomes a test of TV <= tolerance (stats'
+tolerant_tv_test) and the exact-equality tests (b), (c) and the sequence test are left out.
 All p-values are Holm-corrected into one verdict at a stated family-wise level, with each test's detectable
 effect at power 0.99. A first-token test that cannot detect any deviation makes the verdict INCONCLUSIVE (never
 PASS), with the N that would detect TV TARGET_TV.
@@ -48,6 +53,7 @@ from .bugs import (
     broken_tree_verifier,
     broken_verifier,
 )
+from .endpoint import Endpoint, TokenMapper
 from .kernel import DEFAULT_LEVEL, POWER, Verdict, has_power, load_sampler, samples_needed
 from .stats import (
     chisquare_gof,
@@ -56,13 +62,16 @@ from .stats import (
     holm,
     loglik_test,
     pit_uniformity,
+    tolerant_tv_test,
 )
 
 __all__ = ["METHODS", "GenerateReport", "MethodSpec", "build_method", "certify_generate", "write_report"]
 
 DEFAULT_SAMPLES = 2000  # continuations per prompt
 DEFAULT_LENGTH = 8  # tokens per continuation
-METHODS = ("verispec", "plain", "hf", "hf-assisted", "callable")
+METHODS = ("verispec", "plain", "hf", "hf-assisted", "callable", "openai")
+REFERENCE_SEED_OFFSET = 7_919_000  # the two-sample reference's samples use seeds offset by this
+PARITY_THRESHOLD = 1e-3  # logprob parity: the fraction of tokens whose |difference| exceeds this is reported
 
 
 @dataclass(frozen=True)
@@ -85,10 +94,16 @@ class MethodSpec:
     verify: str = "token"  # verispec chains: 'token' or 'block' verification
     coupling: str | None = None  # verispec / plain: 'gumbel' (sampling.coupling)
     seeding: str = "stream"  # verispec / plain: 'position' (sampling.positional)
+    base_url: str | None = None  # openai: the endpoint (http://host:port or .../v1)
+    model_name: str | None = None  # openai: the model name the endpoint serves
+    api_key: str | None = None  # openai: sent as a Bearer token
+    max_in_flight: int = 8  # openai: concurrent requests
 
     def __post_init__(self):
         if self.method not in METHODS:
             raise ValueError(f"method must be one of {', '.join(METHODS)}, got {self.method!r}")
+        if self.method == "openai" and not (self.base_url and self.model_name):
+            raise ValueError("method 'openai' needs base_url and model_name (the endpoint and the model it serves)")
         if self.method == "callable" and not self.callable:
             raise ValueError("method 'callable' needs callable='module:function'")
         if self.method == "hf-assisted" and self.draft in ("ngram", "self", "none", None):
@@ -138,6 +153,8 @@ class MethodSpec:
             return f"transformers generate(assistant_model={self.draft})"
         if self.method == "callable":
             return f"callable {self.callable}"
+        if self.method == "openai":
+            return f"OpenAI endpoint {self.base_url} (model {self.model_name})"
         return {"plain": "verispec plain decoding", "hf": "transformers generate (plain sampling)"}[self.method]
 
 
@@ -192,18 +209,22 @@ def _load(path: str | None, dtype: str):
     return _LOADED[key]
 
 
-SampleFn = Callable[[list[int], SamplingParams, Sequence[int], int], tuple[list[list[int]], object]]
+# fn(prompt_ids, params, seeds, length) -> (one token list per seed, SpecStats or None[, logprobs]): logprobs,
+# when the method returns them, one list per seed of the tokens' raw logprobs (as an engine reports them)
+SampleFn = Callable[[list[int], SamplingParams, Sequence[int], int], tuple]
 
 
 def build_method(spec: MethodSpec) -> SampleFn:
-    """spec -> fn(prompt_ids, params, seeds, length) -> (one token list per seed, SpecStats or None).
+    """spec -> a SampleFn.
 
     The models come from the per-process cache (`_load`) and are shared: nothing here modifies them."""
     if spec.threads:
         torch.set_num_threads(spec.threads)
     if spec.method == "callable":
         return _callable_method(spec)
-    target = _load(spec.target, spec.dtype)
+    target = _load(spec.target, "float32" if spec.method == "openai" else spec.dtype)
+    if spec.method == "openai":
+        return _openai_method(spec, target)
     if spec.method in ("verispec", "plain"):
         return _verispec_method(spec, target)
     return _hf_method(spec, target)
@@ -255,9 +276,24 @@ def _verispec_method(spec: MethodSpec, target) -> SampleFn:
             max_new_tokens=length,
             ignore_eos=True,
         )
-        return [o.token_ids for o in outs], gen.last_stats
+        return [o.token_ids for o in outs], gen.last_stats, [o.raw_logprobs for o in outs]
 
     return sample_verispec
+
+
+def _openai_method(spec: MethodSpec, target) -> SampleFn:
+    """Continuations from an OpenAI-compatible endpoint (endpoint.py); the local target supplies the tokenizer
+    (token texts back to ids) and the EOS id. `sample_openai.endpoint.log` records what the run did."""
+    endpoint = Endpoint(spec.base_url, spec.model_name, spec.api_key, spec.max_in_flight)
+    mapper = TokenMapper(target.tokenizer)
+    eos = target.tokenizer.eos_token_id
+
+    def sample_openai(prompt, params, seeds, length):
+        tokens, logprobs = endpoint.draw(list(prompt), params, list(seeds), length, mapper, eos)
+        return tokens, None, logprobs
+
+    sample_openai.endpoint = endpoint
+    return sample_openai
 
 
 def _hf_method(spec: MethodSpec, target) -> SampleFn:
@@ -310,6 +346,8 @@ class Scores:
     """Per emitted token, flattened over samples and positions (in sample order)."""
 
     logp: list[float] = field(default_factory=list)  # log p_t(x_t)
+    raw_logp: list[float] = field(default_factory=list)  # log softmax(logits_t)(x_t): temperature 1, no truncation
+    key: list[tuple[int, int]] = field(default_factory=list)  # (sample index, position) of each token
     expected: list[float] = field(default_factory=list)  # sum_x p_t(x) log p_t(x)
     variance: list[float] = field(default_factory=list)  # Var_{x ~ p_t}[log p_t(x)]
     pit: list[float] = field(default_factory=list)  # randomized PIT value
@@ -325,18 +363,21 @@ def score(
     rng: np.random.Generator,
     out: Scores,
     chunk: int = 8,
+    keys: Sequence[int] | None = None,
 ) -> np.ndarray:
-    """Score samples of one prompt under the processed target; returns p(. | prompt) [V] (float64)."""
+    """Score samples of one prompt under the processed target; returns p(. | prompt) [V] (float64).
+    keys: each sample's index (recorded in out.key with each token's position; default 0, 1, ...)."""
     dev = next(model.parameters()).device
     first = None
-    by_len: dict[int, list[list[int]]] = {}
-    for s in samples:
-        by_len.setdefault(len(s), []).append(s)
-    for length, group in by_len.items():
+    by_len: dict[int, list[tuple[int, list[int]]]] = {}
+    for key, s in zip(range(len(samples)) if keys is None else keys, samples):
+        by_len.setdefault(len(s), []).append((key, s))
+    for length, keyed in by_len.items():
         if length == 0:
             continue
-        for i in range(0, len(group), chunk):
-            part = group[i : i + chunk]
+        for i in range(0, len(keyed), chunk):
+            part = [s for _, s in keyed[i : i + chunk]]
+            out.key += [(key, t) for key, _ in keyed[i : i + chunk] for t in range(length)]
             ids = torch.tensor([prompt + s[:-1] for s in part], device=dev)  # [b, P + L - 1]
             logits = model(input_ids=ids, logits_to_keep=length).logits[:, -length:].float()  # [b, L, V]
             p = probs_from_logits(logits, params).double()  # [b, L, V]
@@ -344,6 +385,7 @@ def score(
                 first = p[0, 0].cpu().numpy()
             tok = torch.tensor(part, device=dev).unsqueeze(-1)  # [b, L, 1]
             px = p.gather(-1, tok).squeeze(-1)
+            out.raw_logp += torch.log_softmax(logits.double(), -1).gather(-1, tok).flatten().tolist()
             before = p.cumsum(-1).gather(-1, tok).squeeze(-1) - px
             logp_all = torch.where(p > 0, p.clamp_min(1e-300).log(), torch.zeros_like(p))
             e = (p * logp_all).sum(-1)
@@ -418,6 +460,10 @@ class GenerateReport(Verdict):
     seconds: float
     errors: list[str] = field(default_factory=list)
     samples_needed: int | None = None  # INCONCLUSIVE: continuations per prompt to detect TARGET_TV everywhere
+    tv_tolerance: float = 0.0  # > 0: the first-token tests test TV <= this (another engine's numerics)
+    parity: dict | None = None  # logprob_parity: returned logprobs against the float32 recompute
+    endpoint: dict | None = None  # method 'openai': requests, retries, refused fields, EOS appended, ...
+    request_seeds: dict | None = None  # every request's seed (the rule and each prompt's range)
 
     @property
     def conclusive(self) -> bool:
@@ -457,6 +503,29 @@ class GenerateReport(Verdict):
                 f"acceptance rate {self.acceptance_rate:.3f}, tau {self.tau:.2f} tokens per target pass; "
                 f"per position: {' '.join(f'{a:.2f}' for a in self.acceptance)}",
             ]
+        if self.tv_tolerance:
+            lines += [
+                "",
+                f"Tolerance: the first-token tests test H0 TV <= {self.tv_tolerance:g} (numeric drift allowed; a "
+                "distribution-free bound, stats.tolerant_tv_test); the exact-equality tests (PIT, log-likelihood, "
+                "sequence) are left out.",
+            ]
+        if self.endpoint:
+            e = self.endpoint
+            lines += [
+                "",
+                f"endpoint: {e['requests']} requests, {e['retries']} retries; refused optional fields: "
+                f"{', '.join(e['dropped_fields']) or 'none'}; {e['eos_appended']} continuations ended at EOS; "
+                f"{e['mapped_by_text']} token ids mapped from their text (no token_id:N).",
+            ]
+        if self.request_seeds:
+            r = self.request_seeds
+            lines += [
+                "",
+                f"seeds ({r['rule']}): {r['per_prompt_first_last']}"
+                + (f"; {r['reference']}" if "reference" in r else ""),
+            ]
+        lines += self._parity_lines()
         if self.errors:
             lines += ["", "## Errors", ""] + [f"- {e}" for e in self.errors]
         lines += [
@@ -471,6 +540,28 @@ class GenerateReport(Verdict):
                 f"{t.detectable:.4g} {t.effect} | {mark} |"
             )
         return "\n".join(lines) + "\n"
+
+    def _parity_lines(self) -> list[str]:
+        if not self.parity:
+            return []
+        p = self.parity
+        lines = [
+            "",
+            f"## Logprob parity ({p['tokens']} tokens: returned logprobs against the float32 recompute)",
+            "",
+            f"| against | max abs diff | mean abs diff | fraction > {p['threshold']:g} |",
+            "|---|---|---|---|",
+        ]
+        for k in ("raw", "processed"):
+            d = p[k]
+            lines.append(f"| {k} | {d['max_abs']:.3g} | {d['mean_abs']:.3g} | {d['frac_over_threshold']:.4f} |")
+        per = p["raw"]["per_position"]
+        lines += [
+            "",
+            "raw, per position (max / mean): "
+            + ", ".join(f"{r['position']}: {r['max']:.2g} / {r['mean']:.2g}" for r in per),
+        ]
+        return lines
 
 
 def _progress():
@@ -490,8 +581,7 @@ def _worker_init(spec: MethodSpec) -> None:
 
 def _worker_run(task):
     prompt, params, seeds, length = task
-    tokens, stats = _WORKER["fn"](prompt, params, seeds, length)
-    return tokens, stats
+    return _WORKER["fn"](prompt, params, seeds, length)
 
 
 def draw_samples(
@@ -507,7 +597,8 @@ def draw_samples(
     show_progress: bool = True,
     sample_fn: SampleFn | None = None,
 ):
-    """N continuations per prompt: returns samples[prompt][i] (token lists) and the pooled SpecStats (or None)."""
+    """N continuations per prompt: returns samples[prompt][i] (token lists), the pooled SpecStats (or None) and
+    logprobs[prompt][i] (the method's returned logprobs of sample i, or None)."""
 
     tasks = [
         (j, list(prompts[j]), params, list(range(seed + j * n + i, seed + j * n + min(i + chunk, n))), length)
@@ -515,6 +606,7 @@ def draw_samples(
         for i in range(0, n, chunk)
     ]
     samples: list[list[list[int]]] = [[] for _ in prompts]
+    logprobs: list[list] = [[] for _ in prompts]
     pooled = SpecStats()
     seen_stats = False
     bar = _progress() if show_progress else None
@@ -534,8 +626,9 @@ def draw_samples(
         else:
             fn = sample_fn or build_method(spec)
             results = (fn(*t[1:]) for t in tasks)
-        for (j, *_), (tokens, stats) in zip(tasks, results):  # one collection loop for both ways of sampling
+        for (j, *_), (tokens, stats, *lps) in zip(tasks, results):  # one collection loop for both ways of sampling
             samples[j] += tokens
+            logprobs[j] += lps[0] if lps and lps[0] is not None else [None] * len(tokens)
             if stats is not None:
                 pooled.merge(stats)
                 seen_stats = True
@@ -546,7 +639,7 @@ def draw_samples(
             pool.shutdown()
         if bar:
             bar.stop()
-    return samples, (pooled if seen_stats else None)
+    return samples, (pooled if seen_stats else None), logprobs
 
 
 def certify_generate(
@@ -566,42 +659,44 @@ def certify_generate(
     show_progress: bool = True,
     sample_fn: SampleFn | None = None,
     reference_fn: SampleFn | None = None,
+    tv_tolerance: float = 0.0,
 ) -> GenerateReport:
     """Run the generator certificate. `reference`: the scoring model (a LoadedModel in float32; loaded from
     spec.target when None; when given, the two-sample test's reference is plain decoding of it unless reference_fn
-    says otherwise). `two_sample_tokens`: m for test (d) (0 = off; skipped for plain methods).
-    `sequence_tokens`: m for the whole-sequence test (a) (only when V^m <= 4096)."""
+    says otherwise). `two_sample_tokens`: m for test (d) (0 = off; skipped for plain methods; with a tolerance,
+    run only against a reference_fn). `sequence_tokens`: m for the whole-sequence test (a) (only when
+    V^m <= 4096). `tv_tolerance`: see the module docstring."""
     _check_request(params, samples, length, prompts, level)
+    if not 0 <= tv_tolerance < 1:
+        raise ValueError(f"tv_tolerance must lie in [0, 1), got {tv_tolerance}")
     t0 = time.perf_counter()
     model = (reference if reference is not None else _load(spec.target, "float32")).model
-    got, stats = draw_samples(
-        spec,
-        prompts,
-        params,
-        samples,
-        length,
-        seed,
-        workers,
-        sample_fn=sample_fn,
-        show_progress=show_progress,
-        label=spec.label(),
+    if sample_fn is None and spec.method == "openai":  # in this process: its concurrency is HTTP requests
+        sample_fn = build_method(spec)
+    chunk = 4 * spec.max_in_flight if spec.method == "openai" else 16
+    got, stats, lps = draw_samples(
+        spec, prompts, params, samples, length, seed, workers, chunk, spec.label(), show_progress, sample_fn
     )
     V = model.get_output_embeddings().weight.shape[0]
-    errors = _sample_errors(got, length, V)
+    endpoint = getattr(sample_fn, "endpoint", None)
+    eos = _load(spec.target, "float32").tokenizer.eos_token_id if endpoint is not None else None
+    errors = _sample_errors(got, length, V, eos) + (endpoint.log.unmappable[:20] if endpoint else [])
     sc = Scores()
-    tests, laws = _exact_tests(model, prompts, got, params, np.random.default_rng(seed), sc, sequence_tokens)
-    u = pit_uniformity(sc.pit)
-    tests.append(TestResult("all/pit-uniformity", "pit", u.statistic, u.pvalue, u.n, 0.0, "KS distance"))
-    ll = loglik_test(sc.logp, sc.expected, sc.variance)
-    tests.append(TestResult("all/log-likelihood", "loglik", ll.z, ll.pvalue, ll.n, 0.0, "nats/token"))
-    if two_sample_tokens > 0 and spec.method != "plain":
+    rng = np.random.default_rng(seed)
+    tests, laws = _exact_tests(model, prompts, got, params, rng, sc, sequence_tokens, tv_tolerance, level, power)
+    if not tv_tolerance:
+        u = pit_uniformity(sc.pit)
+        tests.append(TestResult("all/pit-uniformity", "pit", u.statistic, u.pvalue, u.n, 0.0, "KS distance"))
+        ll = loglik_test(sc.logp, sc.expected, sc.variance)
+        tests.append(TestResult("all/log-likelihood", "loglik", ll.z, ll.pvalue, ll.n, 0.0, "nats/token"))
+    if two_sample_tokens > 0 and spec.method != "plain" and (not tv_tolerance or reference_fn is not None):
         m = min(length, two_sample_tokens)
         ref_samples = _reference_samples(
             spec, reference, reference_fn, prompts, params, samples, m, seed, workers, show_progress
         )
         _two_sample_tests(got, ref_samples, m, V, tests, laws)
     per_test = level / len(tests)
-    _size_tests(tests, laws, per_test, power, u.detectable(per_test, power), ll.detectable(per_test, power))
+    _size_tests(tests, laws, per_test, power, None if tv_tolerance else (u, ll))
     return GenerateReport(
         method=spec.label(),
         target=spec.target,
@@ -618,15 +713,63 @@ def certify_generate(
         seconds=time.perf_counter() - t0,
         errors=errors,
         samples_needed=_samples_needed(laws, samples, per_test, power),
+        tv_tolerance=tv_tolerance,
+        parity=logprob_parity(sc, lps),
+        endpoint=asdict(endpoint.log) | {"unmappable": len(endpoint.log.unmappable)} if endpoint else None,
+        request_seeds=_request_seeds(prompts, samples, seed, reference_fn is not None or reference is not None),
     )
 
 
-def _size_tests(tests: list[TestResult], laws, per_test: float, power: float, pit: float, loglik: float) -> None:
-    """Each test's detectable effect (from its law, or `pit` / `loglik` for those two) and Holm p-value."""
+def _request_seeds(prompts, samples: int, seed: int, reference: bool) -> dict:
+    """Every request's seed, to replay any sample alone: sample i of prompt j used seed + j * N + i."""
+    ranges = [[seed + j * samples, seed + (j + 1) * samples - 1] for j in range(len(prompts))]
+    out = {"rule": "sample i of prompt j: seed + j * N + i", "per_prompt_first_last": ranges}
+    if reference:
+        out["reference"] = f"two-sample reference: the same rule plus {REFERENCE_SEED_OFFSET}"
+    return out
+
+
+def logprob_parity(sc: Scores, logprobs: list[list]) -> dict | None:
+    """The method's returned logprobs against the float32 recompute of the same tokens: against the raw
+    log-softmax (what engines return by default) and against the processed distribution (temperature, top-k/p);
+    max / mean |difference|, the fraction over PARITY_THRESHOLD, and per position. None when none were returned."""
+    got, raw, proc, pos = [], [], [], []
+    for ((j, i), t), r, q in zip(sc.key, sc.raw_logp, sc.logp):
+        lp = logprobs[j][i] if j < len(logprobs) and i < len(logprobs[j]) else None
+        if lp is None or t >= len(lp) or not math.isfinite(lp[t]):
+            continue
+        got.append(lp[t])
+        raw.append(r)
+        proc.append(q)
+        pos.append(t)
+    if not got:
+        return None
+    got_a, pos_a = np.array(got), np.array(pos)
+
+    def summary(ref: list[float]) -> dict:
+        d = np.abs(got_a - np.array(ref))
+        d = np.where(np.isfinite(d), d, np.inf)  # a -inf recompute (a token outside the support) counts as inf
+        per = [
+            {"position": int(t), "max": float(d[pos_a == t].max()), "mean": float(d[pos_a == t].mean())}
+            for t in np.unique(pos_a)
+        ]
+        return {
+            "max_abs": float(d.max()),
+            "mean_abs": float(d.mean()),
+            "frac_over_threshold": float((d > PARITY_THRESHOLD).mean()),
+            "per_position": per,
+        }
+
+    return {"tokens": len(got), "threshold": PARITY_THRESHOLD, "raw": summary(raw), "processed": summary(proc)}
+
+
+def _size_tests(tests: list[TestResult], laws, per_test: float, power: float, pit_loglik) -> None:
+    """Each test's detectable effect (from its law; the PIT and log-likelihood results' own, when run; a tolerance
+    test's is set where it is made) and Holm p-value."""
     for t, law, n in laws:
         t.detectable = detectable_tv(law, n, per_test, power)
-    tests[[t.kind for t in tests].index("pit")].detectable = pit
-    tests[[t.kind for t in tests].index("loglik")].detectable = loglik
+    for r, kind in zip(pit_loglik or (), ("pit", "loglik")):
+        tests[[t.kind for t in tests].index(kind)].detectable = r.detectable(per_test, power)
     for t, a in zip(tests, holm([t.pvalue for t in tests])):
         t.holm_pvalue = float(a)
 
@@ -644,13 +787,13 @@ def _reference_samples(spec: MethodSpec, reference, reference_fn, prompts, param
     ref_spec = MethodSpec(method="plain", target=spec.target, runner=spec.runner)
     if reference_fn is None and reference is not None:  # plain decoding of the model the scores come from
         reference_fn = _verispec_method(ref_spec, reference)
-    ref_samples, _ = draw_samples(
+    ref_samples, _, _ = draw_samples(
         ref_spec,
         prompts,
         params,
         n,
         m,
-        seed + 7_919_000,
+        seed + REFERENCE_SEED_OFFSET,
         workers,
         sample_fn=reference_fn,
         show_progress=show_progress,
@@ -673,12 +816,13 @@ def _check_request(params: SamplingParams, samples: int, length: int, prompts: l
         raise ValueError(f"level must lie in (0, 1), got {level}")
 
 
-def _sample_errors(got: list[list[list[int]]], length: int, V: int) -> list[str]:
-    """One line per prompt whose samples break the request (wrong length, a token outside the vocabulary)."""
+def _sample_errors(got: list[list[list[int]]], length: int, V: int, eos: int | None = None) -> list[str]:
+    """One line per prompt whose samples break the request (wrong length, a token outside the vocabulary); with
+    `eos`, a shorter sample that ends with it (an endpoint that stopped at EOS) is well formed."""
     errors = []
     for j, group in enumerate(got):
         for s in group:
-            if len(s) != length:
+            if len(s) != length and not (eos is not None and 0 < len(s) < length and s[-1] == eos):
                 errors.append(f"prompt {j}: a sample has {len(s)} tokens, expected {length}")
                 break
             if any(not 0 <= t < V for t in s):
@@ -687,15 +831,23 @@ def _sample_errors(got: list[list[list[int]]], length: int, V: int) -> list[str]
     return errors
 
 
-def _exact_tests(model, prompts, got, params, rng, sc: Scores, m: int):
-    """Score every sample into `sc`; per prompt the first-token test and (small vocabularies) the first-m-token
-    sequence test. Returns the tests and (test, law, n) for their detectable effects."""
+def _exact_tests(model, prompts, got, params, rng, sc: Scores, m: int, tolerance=0.0, level=0.01, power=POWER):
+    """Score every sample into `sc`; per prompt the first-token test and (small vocabularies, no tolerance) the
+    first-m-token sequence test. Returns the tests and (test, law, n) for their detectable effects (a tolerance
+    test's detectable TV is set here, at the Bonferroni level over the prompts' tests)."""
     V = model.get_output_embeddings().weight.shape[0]
     tests: list[TestResult] = []
     laws = []
     for j, group in enumerate(got):
-        first = score(model, prompts[j], [s for s in group if s], params, rng, sc)
+        keys = [(j, i) for i, s in enumerate(group) if s]
+        first = score(model, prompts[j], [s for s in group if s], params, rng, sc, keys=keys)
         counts = np.bincount([s[0] for s in group if s], minlength=V)[:V]
+        if tolerance:
+            r = tolerant_tv_test(counts, first / first.sum(), tolerance)
+            name, effect = f"prompt{j}/first-token-tv<={tolerance:g}", f"TV over {r.bins} bins"
+            tests.append(TestResult(name, "first-token", r.tv, r.pvalue, r.n, 0.0, effect))
+            tests[-1].detectable = r.detectable(level / len(got), power)
+            continue
         g = chisquare_gof(counts, first / first.sum())
         tests.append(TestResult(f"prompt{j}/first-token", "first-token", g.statistic, g.pvalue, g.n, 0.0, "TV"))
         laws.append((tests[-1], first / first.sum(), g.n))
@@ -743,7 +895,7 @@ def write_report(report: GenerateReport, out: str | Path) -> list[Path]:
     md, js, png = out / "generate-certificate.md", out / "generate-certificate.json", out / "generate-certificate.png"
     md.write_text(report.to_markdown() + f"\n![plots]({png.name})\n")
     strict_json.write(js, report.to_json())
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    fig, axes = plt.subplots(1, 4, figsize=(20, 4))
     bins = 20
     axes[0].hist(report.pit, bins=bins, range=(0, 1), color="tab:blue", alpha=0.8)
     axes[0].axhline(len(report.pit) / bins, color="k", ls="--", lw=1, label="uniform")
@@ -763,6 +915,15 @@ def write_report(report: GenerateReport, out: str | Path) -> list[Path]:
     axes[2].set_yticks(range(len(vals)), names, fontsize=7)
     axes[2].set_title("-log10 Holm p-value")
     axes[2].legend()
+    if report.parity:
+        per = report.parity["raw"]["per_position"]
+        xs = [r["position"] for r in per]
+        axes[3].semilogy(xs, [max(r["max"], 1e-12) for r in per], "o-", label="max")
+        axes[3].semilogy(xs, [max(r["mean"], 1e-12) for r in per], "s-", label="mean")
+        axes[3].axhline(report.parity["threshold"], color="k", ls="--", lw=1)
+        axes[3].legend()
+    axes[3].set_title("logprob parity |returned - float32 raw|")
+    axes[3].set_xlabel("position")
     fig.suptitle(f"{report.verdict}: {report.method}")
     fig.tight_layout()
     fig.savefig(png, dpi=90)

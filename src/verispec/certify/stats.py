@@ -25,6 +25,7 @@ __all__ = [
     "merge_small_bins",
     "pit_uniformity",
     "samples_to_detect",
+    "tolerant_tv_test",
 ]
 
 
@@ -276,3 +277,54 @@ def loglik_test(logp: np.ndarray, expected: np.ndarray, variance: np.ndarray) ->
     return LikelihoodResult(
         z, float(2 * stats.norm.sf(abs(z))), n, float(excess.mean()), float(np.sqrt(total_var / n)), 0
     )
+
+
+@dataclass(frozen=True)
+class ToleranceResult:
+    """H0: TV(law of the samples, probs) <= tolerance. tv: the observed TV over the bins; slack: the bound on its
+    sampling noise's mean, 0.5 sqrt(bins / n)."""
+
+    tv: float
+    pvalue: float
+    n: int
+    bins: int
+    tolerance: float
+    slack: float
+    impossible: int
+
+    def detectable(self, level: float, power: float = 0.99) -> float:
+        """The TV (over the bins, so at least that in total) rejected with probability >= power at `level`."""
+        if self.n == 0:
+            return float("inf")
+        eps = np.sqrt(np.log(1 / level) / (2 * self.n)) + np.sqrt(np.log(1 / (1 - power)) / (2 * self.n))
+        return float(min(1.0, self.tolerance + 2 * self.slack + eps))
+
+
+def tolerant_tv_test(counts: np.ndarray, probs: np.ndarray, tolerance: float, max_bins: int = 32) -> ToleranceResult:
+    """A test that tolerates a total-variation drift up to `tolerance` (e.g. another engine's numerics), valid for
+    any sample law: H0 is TV(P, probs) <= tolerance, not P == probs.
+
+    The outcomes are coarsened to at most `max_bins` bins (the most likely tokens alone, the rest pooled; a
+    coarsening never increases TV, so H0 still holds on the bins). With T = TV(empirical, probs) over the bins,
+    T <= TV(P, probs) + TV(empirical, P); E TV(empirical, P) <= 0.5 sum_b sqrt(P_b / n) <= 0.5 sqrt(bins / n)
+    (Cauchy-Schwarz), and TV(empirical, P) moves by at most 1/n per sample, so McDiarmid gives
+    P(T >= tolerance + slack + e) <= exp(-2 n e^2) under H0: the p-value. An observation on a probability-0
+    outcome is reported but, under a tolerance, is not by itself a rejection."""
+    counts = np.asarray(counts, dtype=np.float64)
+    probs = np.asarray(probs, dtype=np.float64)
+    n = int(counts.sum())
+    if not 0 <= tolerance < 1:
+        raise ValueError(f"tolerance must lie in [0, 1), got {tolerance}")
+    order = np.argsort(-probs, kind="stable")
+    head = order[: max_bins - 1]
+    rest = np.ones(probs.shape, dtype=bool)
+    rest[head] = False
+    p_bins = np.append(probs[head], probs[rest].sum())
+    c_bins = np.append(counts[head], counts[rest].sum())
+    impossible = int(counts[probs <= 0].sum())
+    if n == 0:
+        return ToleranceResult(0.0, 1.0, 0, len(p_bins), tolerance, 0.0, 0)
+    tv = float(0.5 * np.abs(c_bins / n - p_bins).sum())
+    slack = float(0.5 * np.sqrt(len(p_bins) / n))
+    excess = max(0.0, tv - tolerance - slack)
+    return ToleranceResult(tv, float(np.exp(-2 * n * excess**2)), n, len(p_bins), tolerance, slack, impossible)

@@ -147,7 +147,7 @@ def run_study(
     ref = _load(target, "float32")
     vocab = min(len(ref.tokenizer), ref.model.get_output_embeddings().weight.shape[0])
     plain = MethodSpec(method="plain", target=target)
-    samples, _ = draw_samples(
+    samples, _, _ = draw_samples(
         plain,
         prompts,
         params,

@@ -53,7 +53,7 @@ def _add_method_args(p: argparse.ArgumentParser) -> None:
         default="verispec",
         help="verispec (default), plain (verispec without drafts), hf (transformers generate), "
         "hf-assisted (transformers' assisted generation, --draft as the assistant), callable "
-        "(--callable)",
+        "(--callable), openai (an OpenAI-compatible endpoint: --base-url, --model)",
     )
     p.add_argument(
         "--draft", default="ngram", help="verispec: draft model, ngram, self or none; hf-assisted: the assistant model"
@@ -72,10 +72,60 @@ def _add_method_args(p: argparse.ArgumentParser) -> None:
         f"or a lossy acceptance rule: {LOSSY_VERIFIERS} (spec-rl: SPEC-RL's rollout reuse, a fresh draw from p "
         f"at a rejection); with --verify block: {', '.join(BLOCK_BUGS)}; with --tree: {', '.join(TREE_BUGS)}",
     )
+    _add_endpoint_args(p)
     add_tree_args(p)
     add_verify_arg(p)
     add_coupling_arg(p)
     add_seeding_arg(p)
+
+
+def _add_endpoint_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("--method openai (certify another engine's server)")
+    g.add_argument("--base-url", help="the endpoint, e.g. http://localhost:8000 or http://localhost:8000/v1")
+    g.add_argument("--model", help="the model name the endpoint serves")
+    g.add_argument("--api-key", help="sent as a Bearer token (default: $OPENAI_API_KEY when set)")
+    g.add_argument("--max-in-flight", type=int, default=8, help="concurrent requests (default 8)")
+    g.add_argument(
+        "--reference-url",
+        help="the two-sample reference: another endpoint, or the same server with speculation off (no "
+        "assumption about numerics); default: verispec's plain decoding of --target",
+    )
+    g.add_argument("--reference-model", help="the model name at --reference-url (default: --model)")
+    g.add_argument(
+        "--tv-tolerance",
+        type=float,
+        default=0.0,
+        help="test TV <= this against --target instead of exact equality (another engine's numerics; "
+        "PIT / log-likelihood / sequence tests are left out, the two-sample test runs only with --reference-url)",
+    )
+
+
+def _endpoint_fields(args: argparse.Namespace) -> dict:
+    """MethodSpec's endpoint fields from the options (checked)."""
+    import os
+
+    given = [o for o in ("base_url", "model", "reference_url") if getattr(args, o)]
+    if args.method != "openai":
+        if given:
+            raise UsageError(f"--{given[0].replace('_', '-')} applies to --method openai")
+        return {}
+    if not (args.base_url and args.model):
+        raise UsageError("--method openai needs --base-url URL and --model NAME (the model the endpoint serves)")
+    if args.max_in_flight < 1:
+        raise UsageError(f"--max-in-flight must be >= 1, got {args.max_in_flight}")
+    key = args.api_key or os.environ.get("OPENAI_API_KEY")
+    return dict(base_url=args.base_url, model_name=args.model, api_key=key, max_in_flight=args.max_in_flight)
+
+
+def _reference_fn(args: argparse.Namespace, spec):
+    """The two-sample reference's sample function: the --reference-url endpoint, or None (plain decoding)."""
+    from dataclasses import replace
+
+    from ..certify.generate import build_method
+
+    if not args.reference_url:
+        return None
+    return build_method(replace(spec, base_url=args.reference_url, model_name=args.reference_model or args.model))
 
 
 def _add_certificate_args(p: argparse.ArgumentParser) -> None:
@@ -107,6 +157,9 @@ def _method_spec(args: argparse.Namespace):
         raise UsageError("--method callable needs --callable module:function")
     if args.workers < 1:
         raise UsageError(f"--workers must be >= 1, got {args.workers}")
+    if not 0 <= args.tv_tolerance < 1:
+        raise UsageError(f"--tv-tolerance must lie in [0, 1), got {args.tv_tolerance}")
+    endpoint = _endpoint_fields(args)
     try:
         return MethodSpec(
             method=args.method,
@@ -124,6 +177,7 @@ def _method_spec(args: argparse.Namespace):
             verify=args.verify,
             coupling=args.coupling,
             seeding=args.seeding,
+            **endpoint,
         )
     except ValueError as e:  # what MethodSpec still checks itself is the --inject name
         raise UsageError(f"--inject {args.inject}: {e}" if args.inject else str(e)) from None
@@ -154,7 +208,15 @@ def run(args: argparse.Namespace) -> int:
     with model_errors():
         ref, prompts = load_reference(args, texts)
         options = pick(args, "samples", "length", "level", "seed", "workers", "two_sample_tokens")
-        report = certify_generate(spec, prompts, params, reference=ref, **options)
+        report = certify_generate(
+            spec,
+            prompts,
+            params,
+            reference=ref,
+            reference_fn=_reference_fn(args, spec),
+            tv_tolerance=args.tv_tolerance,
+            **options,
+        )
     files = write_report(report, args.out)
     print(report.to_markdown())
     print(f"report: {', '.join(str(f) for f in files)}", file=sys.stderr)

@@ -27,9 +27,11 @@ __all__ = ["router"]
 router = APIRouter()
 
 
-def chat_logprobs(served: Served, ids: list[int], lps: list[float], tops) -> ChatLogprobs:
+def chat_logprobs(served: Served, ids: list[int], lps: list[float], tops, as_ids: bool = False) -> ChatLogprobs:
+    name = served.namer(as_ids)
+
     def top(token: int, logprob: float) -> TopLogprob:
-        s = served.piece(token)
+        s = name(token)
         return TopLogprob(token=s, logprob=logprob, bytes=list(s.encode()))
 
     content = []
@@ -42,6 +44,7 @@ def chat_logprobs(served: Served, ids: list[int], lps: list[float], tops) -> Cha
 class _Reply:
     def __init__(self, served: Served, req: ChatCompletionRequest, run: Run):
         self.served, self.logprobs, self.prompt_tokens = served, req.logprobs, run.prompt_tokens
+        self.as_ids = req.return_tokens_as_token_ids
         self.id, self.created = f"chatcmpl-{run.job.id}", int(run.job.created)
         self.chunk = partial(ChatCompletionChunk, id=self.id, created=self.created, model=served.model_id)
         self.first = [ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content="")) for i in range(run.n)]
@@ -52,7 +55,7 @@ class _Reply:
                 index=i,
                 message=ChatMessage(content=c.text),
                 finish_reason=c.finish_reason,
-                logprobs=chat_logprobs(self.served, c.token_ids, c.raw_logprobs, c.top_logprobs)
+                logprobs=chat_logprobs(self.served, c.token_ids, c.raw_logprobs, c.top_logprobs, self.as_ids)
                 if self.logprobs
                 else None,
             )
@@ -68,7 +71,7 @@ class _Reply:
 
     def choice(self, ev: StreamEvent) -> ChatChunkChoice | None:
         lp = (
-            chat_logprobs(self.served, ev.token_ids, ev.raw_logprobs, ev.top_logprobs)
+            chat_logprobs(self.served, ev.token_ids, ev.raw_logprobs, ev.top_logprobs, self.as_ids)
             if self.logprobs and ev.token_ids
             else None
         )

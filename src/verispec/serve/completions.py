@@ -47,8 +47,8 @@ class LegacyLogprobs:
     """One request's legacy logprobs, choice by choice and (streamed) event by event: each choice's tokens and
     text so far, so that `text_offset` indexes the choice's whole text."""
 
-    def __init__(self, served: Served, n: int, top_n: int):
-        self.served, self.top_n = served, top_n
+    def __init__(self, served: Served, n: int, top_n: int, as_ids: bool = False):
+        self.served, self.top_n, self.piece = served, top_n, served.namer(as_ids)
         self.ids: list[list[int]] = [[] for _ in range(n)]
         self.text = [""] * n
         self.low = [0] * n
@@ -62,7 +62,7 @@ class LegacyLogprobs:
             return None
         offsets = text_offsets(self.served.decode, self.ids[index], self.text[index], first, self.low[index])
         self.low[index] = offsets[-1]
-        piece = self.served.piece
+        piece = self.piece
         top = [{piece(a): b for a, b in alts} for alts in tops] if self.top_n and tops is not None else None
         return CompletionLogprobs(
             tokens=[piece(t) for t in ids], token_logprobs=lps, top_logprobs=top, text_offset=offsets
@@ -71,7 +71,9 @@ class LegacyLogprobs:
 
 class _Reply:
     def __init__(self, served: Served, req: CompletionRequest, run: Run):
-        self.logprobs = LegacyLogprobs(served, run.n, req.logprobs or 0) if req.logprobs is not None else None
+        as_ids = req.return_tokens_as_token_ids
+        lp = LegacyLogprobs(served, run.n, req.logprobs or 0, as_ids) if req.logprobs is not None else None
+        self.logprobs = lp
         self.prompt_tokens = run.prompt_tokens
         self.chunk = partial(
             CompletionResponse, id=f"cmpl-{run.job.id}", created=int(run.job.created), model=served.model_id

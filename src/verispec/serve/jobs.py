@@ -47,6 +47,10 @@ class Served:
         """One token's own text (logprobs' `token` fields)."""
         return self.gen.tokenizer.decode([token])
 
+    def namer(self, as_ids: bool) -> Callable[[int], str]:
+        """How logprobs name a token: its text, or "token_id:N" (the request's return_tokens_as_token_ids)."""
+        return (lambda t: f"token_id:{t}") if as_ids else self.piece
+
     def check_model(self, model: str) -> None:
         if model != self.model_id and model not in self.aliases:
             raise APIError(

@@ -42,6 +42,8 @@ class _Common(BaseModel):
     # this request's draft length; 0 turns speculation off; the server caps it at its own maximum
     num_speculative_tokens: StrictInt | None = Field(None, ge=0, le=MAX_SPECULATIVE_TOKENS)
     ignore_eos: bool = False
+    # vLLM's extension: logprobs' `token` fields as "token_id:N" (exact ids, for RL trainers and certifiers)
+    return_tokens_as_token_ids: bool = False
 
 
 class CompletionRequest(_Common):

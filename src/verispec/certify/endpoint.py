@@ -1,0 +1,231 @@
+"""Continuations from an OpenAI-compatible HTTP endpoint (vLLM, SGLang, llama.cpp, `verispec serve`), for
+`verispec certify generate --method openai`.
+
+One completions request per continuation, each with its own seed, so that any sample can be replayed alone:
+the prompt as token ids, `max_tokens` = L, temperature and top-p, as extra fields top-k and min-p (only when the
+request sets them), `logprobs: 0` (the sampled tokens' own logprobs), `ignore_eos`, and vLLM's
+`return_tokens_as_token_ids`. Requests run in a bounded pool (`max_in_flight`); 429, 503 and connection errors are
+retried with exponential backoff (a Retry-After header is honoured). When the server refuses a field (400 / 422
+naming it), an optional one (`ignore_eos`, `return_tokens_as_token_ids`, `logprobs`) is dropped for the rest of
+the run and the refusal is reported; a refused sampling field is an error, since the certificate would then test
+another law than the one it states.
+
+Token ids: the "token_id:N" strings of `return_tokens_as_token_ids` where the server honours it; otherwise each
+token's text is mapped back through the tokenizer (every id's own text, as servers print it). A text that several
+ids share (the pieces of a character split over byte-level tokens) cannot be mapped back: such samples are
+reported as errors, never dropped silently (dropping them would condition the law under test). A continuation
+that ends before L tokens with finish_reason "stop" ended at an end-of-sequence token the server does not return:
+the tokenizer's EOS id is appended (counted in the report), so the sequence law stays the target's.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from ..sampling import SamplingParams
+
+__all__ = ["Endpoint", "EndpointError", "EndpointLog", "TokenMapper"]
+
+OPTIONAL_FIELDS = ("ignore_eos", "return_tokens_as_token_ids", "logprobs")
+RETRY_STATUS = (429, 500, 502, 503, 504)
+
+
+class EndpointError(RuntimeError):
+    """The endpoint cannot be certified as asked (refused a sampling field, kept failing, answered nonsense)."""
+
+
+@dataclass
+class EndpointLog:
+    """What the run did with the endpoint, for the report."""
+
+    requests: int = 0
+    retries: int = 0
+    dropped_fields: list[str] = field(default_factory=list)  # optional fields the server refused
+    eos_appended: int = 0  # continuations that stopped early at an end-of-sequence token
+    mapped_by_text: int = 0  # tokens whose id came from their text (no token_id:N)
+    unmappable: list[str] = field(default_factory=list)  # samples whose token text several ids share
+
+
+class TokenMapper:
+    """A token's id from what a server prints for it: "token_id:N", or its text when that text is one id's."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self._by_text: dict[str, int | None] | None = None
+
+    def by_text(self) -> dict[str, int | None]:
+        if self._by_text is None:
+            V = len(self.tokenizer)
+            pieces = self.tokenizer.batch_decode([[i] for i in range(V)])
+            table: dict[str, int | None] = {}
+            for i, s in enumerate(pieces):
+                table[s] = i if s not in table else None  # None: shared by several ids
+            self._by_text = table
+        return self._by_text
+
+    def ids(self, tokens: Sequence[str]) -> tuple[list[int], int, str | None]:
+        """(ids, how many came from text, the first token text that maps to no single id or None)."""
+        out, by_text = [], 0
+        for t in tokens:
+            if t.startswith("token_id:") and t[9:].lstrip("-").isdigit():
+                out.append(int(t[9:]))
+                continue
+            i = self.by_text().get(t)
+            if i is None:
+                return out, by_text, t
+            out.append(i)
+            by_text += 1
+        return out, by_text, None
+
+
+@dataclass
+class Endpoint:
+    """An OpenAI-compatible completions endpoint, and how politely to draw from it."""
+
+    base_url: str
+    model: str
+    api_key: str | None = None
+    max_in_flight: int = 8
+    timeout_s: float = 120.0
+    retries: int = 8
+    backoff_s: float = 0.5
+    log: EndpointLog = field(default_factory=EndpointLog)
+    transport: object = None  # an httpx transport (tests: httpx.MockTransport); None = the network
+
+    def __post_init__(self):
+        if not self.base_url.startswith(("http://", "https://")):
+            raise ValueError(f"base URL must start with http:// or https://, got {self.base_url!r}")
+        if self.max_in_flight < 1:
+            raise ValueError(f"max_in_flight must be >= 1, got {self.max_in_flight}")
+        self._lock = threading.Lock()
+        self._dropped: set[str] = set()
+
+    def url(self) -> str:
+        base = self.base_url.rstrip("/")
+        return f"{base}/completions" if base.endswith("/v1") else f"{base}/v1/completions"
+
+    def body(self, prompt: list[int], params: SamplingParams, seed: int, length: int) -> dict:
+        if params.repetition_penalty != 1.0 or params.presence_penalty or params.frequency_penalty:
+            raise ValueError("penalties are not certified here (certify generate scores temperature / top-k / top-p)")
+        body = dict(
+            model=self.model,
+            prompt=list(prompt),
+            max_tokens=length,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            seed=seed,
+            n=1,
+            stream=False,
+            logprobs=0,
+            ignore_eos=True,
+            return_tokens_as_token_ids=True,
+        )
+        if params.top_k:
+            body["top_k"] = params.top_k
+        if params.min_p:
+            body["min_p"] = params.min_p
+        for f in self._dropped:
+            body.pop(f, None)
+        return body
+
+    def complete(self, client, prompt: list[int], params: SamplingParams, seed: int, length: int) -> dict:
+        """The first choice of one completions request, retried and field-negotiated."""
+        for attempt in range(self.retries + 1):
+            body = self.body(prompt, params, seed, length)
+            try:
+                r = client.post(self.url(), json=body, headers=self._headers())
+            except Exception as e:  # connection refused / reset / timed out: retried like a 503
+                if attempt == self.retries:
+                    raise EndpointError(f"{self.url()}: {type(e).__name__}: {e}") from None
+                self._wait(attempt, None)
+                continue
+            if r.status_code in RETRY_STATUS and attempt < self.retries:
+                self._wait(attempt, r.headers.get("retry-after"))
+                continue
+            if r.status_code in (400, 422) and self._drop_refused(r.text, body):
+                continue
+            if r.status_code != 200:
+                raise EndpointError(f"{self.url()} answered {r.status_code}: {r.text[:300]}")
+            with self._lock:
+                self.log.requests += 1
+            choices = r.json().get("choices") or []
+            if not choices:
+                raise EndpointError(f"{self.url()} answered without choices: {r.text[:300]}")
+            return choices[0]
+        raise EndpointError(f"{self.url()}: still failing after {self.retries} retries")
+
+    def _headers(self) -> dict:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def _wait(self, attempt: int, retry_after: str | None) -> None:
+        with self._lock:
+            self.log.retries += 1
+        delay = self.backoff_s * 2**attempt
+        if retry_after and retry_after.replace(".", "", 1).isdigit():
+            delay = max(delay, float(retry_after))
+        time.sleep(min(delay, 30.0))
+
+    def _drop_refused(self, text: str, body: dict) -> bool:
+        """Drop an optional field the server names in its refusal; True when one was dropped (retry)."""
+        for f in OPTIONAL_FIELDS:
+            if f in body and f in text:
+                with self._lock:
+                    if f not in self._dropped:
+                        self._dropped.add(f)
+                        self.log.dropped_fields.append(f)
+                return True
+        sampling = [f for f in ("top_k", "min_p", "seed", "top_p", "prompt") if f in body and f in text]
+        if sampling:
+            raise EndpointError(
+                f"the endpoint refused {sampling[0]!r} ({text[:200]}): without it the certificate would test "
+                "another law than the one it states"
+            )
+        return False
+
+    def draw(
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        seeds: Sequence[int],
+        length: int,
+        mapper: TokenMapper,
+        eos_id: int | None,
+    ) -> tuple[list[list[int]], list[list[float] | None]]:
+        """One continuation per seed (token ids) and its returned logprobs (None where the server gave none)."""
+        import httpx
+
+        with (
+            httpx.Client(timeout=self.timeout_s, transport=self.transport) as client,
+            ThreadPoolExecutor(self.max_in_flight) as pool,
+        ):
+            choices = list(pool.map(lambda s: self.complete(client, prompt, params, s, length), seeds))
+        tokens, logprobs = [], []
+        for seed, c in zip(seeds, choices):
+            ids, lps = self._parse(c, mapper, seed)
+            if len(ids) < length and c.get("finish_reason") == "stop" and eos_id is not None:
+                ids.append(eos_id)
+                lps = None if lps is None else lps + [float("nan")]
+                self.log.eos_appended += 1
+            tokens.append(ids)
+            logprobs.append(lps)
+        return tokens, logprobs
+
+    def _parse(self, choice: dict, mapper: TokenMapper, seed: int) -> tuple[list[int], list[float] | None]:
+        lp = choice.get("logprobs") or {}
+        names = lp.get("tokens")
+        if names is None:
+            raise EndpointError(
+                "the endpoint returned no logprobs tokens: certify generate needs the sampled token ids "
+                "(completions with logprobs=0, or return_tokens_as_token_ids)"
+            )
+        ids, by_text, bad = mapper.ids(names)
+        self.log.mapped_by_text += by_text
+        if bad is not None:
+            self.log.unmappable.append(f"seed {seed}: token text {bad!r} is several ids' text")
+        values = lp.get("token_logprobs")
+        lps = None if values is None else [float("nan") if v is None else float(v) for v in values[: len(ids)]]
+        return ids, lps
