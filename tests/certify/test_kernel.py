@@ -57,9 +57,23 @@ def test_reference_control_passes(samples, tv):
     assert certify_kernel(broken_verifier(None), samples=samples).passed
 
 
+# The bugs added with the known-bugs suite (tests/certify/test_known_bugs.py) FAIL in its default-tier run, on the
+# cases where they bite with power >= 0.9999; their full-battery certificates at 20k run in the slow tier only.
+KNOWN_BUGS_ONLY = ("bonus_ignores_temperature", "wrong_q_raw_logits")
+BUG_SIZES = [
+    pytest.param(
+        bug,
+        *size.values,
+        marks=(*size.marks, *([pytest.mark.slow] if bug in KNOWN_BUGS_ONLY else [])),
+        id=f"{bug}-{size.id}",
+    )
+    for bug in BUGS
+    for size in SIZES
+]
+
+
 @pytest.mark.statistical
-@pytest.mark.parametrize("samples, tv", SIZES)
-@pytest.mark.parametrize("bug", BUGS)
+@pytest.mark.parametrize("bug, samples, tv", BUG_SIZES)
 def test_injected_bug_fails_at_default_size(bug, samples, tv):
     """Each injected bug FAILS the certificate at the default size (slow tier) and at 20k steps per case (default
     tier), the sizes at which verispec PASSES with the stated strength above."""

@@ -12,6 +12,19 @@ every one FAILS at the default sample size. None of them is ever used outside ce
   le_zero_uniform         `u * q <= p` with a low-resolution uniform that can be exactly 0, so a p = 0 draft can
                           be accepted (SGLang #35771)
   reuse_accept_uniform    the rejected position's acceptance uniform reused for the residual draw (vLLM #9441)
+  bonus_ignores_temperature  the bonus token (every draft accepted) drawn from the target's distribution before
+                          temperature 0.7 (p^0.7, renormalized, since target_probs are the processed p at 0.7); the
+                          accepted and recovered positions are exact (EAGLE reference code, 2024-25: bonus token
+                          sampled without the request's temperature / top-p)
+  wrong_q_raw_logits      drafts sampled from the processed (top-k) q, the verifier given the raw q instead: Z q on
+                          q's support (Z = 0.8, the raw mass top-k kept) and 1 - Z spread evenly over the tokens q
+                          excludes (sub-normalized when q excludes none); acceptance ratio inflated by 1 / Z and the
+                          residual (p - q_raw)+ built from mass the drafter never proposes (HF transformers #47932,
+                          fixed by #47961)
+
+A broken categorical draw (for the known-bugs tail test, not a chain verifier):
+  fp32_exponential_race   argmax(w / E) with E ~ Exp(1) in float32 that never falls below 2^-24 (vLLM #43150):
+                          a token whose weight is below 2^-24 of the winner's loses most of its mass
 
 Broken tree verifiers (drop-in replacements for `verify_tree`, for `certify kernel --tree`):
   tree_stale_residual     after a sibling is rejected, the next sibling is tested against the old residual
@@ -69,6 +82,8 @@ __all__ = [
     "broken_coupled_verifier",
     "broken_tree_verifier",
     "broken_verifier",
+    "fp32_exponential_race",
+    "raw_q",
 ]
 
 BUGS = (
@@ -78,6 +93,8 @@ BUGS = (
     "q_before_temperature",
     "le_zero_uniform",
     "reuse_accept_uniform",
+    "bonus_ignores_temperature",
+    "wrong_q_raw_logits",
 )
 
 TREE_BUGS = (
@@ -93,6 +110,9 @@ TREE_NON_BUGS = ("tree_iid_as_deterministic", "tree_mixed_sampled_as_chosen")  #
 
 _Q_TEMPERATURE = 0.7  # q_before_temperature: the draft sampled at this temperature, the verifier saw q at 1
 _U_LEVELS = 64  # le_zero_uniform: uniforms on the grid {0, 1/64, ..., 63/64}
+_P_TEMPERATURE = 0.7  # bonus_ignores_temperature: the target processed at this temperature, the bonus drawn at 1
+_RAW_KEPT = 0.8  # wrong_q_raw_logits: the raw draft mass that top-k kept (Z)
+EXP_FLOOR = 2.0**-24  # fp32_exponential_race: the smallest float32 Exp(1) sample vLLM #43150 measured
 
 
 def broken_verifier(bug: str | None):
@@ -113,6 +133,8 @@ def _broken_chain(bug, target_probs, draft_token_ids, draft_probs, num_draft_tok
     if bug == "q_before_temperature":
         q = q.pow(_Q_TEMPERATURE)
         q = q / q.sum(-1, keepdim=True)
+    if bug == "wrong_q_raw_logits":
+        q = raw_q(q)
     if bug == "swap_p_q":  # the whole rule with the roles exchanged (q treated as the target)
         p = torch.cat([q, p[:, k:]], 1)
         q = target_probs[:, :k].double()
@@ -136,9 +158,33 @@ def _broken_chain(bug, target_probs, draft_token_ids, draft_probs, num_draft_tok
         w = (p_row - q_row).abs()
     else:
         w = (p_row - q_row).clamp_min(0)
+    if bug == "bonus_ignores_temperature":  # every draft accepted: p before temperature (p^0.7, renormalized)
+        raw = p_row.pow(_P_TEMPERATURE)
+        w = torch.where(rejected.unsqueeze(1), w, raw / raw.sum(1, keepdim=True))
     if bug == "reuse_accept_uniform" and k > 0:
         final_u = torch.where(rejected, accept_u[rows, na.clamp(max=k - 1)], final_u)
     return finish_chain(ids, na, w, p_row, final_u)
+
+
+def raw_q(q: Tensor, kept: float = _RAW_KEPT) -> Tensor:
+    """The raw draft distribution that wrong_q_raw_logits hands the verifier for a processed (top-k) q [..., V]:
+    kept * q on q's support, the raw mass top-k cut (1 - kept) spread evenly over the tokens where q = 0; with no
+    such token, kept * q alone (sub-normalized: the rule reads only q_raw(t) and (p - q_raw)+)."""
+    outside = (q <= 0).to(q.dtype)
+    count = outside.sum(-1, keepdim=True)
+    return kept * q + (1 - kept) * outside / count.clamp_min(1)
+
+
+def fp32_exponential_race(weights: Tensor, generator: torch.Generator | None = None) -> Tensor:  # [B, V] -> [B]
+    """A categorical draw from the rows of `weights` [B, V] (non-negative, any scale) by the exponential race
+    argmax_x w(x) / E(x), E i.i.d. Exp(1) in float32 that never falls below EXP_FLOOR = 2^-24 (vLLM #43150: 200M
+    float32 exponential samples had their minimum exactly at 2^-24, none below; modelled here as float64 Exp(1)
+    samples, -log U, clamped at 2^-24, then cast to float32). Correct for tokens within a factor 2^24 of the winner; a
+    token below that can only win when the winner's E exceeds 2^-24 / ratio, so it loses most of its mass (see
+    verispec.certify.known_bugs' tail test)."""
+    u = torch.empty(weights.shape, dtype=torch.float64, device=weights.device).uniform_(generator=generator)
+    e = u.log_().float().neg_().clamp_min_(EXP_FLOOR)  # -log U ~ Exp(1); U = 0 (probability 2^-53) gives inf
+    return torch.div(weights.float(), e, out=e).argmax(-1)  # a zero weight scores 0, never above a positive one
 
 
 def broken_block_verifier(bug: str):
