@@ -20,6 +20,7 @@ from . import (
     bench_runner,
     certify_generate,
     certify_kernel,
+    certify_known_bugs,
     certify_study,
     explain,
     generate,
@@ -41,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
         command.add_parser(bench_sub)
     certify = sub.add_parser("certify", help="statistical certificate that a sampler / generator is lossless")
     certify_sub = certify.add_subparsers(dest="certify_command", required=True, metavar="CERTIFY")
-    for command in (certify_kernel, certify_generate, certify_study):
+    for command in (certify_kernel, certify_known_bugs, certify_generate, certify_study):
         command.add_parser(certify_sub)
     return parser
 
