@@ -71,8 +71,10 @@ def test_verispec_server_passes_with_exact_logprobs_and_ids(paths, tmp_path):
     first = [t for t in report["tests"] if t["kind"] == "first-token"]
     assert first and all(t["detectable"] < 0.2 for t in first)
     e = report["endpoint"]
-    assert e["requests"] == N and e["mapped_by_text"] == 0 and e["dropped_fields"] == [] and e["unmappable"] == 0
+    assert e["requests"] == N and e["mapped_by_text"] == 0 and e["unmappable"] == 0
+    assert e["dropped_fields"] == ["repeat_penalty"]  # llama.cpp's name for the penalty, refused, neutral: dropped
     assert report["parity"]["tokens"] == N * L
+    assert e["speculation"]["draft_tokens"] > 0 and e["speculation"]["accepted_tokens"] > 0  # speculation was on
     assert report["parity"]["raw"]["max_abs"] < 1e-4, report["parity"]
     assert report["request_seeds"]["per_prompt_first_last"] == [[0, N - 1]]
 
@@ -142,6 +144,22 @@ def test_client_retries_429_and_drops_a_refused_optional_field():
     assert ep.log.retries == 1 and ep.log.dropped_fields == ["return_tokens_as_token_ids"]
     assert ep.log.mapped_by_text == 4 and ep.log.requests == 2
     assert calls[-1]["seed"] in (5, 6) and calls[-1]["top_k"] == 3 and calls[-1]["prompt"] == [1, 2]
+    assert calls[-1]["min_p"] == 0.0 and calls[-1]["repeat_penalty"] == 1.0  # neutral knobs sent explicitly
+
+
+def test_client_sends_text_to_a_server_refusing_token_ids_and_checks_its_prompt_length():
+    def handler(request):
+        body = json.loads(request.content)
+        if isinstance(body["prompt"], list):
+            return httpx.Response(422, json={"detail": "prompt: Input should be a valid string"})
+        r = _choice(["b"])
+        return httpx.Response(200, json=json.loads(r.content) | {"usage": {"prompt_tokens": len(body["prompt"])}})
+
+    ep = _mock(handler)
+    tokens, _ = ep.draw([0, 1], SamplingParams(), [0], 1, TokenMapper(_Tok()), None, prompt_text="ab")
+    assert tokens == [[1]] and ep.log.dropped_fields == ["prompt as token ids"]
+    with pytest.raises(EndpointError, match="into 3 tokens, the certifier's tokenizer into 2"):
+        _mock(handler).draw([0, 1], SamplingParams(), [0], 1, TokenMapper(_Tok()), None, prompt_text="abc")
 
 
 def test_client_refused_sampling_field_is_an_error_and_shared_text_is_reported():

@@ -2,13 +2,17 @@
 `verispec certify generate --method openai`.
 
 One completions request per continuation, each with its own seed, so that any sample can be replayed alone:
-the prompt as token ids, `max_tokens` = L, temperature and top-p, as extra fields top-k and min-p (only when the
-request sets them), `logprobs: 0` (the sampled tokens' own logprobs), `ignore_eos`, and vLLM's
-`return_tokens_as_token_ids`. Requests run in a bounded pool (`max_in_flight`); 429, 503 and connection errors are
+the prompt as token ids, `max_tokens` = L, temperature, top-p, and every other sampling knob an engine may default
+to something else set explicitly to the request's value or to its neutral one (top-k 0, min-p 0, repetition
+penalty 1 under vLLM's and llama.cpp's names: llama.cpp's server defaults to top-k 40, min-p 0.05 and a
+repetition penalty 1.1), `logprobs: 0` (the sampled tokens' own logprobs), `ignore_eos`, and vLLM's
+`return_tokens_as_token_ids`. Requests run in a bounded pool (`max_in_flight`); 429, 5xx and connection errors are
 retried with exponential backoff (a Retry-After header is honoured). When the server refuses a field (400 / 422
-naming it), an optional one (`ignore_eos`, `return_tokens_as_token_ids`, `logprobs`) is dropped for the rest of
-the run and the refusal is reported; a refused sampling field is an error, since the certificate would then test
-another law than the one it states.
+naming it), an optional one, or a knob at its neutral value, is dropped for the rest of the run and the refusal is
+reported; a refused sampling field the request needs is an error, since the certificate would then test another
+law than the one it states. A server that refuses token-id prompts (llama-cpp-python's) gets the prompt's text,
+and must then report as many prompt tokens as the certifier's tokenizer made (`usage.prompt_tokens`), else the
+run stops with an error: the two would be conditioning on different prompts.
 
 Token ids: the "token_id:N" strings of `return_tokens_as_token_ids` where the server honours it; otherwise each
 token's text is mapped back through the tokenizer (every id's own text, as servers print it). A text that several
@@ -31,6 +35,7 @@ from ..sampling import SamplingParams
 __all__ = ["Endpoint", "EndpointError", "EndpointLog", "TokenMapper"]
 
 OPTIONAL_FIELDS = ("ignore_eos", "return_tokens_as_token_ids", "logprobs")
+NEUTRAL = {"top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0, "repeat_penalty": 1.0}  # droppable at these values
 RETRY_STATUS = (429, 500, 502, 503, 504)
 
 
@@ -48,6 +53,7 @@ class EndpointLog:
     eos_appended: int = 0  # continuations that stopped early at an end-of-sequence token
     mapped_by_text: int = 0  # tokens whose id came from their text (no token_id:N)
     unmappable: list[str] = field(default_factory=list)  # samples whose token text several ids share
+    speculation: dict = field(default_factory=dict)  # usage.speculation summed, where the server reports it
 
 
 class TokenMapper:
@@ -103,6 +109,7 @@ class Endpoint:
             raise ValueError(f"max_in_flight must be >= 1, got {self.max_in_flight}")
         self._lock = threading.Lock()
         self._dropped: set[str] = set()
+        self.prompt_text: str | None = None  # the prompt as text, for a server that refuses token ids (draw sets it)
 
     def url(self) -> str:
         base = self.base_url.rstrip("/")
@@ -113,7 +120,7 @@ class Endpoint:
             raise ValueError("penalties are not certified here (certify generate scores temperature / top-k / top-p)")
         body = dict(
             model=self.model,
-            prompt=list(prompt),
+            prompt=self.prompt_text if "prompt as token ids" in self._dropped else list(prompt),
             max_tokens=length,
             temperature=params.temperature,
             top_p=params.top_p,
@@ -123,11 +130,11 @@ class Endpoint:
             logprobs=0,
             ignore_eos=True,
             return_tokens_as_token_ids=True,
+            top_k=params.top_k,
+            min_p=params.min_p,
+            repetition_penalty=1.0,
+            repeat_penalty=1.0,
         )
-        if params.top_k:
-            body["top_k"] = params.top_k
-        if params.min_p:
-            body["min_p"] = params.min_p
         for f in self._dropped:
             body.pop(f, None)
         return body
@@ -143,18 +150,22 @@ class Endpoint:
                     raise EndpointError(f"{self.url()}: {type(e).__name__}: {e}") from None
                 self._wait(attempt, None)
                 continue
+            # a refusal naming a field (some servers answer a validation error with 500) before a retry
+            if r.status_code in (400, 422, 500) and self._drop_refused(r.text, body):
+                continue
             if r.status_code in RETRY_STATUS and attempt < self.retries:
                 self._wait(attempt, r.headers.get("retry-after"))
-                continue
-            if r.status_code in (400, 422) and self._drop_refused(r.text, body):
                 continue
             if r.status_code != 200:
                 raise EndpointError(f"{self.url()} answered {r.status_code}: {r.text[:300]}")
             with self._lock:
                 self.log.requests += 1
-            choices = r.json().get("choices") or []
+            reply = r.json()
+            choices = reply.get("choices") or []
             if not choices:
                 raise EndpointError(f"{self.url()} answered without choices: {r.text[:300]}")
+            self._check_prompt_tokens(body, reply, len(prompt))
+            self._add_speculation((reply.get("usage") or {}).get("speculation"))
             return choices[0]
         raise EndpointError(f"{self.url()}: still failing after {self.retries} retries")
 
@@ -169,15 +180,39 @@ class Endpoint:
             delay = max(delay, float(retry_after))
         time.sleep(min(delay, 30.0))
 
+    def _check_prompt_tokens(self, body: dict, reply: dict, n: int) -> None:
+        got = (reply.get("usage") or {}).get("prompt_tokens")
+        if isinstance(body["prompt"], str) and got is not None and got != n:
+            raise EndpointError(
+                f"the endpoint tokenized the prompt (sent as text: it refused token ids) into {got} tokens, the "
+                f"certifier's tokenizer into {n}: they condition on different prompts (BOS? another tokenizer?)"
+            )
+
+    def _add_speculation(self, spec) -> None:
+        """Sum the numeric counters of verispec's usage.speculation (draft_tokens, accepted_tokens, ...)."""
+        if not isinstance(spec, dict):
+            return
+        with self._lock:
+            for k, v in spec.items():
+                if isinstance(v, int) and not isinstance(v, bool):
+                    self.log.speculation[k] = self.log.speculation.get(k, 0) + v
+
+    def _drop(self, f: str) -> None:
+        with self._lock:
+            if f not in self._dropped:
+                self._dropped.add(f)
+                self.log.dropped_fields.append(f)
+
     def _drop_refused(self, text: str, body: dict) -> bool:
-        """Drop an optional field the server names in its refusal; True when one was dropped (retry)."""
-        for f in OPTIONAL_FIELDS:
-            if f in body and f in text:
-                with self._lock:
-                    if f not in self._dropped:
-                        self._dropped.add(f)
-                        self.log.dropped_fields.append(f)
+        """Drop an optional field, or a knob at its neutral value, that the server names in its refusal; send the
+        prompt as text when token ids are refused. True when something changed (retry)."""
+        for f in OPTIONAL_FIELDS + tuple(NEUTRAL):
+            if f in body and f in text and (f in OPTIONAL_FIELDS or body[f] == NEUTRAL[f]):
+                self._drop(f)
                 return True
+        if "prompt" in text and isinstance(body["prompt"], list) and self.prompt_text is not None:
+            self._drop("prompt as token ids")
+            return True
         sampling = [f for f in ("top_k", "min_p", "seed", "top_p", "prompt") if f in body and f in text]
         if sampling:
             raise EndpointError(
@@ -194,10 +229,13 @@ class Endpoint:
         length: int,
         mapper: TokenMapper,
         eos_id: int | None,
+        prompt_text: str | None = None,
     ) -> tuple[list[list[int]], list[list[float] | None]]:
-        """One continuation per seed (token ids) and its returned logprobs (None where the server gave none)."""
+        """One continuation per seed (token ids) and its returned logprobs (None where the server gave none).
+        prompt_text: the prompt as text, sent only to a server that refuses token ids."""
         import httpx
 
+        self.prompt_text = prompt_text
         with (
             httpx.Client(timeout=self.timeout_s, transport=self.transport) as client,
             ThreadPoolExecutor(self.max_in_flight) as pool,

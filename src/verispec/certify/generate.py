@@ -285,11 +285,13 @@ def _openai_method(spec: MethodSpec, target) -> SampleFn:
     """Continuations from an OpenAI-compatible endpoint (endpoint.py); the local target supplies the tokenizer
     (token texts back to ids) and the EOS id. `sample_openai.endpoint.log` records what the run did."""
     endpoint = Endpoint(spec.base_url, spec.model_name, spec.api_key, spec.max_in_flight)
-    mapper = TokenMapper(target.tokenizer)
-    eos = target.tokenizer.eos_token_id
+    tok = target.tokenizer
+    mapper = TokenMapper(tok)
 
     def sample_openai(prompt, params, seeds, length):
-        tokens, logprobs = endpoint.draw(list(prompt), params, list(seeds), length, mapper, eos)
+        ids = list(prompt)
+        text = tok.decode(ids[1:] if ids[:1] == [tok.bos_token_id] else ids)  # the server adds its own BOS
+        tokens, logprobs = endpoint.draw(ids, params, list(seeds), length, mapper, tok.eos_token_id, text)
         return tokens, None, logprobs
 
     sample_openai.endpoint = endpoint
@@ -516,7 +518,8 @@ class GenerateReport(Verdict):
                 "",
                 f"endpoint: {e['requests']} requests, {e['retries']} retries; refused optional fields: "
                 f"{', '.join(e['dropped_fields']) or 'none'}; {e['eos_appended']} continuations ended at EOS; "
-                f"{e['mapped_by_text']} token ids mapped from their text (no token_id:N).",
+                f"{e['mapped_by_text']} token ids mapped from their text (no token_id:N)."
+                + (f" The server's speculation counters: {e['speculation']}." if e.get("speculation") else ""),
             ]
         if self.request_seeds:
             r = self.request_seeds
@@ -716,7 +719,7 @@ def certify_generate(
         tv_tolerance=tv_tolerance,
         parity=logprob_parity(sc, lps),
         endpoint=asdict(endpoint.log) | {"unmappable": len(endpoint.log.unmappable)} if endpoint else None,
-        request_seeds=_request_seeds(prompts, samples, seed, reference_fn is not None or reference is not None),
+        request_seeds=_request_seeds(prompts, samples, seed, any(t.kind == "two-sample" for t in tests)),
     )
 
 
