@@ -74,14 +74,16 @@ def test_plain_methods_pass(models, method):
     assert r.passed, r.to_markdown()
 
 
-def test_hf_assisted_runs(models):
-    """transformers' assisted generation through the certificate: every sample has exactly L tokens (EOS is off
-    for the call: a shorter sample would be an error), every token is scored, it PASSES (at N = 200, i.e. the
-    first-token law checked to TV ~0.24 only), and the cached models it used are left as they were."""
+@pytest.mark.parametrize("method", ["hf-assisted", "hf-lookup"])
+def test_hf_assisted_runs(models, method):
+    """transformers' assisted generation (a draft model, or prompt lookup: the prompt repeats, so lookups fire)
+    through the certificate: every sample has exactly L tokens (EOS is off for the call: a shorter sample would be
+    an error), every token is scored, it PASSES (at N = 200, i.e. the first-token law checked to TV ~0.24 only),
+    and the cached models it used are left as they were."""
     target, draft = models
     shared = [_load(path, "float32").model for path in (target, draft)]  # the objects build_method will reuse
     r = certify_generate(
-        MethodSpec(method="hf-assisted", target=target, draft=draft),
+        MethodSpec(method=method, target=target, draft=draft, gamma=3),
         PROMPTS[:1],
         PARAMS,
         samples=200,
@@ -90,7 +92,8 @@ def test_hf_assisted_runs(models):
         show_progress=False,
     )
     assert not r.errors and r.passed, r.to_markdown()
-    assert r.method == f"transformers generate(assistant_model={draft})"
+    label = f"assistant_model={draft}" if method == "hf-assisted" else "prompt_lookup_num_tokens=3"
+    assert r.method == f"transformers generate({label})"
     n = {t.kind: t.n for t in r.tests}
     assert n == {"first-token": 200, "sequence": 200, "pit": 800, "loglik": 800}
     assert [t.detectable < 0.3 for t in r.tests if t.kind == "first-token"] == [True]

@@ -69,7 +69,7 @@ __all__ = ["METHODS", "GenerateReport", "MethodSpec", "build_method", "certify_g
 
 DEFAULT_SAMPLES = 2000  # continuations per prompt
 DEFAULT_LENGTH = 8  # tokens per continuation
-METHODS = ("verispec", "plain", "hf", "hf-assisted", "callable", "openai")
+METHODS = ("verispec", "plain", "hf", "hf-assisted", "hf-lookup", "callable", "openai")
 REFERENCE_SEED_OFFSET = 7_919_000  # the two-sample reference's samples use seeds offset by this
 PARITY_THRESHOLD = 1e-3  # logprob parity: the fraction of tokens whose |difference| exceeds this is reported
 
@@ -102,6 +102,8 @@ class MethodSpec:
     def __post_init__(self):
         if self.method not in METHODS:
             raise ValueError(f"method must be one of {', '.join(METHODS)}, got {self.method!r}")
+        if self.method == "hf-lookup" and not (isinstance(self.gamma, int) and self.gamma >= 1):
+            raise ValueError(f"method 'hf-lookup' needs gamma >= 1 (prompt_lookup_num_tokens), got {self.gamma!r}")
         if self.method == "openai" and not (self.base_url and self.model_name):
             raise ValueError("method 'openai' needs base_url and model_name (the endpoint and the model it serves)")
         if self.method == "callable" and not self.callable:
@@ -151,6 +153,8 @@ class MethodSpec:
             return f"verispec (draft {d}, gamma {self.gamma}, target {self.dtype}{extra})"
         if self.method == "hf-assisted":
             return f"transformers generate(assistant_model={self.draft})"
+        if self.method == "hf-lookup":
+            return f"transformers generate(prompt_lookup_num_tokens={self.gamma})"
         if self.method == "callable":
             return f"callable {self.callable}"
         if self.method == "openai":
@@ -304,9 +308,10 @@ def _hf_method(spec: MethodSpec, target) -> SampleFn:
     generation configs are left as they are."""
     model = target.model
     assistant = _load(spec.draft, spec.draft_dtype).model if spec.method == "hf-assisted" else None
+    lookup = {"prompt_lookup_num_tokens": spec.gamma} if spec.method == "hf-lookup" else {}
 
     def sample_hf(prompt, params, seeds, length):
-        kw = _hf_sampling_kwargs(params)
+        kw = _hf_sampling_kwargs(params) | lookup
         ids = torch.tensor([list(prompt)], device=model.device)
         out = []
         for s in seeds:

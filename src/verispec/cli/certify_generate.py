@@ -52,7 +52,8 @@ def _add_method_args(p: argparse.ArgumentParser) -> None:
         choices=METHODS,
         default="verispec",
         help="verispec (default), plain (verispec without drafts), hf (transformers generate), "
-        "hf-assisted (transformers' assisted generation, --draft as the assistant), callable "
+        "hf-assisted (transformers' assisted generation, --draft as the assistant), hf-lookup (transformers' "
+        "prompt lookup, --gamma tokens), callable "
         "(--callable), openai (an OpenAI-compatible endpoint: --base-url, --model)",
     )
     p.add_argument(
