@@ -102,6 +102,9 @@ def test_broken_server_fails_and_two_sample_against_a_reference_endpoint(paths):
     two = [t for t in r.tests if t.kind == "two-sample"]
     assert two and two[0].n == 2 * N
     assert min(t.holm_pvalue for t in r.tests if t.kind == "first-token") < 1e-4
+    first = next(t for t in r.tests if t.kind == "first-token")
+    dev = first.deviations[0]  # the report says how: the token whose frequency is furthest from its probability
+    assert abs(dev["observed"] - dev["expected"]) > 0.03 and "Where it deviates" in r.to_markdown()
 
 
 # --- the client, on a mock transport -------------------------------------------------------------------------

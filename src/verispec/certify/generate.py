@@ -441,6 +441,8 @@ class TestResult:
     detectable: float  # smallest effect detected with power 0.99 (unit in `effect`)
     effect: str
     holm_pvalue: float = float("nan")
+    # where the counts differ most from the law (or from the reference's): token, observed / expected frequency
+    deviations: list[dict] = field(default_factory=list)
 
     @property
     def powered(self) -> bool:
@@ -547,6 +549,12 @@ class GenerateReport(Verdict):
                 f"| {t.name} | {t.kind} | {t.statistic:.3g} | {t.n} | {t.pvalue:.3g} | {t.holm_pvalue:.3g} | "
                 f"{t.detectable:.4g} {t.effect} | {mark} |"
             )
+        rejected = [t for t in self.tests if t.holm_pvalue < self.level and t.deviations]
+        if rejected:
+            lines += ["", "## Where it deviates (tokens whose frequency differs most: observed / expected)", ""]
+            for t in rejected:
+                cells = ", ".join(f"{d['token']}: {d['observed']:.4f} / {d['expected']:.4f}" for d in t.deviations)
+                lines.append(f"- {t.name}: {cells}")
         return "\n".join(lines) + "\n"
 
     def _parity_lines(self) -> list[str]:
@@ -855,10 +863,13 @@ def _exact_tests(model, prompts, got, params, rng, sc: Scores, m: int, tolerance
             name, effect = f"prompt{j}/first-token-tv<={tolerance:g}", f"TV over {r.bins} bins"
             tests.append(TestResult(name, "first-token", r.tv, r.pvalue, r.n, 0.0, effect))
             tests[-1].detectable = r.detectable(level / len(got), power)
+        else:
+            g = chisquare_gof(counts, first / first.sum())
+            tests.append(TestResult(f"prompt{j}/first-token", "first-token", g.statistic, g.pvalue, g.n, 0.0, "TV"))
+            laws.append((tests[-1], first / first.sum(), g.n))
+        tests[-1].deviations = top_deviations(counts, first / first.sum())
+        if tolerance:
             continue
-        g = chisquare_gof(counts, first / first.sum())
-        tests.append(TestResult(f"prompt{j}/first-token", "first-token", g.statistic, g.pvalue, g.n, 0.0, "TV"))
-        laws.append((tests[-1], first / first.sum(), g.n))
         if m >= 2 and V**m <= 4096 and all(len(s) >= m for s in group):
             law = exact_sequence_law(model, prompts[j], params, m)
             idx = np.array([sum(t * V ** (m - 1 - i) for i, t in enumerate(s[:m])) for s in group])
@@ -866,6 +877,14 @@ def _exact_tests(model, prompts, got, params, rng, sc: Scores, m: int, tolerance
             tests.append(TestResult(f"prompt{j}/first-{m}-tokens", "sequence", g.statistic, g.pvalue, g.n, 0.0, "TV"))
             laws.append((tests[-1], law / law.sum(), g.n))
     return tests, laws
+
+
+def top_deviations(counts: np.ndarray, probs: np.ndarray, top: int = 5) -> list[dict]:
+    """The `top` tokens whose observed frequency differs most from `probs` (the law, or the reference's
+    frequencies), largest first: how a rejected test deviates."""
+    freq = counts / max(1, counts.sum())
+    order = np.argsort(-np.abs(freq - probs), kind="stable")[:top]
+    return [{"token": int(i), "observed": float(freq[i]), "expected": float(probs[i])} for i in order]
 
 
 def _two_sample_tests(got, ref_samples, m: int, V: int, tests: list[TestResult], laws: list) -> None:
@@ -878,6 +897,7 @@ def _two_sample_tests(got, ref_samples, m: int, V: int, tests: list[TestResult],
             tests.append(
                 TestResult(f"prompt{j}/two-sample-pos{t}", "two-sample", g.statistic, g.pvalue, g.n, 0.0, "TV")
             )
+            tests[-1].deviations = top_deviations(ca, cb / max(1, cb.sum()))
             pooled = (ca + cb) / max(1, (ca + cb).sum())
             laws.append((tests[-1], pooled, ca.sum() * cb.sum() / max(1, ca.sum() + cb.sum())))
 
