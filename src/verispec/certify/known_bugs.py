@@ -174,7 +174,7 @@ def _positional():
 
 _VLLM_TEMPERATURE = "https://github.com/vllm-project/vllm/issues/9834"
 _HF_TEMPERATURE = "https://github.com/huggingface/transformers/issues/32867"
-_SEED = "the seed tutorial's section 8 (shared/DESIGN.md): a classic mistake, no single engine"
+_SEED = "seed tutorial §8 (shared/DESIGN.md)"
 _CHAIN_CONTROL_CASES = ("random-k1", "equal-k4", "onehot-k4", "sparse-disjoint-zeros-k4", "truncated-k4")
 _SEQUENCE_CONTROL_CASES = ("small-vocab-k2", "random-k4", "ragged-high-entropy-k4")
 
@@ -490,7 +490,7 @@ class KnownBugsReport:
         lines = [
             f"# verispec certify known-bugs: {verdict}",
             "",
-            f"{_count(bugs, 'bug')} that public engines shipped (each must FAIL) and "
+            f"{_count(bugs, 'bug')} (engines' and textbook mistakes, each must FAIL) and "
             f"{_count(len(self.rows) - bugs, 'control')} (verispec's own samplers, each must PASS); family-wise "
             f"level {self.level} per entry (Holm over its tests; the tail test is one exact binomial test); seed "
             f"{self.seed}; sizes: {self.sizes}; {self.seconds:.1f} s.",
