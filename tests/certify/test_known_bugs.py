@@ -33,18 +33,21 @@ from verispec.sampling import verify_chain
 
 BUG_NAMES = [b.name for b in KNOWN_BUGS if b.expected == "FAIL"]
 CONTROL_NAMES = [b.name for b in KNOWN_BUGS if b.expected == "PASS"]
+# The float64 race is a second exact control of the tail test (12-30 s on 2 cores); the default tier keeps
+# sample_from_weights as the tail test's exact control and leaves the float64 race to the slow tier's full run.
+DEFAULT_TIER = [b.name for b in KNOWN_BUGS if b.name != "race_winner_fp64"]
 
 
 @pytest.fixture(scope="module")
 def default_report():
-    return run_known_bugs()
+    return run_known_bugs(only=DEFAULT_TIER)
 
 
 @pytest.mark.statistical
 def test_default_run_every_bug_fails_and_every_control_passes(default_report):
     r = default_report
     assert r.ok, r.to_markdown()
-    assert [row.name for row in r.rows] == [b.name for b in KNOWN_BUGS]
+    assert [row.name for row in r.rows] == DEFAULT_TIER
     assert len(BUG_NAMES) == 10 and len(CONTROL_NAMES) == 6
     for row in r.rows:
         assert row.verdict == row.expected, row
@@ -66,7 +69,7 @@ def test_default_report_markdown_and_strict_json(default_report, tmp_path):
     assert "| bug | engine | reference | expected | verdict | p-value | samples |" in text
     assert "[huggingface/transformers#47932](https://github.com/huggingface/transformers/issues/47932)" in text
     data = json.loads(js.read_text(), parse_constant=_no_constant)
-    assert data["ok"] is True and len(data["rows"]) == len(KNOWN_BUGS)
+    assert data["ok"] is True and len(data["rows"]) == len(DEFAULT_TIER)
 
 
 def _no_constant(name):
@@ -213,4 +216,5 @@ def test_default_sizes_have_power_estimated_at_five_times_the_size():
 def test_full_sizes():
     report = run_known_bugs(full=True)
     assert report.ok, report.to_markdown()
+    assert [row.name for row in report.rows] == [b.name for b in KNOWN_BUGS]  # the float64 race control included
     assert all(len(r.cases) == len(default_cases()) for r in report.rows if r.kind != "tail")
