@@ -291,10 +291,12 @@ def _openai_method(spec: MethodSpec, target) -> SampleFn:
     endpoint = Endpoint(spec.base_url, spec.model_name, spec.api_key, spec.max_in_flight)
     tok = target.tokenizer
     mapper = TokenMapper(tok)
+    adds_bos = tok.bos_token_id is not None and tok("a")["input_ids"][:1] == [tok.bos_token_id]
 
     def sample_openai(prompt, params, seeds, length):
         ids = list(prompt)
-        text = tok.decode(ids[1:] if ids[:1] == [tok.bos_token_id] else ids)  # the server adds its own BOS
+        # as text, a leading BOS is left to a server whose tokenizer adds one itself (as this tokenizer does)
+        text = tok.decode(ids[1:] if adds_bos and ids[:1] == [tok.bos_token_id] else ids)
         tokens, logprobs = endpoint.draw(ids, params, list(seeds), length, mapper, tok.eos_token_id, text)
         return tokens, None, logprobs
 
