@@ -12,6 +12,7 @@ TV ~0.17 at power 0.99, asserted); the broken verifier's first-token deviation a
 from __future__ import annotations
 
 import json
+import math
 
 import httpx
 import numpy as np
@@ -73,7 +74,11 @@ def test_verispec_server_passes_with_exact_logprobs_and_ids(paths, tmp_path):
     e = report["endpoint"]
     assert e["requests"] == N and e["mapped_by_text"] == 0 and e["unmappable"] == 0
     assert e["dropped_fields"] == ["repeat_penalty"]  # llama.cpp's name for the penalty, refused, neutral: dropped
-    assert report["parity"]["tokens"] == N * L
+    # no ignore_eos is sent (llama.cpp's would bias EOS away): the tiny target stops at EOS often, and those
+    # continuations end with the EOS outcome appended, its logprob not compared
+    # continuations end with the EOS outcome appended, its logprob not compared: every other token is
+    pit_n = next(t["n"] for t in report["tests"] if t["kind"] == "pit")
+    assert e["eos_appended"] > 0 and report["parity"]["tokens"] == pit_n - e["eos_appended"]
     assert e["speculation"]["draft_tokens"] > 0 and e["speculation"]["accepted_tokens"] > 0  # speculation was on
     assert report["parity"]["raw"]["max_abs"] < 1e-4, report["parity"]
     assert report["request_seeds"]["per_prompt_first_last"] == [[0, N - 1]]
@@ -142,7 +147,7 @@ def test_client_retries_429_and_drops_a_refused_optional_field():
         return _choice(["b", "c"])
 
     ep = _mock(handler)
-    tokens, lps = ep.draw([1, 2], SamplingParams(top_k=3), [5, 6], 2, TokenMapper(_Tok()), eos_id=None)
+    tokens, lps = ep.draw([1, 2], SamplingParams(top_k=3), [5, 6], 2, TokenMapper(_Tok()))
     assert tokens == [[1, 2], [1, 2]] and lps == [[-1.0, -1.0], [-1.0, -1.0]]
     assert ep.log.retries == 1 and ep.log.dropped_fields == ["return_tokens_as_token_ids"]
     assert ep.log.mapped_by_text == 4 and ep.log.requests == 2
@@ -159,20 +164,29 @@ def test_client_sends_text_to_a_server_refusing_token_ids_and_checks_its_prompt_
         return httpx.Response(200, json=json.loads(r.content) | {"usage": {"prompt_tokens": len(body["prompt"])}})
 
     ep = _mock(handler)
-    tokens, _ = ep.draw([0, 1], SamplingParams(), [0], 1, TokenMapper(_Tok()), None, prompt_text="ab")
+    tokens, _ = ep.draw([0, 1], SamplingParams(), [0], 1, TokenMapper(_Tok()), prompt_text="ab")
     assert tokens == [[1]] and ep.log.dropped_fields == ["prompt as token ids"]
     with pytest.raises(EndpointError, match="into 3 tokens, the certifier's tokenizer into 2"):
-        _mock(handler).draw([0, 1], SamplingParams(), [0], 1, TokenMapper(_Tok()), None, prompt_text="abc")
+        _mock(handler).draw([0, 1], SamplingParams(), [0], 1, TokenMapper(_Tok()), prompt_text="abc")
 
 
 def test_client_refused_sampling_field_is_an_error_and_shared_text_is_reported():
     ep = _mock(lambda r: httpx.Response(422, json={"detail": "extra field top_k not permitted"}))
     with pytest.raises(EndpointError, match="refused 'top_k'"):
-        ep.draw([1], SamplingParams(top_k=2), [0], 2, TokenMapper(_Tok()), eos_id=None)
+        ep.draw([1], SamplingParams(top_k=2), [0], 2, TokenMapper(_Tok()))
     ep = _mock(lambda r: _choice(["token_id:2", "a"], finish="stop"))
-    tokens, _ = ep.draw([1], SamplingParams(), [0], 3, TokenMapper(_Tok()), eos_id=1)
-    assert tokens == [[2, 1]]  # stopped at the shared text 'a' (ids 0 and 3), then EOS appended
-    assert len(ep.log.unmappable) == 1 and "'a'" in ep.log.unmappable[0] and ep.log.eos_appended == 1
+    tokens, lps = ep.draw([1], SamplingParams(), [0], 3, TokenMapper(_Tok()), eos=[1])
+    assert tokens == [None] and lps == [None]  # 'a' is the text of ids 0 and 3: no sample, no made-up token
+    assert len(ep.log.unmappable) == 1 and "'a'" in ep.log.unmappable[0] and ep.log.eos_appended == 0
+
+
+def test_client_writes_every_eos_id_as_one_outcome_and_appends_it_after_a_stop():
+    replies = iter([_choice(["token_id:2", "token_id:3", "token_id:0"]), _choice(["b"], finish="stop")])
+    ep = _mock(lambda r: next(replies))
+    ep.max_in_flight = 1
+    tokens, lps = ep.draw([1], SamplingParams(), [0, 1], 3, TokenMapper(_Tok()), eos=[0, 3])
+    assert tokens == [[2, 0], [1, 0]]  # a returned EOS id (3) written as the set's first, cut after it; appended
+    assert lps[0][0] == -1.0 and all(math.isnan(x[-1]) for x in lps) and ep.log.eos_appended == 1
 
 
 def test_openai_method_needs_an_endpoint():

@@ -53,7 +53,6 @@ def test_default_run_every_bug_fails_and_every_control_passes(default_report):
         assert row.verdict == row.expected, row
         if row.expected == "FAIL":
             assert not row.errors and row.min_holm_pvalue < r.level  # a statistical rejection, not a crash
-            assert row.stated_power is not None and row.stated_power >= 0.99
         else:
             assert row.min_holm_pvalue >= r.level
     tail = next(row for row in r.rows if row.name == "fp32_exponential_race").tail

@@ -5,21 +5,27 @@ One completions request per continuation, each with its own seed, so that any sa
 the prompt as token ids, `max_tokens` = L, temperature, top-p, and every other sampling knob an engine may default
 to something else set explicitly to the request's value or to its neutral one (top-k 0, min-p 0, repetition
 penalty 1 under vLLM's and llama.cpp's names: llama.cpp's server defaults to top-k 40, min-p 0.05 and a
-repetition penalty 1.1), `logprobs: 0` (the sampled tokens' own logprobs), `ignore_eos`, and vLLM's
-`return_tokens_as_token_ids`. Requests run in a bounded pool (`max_in_flight`); 429, 5xx and connection errors are
-retried with exponential backoff (a Retry-After header is honoured). When the server refuses a field (400 / 422
-naming it), an optional one, or a knob at its neutral value, is dropped for the rest of the run and the refusal is
-reported; a refused sampling field the request needs is an error, since the certificate would then test another
-law than the one it states. A server that refuses token-id prompts (llama-cpp-python's) gets the prompt's text,
-and must then report as many prompt tokens as the certifier's tokenizer made (`usage.prompt_tokens`), else the
-run stops with an error: the two would be conditioning on different prompts.
+repetition penalty 1.1), `logprobs: 1` (the sampled tokens' own logprobs; llama.cpp's native server gives none at
+0), and vLLM's `return_tokens_as_token_ids`. No `ignore_eos`: llama.cpp's means "EOS at -inf", another law, so a
+continuation may stop at an end-of-sequence token (see below). Requests run in a bounded pool (`max_in_flight`);
+429, 5xx and connection errors are retried with exponential backoff (a Retry-After header is honoured, up to 30 s).
+When the server refuses a field (400 / 422 naming it, or a "validation" error answered with 500), an optional
+one, or a knob at its neutral value, is dropped for the rest of the run and the refusal is reported; a refused
+sampling field the request needs is an error, since the certificate would then test another law than the one it
+states. A server that refuses token-id prompts (llama-cpp-python's: it validates the prompt as a string) gets the
+prompt's text, and must then report as many prompt tokens as the certifier's tokenizer made
+(`usage.prompt_tokens`), else the run stops with an error: the two would be conditioning on different prompts.
 
-Token ids: the "token_id:N" strings of `return_tokens_as_token_ids` where the server honours it; otherwise each
-token's text is mapped back through the tokenizer (every id's own text, as servers print it). A text that several
-ids share (the pieces of a character split over byte-level tokens) cannot be mapped back: such samples are
-reported as errors, never dropped silently (dropping them would condition the law under test). A continuation
-that ends before L tokens with finish_reason "stop" ended at an end-of-sequence token the server does not return:
-the tokenizer's EOS id is appended (counted in the report), so the sequence law stays the target's.
+Token ids: the "token_id:N" strings of `return_tokens_as_token_ids`, or the ids of llama.cpp's native logprobs
+(`content: [{id, logprob}]`), where the server gives them; otherwise each token's text is mapped back through the
+tokenizer (every id's own text, as servers print it). A text that no id or several ids have (the pieces of a
+character split over byte-level tokens) cannot be mapped back: such samples are reported (`unmappable`), and the
+certificate that drops them is INCONCLUSIVE (dropping them conditions the law under test).
+
+End of sequence: which EOS id a server stopped at is often not returned, so every id of the EOS set (the
+tokenizer's and the generation config's) is one outcome, written as the set's first id: a continuation that
+stops before L tokens with finish_reason "stop" gets it appended, a returned EOS id is replaced by it, and the
+scores merge the set's probabilities into it (generate.py).
 """
 
 from __future__ import annotations
@@ -34,12 +40,12 @@ from ..sampling import SamplingParams
 
 __all__ = ["Endpoint", "EndpointError", "EndpointLog", "TokenMapper"]
 
-OPTIONAL_FIELDS = ("ignore_eos", "return_tokens_as_token_ids", "logprobs")
+OPTIONAL_FIELDS = ("return_tokens_as_token_ids",)
 NEUTRAL = {"top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0, "repeat_penalty": 1.0}  # droppable at these values
 RETRY_STATUS = (429, 500, 502, 503, 504)
 
 
-class EndpointError(RuntimeError):
+class EndpointError(ValueError):
     """The endpoint cannot be certified as asked (refused a sampling field, kept failing, answered nonsense)."""
 
 
@@ -77,7 +83,7 @@ class TokenMapper:
         """(ids, how many came from text, the first token text that maps to no single id or None)."""
         out, by_text = [], 0
         for t in tokens:
-            if t.startswith("token_id:") and t[9:].lstrip("-").isdigit():
+            if t.startswith("token_id:") and t[9:].isdigit():
                 out.append(int(t[9:]))
                 continue
             i = self.by_text().get(t)
@@ -127,15 +133,16 @@ class Endpoint:
             seed=seed,
             n=1,
             stream=False,
-            logprobs=0,
-            ignore_eos=True,
+            logprobs=1,
             return_tokens_as_token_ids=True,
             top_k=params.top_k,
             min_p=params.min_p,
             repetition_penalty=1.0,
             repeat_penalty=1.0,
         )
-        for f in self._dropped:
+        with self._lock:
+            dropped = set(self._dropped)
+        for f in dropped:
             body.pop(f, None)
         return body
 
@@ -145,13 +152,15 @@ class Endpoint:
             body = self.body(prompt, params, seed, length)
             try:
                 r = client.post(self.url(), json=body, headers=self._headers())
-            except Exception as e:  # connection refused / reset / timed out: retried like a 503
-                if attempt == self.retries:
+            except Exception as e:  # connection refused / reset / timed out: retried like a 503 (refused: 3 times)
+                refused = type(e).__name__ == "ConnectError"
+                if attempt == self.retries or (refused and attempt >= 3):
                     raise EndpointError(f"{self.url()}: {type(e).__name__}: {e}") from None
                 self._wait(attempt, None)
                 continue
-            # a refusal naming a field (some servers answer a validation error with 500) before a retry
-            if r.status_code in (400, 422, 500) and self._drop_refused(r.text, body):
+            # a refusal naming a field (llama-cpp-python answers a validation error with 500) before a retry
+            refusal = r.status_code in (400, 422) or (r.status_code == 500 and "validation" in r.text.lower())
+            if refusal and self._drop_refused(r.text, body):
                 continue
             if r.status_code in RETRY_STATUS and attempt < self.retries:
                 self._wait(attempt, r.headers.get("retry-after"))
@@ -160,7 +169,10 @@ class Endpoint:
                 raise EndpointError(f"{self.url()} answered {r.status_code}: {r.text[:300]}")
             with self._lock:
                 self.log.requests += 1
-            reply = r.json()
+            try:
+                reply = r.json()
+            except ValueError:
+                raise EndpointError(f"{self.url()} answered 200 with a body that is not JSON: {r.text[:200]}") from None
             choices = reply.get("choices") or []
             if not choices:
                 raise EndpointError(f"{self.url()} answered without choices: {r.text[:300]}")
@@ -210,7 +222,8 @@ class Endpoint:
             if f in body and f in text and (f in OPTIONAL_FIELDS or body[f] == NEUTRAL[f]):
                 self._drop(f)
                 return True
-        if "prompt" in text and isinstance(body["prompt"], list) and self.prompt_text is not None:
+        as_string = "string" in text or "str" in text.split()  # a prompt validated as a string: token ids refused
+        if "prompt" in text and as_string and isinstance(body["prompt"], list) and self.prompt_text is not None:
             self._drop("prompt as token ids")
             return True
         sampling = [f for f in ("top_k", "min_p", "seed", "top_p", "prompt") if f in body and f in text]
@@ -228,11 +241,12 @@ class Endpoint:
         seeds: Sequence[int],
         length: int,
         mapper: TokenMapper,
-        eos_id: int | None,
+        eos: Sequence[int] = (),
         prompt_text: str | None = None,
-    ) -> tuple[list[list[int]], list[list[float] | None]]:
-        """One continuation per seed (token ids) and its returned logprobs (None where the server gave none).
-        prompt_text: the prompt as text, sent only to a server that refuses token ids."""
+    ) -> tuple[list[list[int] | None], list[list[float] | None]]:
+        """One continuation per seed (token ids; None for one whose token text cannot be mapped back) and its
+        returned logprobs (None where the server gave none). eos: the EOS set, its first id the outcome written
+        for all (module docstring). prompt_text: the prompt as text, sent only to a server that refuses ids."""
         import httpx
 
         self.prompt_text = prompt_text
@@ -244,26 +258,54 @@ class Endpoint:
         tokens, logprobs = [], []
         for seed, c in zip(seeds, choices):
             ids, lps = self._parse(c, mapper, seed)
-            if len(ids) < length and c.get("finish_reason") == "stop" and eos_id is not None:
-                ids.append(eos_id)
-                lps = None if lps is None else lps + [float("nan")]
-                self.log.eos_appended += 1
+            if ids is not None:
+                ids, lps = self._end_at_eos(ids, lps, c.get("finish_reason"), length, list(eos))
             tokens.append(ids)
             logprobs.append(lps)
         return tokens, logprobs
 
-    def _parse(self, choice: dict, mapper: TokenMapper, seed: int) -> tuple[list[int], list[float] | None]:
+    def _end_at_eos(self, ids: list[int], lps, finish, length: int, eos: list[int]):
+        """Cut after the first EOS-set id and write it as eos[0]; append eos[0] to a continuation that stopped
+        early ("stop") without returning the EOS it stopped at. Its logprob is NaN (not compared)."""
+        if not eos:
+            return ids, lps
+        cut = next((i for i, t in enumerate(ids) if t in eos), None)
+        if cut is not None:
+            ids, lps = ids[: cut + 1], None if lps is None else lps[: cut + 1]
+            ids[cut] = eos[0]
+        elif len(ids) < length and finish == "stop":
+            ids, lps = ids + [eos[0]], None if lps is None else lps + [float("nan")]
+            with self._lock:
+                self.log.eos_appended += 1
+        else:
+            return ids, lps
+        if lps is not None:
+            lps[-1] = float("nan")
+        return ids, lps
+
+    def _parse(self, choice: dict, mapper: TokenMapper, seed: int) -> tuple[list[int] | None, list[float] | None]:
+        """(ids or None when a token text maps to no single id, logprobs or None): the legacy shape (`tokens`,
+        `token_logprobs`) or llama.cpp's native one (`content: [{id, token, logprob}]`)."""
         lp = choice.get("logprobs") or {}
-        names = lp.get("tokens")
+        if isinstance(lp.get("content"), list):  # llama.cpp's native server
+            items = lp["content"]
+            names = [f"token_id:{d['id']}" if isinstance(d.get("id"), int) else d.get("token", "") for d in items]
+            values = [d.get("logprob") for d in items]
+        else:
+            names, values = lp.get("tokens"), lp.get("token_logprobs")
+        if names is None and not choice.get("text"):  # no token at all (stopped at once): no logprobs to give
+            names, values = [], []
         if names is None:
             raise EndpointError(
-                "the endpoint returned no logprobs tokens: certify generate needs the sampled token ids "
-                "(completions with logprobs=0, or return_tokens_as_token_ids)"
+                "the endpoint returned no logprobs tokens: certify generate needs the sampled tokens "
+                "(completions with logprobs >= 1, ideally with return_tokens_as_token_ids)"
             )
         ids, by_text, bad = mapper.ids(names)
-        self.log.mapped_by_text += by_text
+        with self._lock:
+            self.log.mapped_by_text += by_text
+            if bad is not None:
+                self.log.unmappable.append(f"seed {seed}: token text {bad!r} is no single id's text")
         if bad is not None:
-            self.log.unmappable.append(f"seed {seed}: token text {bad!r} is several ids' text")
-        values = lp.get("token_logprobs")
+            return None, None
         lps = None if values is None else [float("nan") if v is None else float(v) for v in values[: len(ids)]]
         return ids, lps

@@ -96,7 +96,7 @@ class MethodSpec:
     seeding: str = "stream"  # verispec / plain: 'position' (sampling.positional)
     base_url: str | None = None  # openai: the endpoint (http://host:port or .../v1)
     model_name: str | None = None  # openai: the model name the endpoint serves
-    api_key: str | None = None  # openai: sent as a Bearer token
+    api_key: str | None = field(default=None, repr=False)  # openai: sent as a Bearer token
     max_in_flight: int = 8  # openai: concurrent requests
 
     def __post_init__(self):
@@ -287,17 +287,18 @@ def _verispec_method(spec: MethodSpec, target) -> SampleFn:
 
 def _openai_method(spec: MethodSpec, target) -> SampleFn:
     """Continuations from an OpenAI-compatible endpoint (endpoint.py); the local target supplies the tokenizer
-    (token texts back to ids) and the EOS id. `sample_openai.endpoint.log` records what the run did."""
+    (token texts back to ids) and the EOS set. `sample_openai.endpoint.log` records what the run did."""
     endpoint = Endpoint(spec.base_url, spec.model_name, spec.api_key, spec.max_in_flight)
     tok = target.tokenizer
     mapper = TokenMapper(tok)
+    eos = eos_set(target)
     adds_bos = tok.bos_token_id is not None and tok("a")["input_ids"][:1] == [tok.bos_token_id]
 
     def sample_openai(prompt, params, seeds, length):
         ids = list(prompt)
         # as text, a leading BOS is left to a server whose tokenizer adds one itself (as this tokenizer does)
         text = tok.decode(ids[1:] if adds_bos and ids[:1] == [tok.bos_token_id] else ids)
-        tokens, logprobs = endpoint.draw(ids, params, list(seeds), length, mapper, tok.eos_token_id, text)
+        tokens, logprobs = endpoint.draw(ids, params, list(seeds), length, mapper, eos, text)
         return tokens, None, logprobs
 
     sample_openai.endpoint = endpoint
@@ -356,7 +357,7 @@ class Scores:
 
     logp: list[float] = field(default_factory=list)  # log p_t(x_t)
     raw_logp: list[float] = field(default_factory=list)  # log softmax(logits_t)(x_t): temperature 1, no truncation
-    key: list[tuple[int, int]] = field(default_factory=list)  # (sample index, position) of each token
+    key: list[tuple] = field(default_factory=list)  # (the sample's key: (prompt, sample index), position)
     expected: list[float] = field(default_factory=list)  # sum_x p_t(x) log p_t(x)
     variance: list[float] = field(default_factory=list)  # Var_{x ~ p_t}[log p_t(x)]
     pit: list[float] = field(default_factory=list)  # randomized PIT value
@@ -372,10 +373,12 @@ def score(
     rng: np.random.Generator,
     out: Scores,
     chunk: int = 8,
-    keys: Sequence[int] | None = None,
+    keys: Sequence | None = None,
+    eos: Sequence[int] = (),
 ) -> np.ndarray:
     """Score samples of one prompt under the processed target; returns p(. | prompt) [V] (float64).
-    keys: each sample's index (recorded in out.key with each token's position; default 0, 1, ...)."""
+    keys: each sample's key (recorded in out.key with each token's position; default 0, 1, ...). eos: an EOS set
+    scored as one outcome, eos[0] (the probabilities of the others moved onto it)."""
     dev = next(model.parameters()).device
     first = None
     by_len: dict[int, list[tuple[int, list[int]]]] = {}
@@ -389,7 +392,7 @@ def score(
             out.key += [(key, t) for key, _ in keyed[i : i + chunk] for t in range(length)]
             ids = torch.tensor([prompt + s[:-1] for s in part], device=dev)  # [b, P + L - 1]
             logits = model(input_ids=ids, logits_to_keep=length).logits[:, -length:].float()  # [b, L, V]
-            p = probs_from_logits(logits, params).double()  # [b, L, V]
+            p = _merge(probs_from_logits(logits, params).double(), eos)  # [b, L, V]
             if first is None:
                 first = p[0, 0].cpu().numpy()
             tok = torch.tensor(part, device=dev).unsqueeze(-1)  # [b, L, 1]
@@ -409,8 +412,18 @@ def score(
             out.position += list(range(length)) * len(part)
     if first is None:
         logits = model(input_ids=torch.tensor([prompt], device=dev), logits_to_keep=1).logits[:, -1:].float()
-        first = probs_from_logits(logits, params)[0, 0].double().cpu().numpy()
+        first = _merge(probs_from_logits(logits, params).double(), eos)[0, 0].cpu().numpy()
     return first
+
+
+def _merge(p, eos: Sequence[int]):
+    """p [..., V] with the probabilities of eos[1:] moved onto eos[0] (one outcome, "the sequence ended")."""
+    if len(eos) <= 1:
+        return p
+    rest = list(eos[1:])
+    p[..., eos[0]] += p[..., rest].sum(-1)
+    p[..., rest] = 0
+    return p
 
 
 @torch.no_grad()
@@ -475,16 +488,28 @@ class GenerateReport(Verdict):
     parity: dict | None = None  # logprob_parity: returned logprobs against the float32 recompute
     endpoint: dict | None = None  # method 'openai': requests, retries, refused fields, EOS appended, ...
     request_seeds: dict | None = None  # every request's seed (the rule and each prompt's range)
+    reference_endpoint: dict | None = None  # the --reference-url endpoint's log, when it was the two-sample reference
+    unusable: list[str] = field(default_factory=list)  # samples a method could not return: INCONCLUSIVE
+
+    @property
+    def rejected(self) -> bool:
+        """As Verdict's, unless samples were dropped (their loss conditions the law: no FAIL, no PASS)."""
+        return not self.unusable and Verdict.rejected.fget(self)
 
     @property
     def conclusive(self) -> bool:
         """Every prompt's first-token law is tested with power (a deviation below TV 1 is detectable)."""
         first = [t for t in self.tests if t.kind == "first-token"]
-        return bool(first) and all(t.powered for t in first)
+        return bool(first) and all(t.powered for t in first) and not self.unusable
 
     def power_note(self) -> str:
         if self.conclusive:
             return ""
+        if self.unusable:
+            return (
+                "INCONCLUSIVE: some samples could not be returned as token ids (a token text no single id has: use "
+                f"a server that honours return_tokens_as_token_ids): {'; '.join(self.unusable)}."
+            )
         need = self.needed_note(f"N = {self.samples_needed} continuations per prompt")
         return (
             f"INCONCLUSIVE: with N = {self.samples} continuations per prompt a first-token test has no power "
@@ -688,33 +713,31 @@ def certify_generate(
     if not 0 <= tv_tolerance < 1:
         raise ValueError(f"tv_tolerance must lie in [0, 1), got {tv_tolerance}")
     t0 = time.perf_counter()
-    model = (reference if reference is not None else _load(spec.target, "float32")).model
+    scorer = reference if reference is not None else _load(spec.target, "float32")
+    model, V = scorer.model, scorer.model.get_output_embeddings().weight.shape[0]
     if sample_fn is None and spec.method == "openai":  # in this process: its concurrency is HTTP requests
         sample_fn = build_method(spec)
+    eos = eos_set(scorer) if spec.method == "openai" else []  # endpoints: every EOS id one outcome (endpoint.py)
     chunk = 4 * spec.max_in_flight if spec.method == "openai" else 16
     got, stats, lps = draw_samples(
         spec, prompts, params, samples, length, seed, workers, chunk, spec.label(), show_progress, sample_fn
     )
-    V = model.get_output_embeddings().weight.shape[0]
-    endpoint = getattr(sample_fn, "endpoint", None)
-    eos = _load(spec.target, "float32").tokenizer.eos_token_id if endpoint is not None else None
-    errors = _sample_errors(got, length, V, eos) + (endpoint.log.unmappable[:20] if endpoint else [])
+    got, lps, unusable = _usable(got, lps, "")
     sc = Scores()
-    rng = np.random.default_rng(seed)
-    tests, laws = _exact_tests(model, prompts, got, params, rng, sc, sequence_tokens, tv_tolerance, level, power)
-    if not tv_tolerance:
-        u = pit_uniformity(sc.pit)
-        tests.append(TestResult("all/pit-uniformity", "pit", u.statistic, u.pvalue, u.n, 0.0, "KS distance"))
-        ll = loglik_test(sc.logp, sc.expected, sc.variance)
-        tests.append(TestResult("all/log-likelihood", "loglik", ll.z, ll.pvalue, ll.n, 0.0, "nats/token"))
+    tests, laws, tolerant = _exact_tests(
+        model, prompts, got, params, np.random.default_rng(seed), sc, sequence_tokens, tv_tolerance, eos
+    )
+    fit = None if tv_tolerance else _fit_tests(sc, tests)
     if two_sample_tokens > 0 and spec.method != "plain" and (not tv_tolerance or reference_fn is not None):
         m = min(length, two_sample_tokens)
         ref_samples = _reference_samples(
             spec, reference, reference_fn, prompts, params, samples, m, seed, workers, show_progress
         )
+        ref_samples, _, ref_unusable = _usable([[_cut_at_eos(x, eos) for x in g] for g in ref_samples], None, "ref ")
+        unusable += ref_unusable
         _two_sample_tests(got, ref_samples, m, V, tests, laws)
     per_test = level / len(tests)
-    _size_tests(tests, laws, per_test, power, None if tv_tolerance else (u, ll))
+    _size_tests(tests, laws, per_test, power, fit, tolerant)
     return GenerateReport(
         method=spec.label(),
         target=spec.target,
@@ -729,13 +752,61 @@ def certify_generate(
         **_acceptance(stats),
         pit=sc.pit,
         seconds=time.perf_counter() - t0,
-        errors=errors,
+        errors=_sample_errors(got, length, V, eos[0] if eos else None),
         samples_needed=_samples_needed(laws, samples, per_test, power),
         tv_tolerance=tv_tolerance,
         parity=logprob_parity(sc, lps),
-        endpoint=asdict(endpoint.log) | {"unmappable": len(endpoint.log.unmappable)} if endpoint else None,
+        endpoint=_endpoint_log(sample_fn),
+        reference_endpoint=_endpoint_log(reference_fn) if any(t.kind == "two-sample" for t in tests) else None,
         request_seeds=_request_seeds(prompts, samples, seed, any(t.kind == "two-sample" for t in tests)),
+        unusable=unusable,
     )
+
+
+def eos_set(loaded) -> list[int]:
+    """The ids that end a sequence (the tokenizer's EOS first, then the generation config's), for endpoints that do
+    not say which one they stopped at."""
+    ids = [loaded.tokenizer.eos_token_id]
+    gen = getattr(getattr(loaded.model, "generation_config", None), "eos_token_id", None)
+    ids += gen if isinstance(gen, list) else [gen]
+    return list(dict.fromkeys(i for i in ids if isinstance(i, int)))
+
+
+def _cut_at_eos(sample: list[int] | None, eos: Sequence[int]) -> list[int] | None:
+    """A sample cut after its first EOS-set id, written as eos[0] (a reference decoded past EOS, endpoint.py)."""
+    if sample is None or not eos:
+        return sample
+    cut = next((i for i, t in enumerate(sample) if t in eos), None)
+    return sample if cut is None else sample[:cut] + [eos[0]]
+
+
+def _usable(got, lps, label: str):
+    """(samples, logprobs) without the samples a method could not return (None: a token text an endpoint printed
+    maps to no single id), and one line per prompt that lost some: such a certificate is INCONCLUSIVE."""
+    lps = lps if lps is not None else [[None] * len(g) for g in got]
+    kept = [[(s, lp) for s, lp in zip(g, lg) if s is not None] for g, lg in zip(got, lps)]
+    lost = [f"{label}prompt {j}: {len(g) - len(k)} samples dropped" for j, (g, k) in enumerate(zip(got, kept))]
+    return (
+        [[s for s, _ in k] for k in kept],
+        [[lp for _, lp in k] for k in kept],
+        [x for x, g, k in zip(lost, got, kept) if len(g) > len(k)],
+    )
+
+
+def _fit_tests(sc: Scores, tests: list[TestResult]):
+    """Append the PIT-uniformity and log-likelihood tests (exact equality); returns their results."""
+    u = pit_uniformity(sc.pit)
+    tests.append(TestResult("all/pit-uniformity", "pit", u.statistic, u.pvalue, u.n, 0.0, "KS distance"))
+    ll = loglik_test(sc.logp, sc.expected, sc.variance)
+    tests.append(TestResult("all/log-likelihood", "loglik", ll.z, ll.pvalue, ll.n, 0.0, "nats/token"))
+    return u, ll
+
+
+def _endpoint_log(fn) -> dict | None:
+    endpoint = getattr(fn, "endpoint", None)
+    if endpoint is None:
+        return None
+    return asdict(endpoint.log) | {"unmappable": len(endpoint.log.unmappable)}
 
 
 def _request_seeds(prompts, samples: int, seed: int, reference: bool) -> dict:
@@ -781,11 +852,13 @@ def logprob_parity(sc: Scores, logprobs: list[list]) -> dict | None:
     return {"tokens": len(got), "threshold": PARITY_THRESHOLD, "raw": summary(raw), "processed": summary(proc)}
 
 
-def _size_tests(tests: list[TestResult], laws, per_test: float, power: float, pit_loglik) -> None:
+def _size_tests(tests: list[TestResult], laws, per_test: float, power: float, pit_loglik, tolerant=()) -> None:
     """Each test's detectable effect (from its law; the PIT and log-likelihood results' own, when run; a tolerance
-    test's is set where it is made) and Holm p-value."""
+    test's from its ToleranceResult) and Holm p-value."""
     for t, law, n in laws:
         t.detectable = detectable_tv(law, n, per_test, power)
+    for t, r in tolerant:
+        t.detectable = r.detectable(per_test, power)
     for r, kind in zip(pit_loglik or (), ("pit", "loglik")):
         tests[[t.kind for t in tests].index(kind)].detectable = r.detectable(per_test, power)
     for t, a in zip(tests, holm([t.pvalue for t in tests])):
@@ -849,36 +922,36 @@ def _sample_errors(got: list[list[list[int]]], length: int, V: int, eos: int | N
     return errors
 
 
-def _exact_tests(model, prompts, got, params, rng, sc: Scores, m: int, tolerance=0.0, level=0.01, power=POWER):
-    """Score every sample into `sc`; per prompt the first-token test and (small vocabularies, no tolerance) the
-    first-m-token sequence test. Returns the tests and (test, law, n) for their detectable effects (a tolerance
-    test's detectable TV is set here, at the Bonferroni level over the prompts' tests)."""
+def _exact_tests(model, prompts, got, params, rng, sc: Scores, m: int, tolerance: float = 0.0, eos=()):
+    """Score every sample into `sc` (the EOS set `eos` merged into one outcome); per prompt the first-token test
+    (of TV <= tolerance, when one is given) and, for small vocabularies without a tolerance or an EOS set, the
+    first-m-token sequence test. Returns the tests, (test, law, n) for the chi-square tests' detectable effects,
+    and (test, ToleranceResult) for the tolerance tests'."""
     V = model.get_output_embeddings().weight.shape[0]
     tests: list[TestResult] = []
-    laws = []
+    laws, tolerant = [], []
     for j, group in enumerate(got):
         keys = [(j, i) for i, s in enumerate(group) if s]
-        first = score(model, prompts[j], [s for s in group if s], params, rng, sc, keys=keys)
+        first = score(model, prompts[j], [s for s in group if s], params, rng, sc, keys=keys, eos=eos)
+        first = first / first.sum()
         counts = np.bincount([s[0] for s in group if s], minlength=V)[:V]
         if tolerance:
-            r = tolerant_tv_test(counts, first / first.sum(), tolerance)
+            r = tolerant_tv_test(counts, first, tolerance)
             name, effect = f"prompt{j}/first-token-tv<={tolerance:g}", f"TV over {r.bins} bins"
             tests.append(TestResult(name, "first-token", r.tv, r.pvalue, r.n, 0.0, effect))
-            tests[-1].detectable = r.detectable(level / len(got), power)
+            tolerant.append((tests[-1], r))
         else:
-            g = chisquare_gof(counts, first / first.sum())
+            g = chisquare_gof(counts, first)
             tests.append(TestResult(f"prompt{j}/first-token", "first-token", g.statistic, g.pvalue, g.n, 0.0, "TV"))
-            laws.append((tests[-1], first / first.sum(), g.n))
-        tests[-1].deviations = top_deviations(counts, first / first.sum())
-        if tolerance:
-            continue
-        if m >= 2 and V**m <= 4096 and all(len(s) >= m for s in group):
+            laws.append((tests[-1], first, g.n))
+        tests[-1].deviations = top_deviations(counts, first)
+        if not tolerance and len(eos) <= 1 and m >= 2 and V**m <= 4096 and all(len(s) >= m for s in group):
             law = exact_sequence_law(model, prompts[j], params, m)
             idx = np.array([sum(t * V ** (m - 1 - i) for i, t in enumerate(s[:m])) for s in group])
             g = chisquare_gof(np.bincount(idx, minlength=V**m), law / law.sum())
             tests.append(TestResult(f"prompt{j}/first-{m}-tokens", "sequence", g.statistic, g.pvalue, g.n, 0.0, "TV"))
             laws.append((tests[-1], law / law.sum(), g.n))
-    return tests, laws
+    return tests, laws, tolerant
 
 
 def top_deviations(counts: np.ndarray, probs: np.ndarray, top: int = 5) -> list[dict]:

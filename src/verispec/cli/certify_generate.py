@@ -105,7 +105,8 @@ def _endpoint_fields(args: argparse.Namespace) -> dict:
     """MethodSpec's endpoint fields from the options (checked)."""
     import os
 
-    given = [o for o in ("base_url", "model", "reference_url") if getattr(args, o)]
+    given = [o for o in ("base_url", "model", "reference_url", "reference_model", "api_key") if getattr(args, o)]
+    given += ["max_in_flight"] if args.max_in_flight != 8 else []
     if args.method != "openai":
         if given:
             raise UsageError(f"--{given[0].replace('_', '-')} applies to --method openai")
