@@ -53,9 +53,12 @@ def test_block_verification_is_not_token_wise_in_one_step():
     assert any(t.test == "num_accepted" for t in report.failing)
 
 
+# block_plain_residual also FAILS in the known-bugs suite's default run (power >= 0.99): its 20k run is slow-tier
 @pytest.mark.statistical
 @pytest.mark.parametrize("samples, tv", SIZES)
-@pytest.mark.parametrize("bug", BLOCK_BUGS)
+@pytest.mark.parametrize(
+    "bug", [pytest.param(b, marks=pytest.mark.slow) if b == "block_plain_residual" else b for b in BLOCK_BUGS]
+)
 def test_injected_block_bug_fails(bug, samples, tv):
     report = certify_kernel(broken_block_verifier(bug), samples=samples, laws="sequence")
     assert not report.passed and report.failing and not report.errors
