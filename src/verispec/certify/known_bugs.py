@@ -64,7 +64,7 @@ from torch import Tensor
 
 from .. import strict_json
 from .bugs import EXP_FLOOR, broken_block_verifier, broken_verifier, fp32_exponential_race
-from .kernel import POWER, TestRow, certify_kernel, default_cases, verispec_block_sampler, verispec_sampler
+from .kernel import POWER, TestRow, _cell, certify_kernel, default_cases, verispec_block_sampler, verispec_sampler
 
 __all__ = [
     "KINDS",
@@ -548,10 +548,6 @@ def _pvalue(r: KnownBugRow) -> str:
 
 def _count(n: int, what: str) -> str:
     return f"{n} {what}{'' if n == 1 else 's'}"
-
-
-def _cell(x) -> str:
-    return str(x).replace("|", "\\|")
 
 
 def select_entries(only: Sequence[str] | str | None) -> list[KnownBug]:
