@@ -553,7 +553,8 @@ class GenerateReport(Verdict):
                 f"endpoint: {e['requests']} requests, {e['retries']} retries; refused optional fields: "
                 f"{', '.join(e['dropped_fields']) or 'none'}; {e['eos_appended']} continuations ended at EOS; "
                 f"{e['mapped_by_text']} token ids mapped from their text (no token_id:N)."
-                + (f" The server's speculation counters: {e['speculation']}." if e.get("speculation") else ""),
+                + (f" The server's speculation counters: {e['speculation']}." if e.get("speculation") else "")
+                + (f" Unmappable: {'; '.join(e['unmappable_examples'])}." if e.get("unmappable_examples") else ""),
             ]
         if self.request_seeds:
             r = self.request_seeds
@@ -806,7 +807,8 @@ def _endpoint_log(fn) -> dict | None:
     endpoint = getattr(fn, "endpoint", None)
     if endpoint is None:
         return None
-    return asdict(endpoint.log) | {"unmappable": len(endpoint.log.unmappable)}
+    log = asdict(endpoint.log)
+    return log | {"unmappable": len(log["unmappable"]), "unmappable_examples": log["unmappable"][:10]}
 
 
 def _request_seeds(prompts, samples: int, seed: int, reference: bool) -> dict:
