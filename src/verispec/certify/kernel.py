@@ -632,9 +632,14 @@ def verispec_block_sampler(target_probs, draft_token_ids, draft_probs=None, num_
 
 
 def write_report(report: KernelReport, out: str | Path) -> tuple[Path, Path]:
+    return write_md_json(report, out, "kernel-certificate")
+
+
+def write_md_json(report, out: str | Path, stem: str) -> tuple[Path, Path]:
+    """out/STEM.md (report.to_markdown()) and out/STEM.json (report.to_json(), strict: no NaN / Infinity)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    md, js = out / "kernel-certificate.md", out / "kernel-certificate.json"
+    md, js = out / f"{stem}.md", out / f"{stem}.json"
     md.write_text(report.to_markdown())
     strict_json.write(js, report.to_json())
     return md, js

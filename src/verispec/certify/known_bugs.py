@@ -62,9 +62,17 @@ import torch
 from scipy import stats
 from torch import Tensor
 
-from .. import strict_json
 from .bugs import EXP_FLOOR, broken_block_verifier, broken_verifier, fp32_exponential_race
-from .kernel import POWER, TestRow, _cell, certify_kernel, default_cases, verispec_block_sampler, verispec_sampler
+from .kernel import (
+    POWER,
+    TestRow,
+    _cell,
+    certify_kernel,
+    default_cases,
+    verispec_block_sampler,
+    verispec_sampler,
+    write_md_json,
+)
 
 __all__ = [
     "KINDS",
@@ -680,11 +688,4 @@ def run_known_bugs(
 
 
 def write_report(report: KnownBugsReport, out) -> tuple:
-    from pathlib import Path
-
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    md, js = out / "known-bugs.md", out / "known-bugs.json"
-    md.write_text(report.to_markdown())
-    strict_json.write(js, report.to_json())
-    return md, js
+    return write_md_json(report, out, "known-bugs")
