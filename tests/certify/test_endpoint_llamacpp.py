@@ -1,9 +1,9 @@
 """Slow tier: certify llama.cpp's OpenAI server (llama-cpp-python, the `llamacpp` extra) on the default model.
 
-Plain llama.cpp at temperature 1 against the float32 dequantized weights: every token id mapped back from its text
+Plain llama.cpp at temperature 1 against the float32 dequantized weights: token ids mapped back from their text
 (the server prints text, not ids), the prompt sent as text (it refuses ids) with a matching token count, the neutral
-sampling knobs accepted, the verdict PASS at N = 300 (first-token law checked to TV ~0.22 at power 0.99: llama.cpp's
-numeric drift, logprob parity ~0.05 nats mean, is far below that), and the parity figures reported. Needs the extra:
+sampling knobs accepted, no test rejecting at N = 300 (first-token law checked to TV ~0.22 at power 0.99: llama.cpp's
+numeric drift, logprob parity ~0.05 nats mean, is below what this N detects), and the parity figures reported. Needs the extra:
 without it the test is skipped with the install command (it is not part of the default install).
 """
 
@@ -59,8 +59,11 @@ def test_llamacpp_plain_server_passes_through_text_mapping(llama_server):
     r = certify_generate(
         spec, [prompt], SamplingParams(temperature=1.0), samples=300, length=4, two_sample_tokens=0, show_progress=False
     )
-    assert r.passed, r.to_markdown()
+    # no test rejects; the verdict is PASS, or INCONCLUSIVE only because llama-cpp-python printed a token as a text no
+    # single id has (it prints control tokens and split characters as ''; it returns no ids), which drops a sample
+    assert all(t.holm_pvalue >= r.level for t in r.tests) and not r.errors, r.to_markdown()
+    assert r.passed or (r.verdict == "INCONCLUSIVE" and r.unusable and r.endpoint["unmappable"] > 0), r.to_markdown()
     e = r.endpoint
-    assert "prompt as token ids" in e["dropped_fields"] and e["requests"] == 300 and e["unmappable"] == 0
+    assert "prompt as token ids" in e["dropped_fields"] and e["requests"] == 300
     assert e["mapped_by_text"] > 0.9 * 300 * 4  # llama.cpp prints text: ids come from the tokenizer's pieces
     assert r.parity is not None and r.parity["raw"]["mean_abs"] < 0.5  # its drift, measured, not zero
