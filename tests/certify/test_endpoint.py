@@ -26,7 +26,6 @@ from verispec.cli import main
 from verispec.engine.generator import SpeculativeGenerator
 from verispec.sampling import SamplingParams
 
-from ..engine.tiny import make_model, make_tokenizer, noisy_copy
 from ..serve.test_server import LiveServer
 
 PROMPT = [3, 7, 7, 12, 3, 7]
@@ -34,37 +33,25 @@ PARAMS = SamplingParams(temperature=0.7, top_k=10)
 N, L = 400, 4
 
 
-@pytest.fixture(scope="module")
-def paths(tmp_path_factory):
-    d = tmp_path_factory.mktemp("endpoint-models")
-    tok = make_tokenizer()
-    target = make_model(0)
-    target.save_pretrained(d / "target")
-    tok.save_pretrained(d / "target")
-    noisy_copy(target, 1.0).save_pretrained(d / "draft")
-    tok.save_pretrained(d / "draft")
-    return str(d / "target"), str(d / "draft")
-
-
-def _server(paths, verifier=None, draft=True):
-    target, draft_path = (_load(p, "float32") for p in paths)
+def _server(models, verifier=None, draft=True):
+    target, draft_path = (_load(p, "float32") for p in models)
     kw = {"verifier": verifier} if verifier else {}
     gen = SpeculativeGenerator(target, draft_path if draft else None, gamma=3 if draft else 0, **kw)
     return LiveServer(gen, max_batch=8, max_queue=256)
 
 
-def _spec(paths, url) -> MethodSpec:
-    return MethodSpec(method="openai", target=paths[0], base_url=url, model_name="tiny", max_in_flight=8)
+def _spec(models, url) -> MethodSpec:
+    return MethodSpec(method="openai", target=models[0], base_url=url, model_name="tiny", max_in_flight=8)
 
 
 @pytest.mark.statistical
-def test_verispec_server_passes_with_exact_logprobs_and_ids(paths, tmp_path):
+def test_verispec_server_passes_with_exact_logprobs_and_ids(models, tmp_path):
     """Through the CLI: PASS, every token id taken from token_id:N (none mapped from text), the returned raw
     logprobs equal the float32 recompute (max |diff| < 1e-4), every request's seed in the report."""
-    with _server(paths) as s:
+    with _server(models) as s:
         out = tmp_path / "out"
         argv = ["certify", "generate", "--method", "openai", "--base-url", s.url, "--model", "tiny"]
-        argv += ["--target", paths[0], "--temperature", "0.7", "--top-k", "10", "--samples", str(N)]
+        argv += ["--target", models[0], "--temperature", "0.7", "--top-k", "10", "--samples", str(N)]
         argv += ["--length", str(L), "--two-sample-tokens", "1", "--out", str(out)]
         code = main(argv + ["--prompt", "a b c a b"])
     report = json.loads((out / "generate-certificate.json").read_text())
@@ -85,15 +72,15 @@ def test_verispec_server_passes_with_exact_logprobs_and_ids(paths, tmp_path):
 
 
 @pytest.mark.statistical
-def test_broken_server_fails_and_two_sample_against_a_reference_endpoint(paths):
+def test_broken_server_fails_and_two_sample_against_a_reference_endpoint(models):
     """A server whose verifier redraws from p at a rejection (the seed's §8 mistake) FAILS; the two-sample test
     against a second endpoint (plain decoding) is part of the run and the reference endpoint's samples are drawn
     through the same client."""
-    spec_off = _server(paths, draft=False)
-    with _server(paths, verifier=broken_verifier("resample_from_p")) as bad, spec_off as ref:
-        ref_fn = build_method(_spec(paths, ref.url))
+    spec_off = _server(models, draft=False)
+    with _server(models, verifier=broken_verifier("resample_from_p")) as bad, spec_off as ref:
+        ref_fn = build_method(_spec(models, ref.url))
         r = certify_generate(
-            _spec(paths, bad.url),
+            _spec(models, bad.url),
             [PROMPT],
             PARAMS,
             samples=N,

@@ -28,25 +28,10 @@ from verispec.certify.generate import DEFAULT_SAMPLES, MethodSpec, _load, build_
 from verispec.cli import main
 from verispec.sampling import SamplingParams
 
-from ..engine.tiny import EOS, make_model, make_tokenizer, noisy_copy
+from ..engine.tiny import EOS
 
 PROMPTS = [[3, 7, 7, 12, 3, 7], [5, 6, 9]]
 PARAMS = SamplingParams(temperature=0.7, top_k=10)
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tiny-models")
-    tok = make_tokenizer()
-    target = make_model(0)
-    target.save_pretrained(d / "target")
-    tok.save_pretrained(d / "target")
-    draft = noisy_copy(target, 1.0)
-    draft.save_pretrained(d / "draft")
-    tok.save_pretrained(d / "draft")
-    with pytest.MonkeyPatch.context() as mp:  # callable_sampler finds the target here; restored after the module
-        mp.setenv("VERISPEC_TEST_TARGET", str(d / "target"))
-        yield str(d / "target"), str(d / "draft")
 
 
 @pytest.mark.statistical

@@ -513,7 +513,7 @@ class KnownBugsReport:
             )
             lines.append(
                 f"| `{r.name}` | {_cell(r.engine)} | {_cell(_link(r.reference))} | {r.expected} | {mark} | "
-                f"{_pvalue(r)} | {r.samples} | {power} | {r.seconds:.1f} |"
+                f"{pvalue_cell(r)} | {r.samples} | {power} | {r.seconds:.1f} |"
             )
         lines += [
             "",
@@ -549,7 +549,7 @@ def _link(ref: str) -> str:
     return "; ".join(out)
 
 
-def _pvalue(r: KnownBugRow) -> str:
+def pvalue_cell(r: KnownBugRow) -> str:
     p = r.min_holm_pvalue
     return "-" if not math.isfinite(p) else "0" if p == 0 else f"{p:.2g}"
 
@@ -574,13 +574,10 @@ def select_entries(only: Sequence[str] | str | None) -> list[KnownBug]:
 
 
 def _size(bug: KnownBug, samples: int | None, tail_draws: int | None, full: bool, scale: float) -> int:
-    if bug.kind == "tail":
-        if tail_draws is not None:
-            return tail_draws
-        return round((bug.full_samples if full else bug.samples) * scale)
-    if samples is not None:
-        return samples
-    return round((bug.full_samples if full else bug.samples) * scale)
+    """The entry's size: the override of its kind (races for the tail test, steps per case otherwise), else its
+    default or full size times `scale`."""
+    override = tail_draws if bug.kind == "tail" else samples
+    return override if override is not None else round((bug.full_samples if full else bug.samples) * scale)
 
 
 def _run_one(bug: KnownBug, n: int, level: float, seed: int, full: bool, progress) -> KnownBugRow:

@@ -65,15 +65,16 @@ def _print_table(report) -> None:
     table = Table(title=f"verispec certify known-bugs: {'ok' if report.ok else 'MISMATCH'} ({report.seconds:.1f} s)")
     for col in ("entry", "engine", "expected", "verdict", "p-value", "samples", "s"):
         table.add_column(col, justify="right" if col in ("p-value", "samples", "s") else "left")
+    from ..certify.known_bugs import pvalue_cell
+
     for r in report.rows:
-        p = r.min_holm_pvalue
         verdict = r.verdict if r.ok else f"[bold red]{r.verdict}[/] (expected {r.expected})"
         table.add_row(
             r.name,
             r.engine,
             r.expected,
             verdict,
-            "-" if p != p else f"{p:.2g}",
+            pvalue_cell(r),
             str(r.samples),
             f"{r.seconds:.1f}",
         )
