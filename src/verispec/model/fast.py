@@ -31,8 +31,24 @@ __all__ = ["RUNNER_KINDS", "SUPPORTED_MODEL_TYPES", "FastRunner", "fast_path_uns
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
+def _llamacpp_runner(model, vocab_size, runner, quant):
+    from .llamacpp import LlamaCppRunner
+
+    if not hasattr(model, "n_vocab"):
+        raise ValueError("runner 'llamacpp' runs a GGUF file loaded by llama.cpp (load_model(..., backend='llamacpp'))")
+    if runner not in ("auto", "llamacpp"):
+        raise ValueError(f"a model loaded by llama.cpp runs on runner 'llamacpp', not {runner!r}")
+    if quant is not None:
+        raise ValueError(
+            "draft_quant quantizes torch weights; a llama.cpp model runs in its GGUF file's own quantization"
+        )
+    return LlamaCppRunner(model, vocab_size)
+
+
 def fast_path_unsupported(model) -> str | None:
     """Why the fast runner cannot run this model (None when it can)."""
+    if not isinstance(model, torch.nn.Module):
+        return "it is a llama.cpp model"
     cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     mtype = getattr(cfg, "model_type", None)
     if mtype not in SUPPORTED_MODEL_TYPES:
@@ -239,16 +255,20 @@ class FastRunner(HFRunner):
         return self.head(hidden).float()  # [..., vocab_size]
 
 
-RUNNER_KINDS = ("auto", "fast", "hf")
+RUNNER_KINDS = ("auto", "fast", "hf", "llamacpp")
 
 
 def make_runner(model, vocab_size: int | None = None, *, runner: str = "auto", quant: str | None = None) -> HFRunner:
-    """The runner for a model. runner: "auto" (the fast runner where the architecture is supported, else the
-    transformers forward), "fast" (an error if unsupported) or "hf". quant (drafts only) needs the fast runner."""
+    """The runner for a model. runner: "auto" (llama.cpp for a model loaded with backend="llamacpp"; else the fast
+    runner where the architecture is supported, else the transformers forward), "fast" (an error if unsupported),
+    "hf" or "llamacpp" (a model loaded with backend="llamacpp"). quant (drafts only) needs the fast runner."""
     if runner not in RUNNER_KINDS:
         raise ValueError(f"runner must be one of {', '.join(RUNNER_KINDS)}, got {runner!r}")
     if quant is not None and quant not in QUANT_MODES:
         raise ValueError(f"quant must be None or one of {', '.join(QUANT_MODES)}, got {quant!r}")
+    on_llamacpp = not isinstance(model, torch.nn.Module)
+    if on_llamacpp or runner == "llamacpp":
+        return _llamacpp_runner(model, vocab_size, runner, quant)
     if runner == "hf":
         if quant is not None:
             raise ValueError("quantized drafts need the fast runner (runner='hf' was asked for)")

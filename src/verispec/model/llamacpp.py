@@ -1,0 +1,485 @@
+"""The llama.cpp runner: a GGUF model run by llama.cpp's own kernels (llama-cpp-python's low-level API), behind
+the interface of `HFRunner` — ragged chunks of tokens in, float32 logits out, rollback, row selection, trees.
+
+The target distribution on this runner is what llama.cpp computes from the GGUF file (its quantized weights and
+its kernels), not the fp32 dequantized forward of the torch runners: verification is exact *for that model*.
+
+How the interface maps onto llama.cpp's KV memory (one unified cache, `kv_unified`):
+  * each batch row is a llama.cpp sequence (its *main* sequence); a row's committed tokens sit at positions
+    0..length-1 of it. Rollback is `llama_memory_seq_rm`; identical prompts (a group's samples) are computed once
+    and shared with `llama_memory_seq_cp`, which only tags cells (no copy, no recompute).
+  * a token tree: every node gets the sequence of its root-to-node path. The first child of a node continues its
+    parent's sequence; a further child gets a new sequence that is tagged onto the parent's path (seq_cp of the
+    positions up to the parent, plus the seq id on ancestors computed in the same batch). llama.cpp masks a query
+    by its first sequence id and position, so a node sees the prefix and its ancestors only — tree attention.
+    `keep_paths` makes the accepted path's sequence the row's main sequence and drops the others.
+Logits come back in the batch's order (llama_get_logits), for the positions that asked for them.
+
+One llama.cpp behaviour shapes the bookkeeping: a sequence whose new token lands in a KV cell of lower index than
+one of its earlier positions gets wrong attention (measured on llama-cpp-python 0.3.36: logits off by ~0.5; the
+test suite keeps the check). Freed cells would be reused that way, so nothing is freed during a batch: dropped
+cells (rollback, rejected branches, finished rows) move to a *graveyard* sequence that nothing reads, and new
+tokens always take fresh cells above every live one. When fresh cells run low between steps, the live rows are
+compacted — saved with llama_state_seq_get_data, the cache cleared, restored in order (a copy, no recompute).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+from torch import Tensor
+
+__all__ = ["INSTALL_HINT", "LlamaCppModel", "LlamaCppRunner", "llamacpp_available"]
+
+INSTALL_HINT = (
+    'the llama.cpp runner needs llama-cpp-python: pip install -e ".[llamacpp]" (it compiles llama.cpp, ~10 min on '
+    "2 cores)"
+)
+_BATCH = 512  # tokens per llama_decode call (n_batch = n_ubatch)
+
+
+def llamacpp_available() -> bool:
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _lib():
+    try:
+        import llama_cpp
+    except ImportError:
+        raise ImportError(INSTALL_HINT) from None
+    if not getattr(_lib, "ready", False):
+        llama_cpp.llama_backend_init()
+        llama_cpp.llama_log_set(_QUIET, None)
+        _lib.ready = True
+    return llama_cpp
+
+
+@ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p)
+def _QUIET(level, text, data):  # llama.cpp logs every load and context to stderr; errors surface as return codes
+    return None
+
+
+class LlamaCppModel:
+    """A GGUF file loaded by llama.cpp (weights mmapped, in the file's own quantization). Stands where a torch
+    model stands in `LoadedModel.model`; `make_runner` gives it a `LlamaCppRunner`."""
+
+    def __init__(self, path: str | os.PathLike, *, threads: int | None = None, gpu_layers: int = 0):
+        lib = _lib()
+        self.path = Path(path)
+        params = lib.llama_model_default_params()
+        params.n_gpu_layers = gpu_layers
+        self.ptr = lib.llama_model_load_from_file(str(self.path).encode(), params)
+        if not self.ptr:
+            raise ValueError(f"llama.cpp could not load {self.path} (not a GGUF model it supports?)")
+        self._free = lib.llama_model_free
+        self.vocab = lib.llama_model_get_vocab(self.ptr)
+        self.n_vocab = lib.llama_vocab_n_tokens(self.vocab)
+        self.n_ctx_train = lib.llama_model_n_ctx_train(self.ptr)
+        self.threads = threads or torch.get_num_threads()
+        eog = [t for t in (lib.llama_vocab_eos(self.vocab), lib.llama_vocab_eot(self.vocab)) if t >= 0]
+        self.generation_config = SimpleNamespace(eos_token_id=sorted(set(eog)))
+        self.device = torch.device("cpu")  # logits come back to the host: verification runs on the CPU
+
+    def __del__(self):
+        if getattr(self, "ptr", None):
+            self._free(self.ptr)
+            self.ptr = None
+
+    def __repr__(self) -> str:
+        return f"LlamaCppModel({str(self.path)!r}, n_vocab={self.n_vocab})"
+
+
+@dataclass
+class _Node:
+    """A tree node in the cache, not yet committed: its sequence, position and parent slot."""
+
+    seq: int
+    pos: int
+    parent: int  # slot index of its parent (the prefix's last slot for a root)
+    token: int
+
+
+@dataclass
+class _Row:
+    seq: int  # the main sequence: slots 0..base-1 are its positions 0..base-1
+    base: int = 0
+    tokens: list[int] = field(default_factory=list)  # the committed tokens (slots 0..base-1)
+    nodes: list[_Node] = field(default_factory=list)  # slots base, base+1, ... (a tree being grown or verified)
+    claimed: set[int] = field(default_factory=set)  # slots whose sequence a child already continues
+
+    @property
+    def length(self) -> int:
+        return self.base + len(self.nodes)
+
+    def slot(self, i: int) -> tuple[int, int]:
+        """(sequence, position) of slot i."""
+        return (self.seq, i) if i < self.base else (self.nodes[i - self.base].seq, self.nodes[i - self.base].pos)
+
+    def seqs(self) -> set[int]:
+        return {self.seq} | {n.seq for n in self.nodes}
+
+
+class LlamaCppRunner:
+    """`HFRunner`'s interface on llama.cpp. vocab_size slices the logits to the shared vocabulary."""
+
+    def __init__(self, model: LlamaCppModel, vocab_size: int | None = None):
+        self.lib = _lib()
+        self.model = model
+        self.vocab_size = min(vocab_size or model.n_vocab, model.n_vocab)
+        self.max_positions = model.n_ctx_train or None
+        self.device = model.device
+        self.dtype = torch.float32
+        self.n_seq_max = int(self.lib.llama_max_parallel_sequences())
+        self.tokens_computed = 0
+        self.ctx = None
+        self.n_ctx = 0
+        self.rows: list[_Row] = []
+        self._free_seqs: list[int] = []
+        self.grave = self.n_seq_max - 1  # the graveyard sequence (see the module docstring)
+        self.taken = 0  # cells used since the cache was last cleared or compacted (live or in the graveyard)
+        self.compactions = 0
+        self.cache = None  # the torch runners' attribute; nothing to free here beyond the context
+
+    def __del__(self):
+        if getattr(self, "ctx", None):
+            self.lib.llama_free(self.ctx)
+            self.ctx = None
+
+    # --- context ---------------------------------------------------------------------------------------
+    def _context(self, cells: int) -> None:
+        """A fresh context with room for `cells` KV cells (all rows together)."""
+        if self.ctx:
+            self.lib.llama_free(self.ctx)
+            self.ctx = None
+        p = self.lib.llama_context_default_params()
+        p.n_ctx = max(256, -(-cells // 256) * 256)
+        p.n_batch = p.n_ubatch = _BATCH
+        p.n_outputs_max = p.n_outputs_max_per_seq = _BATCH
+        p.n_seq_max = self.n_seq_max
+        p.kv_unified = True
+        p.n_threads = p.n_threads_batch = self.model.threads
+        self.ctx = self.lib.llama_init_from_model(self.model.ptr, p)
+        if not self.ctx:
+            raise RuntimeError(f"llama.cpp could not create a context of {p.n_ctx} cells")
+        self.n_ctx = p.n_ctx
+        self.mem = self.lib.llama_get_memory(self.ctx)
+
+    def _seq(self) -> int:
+        if not self._free_seqs:
+            raise RuntimeError(f"llama.cpp runner: all {self.n_seq_max} sequences in use (batch rows x tree branches)")
+        return self._free_seqs.pop()
+
+    def _drop(self, seq: int, start: int = -1) -> None:
+        """Drop a sequence's positions >= start (all with start -1): its cells go to the graveyard."""
+        self.lib.llama_memory_seq_cp(self.mem, seq, self.grave, start, -1)
+        self.lib.llama_memory_seq_rm(self.mem, seq, start, -1)
+        if start < 0:
+            self._free_seqs.append(seq)
+
+    def _make_room(self, n: int) -> None:
+        """Before n new cells: compact when fresh cells run low (only between steps, when no tree is open)."""
+        fresh = self.n_ctx - self.taken
+        if (fresh < n or fresh < self.n_ctx // 4) and not any(r.nodes for r in self.rows):
+            self._compact()
+        if self.n_ctx - self.taken < n:
+            raise RuntimeError(f"llama.cpp context of {self.n_ctx} cells is full ({self.taken} taken, {n} more needed)")
+
+    def _compact(self) -> None:
+        """Live rows' cells saved, the cache cleared, the rows restored side by side (in position order)."""
+        lib, saved = self.lib, []
+        for r in self.rows:
+            size = lib.llama_state_seq_get_size(self.ctx, r.seq)
+            buf = (ctypes.c_ubyte * size)()
+            lib.llama_state_seq_get_data(self.ctx, buf, size, r.seq)
+            saved.append(buf)
+        lib.llama_memory_clear(self.mem, True)
+        for r, buf in zip(self.rows, saved):
+            if r.base and lib.llama_state_seq_set_data(self.ctx, buf, len(buf), r.seq) == 0:
+                raise RuntimeError("llama.cpp could not restore a row while compacting its KV cache")
+        self.taken = sum(r.base for r in self.rows)
+        self.compactions += 1
+
+    # --- batch lifecycle -------------------------------------------------------------------------------
+    def _reset(self, cells: int, capacity: int) -> None:
+        """No rows, and room for `cells` KV cells; the context is made anew only when it is too small."""
+        if self.ctx is None or self.n_ctx < cells:
+            self._context(cells)
+        else:
+            self.lib.llama_memory_clear(self.mem, True)
+        self.rows, self._free_seqs = [], list(range(self.n_seq_max - 2, -1, -1))
+        self.capacity, self.taken = capacity, 0
+
+    def start(self, batch: int, capacity: int) -> None:
+        """Room for `batch` rows of up to `capacity` tokens each; the rows start empty."""
+        self._reset(2 * batch * capacity, capacity)
+        self.rows = [_Row(self._seq()) for _ in range(batch)]
+
+    def fill(self, seqs: Sequence[Sequence[int]], capacity: int) -> None:
+        """Rows with seqs[i] prefilled into row i; identical sequences are computed once and shared."""
+        self._reset(2 * len(seqs) * capacity, capacity)
+        self._append_rows(seqs)
+
+    def add_rows(self, seqs: Sequence[Sequence[int]], capacity: int) -> None:
+        """New rows join after the existing ones, prefilled with seqs[i]. A context too small for the larger
+        batch is made anew and the existing rows' tokens recomputed into it (amortised: its size doubles)."""
+        if self.ctx is None:
+            return self.fill(seqs, capacity)
+        capacity = max(capacity, self.capacity)
+        need = 2 * (len(self.rows) + len(seqs)) * capacity
+        if need > self.n_ctx:
+            if any(r.nodes for r in self.rows):
+                raise RuntimeError("rows cannot join while a tree is uncommitted")
+            old = [r.tokens for r in self.rows]
+            self._reset(max(need, 2 * self.n_ctx), capacity)
+            self._append_rows(old)
+        self.capacity = capacity
+        self._append_rows(seqs)
+
+    def _append_rows(self, seqs: Sequence[Sequence[int]]) -> None:
+        """Rows for seqs after the existing ones: each distinct sequence is computed once, its copies share it."""
+        if len(self.rows) + len(seqs) > self.n_seq_max - 1:
+            raise RuntimeError(f"llama.cpp runner: at most {self.n_seq_max - 1} rows")
+        keys = [tuple(int(t) for t in s) for s in seqs]
+        first: dict[tuple[int, ...], int] = {}
+        for i, key in enumerate(keys):
+            first.setdefault(key, i)
+        start = len(self.rows)
+        new = [_Row(self._seq()) for _ in keys]
+        self.rows.extend(new)
+        self.prefill([[]] * start + [list(k) if first[k] == i else [] for i, k in enumerate(keys)])
+        for i, key in enumerate(keys):
+            if first[key] != i:  # tag the first copy's cells with this row's sequence: nothing is computed
+                self.lib.llama_memory_seq_cp(self.mem, new[first[key]].seq, new[i].seq, -1, -1)
+                new[i].base, new[i].tokens = len(key), list(key)
+
+    @property
+    def lengths(self) -> list[int]:
+        return [r.length for r in self.rows]
+
+    def truncate(self, lengths: list[int]) -> None:
+        """Rollback: row b keeps its first lengths[b] committed tokens."""
+        if len(lengths) != len(self.rows) or any(not 0 <= n <= r.base for n, r in zip(lengths, self.rows)):
+            raise ValueError(f"truncate to {lengths} is not a rollback of the committed lengths {self.lengths}")
+        for n, r in zip(lengths, self.rows):
+            self._clear_tree(r)
+            self._drop(r.seq, n)
+            r.base, r.tokens = n, r.tokens[:n]
+
+    def select(self, rows: list[int]) -> None:
+        """Keep these rows, in this order (a row listed twice is shared, not recomputed)."""
+        kept: list[_Row] = []
+        seen: set[int] = set()
+        for i in rows:
+            r = self.rows[i]
+            if i in seen:
+                if r.nodes:
+                    raise ValueError("a row with an uncommitted tree cannot be duplicated")
+                copy = _Row(self._seq(), r.base, list(r.tokens))
+                self.lib.llama_memory_seq_cp(self.mem, r.seq, copy.seq, -1, -1)
+                kept.append(copy)
+            else:
+                kept.append(r)
+                seen.add(i)
+        for i, r in enumerate(self.rows):
+            if i not in seen:
+                for s in r.seqs():
+                    self._drop(s)
+        self.rows = kept
+
+    def _clear_tree(self, r: _Row) -> None:
+        for s in r.seqs() - {r.seq}:
+            self._drop(s)
+        if r.nodes:
+            self._drop(r.seq, r.base)
+        r.nodes, r.claimed = [], set()
+
+    def keep_paths(self, old_lengths: list[int], paths: Sequence[Sequence[int]]) -> None:
+        """Row b keeps the nodes paths[b] (slot old_lengths[b] + i, root first: a root-to-node path) after its
+        first old_lengths[b] slots; everything else is dropped."""
+        if len(paths) != len(self.rows) or len(old_lengths) != len(self.rows):
+            raise ValueError(f"keep_paths needs one path and one old length per row ({len(self.rows)})")
+        for b, (start, path, r) in enumerate(zip(old_lengths, paths, self.rows)):
+            slots = [start + int(i) for i in path]
+            if not 0 <= start <= r.length or any(s >= r.length for s in slots):
+                raise ValueError(f"row {b}: path {list(path)} after slot {start} is outside its {r.length} slots")
+            for j, s in enumerate(slots):  # each kept node hangs off the previous one (the first: off the prefix)
+                parent = r.nodes[s - r.base].parent if s >= r.base else s - 1
+                if parent != (slots[j - 1] if j else start - 1):
+                    raise ValueError(f"row {b}: path {list(path)} is not a root-to-node path of its last chunk")
+            end = start + len(slots)
+            keep = r.slot(end - 1)[0] if end > r.base else r.seq
+            tokens = r.tokens[: min(end, r.base)] + [r.nodes[s - r.base].token for s in slots if s >= r.base]
+            for s in r.seqs() - {keep}:
+                self._drop(s)
+            self._drop(keep, end)
+            r.seq, r.base, r.tokens, r.nodes, r.claimed = keep, end, tokens, [], set()
+
+    # --- forward ---------------------------------------------------------------------------------------
+    def _plan_tree(self, b: int, parents: Sequence[int], n_old: int, n_new: int, start: int):
+        """Sequences for row b's new tree nodes: [(seq ids (own first), position, parent slot)] per node.
+        Copies a parent's path onto a new sequence where a node is not its parent's first child."""
+        r = self.rows[b]
+        if len(parents) != n_old + n_new:
+            raise ValueError(f"row {b}: {len(parents)} parents for {n_old} old and {n_new} new tree nodes")
+        plan: list[tuple[list[int], int, int]] = []
+        first_new = start + n_old  # the slot of the first new node
+        for j in range(n_new):
+            node = n_old + j
+            p = int(parents[node])
+            if not -1 <= p < node:
+                raise ValueError(f"row {b}: parent of node {node} must be -1 or an earlier node, got {p}")
+            ps = start + p if p >= 0 else start - 1
+            if ps >= first_new:  # the parent is computed in this batch too
+                pseq, ppos = plan[ps - first_new][0][0], plan[ps - first_new][1]
+            elif ps >= 0:
+                pseq, ppos = r.slot(ps)
+            else:
+                pseq, ppos = r.seq, -1
+            if ps not in r.claimed:
+                r.claimed.add(ps)
+                seqs = [pseq]
+            else:
+                seqs = [self._seq()]
+                a = ps
+                while a >= first_new:  # ancestors in this batch carry the new sequence too
+                    plan[a - first_new][0].append(seqs[0])
+                    a = plan[a - first_new][2]
+                top = r.slot(a)[1] if a >= 0 else -1  # the deepest ancestor already in the cache
+                src = r.slot(a)[0] if a >= 0 else r.seq
+                self.lib.llama_memory_seq_cp(self.mem, src, seqs[0], -1, top + 1)
+            plan.append((seqs, ppos + 1, ps))
+        return plan
+
+    def _decode(self, items: list[tuple[int, list[int], int, bool]]) -> np.ndarray | None:
+        """One llama_decode over items (token, seq ids, position, wants logits); the logits [n_out, V]."""
+        lib = self.lib
+        self._make_room(len(items))
+        width = max(len(s) for _, s, _, _ in items)
+        batch = lib.llama_batch_init(len(items), 0, width)
+        try:
+            token = np.ctypeslib.as_array(batch.token, shape=(len(items),))
+            pos = np.ctypeslib.as_array(batch.pos, shape=(len(items),))
+            nseq = np.ctypeslib.as_array(batch.n_seq_id, shape=(len(items),))
+            want = np.ctypeslib.as_array(batch.logits, shape=(len(items),))
+            for i, (t, seqs, p, w) in enumerate(items):
+                token[i], pos[i], nseq[i], want[i] = t, p, len(seqs), w
+                for j, s in enumerate(seqs):
+                    batch.seq_id[i][j] = s
+            batch.n_tokens = len(items)
+            rc = lib.llama_decode(self.ctx, batch)
+        finally:
+            lib.llama_batch_free(batch)
+        if rc != 0:
+            raise RuntimeError(
+                f"llama_decode failed (code {rc}) on {len(items)} tokens: "
+                + ("no room in the KV cache" if rc == 1 else "invalid batch or internal error")
+            )
+        self.tokens_computed += len(items)
+        self.taken += len(items)
+        n_out = sum(1 for *_, w in items if w)
+        if not n_out:
+            return None
+        return np.ctypeslib.as_array(lib.llama_get_logits(self.ctx), shape=(n_out, self.model.n_vocab))
+
+    def _check_tokens(self, tokens: Sequence[Sequence[int]]) -> list[list[int]]:
+        if len(tokens) != len(self.rows):
+            raise ValueError(f"got {len(tokens)} token lists for a batch of {len(self.rows)}")
+        out = [[int(t) for t in row] for row in tokens]
+        if any(not 0 <= t < self.model.n_vocab for row in out for t in row):
+            raise ValueError(f"token ids must lie in [0, {self.model.n_vocab})")
+        return out
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        tokens: Sequence[Sequence[int]],
+        logits_at: str = "all",
+        parents: Sequence[Sequence[int]] | None = None,
+        tree_start: Sequence[int] | None = None,
+    ) -> Tensor:
+        """Append tokens[b] to row b; float32 logits [B, T, V] ("all") or [B, V] ("last"). parents / tree_start:
+        as `HFRunner.forward` (a token tree per row, grown over one or several forwards)."""
+        if logits_at not in ("all", "last"):
+            raise ValueError(f"logits_at must be 'all' or 'last', got {logits_at!r}")
+        if tree_start is not None and parents is None:
+            raise ValueError("tree_start needs parents")
+        tokens = self._check_tokens(tokens)
+        n_new = [len(t) for t in tokens]
+        T = max(n_new, default=0)
+        if T == 0:
+            raise ValueError("forward needs at least one new token in some row")
+        if any(r.length + n > self.capacity for r, n in zip(self.rows, n_new)):
+            raise RuntimeError(f"KV cache capacity {self.capacity} exceeded ({max(self.lengths) + T} slots needed)")
+        items, where = self._items(tokens, logits_at, parents, tree_start)
+        B, V = len(self.rows), self.vocab_size
+        out = torch.zeros((B, V) if logits_at == "last" else (B, T, V), dtype=torch.float32)
+        done = 0
+        for s in range(0, len(items), _BATCH):  # a tree forward fits one decode (checked in _items)
+            logits = self._decode(items[s : s + _BATCH])
+            n = 0 if logits is None else logits.shape[0]
+            if n:
+                b_idx, t_idx = where[0][done : done + n], where[1][done : done + n]
+                src = torch.from_numpy(logits[:, :V])
+                if logits_at == "last":
+                    out[b_idx] = src
+                else:
+                    out[b_idx, t_idx] = src
+            done += n
+        for b, r in enumerate(self.rows):
+            if parents is None:
+                r.base += n_new[b]
+                r.tokens.extend(tokens[b])
+        return out
+
+    def _items(self, tokens, logits_at, parents, tree_start):
+        """The decode items of a forward and, for its outputs in order, their (rows, positions)."""
+        items: list[tuple[int, list[int], int, bool]] = []
+        rows_out: list[int] = []
+        pos_out: list[int] = []
+        for b, (row, r) in enumerate(zip(tokens, self.rows)):
+            if parents is None:
+                if r.nodes:
+                    raise ValueError(f"row {b} holds an uncommitted tree: keep_paths before a chain forward")
+                for i, t in enumerate(row):
+                    want = logits_at == "all" or i == len(row) - 1
+                    items.append((t, [r.seq], r.base + i, want))
+            else:
+                start = r.length if tree_start is None else int(tree_start[b])
+                n_old = r.length - start
+                if not r.base <= start <= r.length and not (n_old == 0 and start == r.length):
+                    raise ValueError(f"tree_start {start} must lie in row {b}'s uncommitted slots")
+                plan = self._plan_tree(b, parents[b], n_old, len(row), start)
+                for i, (t, (seqs, pos, parent)) in enumerate(zip(row, plan)):
+                    items.append((t, seqs, pos, logits_at == "all" or i == len(row) - 1))
+                    r.nodes.append(_Node(seqs[0], pos, parent, t))
+            if row:
+                for i, it in enumerate(items[len(items) - len(row) :]):
+                    if it[3]:
+                        rows_out.append(b)
+                        pos_out.append(i)
+        if parents is not None and len(items) > _BATCH:
+            raise ValueError(f"a tree forward takes at most {_BATCH} nodes over all rows, got {len(items)}")
+        return items, (torch.tensor(rows_out, dtype=torch.int64), torch.tensor(pos_out, dtype=torch.int64))
+
+    def prefill(self, tokens: Sequence[Sequence[int]], chunk: int = _BATCH) -> None:
+        """Feed prompts into the cache without logits."""
+        tokens = self._check_tokens(tokens)
+        if any(r.nodes for r, t in zip(self.rows, tokens) if t):
+            raise ValueError("prefill into a row with an uncommitted tree")
+        items = [(t, [r.seq], r.base + i, False) for row, r in zip(tokens, self.rows) for i, t in enumerate(row)]
+        for s in range(0, len(items), chunk):
+            self._decode(items[s : s + chunk])
+        for row, r in zip(tokens, self.rows):
+            r.base += len(row)
+            r.tokens.extend(row)
