@@ -7,6 +7,8 @@ Methods (same target, prompts, max_new_tokens, temperature and seeds):
     verispec-self     verispec with the target's own weights, int4-quantized, as the draft (`self_quant`)
     hf-plain          HF transformers generate()
     hf-assisted       HF transformers generate(assistant_model=draft)
+    llamacpp-plain    llama.cpp (llama-cpp-python's `Llama.generate`) on the target's GGUF file
+    llamacpp-lookup   the same with llama-cpp-python's prompt-lookup speculation (`LlamaPromptLookupDecoding`)
   and, named with an argument:
     verispec-draft@G              the draft model with a fixed draft length G (chains of several lengths side by side)
     verispec-draft[@G]/MODE       the same chains with MODE = block (block verification), position (seeding by
@@ -123,6 +125,45 @@ class _CallCounter:
         self.handle.remove()
 
 
+def _gguf_path(target: LoadedModel) -> Path | None:
+    path = getattr(target.model, "path", None) or (Path(target.name) if target.name.endswith(".gguf") else None)
+    return Path(path) if path else None
+
+
+def _llamacpp_generate(
+    path: Path, prompts_ids: list[list[int]], temperature: float, max_new: int, seed: int, lookup: bool
+) -> tuple[int, float, float]:
+    """(tokens, seconds, prefill seconds) for llama-cpp-python's own decoding over prompts one at a time: exactly
+    max_new tokens each (`Llama.generate` does not stop at EOS), neutral sampling knobs (top-k off, top-p 1, min-p
+    0, no repeat penalty), its prompt cache reset before each prompt."""
+    from llama_cpp import Llama
+    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+    llm = Llama(
+        model_path=str(path),
+        n_ctx=max(len(i) for i in prompts_ids) + max_new + 16,
+        n_threads=torch.get_num_threads(),
+        n_threads_batch=torch.get_num_threads(),
+        draft_model=LlamaPromptLookupDecoding() if lookup else None,
+        seed=seed,
+        verbose=False,
+    )
+    tokens, seconds, prefill = 0, 0.0, 0.0
+    for i, ids in enumerate(prompts_ids):
+        llm.reset()
+        llm.set_seed(seed + i)
+        t0 = time.perf_counter()
+        stream = llm.generate(ids, temp=temperature, top_k=0, top_p=1.0, min_p=0.0, repeat_penalty=1.0)
+        for n, _ in enumerate(stream, 1):
+            if n == 1:
+                prefill += time.perf_counter() - t0
+            if n == max_new:
+                break
+        seconds += time.perf_counter() - t0
+        tokens += max_new
+    return tokens, seconds, prefill
+
+
 def _hf_generate(
     target: LoadedModel,
     draft: LoadedModel | None,
@@ -160,7 +201,8 @@ def _hf_generate(
     return tokens, seconds, calls
 
 
-BASE_METHODS = E2EConfig.methods + ("verispec-tree", "verispec-ngram-tree")
+BASE_METHODS = E2EConfig.methods + ("verispec-tree", "verispec-ngram-tree", "llamacpp-plain", "llamacpp-lookup")
+FOREIGN = ("hf-", "llamacpp-")  # other engines' methods: batch 1 only
 
 
 def check_method(name: str) -> None:
@@ -223,6 +265,7 @@ def run_e2e(
         check_method(m)
     needs_draft = ("verispec-draft", "hf-assisted", "verispec-tree")
     methods = [m for m in cfg.methods if draft is not None or _base(m) not in needs_draft]
+    methods = _runnable(methods, target, log)
     if "verispec-self" in methods and (cfg.runner == "hf" or fast_path_unsupported(target.model)):
         methods.remove("verispec-self")
         log(
@@ -272,7 +315,7 @@ def run_e2e(
                 if batch > 1 and len(chosen) < batch:
                     continue
                 for method in methods:
-                    if batch > 1 and method.startswith("hf-"):
+                    if batch > 1 and method.startswith(FOREIGN):
                         continue
                     rec = {
                         "temperature": temp,
@@ -291,6 +334,11 @@ def run_e2e(
                             cfg.seed,
                         )
                         rec.update(tokens=tok, seconds=sec, tau=tok / calls if calls else None)
+                    elif method.startswith("llamacpp-"):
+                        tok, sec, pre = _llamacpp_generate(
+                            _gguf_path(target), chosen, temp, cfg.max_new_tokens, cfg.seed, method == "llamacpp-lookup"
+                        )
+                        rec.update(tokens=tok, seconds=sec, prefill_s=pre)
                     else:
                         gen = gens[method]
                         params = [SamplingParams(temperature=temp, seed=cfg.seed + i) for i in range(len(chosen))]
@@ -310,6 +358,7 @@ def run_e2e(
                                 stats = s
                             else:
                                 stats.merge(s)
+                        rec["prefill_s"] = _prefill_seconds(gen, chosen, batch)
                         tree = gen.tree is not None
                         rec.update(
                             tokens=tok,
@@ -332,6 +381,9 @@ def run_e2e(
                                 stats.acceptance_rate, stats.steps_by_drafted, step_draft, target_curve
                             )
                     rec["tokens_per_s"] = rec["tokens"] / rec["seconds"] if rec["seconds"] else None
+                    if rec.get("prefill_s") is not None and rec["seconds"] > rec["prefill_s"]:  # after the prefill
+                        first = len(chosen)  # the prefill's forward also gives each row its first token
+                        rec["decode_tokens_per_s"] = (rec["tokens"] - first) / (rec["seconds"] - rec["prefill_s"])
                     records.append(rec)
                     log(
                         f"T={temp} {cat:5s} batch {batch} {method:15s} {rec['tokens_per_s']:.2f} tok/s"
@@ -365,6 +417,10 @@ def run_e2e(
         )
         if hf and hf["tokens_per_s"]:
             rec["vs_hf_assisted"] = rec["tokens_per_s"] / hf["tokens_per_s"]
+        lc = _find(records, "llamacpp-plain", rec["temperature"], rec["category"])
+        if lc and lc.get("decode_tokens_per_s") and rec.get("decode_tokens_per_s"):
+            rec["vs_llamacpp_plain"] = rec["tokens_per_s"] / lc["tokens_per_s"]
+            rec["vs_llamacpp_plain_decode"] = rec["decode_tokens_per_s"] / lc["decode_tokens_per_s"]
     return {
         "config": cfg.__dict__ | {"temperatures": list(cfg.temperatures), "methods": list(cfg.methods)},
         "target": target.name,
@@ -377,6 +433,44 @@ def run_e2e(
         "runner": type(gens["verispec-plain"].runner).__name__,
         "records": records,
     }
+
+
+def _find(records: list[dict], method: str, temperature: float, category: str) -> dict | None:
+    """The batch-1 record of a method at a temperature and category."""
+    return next(
+        (
+            r
+            for r in records
+            if r["method"] == method and r["temperature"] == temperature and r["category"] == category
+            if r["batch"] == 1
+        ),
+        None,
+    )
+
+
+def _runnable(methods: list[str], target: LoadedModel, log) -> list[str]:
+    """The methods this target can run: HF's need a torch model, llama.cpp's a GGUF file and llama-cpp-python."""
+    from ..model.llamacpp import llamacpp_available
+
+    keep = []
+    for m in methods:
+        if m.startswith("hf-") and not isinstance(target.model, torch.nn.Module):
+            log(f"{m} skipped: the target runs on llama.cpp (HF generate needs a torch model)")
+        elif m.startswith("llamacpp-") and (_gguf_path(target) is None or not llamacpp_available()):
+            log(f"{m} skipped: it needs a .gguf target and llama-cpp-python (pip install -e '.[llamacpp]')")
+        else:
+            keep.append(m)
+    return keep
+
+
+def _prefill_seconds(gen: SpeculativeGenerator, prompts: list[list[int]], batch: int) -> float:
+    """Seconds of the prompts' prefill (and first token) in verispec: a one-token run per chunk of `batch`."""
+    seconds = 0.0
+    for start in range(0, len(prompts), batch):
+        chunk = prompts[start : start + batch]
+        gen.generate(chunk, [SamplingParams(seed=i) for i in range(len(chunk))], max_new_tokens=1, ignore_eos=True)
+        seconds += gen.last_stats.wall_time
+    return seconds
 
 
 def _fmt(x, spec=".2f"):
@@ -393,15 +487,17 @@ def to_markdown(result: dict) -> str:
         + "; draft step "
         + (", ".join(f"{m} {t:.3f} s" for m, t in result.get("draft_steps_s", {}).items()) or "-"),
         "",
-        "| T | category | batch | method | tok/s | speedup | vs HF assisted | tau | drafted / step | alpha "
+        "| T | category | batch | method | tok/s | tok/s after prefill | speedup | vs HF assisted "
+        "| vs llama.cpp plain (incl. / after prefill) | tau | drafted / step | alpha "
         "| per-position (trees: per-depth) acceptance | theory speedup | measured / theory |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["records"]:
         pp = r.get("per_position")
         lines.append(
             f"| {r['temperature']:g} | {r['category']} | {r['batch']} | {r['method']} | {_fmt(r['tokens_per_s'])} | "
-            f"{_fmt(r.get('speedup'))} | {_fmt(r.get('vs_hf_assisted'))} | {_fmt(r.get('tau'))} | "
+            f"{_fmt(r.get('decode_tokens_per_s'))} | {_fmt(r.get('speedup'))} | {_fmt(r.get('vs_hf_assisted'))} | "
+            f"{_fmt(r.get('vs_llamacpp_plain'))} / {_fmt(r.get('vs_llamacpp_plain_decode'))} | {_fmt(r.get('tau'))} | "
             f"{_fmt(r.get('drafted_per_step'), '.1f')} | "
             f"{_fmt(r.get('alpha'))} | {' '.join(f'{x:.2f}' for x in pp) if pp else '-'} | "
             f"{_fmt(r.get('theory_speedup'))} | {_fmt(r.get('measured_over_theory'))} |"

@@ -20,7 +20,7 @@ from .options import (
 
 METHODS_HELP = (
     "comma-separated methods (default: the six standard ones); also verispec-draft@G, verispec-tree@SHAPE[/RULE], "
-    "verispec-ngram-tree@SHAPE"
+    "verispec-ngram-tree@SHAPE, llamacpp-plain and llamacpp-lookup (llama-cpp-python's own decoding of a .gguf target)"
 )
 
 

@@ -241,7 +241,11 @@ def add_speculation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", help=_HELP["target"])
     p.add_argument("--draft", default="ngram", help=_HELP["draft"])
     add_quant_arg(p, "--draft-quant", _HELP["draft_quant"])
-    add_runner_arg(p, "model forward: verispec's fast runner where supported (auto, default), fast, or hf")
+    add_runner_arg(
+        p,
+        "model forward: auto (default: llama.cpp for a .gguf file when llama-cpp-python is installed, else verispec's "
+        "fast runner where supported), fast, hf, or llamacpp (the GGUF file's own quantization, on llama.cpp's kernels)",
+    )
     p.add_argument("--gamma", type=gamma_type(), default="auto", help="drafts per step, or 'auto' (default)")
     p.add_argument(
         "--max-gamma", type=gamma_type(auto=False), default=8, help="upper bound for --gamma auto (default 8)"
@@ -352,11 +356,29 @@ def pick(args: argparse.Namespace, *names: str) -> dict:
 
 
 def load(spec: str | None, args: argparse.Namespace, *, threads: bool = True):
-    """Load one model with the device options, saying so on stderr."""
+    """Load one model with the device options, saying so on stderr. --runner llamacpp (or auto, for a GGUF file on
+    the CPU when llama-cpp-python is installed) loads it into llama.cpp instead of torch."""
     from ..model.loading import DEFAULT_MODEL_NAME, load_model
 
-    print(f"loading {spec or DEFAULT_MODEL_NAME} ...", file=sys.stderr, flush=True)
-    return load_model(spec, dtype=args.dtype, device=args.device, threads=args.threads if threads else None)
+    backend = backend_for(spec, args)
+    print(f"loading {spec or DEFAULT_MODEL_NAME} ({backend}) ...", file=sys.stderr, flush=True)
+    return load_model(
+        spec, dtype=args.dtype, device=args.device, threads=args.threads if threads else None, backend=backend
+    )
+
+
+def backend_for(spec: str | None, args: argparse.Namespace) -> str:
+    """torch or llamacpp, for a model spec under --runner (see `load`)."""
+    from ..model.llamacpp import INSTALL_HINT, llamacpp_available
+
+    runner = getattr(args, "runner", "auto")
+    if runner == "llamacpp":
+        if not llamacpp_available():
+            raise UsageError(f"--runner llamacpp: {INSTALL_HINT}")
+        return "llamacpp"
+    gguf = spec is None or str(spec).endswith(".gguf")
+    auto = runner == "auto" and gguf and getattr(args, "device", "cpu") == "cpu" and args.dtype == "float32"
+    return "llamacpp" if auto and llamacpp_available() else "torch"
 
 
 def read_prompts(args: argparse.Namespace) -> list[str]:
