@@ -237,3 +237,11 @@ def test_repeated_prompts_flags_add_up(command):
 def test_bench_rollout_options_are_checked_before_loading(extra, pattern, capsys):
     argv = ["bench", "rollout", "--prompts", "p.jsonl", "--methods", "plain,history", *extra]  # the last --methods wins
     assert re.search(pattern, usage_error(argv, capsys))
+
+
+def test_runner_llamacpp_without_the_extra_says_how_to_install(monkeypatch, capsys):
+    import verispec.model.llamacpp as llamacpp
+
+    monkeypatch.setattr(llamacpp, "llamacpp_available", lambda: False)
+    msg = usage_error(["generate", "a b", "--runner", "llamacpp"], capsys)
+    assert "--runner llamacpp" in msg and 'pip install -e ".[llamacpp]"' in msg

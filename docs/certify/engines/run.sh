@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Certify real engines on SmolLM2-135M-Instruct (Q4_1 GGUF), one code prompt with the chat template, temperature 1:
 #   verispec  - verispec serve (prompt-lookup drafts, gamma 4) through its OpenAI API
+#   verispec-llamacpp - the same on the llama.cpp runner (--runner llamacpp), against its own plain decoding
 #   llamacpp  - llama.cpp's server (llama-cpp-python) plain, and with its prompt-lookup speculation against it
 #   hf        - transformers' prompt-lookup decoding, in process
 # Usage: run.sh [verispec] [llamacpp] [hf]   (default: all). Writes one folder per engine next to this script.
@@ -12,7 +13,7 @@ MODEL=${MODEL:-$HOME/models/SmolLM2-135M-Instruct.Q4_1.gguf}
 PROMPTS=${PROMPTS:-../../../../shared/data/prompts/code.jsonl}
 N=${N:-800}
 N_LOOKUP=${N_LOOKUP:-400}  # llama-cpp-python serves one request at a time: the lookup run and its reference share it
-STEPS=${*:-verispec llamacpp hf}
+STEPS=${*:-verispec verispec-llamacpp llamacpp hf}
 SAMPLING=(--target "$MODEL" --prompts "$PROMPTS" --num-prompts 1 --chat --temperature 1 --samples "$N" --length 8)
 COMMON=("${SAMPLING[@]}" --model smollm2 --max-in-flight 4)
 
@@ -24,6 +25,19 @@ if [[ " $STEPS " == *" verispec "* ]]; then  # exact tests, two-sample against v
   wait_up http://127.0.0.1:8201
   verispec certify generate --method openai --base-url http://127.0.0.1:8201 "${COMMON[@]}" --out verispec-serve || true
   kill $VS; wait $VS || true
+fi
+
+if [[ " $STEPS " == *" verispec-llamacpp "* ]]; then  # the llama.cpp runner: its law is llama.cpp's, not fp32's
+  SERVE=(verispec serve --target "$MODEL" --runner llamacpp --threads 1 --served-model-name smollm2)
+  "${SERVE[@]}" --draft ngram --gamma 4 --port 8203 &
+  VL=$!
+  "${SERVE[@]}" --draft none --port 8204 &
+  VP=$!
+  wait_up http://127.0.0.1:8203 && wait_up http://127.0.0.1:8204
+  # two-sample against plain decoding on the same runner (exact), and the fit to fp32 within TV 0.05
+  verispec certify generate --method openai --base-url http://127.0.0.1:8203 "${COMMON[@]}" --max-in-flight 16 \
+    --reference-url http://127.0.0.1:8204 --tv-tolerance 0.05 --out verispec-llamacpp-prompt-lookup || true
+  kill $VL $VP; wait $VL $VP || true
 fi
 
 if [[ " $STEPS " == *" llamacpp "* ]]; then

@@ -5,6 +5,7 @@ Paths (same model, same context, interleaved measurements so machine noise hits 
     fast        verispec's fast runner (`FastRunner`: fused, oneDNN/cuBLAS linears)
     int8-self   the fast runner on int8 weight-only copies of the same weights (a self-draft)
     int4-self   the same with int4 weights
+    llamacpp    llama.cpp on the model's GGUF file, in the file's own quantization (`LlamaCppRunner`)
 For each path: median seconds of one forward over k = 1..max_k new tokens after `context` cached tokens
 (batch 1), the weight bytes one step reads, and the achieved read rate of decode(1), next to the machine's
 measured read bandwidth (a streaming sum over a buffer far larger than the caches).
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -23,7 +25,8 @@ from .table import markdown_table
 
 __all__ = ["PATHS", "measure_curve", "read_bandwidth", "run", "to_markdown"]
 
-PATHS = ("hf", "fast", "int8-self", "int4-self")
+PATHS = ("hf", "fast", "int8-self", "int4-self", "llamacpp")
+TORCH_PATHS = PATHS[:4]
 
 
 def read_bandwidth(nbytes: int = 1 << 30, repeats: int = 9, device: str | torch.device = "cpu") -> tuple[float, float]:
@@ -76,6 +79,24 @@ def measure_curve(
     return {name: [statistics.median(times[name][k]) for k in ks] for name in runners}
 
 
+@torch.inference_mode()
+def batch_consistency(runner: HFRunner, vocab: int, k: int, context: int = 64, trials: int = 4) -> dict:
+    """How far a verify pass's logits (k tokens in one forward) are from decoding the same tokens one at a time,
+    over `trials` random token chains: max |logit difference| and max total variation between the two softmaxes."""
+    g = torch.Generator().manual_seed(2)
+    worst_logit = worst_tv = 0.0
+    for _ in range(trials):
+        _prepare(runner, vocab, context, k)
+        toks = torch.randint(0, vocab, (k,), generator=g).tolist()
+        batched = runner.forward([toks], logits_at="all")[0].double()  # [k, V]
+        runner.truncate([context])
+        single = torch.stack([runner.forward([[t]], logits_at="last")[0] for t in toks]).double()  # [k, V]
+        worst_logit = max(worst_logit, (batched - single).abs().max().item())
+        tv = 0.5 * (batched.softmax(-1) - single.softmax(-1)).abs().sum(-1).max().item()
+        worst_tv = max(worst_tv, tv)
+    return {"k": k, "max_abs_logit_diff": worst_logit, "max_tv": worst_tv}
+
+
 def _hf_weight_bytes(model, vocab: int) -> int:
     """Bytes the transformers forward reads per decode step: every parameter except the input embedding
     (a single row is gathered) — the output layer counts with all its rows."""
@@ -95,8 +116,10 @@ def run(
     paths: tuple[str, ...] = PATHS,
     bandwidth_bytes: int = 1 << 30,
     log=lambda m: None,
+    gguf=None,
 ) -> dict:
-    """Build the runners for `paths` on one model and measure them side by side."""
+    """Build the runners for `paths` on one model (a torch model, None when only llamacpp runs; gguf: the GGUF
+    file llamacpp runs) and measure them side by side."""
     unknown = set(paths) - set(PATHS)
     if unknown:
         raise ValueError(f"unknown path(s) {sorted(unknown)}; choose from {', '.join(PATHS)}")
@@ -107,10 +130,16 @@ def run(
         log(f"building {name} ...")
         if name == "hf":
             runners[name] = HFRunner(model, vocab)
+        elif name == "llamacpp":
+            from ..model.llamacpp import LlamaCppModel, LlamaCppRunner
+
+            if gguf is None:
+                raise ValueError("path llamacpp needs a .gguf model")
+            runners[name] = LlamaCppRunner(LlamaCppModel(gguf), vocab)
         else:
             quant = {"fast": None, "int8-self": "int8", "int4-self": "int4"}[name]
             runners[name] = FastRunner(model, vocab, quant=quant)
-    device = next(model.parameters()).device
+    device = next(model.parameters()).device if model is not None else torch.device("cpu")
     log("measuring read bandwidth ...")
     bandwidth, best_bandwidth = read_bandwidth(bandwidth_bytes, device=device)
     ks = list(range(1, max_k + 1))
@@ -118,15 +147,27 @@ def run(
     curves = measure_curve(runners, vocab, ks, context, repeats)
     info = {}
     for name, r in runners.items():
-        wbytes = _hf_weight_bytes(model, vocab) if name == "hf" else r.weight_bytes()
-        kv = 2 * r.num_layers * r.num_kv_heads * r.head_dim * context * torch.tensor([], dtype=r.dtype).element_size()
-        step_bytes = wbytes + kv
+        if name == "llamacpp":  # the file's tensors (~ what a step reads); its KV cache is f16, left out here
+            step_bytes, kernels, dtype = Path(gguf).stat().st_size, {"llama.cpp": 1}, "gguf"
+        else:
+            wbytes = _hf_weight_bytes(model, vocab) if name == "hf" else r.weight_bytes()
+            kv = (
+                2
+                * r.num_layers
+                * r.num_kv_heads
+                * r.head_dim
+                * context
+                * torch.tensor([], dtype=r.dtype).element_size()
+            )
+            step_bytes = wbytes + kv
+            kernels, dtype = getattr(r, "kernels", {"transformers": 1}), str(r.dtype).replace("torch.", "")
         info[name] = {
-            "kernels": getattr(r, "kernels", {"transformers": 1}),
-            "compute_dtype": str(r.dtype).replace("torch.", ""),
+            "kernels": kernels,
+            "compute_dtype": dtype,
             "bytes_per_step": step_bytes,
             "decode_gbps": step_bytes / curves[name][0] / 1e9,
             "fraction_of_bandwidth": step_bytes / curves[name][0] / bandwidth,
+            "batch_consistency": batch_consistency(r, vocab, min(max_k, 8), context),
         }
     return {
         "device": str(device),
@@ -162,6 +203,7 @@ def to_markdown(res: dict) -> str:
         "of read bandwidth",
         "verify5 / decode1",
         f"decode1 / {ref} decode1",
+        "verify(k) vs k decode(1): max |Δlogit| / max TV",
     ]
     rows = []
     for n in names:
@@ -176,9 +218,14 @@ def to_markdown(res: dict) -> str:
                 f"{p['fraction_of_bandwidth']:.0%}",
                 f"{curves[n][4] / curves[n][0]:.2f}" if len(res["ks"]) >= 5 else "-",
                 f"{curves[n][0] / curves[ref][0]:.2f}",
+                _consistency_cell(p.get("batch_consistency")),
             ]
         )
     return "\n".join(lines + markdown_table(header, rows))
+
+
+def _consistency_cell(c: dict | None) -> str:
+    return "-" if not c else f"k={c['k']}: {c['max_abs_logit_diff']:.2g} / {c['max_tv']:.2g}"
 
 
 def _curve_table(res: dict) -> tuple[list[str], list[list[str]]]:

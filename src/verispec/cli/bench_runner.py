@@ -41,11 +41,18 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(
             f"--paths: unknown path(s) {', '.join(sorted(unknown))}; choose from {', '.join(bench_runner.PATHS)}"
         )
-    with model_errors():
-        loaded = load(args.model, args)
+    torch_paths = [n for n in paths if n in bench_runner.TORCH_PATHS]
+    with model_errors():  # each backend loads the file itself: torch for the torch paths, llama.cpp for its own
+        lc = (
+            load(args.model, argparse.Namespace(**{**vars(args), "runner": "llamacpp"}))
+            if "llamacpp" in paths
+            else None
+        )
+        loaded = load(args.model, args) if torch_paths else lc
         res = bench_runner.run(
-            loaded.model,
+            loaded.model if torch_paths else None,
             shared_vocab_size(loaded, None),
+            gguf=lc.model.path if lc else None,
             max_k=args.max_k,
             context=args.context,
             repeats=args.repeats,

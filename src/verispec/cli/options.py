@@ -371,7 +371,7 @@ def backend_for(spec: str | None, args: argparse.Namespace) -> str:
     """torch or llamacpp, for a model spec under --runner (see `load`)."""
     from ..model.llamacpp import INSTALL_HINT, llamacpp_available
 
-    runner = getattr(args, "runner", "auto")
+    runner = getattr(args, "runner", None)  # commands without --runner load torch models
     if runner == "llamacpp":
         if not llamacpp_available():
             raise UsageError(f"--runner llamacpp: {INSTALL_HINT}")

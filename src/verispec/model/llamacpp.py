@@ -83,6 +83,8 @@ class LlamaCppModel:
         if not self.ptr:
             raise ValueError(f"llama.cpp could not load {self.path} (not a GGUF model it supports?)")
         self._free = lib.llama_model_free
+        if lib.llama_model_is_recurrent(self.ptr) or lib.llama_model_is_hybrid(self.ptr):
+            raise ValueError(f"{self.path} is a recurrent model: its state cannot be rolled back to a position")
         self.vocab = lib.llama_model_get_vocab(self.ptr)
         self.n_vocab = lib.llama_vocab_n_tokens(self.vocab)
         self.n_ctx_train = lib.llama_model_n_ctx_train(self.ptr)
@@ -188,27 +190,33 @@ class LlamaCppRunner:
             self._free_seqs.append(seq)
 
     def _make_room(self, n: int) -> None:
-        """Before n new cells: compact when fresh cells run low (only between steps, when no tree is open)."""
+        """At the start of a forward or prefill of n tokens: compact when fresh cells run low (only when no tree is
+        open: a tree's nodes sit in several sequences), so nothing moves in the middle of a call."""
         fresh = self.n_ctx - self.taken
         if (fresh < n or fresh < self.n_ctx // 4) and not any(r.nodes for r in self.rows):
-            self._compact()
+            self._restore(self._save())
+            self.compactions += 1
         if self.n_ctx - self.taken < n:
             raise RuntimeError(f"llama.cpp context of {self.n_ctx} cells is full ({self.taken} taken, {n} more needed)")
 
-    def _compact(self) -> None:
-        """Live rows' cells saved, the cache cleared, the rows restored side by side (in position order)."""
+    def _save(self) -> list:
+        """Every row's cells, copied out (llama_state_seq_get_data); rows must have no open tree."""
         lib, saved = self.lib, []
         for r in self.rows:
             size = lib.llama_state_seq_get_size(self.ctx, r.seq)
             buf = (ctypes.c_ubyte * size)()
-            lib.llama_state_seq_get_data(self.ctx, buf, size, r.seq)
+            if lib.llama_state_seq_get_data(self.ctx, buf, size, r.seq) != size:
+                raise RuntimeError("llama.cpp could not copy out a row's KV cells")
             saved.append(buf)
-        lib.llama_memory_clear(self.mem, True)
+        return saved
+
+    def _restore(self, saved: list) -> None:
+        """The cache cleared and the rows' saved cells written back side by side, in position order."""
+        self.lib.llama_memory_clear(self.mem, True)
         for r, buf in zip(self.rows, saved):
-            if r.base and lib.llama_state_seq_set_data(self.ctx, buf, len(buf), r.seq) == 0:
-                raise RuntimeError("llama.cpp could not restore a row while compacting its KV cache")
+            if r.base and self.lib.llama_state_seq_set_data(self.ctx, buf, len(buf), r.seq) == 0:
+                raise RuntimeError("llama.cpp could not restore a row's KV cells")
         self.taken = sum(r.base for r in self.rows)
-        self.compactions += 1
 
     # --- batch lifecycle -------------------------------------------------------------------------------
     def _reset(self, cells: int, capacity: int) -> None:
@@ -237,20 +245,21 @@ class LlamaCppRunner:
             return self.fill(seqs, capacity)
         capacity = max(capacity, self.capacity)
         need = 2 * (len(self.rows) + len(seqs)) * capacity
-        if need > self.n_ctx:
+        if need > self.n_ctx:  # a larger context; the rows' cells are copied over, not recomputed
             if any(r.nodes for r in self.rows):
                 raise RuntimeError("rows cannot join while a tree is uncommitted")
-            old = [r.tokens for r in self.rows]
-            self._reset(max(need, 2 * self.n_ctx), capacity)
-            self._append_rows(old)
+            rows, saved = self.rows, self._save()
+            self._context(max(need, 2 * self.n_ctx))
+            self.rows = rows
+            self._restore(saved)
         self.capacity = capacity
         self._append_rows(seqs)
 
     def _append_rows(self, seqs: Sequence[Sequence[int]]) -> None:
         """Rows for seqs after the existing ones: each distinct sequence is computed once, its copies share it."""
-        if len(self.rows) + len(seqs) > self.n_seq_max - 1:
-            raise RuntimeError(f"llama.cpp runner: at most {self.n_seq_max - 1} rows")
-        keys = [tuple(int(t) for t in s) for s in seqs]
+        if len(seqs) > len(self._free_seqs):
+            raise RuntimeError(f"llama.cpp runner: at most {self.n_seq_max - 1} sequences (rows x tree branches)")
+        keys = [tuple(row) for row in self._check_tokens(seqs, len(seqs))]
         first: dict[tuple[int, ...], int] = {}
         for i, key in enumerate(keys):
             first.setdefault(key, i)
@@ -278,23 +287,22 @@ class LlamaCppRunner:
 
     def select(self, rows: list[int]) -> None:
         """Keep these rows, in this order (a row listed twice is shared, not recomputed)."""
-        kept: list[_Row] = []
-        seen: set[int] = set()
-        for i in rows:
-            r = self.rows[i]
-            if i in seen:
-                if r.nodes:
-                    raise ValueError("a row with an uncommitted tree cannot be duplicated")
-                copy = _Row(self._seq(), r.base, list(r.tokens))
-                self.lib.llama_memory_seq_cp(self.mem, r.seq, copy.seq, -1, -1)
-                kept.append(copy)
-            else:
-                kept.append(r)
-                seen.add(i)
+        rows = [int(i) for i in rows]
+        if any(not 0 <= i < len(self.rows) for i in rows):
+            raise ValueError(f"select {rows}: rows must lie in [0, {len(self.rows)})")
+        if len(rows) != len(set(rows)) and any(r.nodes for r in self.rows):
+            raise ValueError("rows cannot be duplicated while a tree is uncommitted")
         for i, r in enumerate(self.rows):
-            if i not in seen:
+            if i not in rows:
                 for s in r.seqs():
                     self._drop(s)
+        kept: list[_Row] = []
+        for j, i in enumerate(rows):
+            r = self.rows[i]
+            if i in rows[:j]:  # a copy shares the row's cells
+                r = _Row(self._seq(), r.base, list(r.tokens))
+                self.lib.llama_memory_seq_cp(self.mem, self.rows[i].seq, r.seq, -1, -1)
+            kept.append(r)
         self.rows = kept
 
     def _clear_tree(self, r: _Row) -> None:
@@ -311,7 +319,7 @@ class LlamaCppRunner:
             raise ValueError(f"keep_paths needs one path and one old length per row ({len(self.rows)})")
         for b, (start, path, r) in enumerate(zip(old_lengths, paths, self.rows)):
             slots = [start + int(i) for i in path]
-            if not 0 <= start <= r.length or any(s >= r.length for s in slots):
+            if not 0 <= start <= r.base or any(s >= r.length for s in slots):
                 raise ValueError(f"row {b}: path {list(path)} after slot {start} is outside its {r.length} slots")
             for j, s in enumerate(slots):  # each kept node hangs off the previous one (the first: off the prefix)
                 parent = r.nodes[s - r.base].parent if s >= r.base else s - 1
@@ -330,15 +338,11 @@ class LlamaCppRunner:
         """Sequences for row b's new tree nodes: [(seq ids (own first), position, parent slot)] per node.
         Copies a parent's path onto a new sequence where a node is not its parent's first child."""
         r = self.rows[b]
-        if len(parents) != n_old + n_new:
-            raise ValueError(f"row {b}: {len(parents)} parents for {n_old} old and {n_new} new tree nodes")
         plan: list[tuple[list[int], int, int]] = []
         first_new = start + n_old  # the slot of the first new node
         for j in range(n_new):
             node = n_old + j
             p = int(parents[node])
-            if not -1 <= p < node:
-                raise ValueError(f"row {b}: parent of node {node} must be -1 or an earlier node, got {p}")
             ps = start + p if p >= 0 else start - 1
             if ps >= first_new:  # the parent is computed in this batch too
                 pseq, ppos = plan[ps - first_new][0][0], plan[ps - first_new][1]
@@ -364,7 +368,8 @@ class LlamaCppRunner:
     def _decode(self, items: list[tuple[int, list[int], int, bool]]) -> np.ndarray | None:
         """One llama_decode over items (token, seq ids, position, wants logits); the logits [n_out, V]."""
         lib = self.lib
-        self._make_room(len(items))
+        if self.n_ctx - self.taken < len(items):
+            raise RuntimeError(f"llama.cpp context of {self.n_ctx} cells is full ({self.taken} taken)")
         width = max(len(s) for _, s, _, _ in items)
         batch = lib.llama_batch_init(len(items), 0, width)
         try:
@@ -392,9 +397,10 @@ class LlamaCppRunner:
             return None
         return np.ctypeslib.as_array(lib.llama_get_logits(self.ctx), shape=(n_out, self.model.n_vocab))
 
-    def _check_tokens(self, tokens: Sequence[Sequence[int]]) -> list[list[int]]:
-        if len(tokens) != len(self.rows):
-            raise ValueError(f"got {len(tokens)} token lists for a batch of {len(self.rows)}")
+    def _check_tokens(self, tokens: Sequence[Sequence[int]], rows: int | None = None) -> list[list[int]]:
+        rows = len(self.rows) if rows is None else rows
+        if len(tokens) != rows:
+            raise ValueError(f"got {len(tokens)} token lists for a batch of {rows}")
         out = [[int(t) for t in row] for row in tokens]
         if any(not 0 <= t < self.model.n_vocab for row in out for t in row):
             raise ValueError(f"token ids must lie in [0, {self.model.n_vocab})")
@@ -421,7 +427,10 @@ class LlamaCppRunner:
             raise ValueError("forward needs at least one new token in some row")
         if any(r.length + n > self.capacity for r, n in zip(self.rows, n_new)):
             raise RuntimeError(f"KV cache capacity {self.capacity} exceeded ({max(self.lengths) + T} slots needed)")
-        items, where = self._items(tokens, logits_at, parents, tree_start)
+        starts = None if parents is None else self._tree_starts(n_new, parents, tree_start)
+        if not any(r.nodes for r in self.rows):
+            self._make_room(sum(n_new))
+        items, where = self._items(tokens, logits_at, parents, starts)
         B, V = len(self.rows), self.vocab_size
         out = torch.zeros((B, V) if logits_at == "last" else (B, T, V), dtype=torch.float32)
         done = 0
@@ -442,7 +451,28 @@ class LlamaCppRunner:
                 r.tokens.extend(tokens[b])
         return out
 
-    def _items(self, tokens, logits_at, parents, tree_start):
+    def _tree_starts(self, n_new: list[int], parents, tree_start) -> list[int]:
+        """Check a tree forward's parents (before anything changes) and return each row's tree start slot."""
+        B = len(self.rows)
+        if len(parents) != B or (tree_start is not None and len(tree_start) != B):
+            raise ValueError(f"a tree forward needs one parent list (and one tree start) per row ({B})")
+        if sum(n_new) > _BATCH:
+            raise ValueError(f"a tree forward takes at most {_BATCH} nodes over all rows, got {sum(n_new)}")
+        starts = []
+        for b, r in enumerate(self.rows):
+            start = r.length if tree_start is None else int(tree_start[b])
+            n_old = r.length - start
+            if not r.base <= start <= r.length:
+                raise ValueError(f"tree_start {start} of row {b} must lie in [{r.base}, {r.length}]")
+            if len(parents[b]) != n_old + n_new[b]:
+                raise ValueError(f"row {b}: {len(parents[b])} parents for {n_old} old and {n_new[b]} new tree nodes")
+            for node in range(n_old, n_old + n_new[b]):
+                if not -1 <= int(parents[b][node]) < node:
+                    raise ValueError(f"row {b}: parent of node {node} must be -1 or an earlier node")
+            starts.append(start)
+        return starts
+
+    def _items(self, tokens, logits_at, parents, starts):
         """The decode items of a forward and, for its outputs in order, their (rows, positions)."""
         items: list[tuple[int, list[int], int, bool]] = []
         rows_out: list[int] = []
@@ -455,11 +485,7 @@ class LlamaCppRunner:
                     want = logits_at == "all" or i == len(row) - 1
                     items.append((t, [r.seq], r.base + i, want))
             else:
-                start = r.length if tree_start is None else int(tree_start[b])
-                n_old = r.length - start
-                if not r.base <= start <= r.length and not (n_old == 0 and start == r.length):
-                    raise ValueError(f"tree_start {start} must lie in row {b}'s uncommitted slots")
-                plan = self._plan_tree(b, parents[b], n_old, len(row), start)
+                plan = self._plan_tree(b, parents[b], r.length - starts[b], len(row), starts[b])
                 for i, (t, (seqs, pos, parent)) in enumerate(zip(row, plan)):
                     items.append((t, seqs, pos, logits_at == "all" or i == len(row) - 1))
                     r.nodes.append(_Node(seqs[0], pos, parent, t))
@@ -468,8 +494,6 @@ class LlamaCppRunner:
                     if it[3]:
                         rows_out.append(b)
                         pos_out.append(i)
-        if parents is not None and len(items) > _BATCH:
-            raise ValueError(f"a tree forward takes at most {_BATCH} nodes over all rows, got {len(items)}")
         return items, (torch.tensor(rows_out, dtype=torch.int64), torch.tensor(pos_out, dtype=torch.int64))
 
     def prefill(self, tokens: Sequence[Sequence[int]], chunk: int = _BATCH) -> None:
@@ -478,6 +502,7 @@ class LlamaCppRunner:
         if any(r.nodes for r, t in zip(self.rows, tokens) if t):
             raise ValueError("prefill into a row with an uncommitted tree")
         items = [(t, [r.seq], r.base + i, False) for row, r in zip(tokens, self.rows) for i, t in enumerate(row)]
+        self._make_room(len(items))
         for s in range(0, len(items), chunk):
             self._decode(items[s : s + chunk])
         for row, r in zip(tokens, self.rows):
