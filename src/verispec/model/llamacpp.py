@@ -36,13 +36,19 @@ import numpy as np
 import torch
 from torch import Tensor
 
-__all__ = ["INSTALL_HINT", "LlamaCppModel", "LlamaCppRunner", "llamacpp_available"]
+__all__ = ["DECODE_CHUNK", "INSTALL_HINT", "LlamaCppModel", "LlamaCppRunner", "llamacpp_available"]
 
 INSTALL_HINT = (
     'the llama.cpp runner needs llama-cpp-python: pip install -e ".[llamacpp]" (it compiles llama.cpp, ~10 min on '
     "2 cores)"
 )
-_BATCH = 512  # tokens per llama_decode call (n_batch = n_ubatch)
+_BATCH = 512  # tokens per llama_decode call in a prefill (n_batch = n_ubatch)
+# Tokens per llama_decode call in `forward` (decode and verify steps). llama.cpp's CPU matmuls switch kernels with
+# the number of tokens in a batch: measured here (AVX2, Q4_K_M / Q4_1 files, llama-cpp-python 0.3.36), up to 3
+# tokens give logits bit-identical to decoding one token at a time, 4 or more differ (max |logit diff| 0.3-0.8, TV
+# up to 0.06). Verifying in chunks of 3 keeps the target law exactly that of llama.cpp's own one-token decoding (and
+# the same for every batch size); its CPU cost curve is nearly linear, so the split costs little.
+DECODE_CHUNK = 3
 
 
 def llamacpp_available() -> bool:
@@ -135,7 +141,12 @@ class _Row:
 class LlamaCppRunner:
     """`HFRunner`'s interface on llama.cpp. vocab_size slices the logits to the shared vocabulary."""
 
-    def __init__(self, model: LlamaCppModel, vocab_size: int | None = None):
+    def __init__(self, model: LlamaCppModel, vocab_size: int | None = None, *, decode_chunk: int = DECODE_CHUNK):
+        """decode_chunk: tokens per llama_decode call in `forward` (see DECODE_CHUNK; larger: llama.cpp's batched
+        kernels, whose logits differ from one-token decoding, the law then depends on the batch)."""
+        if not 1 <= decode_chunk <= _BATCH:
+            raise ValueError(f"decode_chunk must lie in [1, {_BATCH}], got {decode_chunk}")
+        self.decode_chunk = decode_chunk
         self.lib = _lib()
         self.model = model
         self.vocab_size = min(vocab_size or model.n_vocab, model.n_vocab)
@@ -434,8 +445,8 @@ class LlamaCppRunner:
         B, V = len(self.rows), self.vocab_size
         out = torch.zeros((B, V) if logits_at == "last" else (B, T, V), dtype=torch.float32)
         done = 0
-        for s in range(0, len(items), _BATCH):  # a tree forward fits one decode (checked in _items)
-            logits = self._decode(items[s : s + _BATCH])
+        for s in range(0, len(items), self.decode_chunk):  # tree nodes in order: tags and copies are planned
+            logits = self._decode(items[s : s + self.decode_chunk])
             n = 0 if logits is None else logits.shape[0]
             if n:
                 b_idx, t_idx = where[0][done : done + n], where[1][done : done + n]
