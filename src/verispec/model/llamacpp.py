@@ -36,6 +36,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from .runner import check_forward_args
+
 __all__ = ["DECODE_CHUNK", "INSTALL_HINT", "LlamaCppModel", "LlamaCppRunner", "llamacpp_available"]
 
 INSTALL_HINT = (
@@ -427,10 +429,7 @@ class LlamaCppRunner:
     ) -> Tensor:
         """Append tokens[b] to row b; float32 logits [B, T, V] ("all") or [B, V] ("last"). parents / tree_start:
         as `HFRunner.forward` (a token tree per row, grown over one or several forwards)."""
-        if logits_at not in ("all", "last"):
-            raise ValueError(f"logits_at must be 'all' or 'last', got {logits_at!r}")
-        if tree_start is not None and parents is None:
-            raise ValueError("tree_start needs parents")
+        check_forward_args(logits_at, parents, tree_start)
         tokens = self._check_tokens(tokens)
         n_new = [len(t) for t in tokens]
         T = max(n_new, default=0)

@@ -39,6 +39,14 @@ def _tree_structure(parents: Sequence[Sequence[int]], n_new: list[int], T: int) 
     return depth - 1, anc
 
 
+def check_forward_args(logits_at: str, parents, tree_start) -> None:
+    """The checks every runner's `forward` makes on its options."""
+    if logits_at not in ("all", "last"):
+        raise ValueError(f"logits_at must be 'all' or 'last', got {logits_at!r}")
+    if tree_start is not None and parents is None:
+        raise ValueError("tree_start needs parents")
+
+
 class HFRunner:
     """Runs one HF causal LM for a batch of rows. `vocab_size` slices the logits to the shared vocabulary."""
 
@@ -206,10 +214,7 @@ class HFRunner:
         at slot tree_start[b]; its nodes since then are in the cache, and parents[b] lists the parents of all of
         its nodes, old and new, as indices into the tree (-1: the prefix before tree_start).
         """
-        if logits_at not in ("all", "last"):
-            raise ValueError(f"logits_at must be 'all' or 'last', got {logits_at!r}")
-        if tree_start is not None and parents is None:
-            raise ValueError("tree_start needs parents")
+        check_forward_args(logits_at, parents, tree_start)
         hidden, n_new = self._run(tokens, parents, tree_start)  # [B, T, H]
         if logits_at == "last":
             last = torch.tensor([max(n - 1, 0) for n in n_new], device=self.device)
