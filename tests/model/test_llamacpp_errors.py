@@ -41,3 +41,10 @@ def test_bench_skips_what_the_target_cannot_run(tiny_target):
     logged.clear()
     kept = _runnable(["verispec-plain", "hf-plain"], on_llamacpp, logged.append)
     assert kept == ["verispec-plain"] and "hf-plain skipped" in logged[0]
+
+
+def test_weight_updates_on_a_llamacpp_model_are_refused():
+    from verispec.model.weights import WeightUpdateError, update_weights
+
+    with pytest.raises(WeightUpdateError, match="cannot be replaced in place"):
+        update_weights(FakeLlamaCpp(), [])

@@ -80,6 +80,11 @@ def check_update(model: torch.nn.Module, named_tensors: Iterable[tuple[str, Tens
 @torch.no_grad()
 def update_weights(model: torch.nn.Module, named_tensors: Iterable[tuple[str, Tensor]]) -> int:
     """Validate, then copy every tensor into the model's parameter in place; returns how many were written."""
+    if not isinstance(model, torch.nn.Module):
+        raise WeightUpdateError(
+            f"{model!r} runs on llama.cpp from its GGUF file, whose weights cannot be replaced in place: "
+            "serve RL rollouts with a torch runner (--runner fast) or reload a new GGUF file"
+        )
     pairs = check_update(model, named_tensors)
     for dst, src in pairs:
         dst.copy_(src.to(dst.device))
