@@ -245,3 +245,19 @@ def test_runner_llamacpp_without_the_extra_says_how_to_install(monkeypatch, caps
     monkeypatch.setattr(llamacpp, "llamacpp_available", lambda: False)
     msg = usage_error(["generate", "a b", "--runner", "llamacpp"], capsys)
     assert "--runner llamacpp" in msg and 'pip install -e ".[llamacpp]"' in msg
+
+
+@pytest.mark.parametrize("command", [["bench", "rollout"], ["bench", "acceptance"], ["certify", "generate"]])
+def test_commands_that_need_torch_models_offer_no_llamacpp_runner(command, capsys):
+    assert "invalid choice: 'llamacpp'" in usage_error([*command, "--runner", "llamacpp"], capsys)
+
+
+def test_auto_keeps_torch_where_llamacpp_cannot_serve(monkeypatch):
+    import verispec.model.llamacpp as llamacpp
+    from verispec.cli.options import backend_for
+
+    monkeypatch.setattr(llamacpp, "llamacpp_available", lambda: True)
+    args = argparse.Namespace(runner="auto", device="cpu", dtype="float32", draft="ngram")
+    assert backend_for("m.gguf", args) == "llamacpp" and backend_for("model-dir", args) == "torch"
+    for change in (dict(draft="self"), dict(dtype="bfloat16"), dict(runner="fast"), dict(torch_only=True)):
+        assert backend_for("m.gguf", argparse.Namespace(**{**vars(args), **change})) == "torch", change

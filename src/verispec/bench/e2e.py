@@ -126,8 +126,7 @@ class _CallCounter:
 
 
 def _gguf_path(target: LoadedModel) -> Path | None:
-    path = getattr(target.model, "path", None) or (Path(target.name) if target.name.endswith(".gguf") else None)
-    return Path(path) if path else None
+    return getattr(target, "gguf", None)
 
 
 def _llamacpp_generate(

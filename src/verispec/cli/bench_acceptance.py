@@ -35,7 +35,9 @@ def add_parser(sub) -> None:
         ("--gamma", 1, d.gamma, "drafts per step, full chains (default %(default)s)"),
     )
     p.add_argument("--temperature", type=float, default=d.temperature, help="> 0 (default %(default)s)")
-    add_bench_model_args(p, "acceptance", "quantize the draft model (default: not quantized)", "unused here")
+    add_bench_model_args(
+        p, "acceptance", "quantize the draft model (default: not quantized)", "unused here", torch_only=True
+    )
     p.set_defaults(func=run)
 
 

@@ -70,6 +70,7 @@ def add_parser(sub) -> None:
         "rollout",
         "quantize the draft model (default: not quantized)",
         "quantization of the self-draft (default int4)",
+        torch_only=True,  # weight updates: the models must be torch models
     )
     p.set_defaults(func=run)
 

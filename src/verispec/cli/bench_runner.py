@@ -11,14 +11,17 @@ from .options import UsageError, add_counts, add_device_args, load, model_errors
 
 
 def add_parser(sub) -> None:
-    from ..bench.runner import PATHS
+    from ..bench.runner import PATHS, TORCH_PATHS
 
     p = sub.add_parser(
         "runner", help="decode(1) / verify(k) cost curves: transformers vs fast runner vs quantized self-drafts"
     )
     p.add_argument("--model", help="model (hub id, directory, .gguf; default: the built-in default model)")
     p.add_argument(
-        "--paths", default=",".join(PATHS), help=f"comma-separated subset of {', '.join(PATHS)} (default: all)"
+        "--paths",
+        default=",".join(TORCH_PATHS),
+        help=f"comma-separated subset of {', '.join(PATHS)} (default: {', '.join(TORCH_PATHS)}; llamacpp needs a "
+        ".gguf model and the llamacpp extra)",
     )
     add_counts(
         p,

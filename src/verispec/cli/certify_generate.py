@@ -61,7 +61,7 @@ def _add_method_args(p: argparse.ArgumentParser) -> None:
     )
     add_quant_arg(p, "--draft-quant", "weight-only quantize verispec's draft model (or --draft self)")
     p.add_argument("--gamma", type=gamma_type(), default=4, help="verispec drafts per step, or auto (default 4)")
-    add_runner_arg(p, "verispec's model forward (default auto)")
+    add_runner_arg(p, "verispec's model forward (default auto)", torch_only=True)
     add_device_args(p, device=False, dtype_help="the method's target precision (scoring is float32)")
     p.add_argument(
         "--draft-dtype", type=dtype_name, default="float32", help="the draft model's precision (default float32)"

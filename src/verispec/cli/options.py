@@ -187,10 +187,13 @@ def add_seed_arg(p: argparse.ArgumentParser, default: int | None = 0, help: str 
     p.add_argument("--seed", type=int_range(0, 2**63 - 1), default=default, help=help)
 
 
-def add_runner_arg(p: argparse.ArgumentParser, help: str) -> None:
+def add_runner_arg(p: argparse.ArgumentParser, help: str, torch_only: bool = False) -> None:
+    """--runner; torch_only: a command whose models must be torch models (no llamacpp choice)."""
     from ..model.fast import RUNNER_KINDS
 
-    p.add_argument("--runner", choices=RUNNER_KINDS, default=RUNNER_KINDS[0], help=help)
+    kinds = tuple(k for k in RUNNER_KINDS if not (torch_only and k == "llamacpp"))
+    p.add_argument("--runner", choices=kinds, default=kinds[0], help=help)
+    p.set_defaults(torch_only=torch_only)
 
 
 def add_quant_arg(p: argparse.ArgumentParser, name: str, help: str, default: str | None = None) -> None:
@@ -377,7 +380,9 @@ def backend_for(spec: str | None, args: argparse.Namespace) -> str:
             raise UsageError(f"--runner llamacpp: {INSTALL_HINT}")
         return "llamacpp"
     gguf = spec is None or str(spec).endswith(".gguf")
-    auto = runner == "auto" and gguf and getattr(args, "device", "cpu") == "cpu" and args.dtype == "float32"
+    torch_needed = getattr(args, "torch_only", False) or getattr(args, "draft", None) == "self"  # quantizes torch
+    auto = runner == "auto" and gguf and not torch_needed and getattr(args, "device", "cpu") == "cpu"
+    auto = auto and args.dtype == "float32"
     return "llamacpp" if auto and llamacpp_available() else "torch"
 
 
@@ -442,12 +447,14 @@ def add_bench_inputs(
     add_counts(p, *counts)
 
 
-def add_bench_model_args(p: argparse.ArgumentParser, name: str, draft_quant_help: str, self_quant_help: str) -> None:
-    """The options a model benchmark shares: seed, chat template, runner, draft / self-draft quantization, device,
-    --out."""
+def add_bench_model_args(
+    p: argparse.ArgumentParser, name: str, draft_quant_help: str, self_quant_help: str, torch_only: bool = False
+) -> None:
+    """The options a model benchmark shares: seed, chat template, runner (torch_only: no llamacpp), draft / self-draft
+    quantization, device, --out."""
     add_seed_arg(p)
     p.add_argument("--no-chat", action="store_true", help="feed prompts raw instead of through the chat template")
-    add_runner_arg(p, "verispec's model forward (default auto)")
+    add_runner_arg(p, "verispec's model forward (default auto)", torch_only)
     add_quant_arg(p, "--draft-quant", draft_quant_help)
     add_quant_arg(p, "--self-quant", self_quant_help, default="int4")
     add_device_args(p)

@@ -55,6 +55,7 @@ class LoadedModel:
     model: torch.nn.Module
     tokenizer: object
     name: str
+    gguf: Path | None = None  # the GGUF file it was loaded from, if any
 
     @property
     def device(self) -> torch.device:
@@ -267,7 +268,8 @@ def load_model(
         return _load_llamacpp(source, name, kwargs, device, threads)
     model, tokenizer = _from_pretrained(source, name, kwargs, torch_dtype)
     model = model.to(device).eval()
-    return LoadedModel(model=model, tokenizer=tokenizer, name=name)
+    gguf = Path(source) / kwargs["gguf_file"] if "gguf_file" in kwargs else None
+    return LoadedModel(model=model, tokenizer=tokenizer, name=name, gguf=gguf)
 
 
 def _load_llamacpp(source: str, name: str, kwargs: dict, device: str, threads: int | None) -> LoadedModel:
@@ -291,7 +293,7 @@ def _load_llamacpp(source: str, name: str, kwargs: dict, device: str, threads: i
             tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
         except (OSError, ValueError) as e:
             raise _load_error(name, source, kwargs, e) from None
-    return LoadedModel(model=model, tokenizer=tokenizer, name=name)
+    return LoadedModel(model=model, tokenizer=tokenizer, name=name, gguf=path)
 
 
 def output_rows(model) -> int:
