@@ -403,17 +403,7 @@ def run_e2e(
         rec["speedup"] = rec["tokens_per_s"] / base["tokens_per_s"] if base and base["tokens_per_s"] else None
         if rec.get("theory_speedup") and rec["speedup"]:
             rec["measured_over_theory"] = rec["speedup"] / rec["theory_speedup"]
-        hf = next(
-            (
-                r
-                for r in records
-                if r["method"] == "hf-assisted"
-                and r["temperature"] == rec["temperature"]
-                and r["category"] == rec["category"]
-                and r["batch"] == 1
-            ),
-            None,
-        )
+        hf = _find(records, "hf-assisted", rec["temperature"], rec["category"])
         if hf and hf["tokens_per_s"]:
             rec["vs_hf_assisted"] = rec["tokens_per_s"] / hf["tokens_per_s"]
         lc = _find(records, "llamacpp-plain", rec["temperature"], rec["category"])
@@ -436,15 +426,8 @@ def run_e2e(
 
 def _find(records: list[dict], method: str, temperature: float, category: str) -> dict | None:
     """The batch-1 record of a method at a temperature and category."""
-    return next(
-        (
-            r
-            for r in records
-            if r["method"] == method and r["temperature"] == temperature and r["category"] == category
-            if r["batch"] == 1
-        ),
-        None,
-    )
+    match = (method, temperature, category, 1)
+    return next((r for r in records if (r["method"], r["temperature"], r["category"], r["batch"]) == match), None)
 
 
 def _runnable(methods: list[str], target: LoadedModel, log) -> list[str]:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
@@ -97,6 +96,15 @@ def batch_consistency(runner: HFRunner, vocab: int, k: int, context: int = 64, t
     return {"k": k, "max_abs_logit_diff": worst_logit, "max_tv": worst_tv}
 
 
+def _step_info(name: str, r, model, vocab: int, context: int) -> tuple[int, dict, str]:
+    """(bytes one decode step reads, kernels, compute dtype) of a path's runner."""
+    if name == "llamacpp":  # the file's tensors (~ what a step reads); its f16 KV cache is left out
+        return r.model.path.stat().st_size, {"llama.cpp": 1}, "gguf"
+    wbytes = _hf_weight_bytes(model, vocab) if name == "hf" else r.weight_bytes()
+    kv = 2 * r.num_layers * r.num_kv_heads * r.head_dim * context * torch.tensor([], dtype=r.dtype).element_size()
+    return wbytes + kv, getattr(r, "kernels", {"transformers": 1}), str(r.dtype).replace("torch.", "")
+
+
 def _hf_weight_bytes(model, vocab: int) -> int:
     """Bytes the transformers forward reads per decode step: every parameter except the input embedding
     (a single row is gathered) — the output layer counts with all its rows."""
@@ -116,10 +124,10 @@ def run(
     paths: tuple[str, ...] = PATHS,
     bandwidth_bytes: int = 1 << 30,
     log=lambda m: None,
-    gguf=None,
+    llamacpp_model=None,
 ) -> dict:
-    """Build the runners for `paths` on one model (a torch model, None when only llamacpp runs; gguf: the GGUF
-    file llamacpp runs) and measure them side by side."""
+    """Build the runners for `paths` on one model (a torch model, None when only llamacpp runs; llamacpp_model: the
+    same file loaded by llama.cpp, for the llamacpp path) and measure them side by side."""
     unknown = set(paths) - set(PATHS)
     if unknown:
         raise ValueError(f"unknown path(s) {sorted(unknown)}; choose from {', '.join(PATHS)}")
@@ -131,11 +139,11 @@ def run(
         if name == "hf":
             runners[name] = HFRunner(model, vocab)
         elif name == "llamacpp":
-            from ..model.llamacpp import LlamaCppModel, LlamaCppRunner
+            from ..model.llamacpp import LlamaCppRunner
 
-            if gguf is None:
-                raise ValueError("path llamacpp needs a .gguf model")
-            runners[name] = LlamaCppRunner(LlamaCppModel(gguf), vocab)
+            if llamacpp_model is None:
+                raise ValueError("path llamacpp needs the model loaded by llama.cpp (a .gguf file)")
+            runners[name] = LlamaCppRunner(llamacpp_model, vocab)
         else:
             quant = {"fast": None, "int8-self": "int8", "int4-self": "int4"}[name]
             runners[name] = FastRunner(model, vocab, quant=quant)
@@ -147,20 +155,7 @@ def run(
     curves = measure_curve(runners, vocab, ks, context, repeats)
     info = {}
     for name, r in runners.items():
-        if name == "llamacpp":  # the file's tensors (~ what a step reads); its KV cache is f16, left out here
-            step_bytes, kernels, dtype = Path(gguf).stat().st_size, {"llama.cpp": 1}, "gguf"
-        else:
-            wbytes = _hf_weight_bytes(model, vocab) if name == "hf" else r.weight_bytes()
-            kv = (
-                2
-                * r.num_layers
-                * r.num_kv_heads
-                * r.head_dim
-                * context
-                * torch.tensor([], dtype=r.dtype).element_size()
-            )
-            step_bytes = wbytes + kv
-            kernels, dtype = getattr(r, "kernels", {"transformers": 1}), str(r.dtype).replace("torch.", "")
+        step_bytes, kernels, dtype = _step_info(name, r, model, vocab, context)
         info[name] = {
             "kernels": kernels,
             "compute_dtype": dtype,

@@ -55,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
         res = bench_runner.run(
             loaded.model if torch_paths else None,
             shared_vocab_size(loaded, None),
-            gguf=lc.model.path if lc else None,
+            llamacpp_model=lc.model if lc else None,
             max_k=args.max_k,
             context=args.context,
             repeats=args.repeats,

@@ -117,14 +117,12 @@ class _Node:
     seq: int
     pos: int
     parent: int  # slot index of its parent (the prefix's last slot for a root)
-    token: int
 
 
 @dataclass
 class _Row:
     seq: int  # the main sequence: slots 0..base-1 are its positions 0..base-1
     base: int = 0
-    tokens: list[int] = field(default_factory=list)  # the committed tokens (slots 0..base-1)
     nodes: list[_Node] = field(default_factory=list)  # slots base, base+1, ... (a tree being grown or verified)
     claimed: set[int] = field(default_factory=set)  # slots whose sequence a child already continues
 
@@ -253,7 +251,7 @@ class LlamaCppRunner:
 
     def add_rows(self, seqs: Sequence[Sequence[int]], capacity: int) -> None:
         """New rows join after the existing ones, prefilled with seqs[i]. A context too small for the larger
-        batch is made anew and the existing rows' tokens recomputed into it (amortised: its size doubles)."""
+        batch is made anew (at least twice the size) and the existing rows' cells copied into it."""
         if self.ctx is None:
             return self.fill(seqs, capacity)
         capacity = max(capacity, self.capacity)
@@ -283,7 +281,7 @@ class LlamaCppRunner:
         for i, key in enumerate(keys):
             if first[key] != i:  # tag the first copy's cells with this row's sequence: nothing is computed
                 self.lib.llama_memory_seq_cp(self.mem, new[first[key]].seq, new[i].seq, -1, -1)
-                new[i].base, new[i].tokens = len(key), list(key)
+                new[i].base = len(key)
 
     @property
     def lengths(self) -> list[int]:
@@ -296,7 +294,7 @@ class LlamaCppRunner:
         for n, r in zip(lengths, self.rows):
             self._clear_tree(r)
             self._drop(r.seq, n)
-            r.base, r.tokens = n, r.tokens[:n]
+            r.base = n
 
     def select(self, rows: list[int]) -> None:
         """Keep these rows, in this order (a row listed twice is shared, not recomputed)."""
@@ -313,7 +311,7 @@ class LlamaCppRunner:
         for j, i in enumerate(rows):
             r = self.rows[i]
             if i in rows[:j]:  # a copy shares the row's cells
-                r = _Row(self._seq(), r.base, list(r.tokens))
+                r = _Row(self._seq(), r.base)
                 self.lib.llama_memory_seq_cp(self.mem, self.rows[i].seq, r.seq, -1, -1)
             kept.append(r)
         self.rows = kept
@@ -340,11 +338,10 @@ class LlamaCppRunner:
                     raise ValueError(f"row {b}: path {list(path)} is not a root-to-node path of its last chunk")
             end = start + len(slots)
             keep = r.slot(end - 1)[0] if end > r.base else r.seq
-            tokens = r.tokens[: min(end, r.base)] + [r.nodes[s - r.base].token for s in slots if s >= r.base]
             for s in r.seqs() - {keep}:
                 self._drop(s)
             self._drop(keep, end)
-            r.seq, r.base, r.tokens, r.nodes, r.claimed = keep, end, tokens, [], set()
+            r.seq, r.base, r.nodes, r.claimed = keep, end, [], set()
 
     # --- forward ---------------------------------------------------------------------------------------
     def _plan_tree(self, b: int, parents: Sequence[int], n_old: int, n_new: int, start: int):
@@ -438,8 +435,7 @@ class LlamaCppRunner:
         if any(r.length + n > self.capacity for r, n in zip(self.rows, n_new)):
             raise RuntimeError(f"KV cache capacity {self.capacity} exceeded ({max(self.lengths) + T} slots needed)")
         starts = None if parents is None else self._tree_starts(n_new, parents, tree_start)
-        if not any(r.nodes for r in self.rows):
-            self._make_room(sum(n_new))
+        self._make_room(sum(n_new))
         items, where = self._items(tokens, logits_at, parents, starts)
         B, V = len(self.rows), self.vocab_size
         out = torch.zeros((B, V) if logits_at == "last" else (B, T, V), dtype=torch.float32)
@@ -455,10 +451,9 @@ class LlamaCppRunner:
                 else:
                     out[b_idx, t_idx] = src
             done += n
-        for b, r in enumerate(self.rows):
-            if parents is None:
-                r.base += n_new[b]
-                r.tokens.extend(tokens[b])
+        if parents is None:  # a chain commits its tokens; tree nodes wait for keep_paths
+            for r, n in zip(self.rows, n_new):
+                r.base += n
         return out
 
     def _tree_starts(self, n_new: list[int], parents, tree_start) -> list[int]:
@@ -498,7 +493,7 @@ class LlamaCppRunner:
                 plan = self._plan_tree(b, parents[b], r.length - starts[b], len(row), starts[b])
                 for i, (t, (seqs, pos, parent)) in enumerate(zip(row, plan)):
                     items.append((t, seqs, pos, logits_at == "all" or i == len(row) - 1))
-                    r.nodes.append(_Node(seqs[0], pos, parent, t))
+                    r.nodes.append(_Node(seqs[0], pos, parent))
             if row:
                 for i, it in enumerate(items[len(items) - len(row) :]):
                     if it[3]:
@@ -517,4 +512,3 @@ class LlamaCppRunner:
             self._decode(items[s : s + chunk])
         for row, r in zip(tokens, self.rows):
             r.base += len(row)
-            r.tokens.extend(row)
