@@ -32,6 +32,8 @@ class Completion:
     stats: SpecStats
     top_logprobs: list[TopLogprobs] | None = None  # per position: (token, raw logprob), best first
     key: object = None  # the handle given to GenerationSession.add
+    eos_logprob: float | None = None  # when EOS ended it: the EOS token's logprob (processed), as `logprobs`
+    eos_raw_logprob: float | None = None  # ... and its raw one, as `raw_logprobs`
 
 
 @dataclass
@@ -90,6 +92,7 @@ class Row:
         for j, t in enumerate(new):
             if not self.ignore_eos and t in eos_ids:
                 self.finish("stop", t)
+                self.done.eos_logprob, self.done.eos_raw_logprob = lp[j], raw[j]
                 break
             self.tokens.append(t)
             self.logprobs.append(lp[j])

@@ -39,6 +39,7 @@ from ..drafting import DraftModelProposer, Proposer, TreeSpec
 from ..drafting.combined import CombinedProposer
 from ..drafting.history import HistoryProposer, RolloutHistory
 from ..engine import SpeculativeGenerator
+from ..engine.rows import Completion
 from ..engine.stats import SpecStats
 from ..model.loading import LoadedModel, shared_vocab_size
 from ..model.weights import load_safetensors_dir, update_weights
@@ -55,12 +56,20 @@ class Rollout:
     completion_token_ids: list[int]  # EOS excluded
     logprobs: list[float]  # log p(x) under the distribution sampled from (see the module docstring)
     raw_logprobs: list[float]  # log_softmax(target logits)(x), temperature 1
-    finish_reason: str  # "stop" (EOS or a stop string) or "length"
-    stop_reason: str | int | None
+    finish_reason: str  # "stop" (EOS or a stop string), "length" or "abort" (`RolloutEngine.abort`)
+    stop_reason: str | int | None  # the stop string or EOS id that ended it
+    eos_logprob: float | None  # when EOS ended it: the EOS token's logprob (as `logprobs`), else None
     text: str
     seed: int  # this sample's own seed (replays it)
     weight_version: int  # the target's weights it was sampled under
     stats: SpecStats  # this sample's speculation figures
+
+    def with_eos(self) -> tuple[list[int], list[float]]:
+        """The completion's token ids and logprobs with the EOS token that ended it, if one did (what a trainer
+        scores, as vLLM's token_ids: the policy must learn to stop)."""
+        if self.eos_logprob is None or not isinstance(self.stop_reason, int):
+            return list(self.completion_token_ids), list(self.logprobs)
+        return [*self.completion_token_ids, self.stop_reason], [*self.logprobs, self.eos_logprob]
 
 
 @dataclass(frozen=True)
@@ -75,6 +84,15 @@ def sample_seed(seed: int, prompt_index: int, sample_index: int) -> int:
     """The seed of sample j of prompt i under one request seed (numpy's SeedSequence mixing)."""
     state = np.random.SeedSequence([seed, prompt_index, sample_index]).generate_state(2, np.uint32)
     return (int(state[0]) << 31) ^ int(state[1])  # < 2**63
+
+
+def _prompt_indices(indices: Sequence[int] | None, count: int) -> list[int]:
+    if indices is None:
+        return list(range(count))
+    ok = isinstance(indices, Sequence) and all(isinstance(i, int) and not isinstance(i, bool) for i in indices)
+    if not ok or len(indices) != count or len(set(indices)) != count or min(indices) < 0:
+        raise ValueError(f"prompt_indices must be {count} distinct integers >= 0, one per prompt, got {indices!r}")
+    return [int(i) for i in indices]
 
 
 def check_on_policy(params: SamplingParams) -> None:
@@ -162,6 +180,22 @@ class RolloutEngine:
             coupling=coupling,
             seeding=seeding,
         )
+        self._init_state(target, draft, max_batch_size, strict_on_policy)
+
+    @classmethod
+    def from_generator(
+        cls, gen: SpeculativeGenerator, *, max_batch_size: int = 64, strict_on_policy: bool = True
+    ) -> RolloutEngine:
+        """Rollouts over an existing generator and its drafter (no history of its own): what `verispec serve`
+        runs its RL routes on, sharing the model with its OpenAI routes. Weight updates go to gen's target."""
+        if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be an integer >= 1, got {max_batch_size!r}")
+        eng = cls.__new__(cls)
+        eng.history, eng._choose_depth, eng.gen = None, None, gen
+        eng._init_state(gen.target, None, max_batch_size, strict_on_policy)
+        return eng
+
+    def _init_state(self, target, draft, max_batch_size: int, strict_on_policy: bool) -> None:
         self.target = target
         self.draft = draft
         self.max_batch_size = max_batch_size
@@ -169,6 +203,7 @@ class RolloutEngine:
         self.weight_version = 0
         self.last_stats = SpecStats()
         self._lock = threading.Lock()  # generate and weight updates never overlap
+        self._aborting = threading.Event()
 
     def _proposer(self, target, draft, quant, history_args, runner, gamma) -> Proposer | None:
         if isinstance(draft, Proposer):
@@ -204,9 +239,14 @@ class RolloutEngine:
         stop: str | Sequence[str] | None = (),
         chat: bool = False,
         ignore_eos: bool = False,
+        prompt_indices: Sequence[int] | None = None,
     ) -> list[Rollout]:
         """n samples of every prompt (token ids; text or chat messages are templated when chat=True), in prompt
-        order then sample order. seed: the request seed every sample's own seed derives from (None: drawn)."""
+        order then sample order. seed: the request seed every sample's own seed derives from (None: drawn).
+        prompt_indices: each prompt's index i in `SeedSequence([seed, i, j])` and `Rollout.prompt_index` (default
+        0, 1, ...): a shard of a larger batch run elsewhere passes its prompts' global indices and gets the same
+        samples as the whole batch run here. `abort()` from another thread ends the call after the current step:
+        unfinished samples come back with the tokens they have and finish_reason "abort"."""
         if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= self.max_batch_size:
             raise ValueError(f"n must be an integer in [1, max_batch_size={self.max_batch_size}], got {n!r}")
         if not isinstance(params, SamplingParams):
@@ -218,17 +258,26 @@ class RolloutEngine:
         if isinstance(prompts, str) or not isinstance(prompts, Sequence) or not prompts:
             raise ValueError("prompts must be a non-empty list of prompts (token id lists, strings or chat messages)")
         ids = [self.gen.encode(p, chat) for p in prompts]  # all validated before any compute
+        indices = _prompt_indices(prompt_indices, len(ids))
         if seed is None:
             seed = int(np.random.SeedSequence().generate_state(1, np.uint32)[0])
         with self._lock:
-            return self._run(ids, n, params, max_new_tokens, seed, stop, ignore_eos)
+            self._aborting.clear()
+            return self._run(list(zip(indices, ids)), n, params, max_new_tokens, seed, stop, ignore_eos)
 
-    def _run(self, ids, n, params, max_new_tokens, seed, stop, ignore_eos) -> list[Rollout]:
+    def abort(self) -> None:
+        """End a running `generate` after its current step (from another thread); no-op when none runs."""
+        self._aborting.set()
+
+    def _run(self, prompts, n, params, max_new_tokens, seed, stop, ignore_eos) -> list[Rollout]:
         sess = self.gen.session()
-        waiting = deque(enumerate(ids))
+        waiting = deque(prompts)
         done: dict[tuple[int, int], Rollout] = {}
         t0 = time.perf_counter()
         while waiting or sess.num_active:
+            if self._aborting.is_set():
+                self._aborted(sess, waiting, n, seed, done)
+                break
             while waiting and (sess.num_active == 0 or sess.num_active + n <= self.max_batch_size):
                 i, prompt = waiting.popleft()  # a whole group joins at once: its prompt is prefilled once
                 for j in range(n):
@@ -241,8 +290,28 @@ class RolloutEngine:
         self.last_stats.wall_time = time.perf_counter() - t0
         return [done[k] for k in sorted(done)]
 
-    def _rollout(self, key: tuple[int, int], c, seed: int) -> Rollout:
-        if self.history is not None:
+    def _aborted(self, sess, waiting, n: int, seed: int, done: dict) -> None:
+        """Every unfinished sample as an "abort" rollout with the tokens it has (none for a group not started)."""
+        for r in sess.rows + sess.pending:
+            c = Completion(
+                index=0,
+                prompt_token_ids=r.prompt,
+                token_ids=list(r.tokens),
+                text=self.gen.tokenizer.decode(r.tokens, skip_special_tokens=True),
+                finish_reason="abort",
+                stop_reason=None,
+                logprobs=list(r.logprobs),
+                raw_logprobs=list(r.raw_logprobs),
+                stats=r.stats,
+            )
+            done[r.key] = self._rollout(r.key, c, seed, record=False)
+        for i, prompt in waiting:
+            for j in range(n):
+                c = Completion(0, prompt, [], "", "abort", None, [], [], SpecStats())
+                done[(i, j)] = self._rollout((i, j), c, seed, record=False)
+
+    def _rollout(self, key: tuple[int, int], c, seed: int, record: bool = True) -> Rollout:
+        if self.history is not None and record:
             self.history.add(c.prompt_token_ids, c.token_ids)
         i, j = key
         return Rollout(
@@ -254,6 +323,7 @@ class RolloutEngine:
             raw_logprobs=list(c.raw_logprobs),
             finish_reason=c.finish_reason,
             stop_reason=c.stop_reason,
+            eos_logprob=c.eos_logprob,
             text=c.text,
             seed=sample_seed(seed, i, j),
             weight_version=self.weight_version,

@@ -1,7 +1,7 @@
 """`verispec serve`: an OpenAI-compatible HTTP server over a SpeculativeGenerator.
 
 Endpoints: GET /health, GET /v1/models, POST /v1/completions (`serve.completions`), POST /v1/chat/completions
-(`serve.chat`), GET /metrics. Requests are validated in the handler (400 with an OpenAI-style error object
+(`serve.chat`), GET /metrics, and the RL routes (TRL's /generate/, weight updates over HTTP: `serve.rl`). Requests are validated in the handler (400 with an OpenAI-style error object
 naming the field; 404 for an unknown model or route; see `serve.errors`), then run by the engine thread with
 continuous batching (`serve.engine`). Logprobs are the target model's raw log-softmax (temperature 1, nothing
 truncated) at each returned token — the same convention as vLLM's default and what RL importance ratios need.
@@ -19,7 +19,8 @@ from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from ..engine.generator import SpeculativeGenerator
-from . import chat, completions
+from ..rollout import RolloutEngine
+from . import chat, completions, rl
 from .engine import EngineThread
 from .errors import install_error_handlers
 from .jobs import Served
@@ -49,10 +50,17 @@ def served_model_id(name: str) -> str:
 
 
 def create_app(
-    gen: SpeculativeGenerator, model_name: str, *, max_batch: int = 8, max_queue: int = 64, retry_after_s: int = 1
+    gen: SpeculativeGenerator,
+    model_name: str,
+    *,
+    max_batch: int = 8,
+    max_queue: int = 64,
+    retry_after_s: int = 1,
+    strict_on_policy: bool = True,
 ) -> FastAPI:
     """The server over `gen`. `model_name` (a name, path or display string) becomes the plain id that clients
-    send and /v1/models lists (`served_model_id`); a request naming `model_name` itself is accepted too."""
+    send and /v1/models lists (`served_model_id`); a request naming `model_name` itself is accepted too. The RL
+    routes run a `RolloutEngine` on `gen` (batches of `max_batch` rows; strict_on_policy: see RolloutEngine)."""
     model_id = served_model_id(model_name)
     metrics = Metrics(model_id)
     engine = EngineThread(gen, max_batch=max_batch, max_queue=max_queue, metrics=metrics)
@@ -67,12 +75,14 @@ def create_app(
 
     app = FastAPI(title="verispec", lifespan=lifespan)
     app.state.served, app.state.engine, app.state.metrics = served, engine, metrics
+    app.state.rollout = RolloutEngine.from_generator(gen, max_batch_size=max_batch, strict_on_policy=strict_on_policy)
     install_error_handlers(app)
     app.add_api_route("/health", health, methods=["GET"])
     app.add_api_route("/v1/models", models, methods=["GET"])
     app.add_api_route("/metrics", prometheus, methods=["GET"])
     app.include_router(completions.router)
     app.include_router(chat.router)
+    app.include_router(rl.router)
     return app
 
 

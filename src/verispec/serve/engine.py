@@ -7,6 +7,10 @@ HTTP handlers run on the asyncio loop; the model runs on this one thread. A hand
 wait; past that `submit` raises `Overloaded` (the handler answers 429). A cancelled job (client gone)
 leaves the batch before the next step.
 
+`exclusive()` gives another thread the model between steps (the RL routes' rollouts and weight updates): admission
+stops, the running rows finish under the weights they started with, then the body runs alone; waiting requests
+join after it.
+
 Every choice is counted in the metrics exactly once, here where it ends: finished (`stop` / `length`, before
 its last event reaches the handler), dropped because its client went away (`abort`: while running or still
 waiting), or failed by an engine error (`error`).
@@ -65,6 +69,8 @@ class EngineThread:
         self._cancel: list[Job] = []
         self._jobs: dict[tuple[str, int], Job] = {}  # row key -> job
         self._stop = False
+        self._holds = 0  # exclusive() sections waiting or running: no admission meanwhile
+        self._busy = False  # a step is running (outside the lock)
         self._thread = threading.Thread(target=self._run, name="verispec-engine", daemon=True)
 
     # --- called from the asyncio side ----------------------------------------------------------------
@@ -74,8 +80,23 @@ class EngineThread:
     def stop(self) -> None:
         with self._cond:
             self._stop = True
-            self._cond.notify()
+            self._cond.notify_all()
         self._thread.join(timeout=30)
+
+    @contextlib.contextmanager
+    def exclusive(self):
+        """Run the body with the model to itself (from any thread but the engine's): no new request is admitted,
+        the running ones finish first, and waiting ones are admitted after the body."""
+        with self._cond:
+            self._holds += 1
+            while self._busy or self.session.num_active:
+                self._cond.wait()
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._holds -= 1
+                self._cond.notify_all()
 
     @property
     def num_waiting(self) -> int:
@@ -90,7 +111,7 @@ class EngineThread:
             if len(self._waiting) >= self.max_queue:
                 raise Overloaded(f"{len(self._waiting)} requests are waiting (the queue holds {self.max_queue})")
             self._waiting.append(job)
-            self._cond.notify()
+            self._cond.notify_all()
         self._gauges()
 
     def cancel(self, job: Job) -> None:
@@ -98,7 +119,7 @@ class EngineThread:
             if not job.cancelled:
                 job.cancelled = True
                 self._cancel.append(job)
-                self._cond.notify()
+                self._cond.notify_all()
 
     # --- the engine thread ---------------------------------------------------------------------------
     def _gauges(self) -> None:
@@ -151,17 +172,27 @@ class EngineThread:
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not (self._stop or self._waiting or self._cancel or self.session.num_active):
+                while not (
+                    self._stop or (self._waiting and not self._holds) or self._cancel or self.session.num_active
+                ):
                     self._cond.wait()
                 if self._stop:
                     break
                 for job in self._cancel:
                     self._dropped(self._abort(job), "abort")
                 self._cancel.clear()
-                self._admit()
+                if not self._holds:
+                    self._admit()
+                self._busy = bool(self.session.num_active)
+                self._cond.notify_all()  # an exclusive() waiter sees a session emptied by cancellations
             self._gauges()
-            if self.session.num_active:
-                self._step()
+            if self._busy:
+                try:
+                    self._step()
+                finally:
+                    with self._cond:
+                        self._busy = False
+                        self._cond.notify_all()
 
     def _step(self) -> None:
         """One engine step; hands each event to its job (a finished choice is counted first)."""

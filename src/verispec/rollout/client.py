@@ -1,0 +1,122 @@
+"""An HTTP client for `verispec serve`'s RL routes (`verispec.serve.rl`): rollouts by token ids with logprobs,
+weight updates in the request body or from a path, abort. What a trainer process imports instead of vLLM's client.
+
+    client = RolloutClient("http://127.0.0.1:8000")
+    client.wait_for_server(60)
+    out = client.generate([[1, 2, 3]], n=8, temperature=1.0, max_tokens=256, seed=step)
+    out["completion_ids"], out["logprobs"]            # [P * n][...], prompt-major, EOS included when it ended one
+    client.update_weights(model.named_parameters())    # one safetensors body; returns the new weight version
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+
+import httpx
+import torch
+
+__all__ = ["RolloutClient", "RolloutServerError"]
+
+
+class RolloutServerError(RuntimeError):
+    """The server answered with an error (its message and HTTP status)."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(f"HTTP {status}: {message}")
+        self.status = status
+
+
+class RolloutClient:
+    def __init__(self, base_url: str = "http://127.0.0.1:8000", *, timeout: float | None = 600.0):
+        self.base_url = base_url.rstrip("/")
+        self._http = httpx.Client(base_url=self.base_url, timeout=timeout)
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> RolloutClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _call(self, method: str, path: str, **kw) -> dict:
+        r = self._http.request(method, path, **kw)
+        if r.status_code != 200:
+            try:
+                message = r.json()["error"]["message"]
+            except (ValueError, KeyError, TypeError):
+                message = r.text
+            raise RolloutServerError(r.status_code, message)
+        return r.json()
+
+    def wait_for_server(self, timeout: float = 60.0, interval: float = 0.5) -> None:
+        """Poll /health/ until the server answers (ConnectionError after `timeout` seconds)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                if self._http.get("/health/", timeout=interval + 1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise ConnectionError(f"no verispec server answered at {self.base_url} within {timeout} s")
+            time.sleep(interval)
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]] | Sequence[str],
+        n: int = 1,
+        *,
+        temperature: float = 1.0,
+        max_tokens: int = 16,
+        seed: int | None = None,
+        stop: Sequence[str] | None = None,
+        **options,
+    ) -> dict:
+        """POST /generate/: n samples per prompt. options: top_p, top_k, min_p, repetition_penalty (refused by the
+        server unless neutral: the trainer could not recompute its logprobs), truncate_prompt_tokens, ignore_eos."""
+        kwargs = {"seed": seed, "stop": list(stop) if stop else None}
+        if "ignore_eos" in options:
+            kwargs["ignore_eos"] = options.pop("ignore_eos")
+        body = {
+            "prompts": [p if isinstance(p, str) else [int(t) for t in p] for p in prompts],
+            "n": n,
+            "temperature": temperature,
+            "max_tokens": max_tokens,
+            "generation_kwargs": kwargs,
+            **options,
+        }
+        return self._call("POST", "/generate/", json=body)
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict:
+        """POST /update_weights_from_tensor with every tensor in one safetensors body; the reply has the new
+        weight_version. Tensors are sent as they are (cast them to the served model's dtype first)."""
+        from safetensors.torch import save  # a transformers dependency
+
+        tensors, seen = {}, set()
+        for name, t in named_tensors:
+            t = t.detach().to("cpu").contiguous()
+            if t.data_ptr() in seen:  # tied weights (a state_dict names them twice): safetensors wants copies
+                t = t.clone()
+            seen.add(t.data_ptr())
+            tensors[name] = t
+        body = save(tensors)
+        return self._call(
+            "POST", "/update_weights_from_tensor", content=body, headers={"content-type": "application/octet-stream"}
+        )
+
+    def update_weights_from_disk(self, path: str) -> dict:
+        """POST /update_weights_from_disk: the server reads a safetensors file or directory at `path`."""
+        return self._call("POST", "/update_weights_from_disk", json={"model_path": str(path)})
+
+    def weight_version(self) -> int:
+        return int(self._call("GET", "/get_weight_version")["weight_version"])
+
+    def abort(self) -> None:
+        """End the server's running /generate/ after its current step."""
+        self._call("POST", "/abort_request")
+
+    def reset_prefix_cache(self) -> None:
+        self._call("POST", "/reset_prefix_cache/")

@@ -1,0 +1,106 @@
+"""TRL's GRPOTrainer with rollouts from a `verispec serve` server: a `rollout_func` (TRL's hook for custom
+generation, `GRPOTrainer(..., rollout_func=...)`; TRL 1.x) that syncs the policy's weights to the server whenever
+the trainer has taken an optimizer step, then samples the batch's groups by token ids with their logprobs.
+
+    from trl import GRPOConfig, GRPOTrainer
+    from verispec.rollout.trl import verispec_rollout_func
+
+    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=GRPOConfig(..., use_vllm=False),
+                          train_dataset=ds, rollout_func=verispec_rollout_func("http://127.0.0.1:8000"))
+
+TRL hands the function the batch's prompts with each prompt repeated num_generations times in a row; the function
+sends each distinct group once with n = num_generations (the server prefills a group's prompt once) and returns one
+completion per entry, in order: prompt_ids (as TRL's own `_tokenize_prompts` builds them: the chat template with a
+generation prompt for message lists, the tokenizer for text), completion_ids (EOS included when it ended a sample)
+and logprobs (log softmax(logits / temperature) of each sampled token: what TRL computes for the policy). The
+trainer's temperature and max_completion_length are used; top_p / top_k / min_p / repetition_penalty must be
+neutral (the server refuses others: TRL's own logprobs never apply them). Weights: the unwrapped policy's
+named_parameters, cast to float32, in one HTTP body, from the main process, before the first rollout and after
+every optimizer step; the other processes wait at a barrier.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from .client import RolloutClient
+
+__all__ = ["verispec_rollout_func"]
+
+
+def verispec_rollout_func(
+    client: RolloutClient | str, *, sync_weights: bool = True, weight_dtype: torch.dtype = torch.float32
+) -> Callable[[list, object], dict]:
+    """TRL's rollout_func over a verispec server (a `RolloutClient` or its base URL). The returned function keeps
+    the last server reply in `.last` (speculation figures, weight_version) and counts syncs in `.syncs`."""
+    client = RolloutClient(client) if isinstance(client, str) else client
+    state = {"step": None, "calls": 0}
+
+    def rollout_func(prompts: list, trainer) -> dict:
+        if sync_weights and state["step"] != trainer.state.global_step:
+            _sync(client, trainer, weight_dtype)
+            state["step"] = trainer.state.global_step
+            rollout_func.syncs += 1
+        g = trainer.num_generations if trainer.model.training else trainer.num_generations_eval
+        groups = _groups(prompts, g)
+        ids = _tokenize(trainer, groups)
+        seed = int(np.random.SeedSequence([int(trainer.args.seed), trainer.state.global_step, state["calls"]])
+                   .generate_state(1, np.uint32)[0])  # fmt: skip
+        state["calls"] += 1
+        args = trainer.args
+        out = client.generate(
+            ids,
+            n=g,
+            temperature=args.temperature,
+            max_tokens=args.max_completion_length,
+            seed=seed,
+            top_p=args.top_p,
+            top_k=args.top_k if args.top_k is not None else -1,
+            min_p=args.min_p if args.min_p is not None else 0.0,
+            repetition_penalty=args.repetition_penalty,
+        )
+        rollout_func.last = out
+        return {
+            "prompt_ids": [p for p in out["prompt_ids"] for _ in range(g)],
+            "completion_ids": out["completion_ids"],
+            "logprobs": out["logprobs"],
+        }
+
+    rollout_func.last, rollout_func.syncs = None, 0
+    return rollout_func
+
+
+def _groups(prompts: list, g: int) -> list:
+    """The distinct prompts of a batch TRL repeated g times in a row (ValueError if it is not so shaped)."""
+    if len(prompts) % g:
+        raise ValueError(f"{len(prompts)} prompts do not split into groups of num_generations = {g}")
+    groups = [prompts[i] for i in range(0, len(prompts), g)]
+    if any(prompts[i * g + j] != p for i, p in enumerate(groups) for j in range(g)):
+        raise ValueError("rollout_func expects each prompt repeated num_generations times in a row (TRL's sampler)")
+    return groups
+
+
+def _tokenize(trainer, prompts: list) -> list[list[int]]:
+    tok = trainer.processing_class
+    if prompts and isinstance(prompts[0], list):  # conversational
+        enc = tok.apply_chat_template(
+            conversation=prompts,
+            chat_template=getattr(trainer, "chat_template", None),
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=True,
+            **(getattr(trainer, "chat_template_kwargs", None) or {}),
+        )
+        return [list(map(int, x)) for x in enc["input_ids"]]
+    return [list(map(int, x)) for x in tok(text=prompts)["input_ids"]]
+
+
+def _sync(client: RolloutClient, trainer, dtype: torch.dtype) -> None:
+    acc = trainer.accelerator
+    if acc.is_main_process:
+        model = acc.unwrap_model(trainer.model)
+        client.update_weights((name, p.detach().to(dtype)) for name, p in model.named_parameters())
+    acc.wait_for_everyone()

@@ -1,0 +1,261 @@
+"""The server's RL routes: TRL's rollout interface and weight updates over HTTP, backed by a `RolloutEngine` on the
+server's own generator (one model, shared with the OpenAI routes; `EngineThread.exclusive` keeps them apart).
+
+TRL (`trl vllm-serve` before TRL 1.0; the shapes its `VLLMClient` and most RL stacks built on it speak):
+    GET  /health/, /get_world_size/ (also without the slash)     -> {"status": "ok"}, {"world_size": 1}
+    POST /generate/  {prompts: [text] | [[token ids]], n, temperature, top_p, top_k, min_p, repetition_penalty,
+                      max_tokens, truncate_prompt_tokens, logprobs, generation_kwargs: {seed, stop, ignore_eos}}
+                  -> {prompt_ids: [P][...] (one per prompt), completion_ids: [P*n][...] (prompt-major, EOS
+                      included when it ended the sample, as vLLM's token_ids), logprobs: [P*n][...] (the sampled
+                      token's log-probability under softmax(logits / temperature): vLLM's processed_logprobs),
+                      finish_reasons, weight_version, speculation}
+    POST /reset_prefix_cache/   {"success": true}: no cache outlives a call (rollouts of new weights never read
+                                KV entries of old ones)
+    POST /close_communicator/   {}: nothing to close
+    POST /init_communicator/, /update_named_param/, /batch_update_named_params/, /init_weight_transfer_engine,
+         /update_weights -> 501: NCCL weight sync is not offered (CPU machines have no NCCL); use:
+Weight updates (SGLang's names, which verl and OpenRLHF call):
+    POST /update_weights_from_tensor  body: a safetensors file's bytes (`safetensors.torch.save(named tensors)`),
+                                      content-type application/octet-stream
+    POST /update_weights_from_disk    {"model_path": a *.safetensors file or save_pretrained directory on the server}
+         -> {weight_version, tensors, seconds, requantize_seconds}; a bad update is a 400 that changed nothing.
+    GET  /get_weight_version          {"weight_version": n}
+    POST /abort_request               ends a running /generate/ after its step: unfinished samples return what they
+                                      have, finish_reason "abort"
+An update waits for running requests to finish (every sample is drawn under one weight version) and holds new
+ones until it is written. Options under which the sampled law is not softmax(logits / T) (top-k, top-p, min-p,
+penalties, greedy) are refused (400): the trainer could not recompute its logprobs (`RolloutEngine`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from fastapi import APIRouter, Request
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
+
+from ..model.weights import WeightUpdateError
+from ..rollout import RolloutEngine
+from ..sampling import SamplingParams
+from .errors import APIError
+
+__all__ = ["router"]
+
+router = APIRouter()
+_NCCL_ROUTES = (
+    "/init_communicator/",
+    "/update_named_param/",
+    "/batch_update_named_params/",
+    "/init_weight_transfer_engine",
+    "/update_weights",
+)
+
+
+class GenerationKwargs(BaseModel):
+    """The `generation_kwargs` this server honours; any other key is refused (400 naming it)."""
+
+    model_config = ConfigDict(extra="forbid")
+    seed: StrictInt | None = None
+    stop: str | list[str] | None = None
+    ignore_eos: bool = False
+
+
+class GenerateRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    prompts: list[str] | list[list[int]] = Field(min_length=1)
+    images: None = None  # text models only
+    n: int = Field(1, ge=1)
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 or 0: off (vLLM's and TRL's default is -1)
+    min_p: float = 0.0
+    max_tokens: int = Field(16, ge=1)
+    truncate_prompt_tokens: int | None = Field(None, ge=1)  # keep the last k prompt tokens (vLLM's rule)
+    guided_decoding_regex: None = None  # not offered
+    logprobs: int | None = Field(0, ge=0, le=0)  # the sampled token's logprob only
+    generation_kwargs: GenerationKwargs = Field(default_factory=GenerationKwargs)
+
+
+class Speculation(BaseModel):
+    draft_tokens: int
+    accepted_tokens: int
+    target_passes: int
+
+
+class GenerateResponse(BaseModel):
+    prompt_ids: list[list[int]]
+    completion_ids: list[list[int]]
+    logprobs: list[list[float]]
+    finish_reasons: list[str]
+    weight_version: int
+    speculation: Speculation
+
+
+class WeightUpdateResponse(BaseModel):
+    weight_version: int
+    tensors: int
+    seconds: float
+    requantize_seconds: float
+
+
+class DiskUpdate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model_path: str
+
+
+def _rollout(request: Request) -> RolloutEngine:
+    return request.app.state.rollout
+
+
+async def _exclusive(request: Request, fn, *args):
+    """fn(*args) on a worker thread with the model to itself (running OpenAI requests finish first)."""
+    engine = request.app.state.engine
+
+    def run():
+        with engine.exclusive():
+            return fn(*args)
+
+    return await asyncio.to_thread(run)
+
+
+@router.get("/health/")
+async def health():
+    return {"status": "ok"}
+
+
+@router.get("/get_world_size/")
+@router.get("/get_world_size")
+async def world_size():
+    return {"world_size": 1}
+
+
+@router.post("/reset_prefix_cache/")
+@router.post("/reset_prefix_cache")
+async def reset_prefix_cache():
+    return {"success": True}
+
+
+@router.post("/close_communicator/")
+async def close_communicator():
+    return {}
+
+
+async def nccl_refused(request: Request):
+    raise APIError(
+        501,
+        f"{request.url.path}: NCCL weight sync is not offered (CPU machines have no NCCL); send the weights over HTTP: "
+        "POST /update_weights_from_tensor with a safetensors body, or POST /update_weights_from_disk "
+        '{"model_path": ...} (see the README, "Using verispec for RL rollouts")',
+        kind="not_implemented",
+    )
+
+
+for _path in _NCCL_ROUTES:
+    router.add_api_route(_path, nccl_refused, methods=["POST"])
+
+
+def _params(req: GenerateRequest) -> SamplingParams:
+    try:
+        return SamplingParams(
+            temperature=req.temperature,
+            top_p=req.top_p,
+            top_k=max(req.top_k, 0),
+            min_p=req.min_p,
+            repetition_penalty=req.repetition_penalty,
+        )
+    except ValueError as e:
+        raise APIError.bad_value(e) from None
+
+
+def _prompts(eng: RolloutEngine, req: GenerateRequest) -> list[list[int]]:
+    """Token ids per prompt (text: the tokenizer, special tokens added as for a completion), truncated as asked;
+    400 when one does not fit the context with max_tokens."""
+    out = []
+    for i, p in enumerate(req.prompts):
+        try:
+            ids = eng.gen.encode(p)
+        except ValueError as e:
+            raise APIError(400, f"prompts[{i}]: {e}", f"prompts[{i}]") from None
+        if req.truncate_prompt_tokens is not None:
+            ids = ids[-req.truncate_prompt_tokens :]
+        context = eng.gen.max_positions
+        if context is not None and len(ids) + req.max_tokens > context:
+            raise APIError(
+                400,
+                f"prompts[{i}] ({len(ids)} tokens) + max_tokens ({req.max_tokens}) exceeds the context ({context})",
+                f"prompts[{i}]",
+            )
+        out.append(ids)
+    return out
+
+
+@router.post("/generate/")
+async def generate(req: GenerateRequest, request: Request) -> GenerateResponse:
+    eng = _rollout(request)
+    if req.n > eng.max_batch_size:
+        raise APIError(400, f"n = {req.n} exceeds the server's batch ({eng.max_batch_size}, --max-batch)", "n")
+    params, ids, kw = _params(req), _prompts(eng, req), req.generation_kwargs
+    try:
+        outs = await _exclusive(
+            request,
+            lambda: eng.generate(
+                ids, req.n, params, max_new_tokens=req.max_tokens, seed=kw.seed, stop=kw.stop or (),
+                ignore_eos=kw.ignore_eos,
+            ),
+        )  # fmt: skip
+    except ValueError as e:
+        raise APIError.bad_value(e) from None
+    seqs = [o.with_eos() for o in outs]
+    return GenerateResponse(
+        prompt_ids=ids,
+        completion_ids=[t for t, _ in seqs],
+        logprobs=[lp for _, lp in seqs],
+        finish_reasons=[o.finish_reason for o in outs],
+        weight_version=max((o.weight_version for o in outs), default=eng.weight_version),
+        speculation=Speculation(
+            draft_tokens=sum(o.stats.drafted for o in outs),
+            accepted_tokens=sum(o.stats.accepted for o in outs),
+            target_passes=sum(o.stats.target_passes for o in outs),
+        ),
+    )
+
+
+async def _update(request: Request, fn, arg) -> WeightUpdateResponse:
+    try:
+        up = await _exclusive(request, fn, arg)
+    except WeightUpdateError as e:
+        raise APIError(400, str(e)) from None
+    return WeightUpdateResponse(
+        weight_version=up.version, tensors=up.tensors, seconds=up.seconds, requantize_seconds=up.requantize_seconds
+    )
+
+
+@router.post("/update_weights_from_tensor")
+async def update_weights_from_tensor(request: Request) -> WeightUpdateResponse:
+    body = await request.body()
+    if not body:
+        raise APIError(400, "the body must be a safetensors file's bytes (safetensors.torch.save(named tensors))")
+    from safetensors.torch import load  # a transformers dependency
+
+    try:
+        tensors = load(body)
+    except Exception as e:  # a foreign or truncated body
+        raise APIError(400, f"the body is not a safetensors file: {e}") from None
+    return await _update(request, _rollout(request).update_weights, list(tensors.items()))
+
+
+@router.post("/update_weights_from_disk")
+async def update_weights_from_disk(req: DiskUpdate, request: Request) -> WeightUpdateResponse:
+    return await _update(request, _rollout(request).update_weights_from_path, req.model_path)
+
+
+@router.get("/get_weight_version")
+async def weight_version(request: Request):
+    return {"weight_version": _rollout(request).weight_version}
+
+
+@router.post("/abort_request")
+async def abort(request: Request):
+    _rollout(request).abort()
+    return {"success": True}

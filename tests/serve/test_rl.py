@@ -1,0 +1,200 @@
+"""The server's RL routes (TRL's /generate/, weight updates over HTTP, abort) on a live server over tiny models,
+driven by verispec's RolloutClient; logprobs checked against fresh fp32 forwards of the weights served."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from verispec.engine.generator import SpeculativeGenerator
+from verispec.model.loading import LoadedModel
+from verispec.rollout import RolloutEngine
+from verispec.rollout.client import RolloutClient, RolloutServerError
+from verispec.sampling import SamplingParams
+
+from ..engine.tiny import EOS, loaded, noisy_copy
+from .test_server import MODEL, LiveServer
+
+PROMPTS = [[3, 7, 7, 12, 3, 7], [5, 9, 11, 4]]
+
+
+def _new_weights(seed: int = 5) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in loaded(seed).model.state_dict().items()}
+
+
+def _generator(target: LoadedModel) -> SpeculativeGenerator:
+    draft = LoadedModel(noisy_copy(target.model, 0.3), target.tokenizer, "noisy")  # separate: keeps its weights
+    return SpeculativeGenerator(target, draft, gamma=3)
+
+
+@pytest.fixture
+def served():
+    """A server over a target of its own (these tests replace its weights), and a client for it."""
+    target = loaded(0)
+    with LiveServer(_generator(target), max_batch=8, max_queue=16) as s, RolloutClient(s.url) as c:
+        yield s, c, target
+
+
+@torch.no_grad()
+def _logprobs(model, prompt: list[int], completion: list[int], temperature: float) -> list[float]:
+    """log softmax(logits / T) of each completion token: a trainer's recomputation (one fresh full forward)."""
+    logits = model(torch.tensor([prompt + completion])).logits[0, len(prompt) - 1 : -1].double()
+    lp = torch.log_softmax(logits / temperature, -1)
+    return lp[torch.arange(len(completion)), torch.tensor(completion)].tolist()
+
+
+def _check_logprobs(out: dict, prompts, model, n: int, temperature: float) -> None:
+    for k, (ids, lps) in enumerate(zip(out["completion_ids"], out["logprobs"])):
+        assert len(ids) == len(lps) > 0
+        ref = _logprobs(model, list(prompts[k // n]), ids, temperature)
+        assert max(abs(a - b) for a, b in zip(lps, ref)) < 1e-5
+
+
+def test_generate_shapes_seeds_and_logprobs(served):
+    _s, client, target = served
+    out = client.generate(PROMPTS, n=3, temperature=0.7, max_tokens=16, seed=11)
+    assert out["prompt_ids"] == PROMPTS  # one per prompt; completions prompt-major, n per prompt
+    assert len(out["completion_ids"]) == len(out["logprobs"]) == len(out["finish_reasons"]) == 6
+    _check_logprobs(out, PROMPTS, target.model, 3, 0.7)
+    assert out["weight_version"] == 0 and out["speculation"]["accepted_tokens"] > 0
+    # the same samples as a rollout engine over the same generator and seed (EOS appended where it ended one)
+    ref = RolloutEngine.from_generator(_generator(loaded(0))).generate(
+        PROMPTS, 3, SamplingParams(temperature=0.7), max_new_tokens=16, seed=11
+    )
+    assert out["completion_ids"] == [r.with_eos()[0] for r in ref]
+    assert out == client.generate(PROMPTS, n=3, temperature=0.7, max_tokens=16, seed=11) | {
+        "speculation": out["speculation"]
+    }
+    text = client.generate(["a b c"], n=2, max_tokens=4, seed=0)
+    assert text["prompt_ids"] == [target.tokenizer("a b c")["input_ids"]]
+
+
+def test_a_sample_ended_by_eos_carries_eos_and_its_logprob(served):
+    _s, client, target = served
+    out = client.generate(PROMPTS, n=8, temperature=1.0, max_tokens=24, seed=3)
+    stopped = [k for k, r in enumerate(out["finish_reasons"]) if r == "stop"]
+    assert stopped, "no sample hit EOS at this seed: pick another"
+    for k in stopped:
+        assert out["completion_ids"][k][-1] == EOS
+    for k, ids in enumerate(out["completion_ids"]):
+        assert (EOS in ids) == (k in stopped)
+    _check_logprobs(out, PROMPTS, target.model, 8, 1.0)  # the EOS position's logprob too
+
+
+def test_weight_updates_over_http(served, tmp_path):
+    _s, client, _target = served
+    before = client.generate(PROMPTS, n=2, temperature=1.0, max_tokens=12, seed=5)
+    new = _new_weights(5)
+    up = client.update_weights(new.items())
+    assert up["weight_version"] == 1 and up["tensors"] == len(new)
+    after = client.generate(PROMPTS, n=2, temperature=1.0, max_tokens=12, seed=5)
+    assert after["weight_version"] == 1 and after["completion_ids"] != before["completion_ids"]
+    _check_logprobs(after, PROMPTS, loaded(5).model, 2, 1.0)
+    # from a safetensors file on the server's disk
+    save_file(_new_weights(6), str(tmp_path / "model.safetensors"))
+    assert client.update_weights_from_disk(tmp_path)["weight_version"] == 2 == client.weight_version()
+    _check_logprobs(client.generate(PROMPTS, n=2, max_tokens=8, seed=1), PROMPTS, loaded(6).model, 2, 1.0)
+
+
+def test_a_bad_update_is_a_400_that_changes_nothing(served, tmp_path):
+    s, client, _target = served
+    ref = client.generate(PROMPTS, n=2, max_tokens=8, seed=2)
+    bad = _new_weights(5)
+    bad["model.norm.weight"] = torch.full_like(bad["model.norm.weight"], float("nan"))
+    with pytest.raises(RolloutServerError, match="NaN") as e:
+        client.update_weights(bad.items())
+    assert e.value.status == 400
+    with pytest.raises(RolloutServerError, match="shape"):
+        client.update_weights([("model.norm.weight", torch.zeros(3))])
+    with pytest.raises(RolloutServerError, match="does not exist"):
+        client.update_weights_from_disk(tmp_path / "nowhere")
+    r = httpx.post(s.url + "/update_weights_from_tensor", content=b"not safetensors")
+    assert r.status_code == 400 and "safetensors" in r.json()["error"]["message"]
+    assert client.weight_version() == 0
+    assert client.generate(PROMPTS, n=2, max_tokens=8, seed=2) == ref
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "param"),
+    [
+        ({"prompts": [[1, 2]], "top_k": 5}, 400, None),  # a law the trainer cannot recompute
+        ({"prompts": [[1, 2]], "temperature": 0.0}, 400, None),
+        ({"prompts": [[1, 2]], "generation_kwargs": {"best_of": 2}}, 400, "generation_kwargs.best_of"),
+        ({"prompts": [[1, 2]], "n": 9}, 400, "n"),  # over the server's batch
+        ({"prompts": [[1, 99]]}, 400, "prompts[0]"),  # outside the vocabulary
+        ({"prompts": []}, 400, "prompts"),
+        ({"prompts": [[1, 2]], "logprobs": 2}, 400, "logprobs"),
+        ({"prompts": [[1, 2]], "guided_decoding_regex": "a+"}, 400, "guided_decoding_regex"),
+        ({"prompts": [[1, 2]], "max_tokens": 10_000}, 400, "prompts[0]"),  # past the context
+    ],
+)
+def test_generate_refuses_what_it_cannot_honour(served, body, status, param):
+    s, _, _ = served
+    r = httpx.post(s.url + "/generate/", json=body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["message"] and (param is None or err["param"] == param)
+    if body.get("top_k") or body.get("temperature") == 0.0:
+        assert "importance ratios" in err["message"]
+
+
+def test_trl_housekeeping_routes(served):
+    s, _, _ = served
+    assert httpx.get(s.url + "/health/").json() == {"status": "ok"}
+    assert httpx.get(s.url + "/get_world_size/").json() == {"world_size": 1}
+    assert httpx.post(s.url + "/reset_prefix_cache/").json() == {"success": True}
+    assert httpx.post(s.url + "/close_communicator/").status_code == 200
+    for route in ("/init_communicator/", "/update_named_param/", "/init_weight_transfer_engine", "/update_weights"):
+        r = httpx.post(s.url + route, json={})
+        assert r.status_code == 501 and "update_weights_from_tensor" in r.json()["error"]["message"]
+
+
+def test_an_update_waits_for_running_requests_and_they_keep_their_weights(served):
+    """A completion in flight when an update arrives finishes under the weights it started with."""
+    s, client, _target = served
+    old = loaded(0).model
+    result = {}
+
+    def long_request():
+        result["out"] = s.client().completions.create(
+            model=MODEL, prompt=[3, 7, 7], max_tokens=150, temperature=1.0, seed=4, logprobs=0,
+            extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True},
+        )  # fmt: skip
+
+    t = threading.Thread(target=long_request)
+    t.start()
+    deadline = time.time() + 30
+    while s.engine.num_running == 0 and time.time() < deadline:
+        time.sleep(0.005)
+    assert s.engine.num_running == 1, "the request did not start"
+    client.update_weights(_new_weights(5).items())
+    t.join(timeout=60)
+    assert not t.is_alive()
+    lp = result["out"].choices[0].logprobs
+    ids = [int(tok.split(":")[1]) for tok in lp.tokens]
+    assert len(ids) == 150
+    ref = _logprobs(old, [3, 7, 7], ids, 1.0)  # the server's logprobs are raw: temperature 1
+    assert max(abs(a - b) for a, b in zip(lp.token_logprobs, ref)) < 1e-5
+    assert client.weight_version() == 1
+
+
+def test_abort_ends_a_running_generate(served):
+    _s, client, _ = served
+    result = {}
+    t = threading.Thread(
+        target=lambda: result.setdefault("out", client.generate(PROMPTS, n=2, max_tokens=240, seed=0, ignore_eos=True))
+    )
+    t.start()
+    while t.is_alive():  # an abort before the rollout starts is a no-op: repeat until it lands
+        client.abort()
+        t.join(timeout=0.05)
+    out = result["out"]
+    assert set(out["finish_reasons"]) == {"abort"}
+    assert all(len(ids) < 240 for ids in out["completion_ids"])
+    assert all(len(ids) == len(lp) for ids, lp in zip(out["completion_ids"], out["logprobs"]))
+    assert client.generate(PROMPTS, n=1, max_tokens=4, seed=0)["finish_reasons"] == ["length", "length"]
