@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import os
 
-import pytest
+import datasets
 import torch
+import trl
 
 from verispec.engine.generator import SpeculativeGenerator
 from verispec.model import load_model
@@ -17,9 +18,6 @@ from verispec.rollout.trl import verispec_rollout_func
 
 from ..engine.tiny import make_model, make_tokenizer, noisy_copy
 from ..serve.test_server import LiveServer
-
-trl = pytest.importorskip("trl", reason="the dev extra installs trl")  # a dev dependency: CI always has it
-datasets = pytest.importorskip("datasets", reason="a trl dependency")
 
 STEPS = 3
 
