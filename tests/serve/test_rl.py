@@ -75,7 +75,7 @@ def test_generate_shapes_seeds_and_logprobs(served):
 
 
 def test_a_sample_ended_by_eos_carries_eos_and_its_logprob(served):
-    _s, client, target = served
+    s, client, target = served
     out = client.generate(PROMPTS, n=8, temperature=1.0, max_tokens=24, seed=3)
     stopped = [k for k, r in enumerate(out["finish_reasons"]) if r == "stop"]
     assert stopped, "no sample hit EOS at this seed: pick another"
@@ -84,10 +84,17 @@ def test_a_sample_ended_by_eos_carries_eos_and_its_logprob(served):
     for k, ids in enumerate(out["completion_ids"]):
         assert (EOS in ids) == (k in stopped)
     _check_logprobs(out, PROMPTS, target.model, 8, 1.0)  # the EOS position's logprob too
+    # the rollouts count in the server's metrics like OpenAI requests (EOS not counted as a generated token)
+    metrics = httpx.get(s.url + "/metrics").text
+    generated = sum(len(ids) for ids in out["completion_ids"]) - len(stopped)
+    assert f'verispec:generation_tokens_total{{model_name="{MODEL}"}} {generated:.1f}' in metrics
+    assert f'verispec:request_success_total{{finished_reason="stop",model_name="{MODEL}"}} {len(stopped):.1f}' in metrics
+    accepted = out["speculation"]["accepted_tokens"]
+    assert f'verispec:spec_decode_num_accepted_tokens_total{{model_name="{MODEL}"}} {accepted:.1f}' in metrics
 
 
 def test_weight_updates_over_http(served, tmp_path):
-    _s, client, _target = served
+    s, client, _target = served
     before = client.generate(PROMPTS, n=2, temperature=1.0, max_tokens=12, seed=5)
     new = _new_weights(5)
     up = client.update_weights(new.items())
@@ -98,6 +105,9 @@ def test_weight_updates_over_http(served, tmp_path):
     # from a safetensors file on the server's disk
     save_file(_new_weights(6), str(tmp_path / "model.safetensors"))
     assert client.update_weights_from_disk(tmp_path)["weight_version"] == 2 == client.weight_version()
+    metrics = httpx.get(s.url + "/metrics").text
+    assert f'verispec:weight_version{{model_name="{MODEL}"}} 2.0' in metrics
+    assert f'verispec:weight_updates_total{{model_name="{MODEL}"}} 2.0' in metrics
     _check_logprobs(client.generate(PROMPTS, n=2, max_tokens=8, seed=1), PROMPTS, loaded(6).model, 2, 1.0)
 
 

@@ -2,7 +2,8 @@
 alerts carry over: spec_decode_num_drafts / num_draft_tokens / num_accepted_tokens /
 num_accepted_tokens_per_pos, num_requests_running / waiting, e2e_request_latency_seconds, token counters, and
 request_success{finished_reason}: "stop" / "length" for finished choices, "abort" for those whose client went
-away, "error" for those an engine fault ended (each choice of a request counts once)."""
+away, "error" for those an engine fault ended (each choice of a request counts once). The RL routes' rollouts count
+the same way (one per sample, "abort" for those `/abort_request` ended), plus weight_updates and weight_version."""
 
 from __future__ import annotations
 
@@ -29,6 +30,8 @@ class Metrics:
         self.generation_tokens = self._one(Counter, "generation_tokens", "Tokens generated")
         self.request_success = self._by("request_success", "Finished requests", "finished_reason")
         self.rejected = self._one(Counter, "request_rejected", "Requests refused because the queue was full")
+        self.weight_updates = self._one(Counter, "weight_updates", "Weight updates applied (RL routes)")
+        self.weight_version = self._one(Gauge, "weight_version", "Weight updates applied since the server started")
         self.latency = self._one(
             Histogram,
             "e2e_request_latency_seconds",
@@ -63,6 +66,23 @@ class Metrics:
         self.generation_tokens.inc(generated)
         self.request_success.labels(finished_reason=reason, **self._lbl).inc()
         self.latency.observe(seconds)
+
+    def observe_rollouts(self, rollouts, seconds: float) -> None:
+        """The samples of one RL-route call (`Rollout`s), which ran outside the engine thread."""
+        for r in rollouts:
+            st = r.stats
+            drafting = sum(st.steps_by_drafted.get(k, 0) for k in st.steps_by_drafted if k > 0)
+            self.drafts.inc(drafting)
+            self.draft_tokens.inc(st.drafted)
+            self.accepted_tokens.inc(st.accepted)
+            for pos, n in enumerate(st.accepted_at):
+                if n:
+                    self.accepted_per_pos.labels(position=str(pos), **self._lbl).inc(n)
+            self.observe_request(len(r.prompt_token_ids), len(r.completion_token_ids), r.finish_reason, seconds)
+
+    def observe_weight_update(self, version: int) -> None:
+        self.weight_updates.inc()
+        self.weight_version.set(version)
 
     def observe_dropped(self, choices: int, reason: str = "abort") -> None:
         """Choices that ended without finishing: "abort" (the client went away) or "error" (an engine fault)."""

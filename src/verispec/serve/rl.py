@@ -30,6 +30,7 @@ penalties, greedy) are refused (400): the trainer could not recompute its logpro
 from __future__ import annotations
 
 import asyncio
+import time
 
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
@@ -196,6 +197,7 @@ async def generate(req: GenerateRequest, request: Request) -> GenerateResponse:
     if req.n > eng.max_batch_size:
         raise APIError(400, f"n = {req.n} exceeds the server's batch ({eng.max_batch_size}, --max-batch)", "n")
     params, ids, kw = _params(req), _prompts(eng, req), req.generation_kwargs
+    t0 = time.perf_counter()
     try:
         outs = await _exclusive(
             request,
@@ -206,6 +208,7 @@ async def generate(req: GenerateRequest, request: Request) -> GenerateResponse:
         )  # fmt: skip
     except ValueError as e:
         raise APIError.bad_value(e) from None
+    request.app.state.metrics.observe_rollouts(outs, time.perf_counter() - t0)
     seqs = [o.with_eos() for o in outs]
     return GenerateResponse(
         prompt_ids=ids,
@@ -226,6 +229,7 @@ async def _update(request: Request, fn, arg) -> WeightUpdateResponse:
         up = await _exclusive(request, fn, arg)
     except WeightUpdateError as e:
         raise APIError(400, str(e)) from None
+    request.app.state.metrics.observe_weight_update(up.version)
     return WeightUpdateResponse(
         weight_version=up.version, tensors=up.tensors, seconds=up.seconds, requantize_seconds=up.requantize_seconds
     )
