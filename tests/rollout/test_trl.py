@@ -14,7 +14,7 @@ import trl
 from verispec.engine.generator import SpeculativeGenerator
 from verispec.model import load_model
 from verispec.model.loading import LoadedModel
-from verispec.rollout.trl import verispec_rollout_func
+from verispec.rollout.trl import OnPolicyCheck, verispec_rollout_func
 
 from ..engine.tiny import make_model, make_tokenizer, noisy_copy
 from ..serve.test_server import LiveServer
@@ -22,22 +22,14 @@ from ..serve.test_server import LiveServer
 STEPS = 3
 
 
-class CheckedGRPOTrainer(trl.GRPOTrainer):
-    """Records, for every generated batch, the largest |rollout logprob - trainer logprob| over completion tokens,
-    with the trainer's own per-token logprob computation on its current weights (those just synced)."""
+class CheckedGRPOTrainer(OnPolicyCheck, trl.GRPOTrainer):
+    """Records the tokens of every generated batch beside OnPolicyCheck's logprob gaps."""
 
-    gaps: list[float]
     tokens: list[int]
 
     def _generate_and_score_completions(self, inputs):
         out = super()._generate_and_score_completions(inputs)
-        ids = torch.cat([out["prompt_ids"], out["completion_ids"]], dim=1)
-        mask = torch.cat([out["prompt_mask"], out["completion_mask"]], dim=1)
-        with torch.no_grad():
-            logps, _, _ = self._get_per_token_logps_and_entropies(self.model, ids, mask, out["completion_ids"].size(1))
-        keep = out["completion_mask"].bool()
-        self.gaps.append(float((logps - out["sampling_per_token_logps"])[keep].abs().max()))
-        self.tokens.append(int(keep.sum()))
+        self.tokens.append(int(out["completion_mask"].sum()))
         return out
 
 
@@ -84,15 +76,16 @@ def test_grpo_trainer_on_verispec_rollouts_is_on_policy(tmp_path):
         trainer = CheckedGRPOTrainer(
             model=model, reward_funcs=_reward, args=args, train_dataset=ds, processing_class=tok, rollout_func=rollout
         )
-        trainer.gaps, trainer.tokens = [], []
+        trainer.tokens = []
         trainer.train()
         version = rollout.last["weight_version"]
         accepted = rollout.last["speculation"]["accepted_tokens"]
 
-    assert trainer.state.global_step == STEPS and len(trainer.gaps) == STEPS
+    assert trainer.state.global_step == STEPS and len(trainer.logprob_gaps) == STEPS
     moved = max(float((model.state_dict()[k] - v).abs().max()) for k, v in start.items())
     assert moved > 1e-3, "the optimizer did not change the policy: the sync would go untested"
     assert rollout.syncs == STEPS and version == STEPS  # synced before the first rollout and after every step
     assert all(n > 0 for n in trainer.tokens)
-    assert max(trainer.gaps) < 1e-4, trainer.gaps
+    assert max(trainer.logprob_gaps) < 1e-4, trainer.logprob_gaps
+    assert sum("verispec/logprob_gap_max" in h for h in trainer.state.log_history) == STEPS  # logged each step
     assert accepted > 0

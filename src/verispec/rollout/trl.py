@@ -17,6 +17,10 @@ trainer's temperature and max_completion_length are used; top_p / top_k / min_p 
 neutral (the server refuses others: TRL's own logprobs never apply them). Weights: the unwrapped policy's
 named_parameters, cast to float32, in one HTTP body, from the main process, before the first rollout and after
 every optimizer step; the other processes wait at a barrier.
+
+`OnPolicyCheck` (a mixin: `class Trainer(OnPolicyCheck, GRPOTrainer)`) proves it while training: after each generated
+batch it recomputes the completions' logprobs with the trainer's own method under the weights it trains and logs
+the largest gap to the rollout logprobs (`verispec/logprob_gap_max`; fp32 on both sides: ~1e-6).
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ import torch
 
 from .client import RolloutClient
 
-__all__ = ["verispec_rollout_func"]
+__all__ = ["OnPolicyCheck", "verispec_rollout_func"]
 
 
 def verispec_rollout_func(
@@ -104,3 +108,28 @@ def _sync(client: RolloutClient, trainer, dtype: torch.dtype) -> None:
         model = acc.unwrap_model(trainer.model)
         client.update_weights((name, p.detach().to(dtype)) for name, p in model.named_parameters())
     acc.wait_for_everyone()
+
+
+class OnPolicyCheck:
+    """GRPOTrainer mixin: per generated batch, the largest |rollout logprob - trainer logprob| over completion tokens,
+    the trainer's logprobs computed by its own `_get_per_token_logps_and_entropies` on its current weights. Kept in
+    `self.logprob_gaps` and logged as `verispec/logprob_gap_max`. Costs one forward over the batch."""
+
+    logprob_gaps: list[float]
+
+    def _generate_and_score_completions(self, inputs):
+        out = super()._generate_and_score_completions(inputs)
+        sampled = out.get("sampling_per_token_logps")
+        if sampled is None:
+            raise ValueError("OnPolicyCheck needs rollout logprobs: a rollout_func that returns them")
+        ids = torch.cat([out["prompt_ids"], out["completion_ids"]], dim=1)
+        mask = torch.cat([out["prompt_mask"], out["completion_mask"]], dim=1)
+        with torch.no_grad():
+            logps = self._get_per_token_logps_and_entropies(self.model, ids, mask, out["completion_ids"].size(1))[0]
+        keep = out["completion_mask"].bool()
+        gap = float((logps - sampled)[keep].abs().max()) if keep.any() else 0.0
+        if not hasattr(self, "logprob_gaps"):
+            self.logprob_gaps = []
+        self.logprob_gaps.append(gap)
+        self._metrics["train" if self.model.training else "eval"]["verispec/logprob_gap_max"].append(gap)
+        return out
