@@ -88,7 +88,9 @@ def test_a_sample_ended_by_eos_carries_eos_and_its_logprob(served):
     metrics = httpx.get(s.url + "/metrics").text
     generated = sum(len(ids) for ids in out["completion_ids"]) - len(stopped)
     assert f'verispec:generation_tokens_total{{model_name="{MODEL}"}} {generated:.1f}' in metrics
-    assert f'verispec:request_success_total{{finished_reason="stop",model_name="{MODEL}"}} {len(stopped):.1f}' in metrics
+    assert (
+        f'verispec:request_success_total{{finished_reason="stop",model_name="{MODEL}"}} {len(stopped):.1f}' in metrics
+    )
     accepted = out["speculation"]["accepted_tokens"]
     assert f'verispec:spec_decode_num_accepted_tokens_total{{model_name="{MODEL}"}} {accepted:.1f}' in metrics
 
