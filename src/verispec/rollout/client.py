@@ -19,6 +19,14 @@ import torch
 __all__ = ["RolloutClient", "RolloutServerError"]
 
 
+def _chunks(body: bytes, size: int = 1 << 20):
+    """A large body in 1 MiB views: httpx sends one bytes object by re-slicing what is left after each partial
+    socket write, quadratic in its size (a 566 MB update took 55 s that way; in chunks, ~1.5 s)."""
+    view = memoryview(body)
+    for i in range(0, len(view), size):
+        yield view[i : i + size]
+
+
 class RolloutServerError(RuntimeError):
     """The server answered with an error (its message and HTTP status)."""
 
@@ -103,9 +111,8 @@ class RolloutClient:
             seen.add(t.data_ptr())
             tensors[name] = t
         body = save(tensors)
-        return self._call(
-            "POST", "/update_weights_from_tensor", content=body, headers={"content-type": "application/octet-stream"}
-        )
+        headers = {"content-type": "application/octet-stream", "content-length": str(len(body))}
+        return self._call("POST", "/update_weights_from_tensor", content=_chunks(body), headers=headers)
 
     def update_weights_from_disk(self, path: str) -> dict:
         """POST /update_weights_from_disk: the server reads a safetensors file or directory at `path`."""
