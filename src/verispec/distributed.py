@@ -342,6 +342,7 @@ class RolloutCluster:
         self._updates: list[_Record] = []
         self._tokens = itertools.count(1)
         self._closed = False
+        self._broken: str | None = None  # why the cluster shut itself down (replicas whose weights may differ)
         self._options = dict(num_cpus=threads_per_replica, max_restarts=0, max_concurrency=2)
         self._options |= actor_options or {}
         self._remote = ray.remote(_Replica)
@@ -405,6 +406,9 @@ class RolloutCluster:
                 self._check_init(e)
                 slot.failed_restarts += 1
                 ref = self._restart(slot, e)
+            except Exception as e:  # the replay itself failed (a checkpoint path gone, OOM): its weights are wrong
+                self._break(f"replica {slot.index} could not take the current weights back after a restart: {e}")
+                raise
 
     def _check_init(self, e: BaseException) -> None:
         if getattr(e, "actor_init_failed", False):  # the factory raised: restarting cannot help
@@ -466,6 +470,10 @@ class RolloutCluster:
         for shard_outs, shard_stats in results:
             outs += shard_outs
             stats.merge(shard_stats)
+        stale = {o.weight_version for o in outs} - {self._version}
+        if stale:  # a guard: every replica takes each update (or the cluster breaks) before it samples again
+            self._break(f"rollouts came back under weight version(s) {sorted(stale)}, not {self._version}")
+            raise RuntimeError(f"{self._broken}; the cluster was shut down")
         stats.wall_time = time.perf_counter() - t0
         self.last_stats = stats
         return outs
@@ -636,6 +644,7 @@ class RolloutCluster:
             except ray.exceptions.RayTaskError as e:
                 refused.append(e)
         if refused and done:  # identical replicas cannot disagree; if they did, the weights now differ
+            self._break(f"replicas disagree on weight update {version}")
             raise RuntimeError(
                 f"{len(done)} replica(s) took weight update {version} and {len(refused)} refused it: the replicas' "
                 f"weights differ; make a new cluster. First refusal: {refused[0]}"
@@ -669,7 +678,12 @@ class RolloutCluster:
     # --- lifetime -------------------------------------------------------------------------------------------------
     def _check_open(self) -> None:
         if self._closed:
-            raise RuntimeError("this RolloutCluster was shut down")
+            raise RuntimeError(f"this RolloutCluster was shut down{': ' + self._broken if self._broken else ''}")
+
+    def _break(self, why: str) -> None:
+        """The replicas' weights may differ: shut the cluster down, so no rollout can mix them."""
+        self._broken = why
+        self.shutdown()
 
     def shutdown(self) -> None:
         """Kill the replicas (Ray itself keeps running). Idempotent."""

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
 import ray
 import torch
+from safetensors.torch import save_file
 
 from verispec import distributed
 from verispec.cli import main
@@ -158,6 +160,24 @@ def test_a_killed_replica_is_replaced_and_its_shard_rerun(cluster, crash_dir):
     assert sorted(r["incarnation"] for r in info) == [0, 1]
     assert [r["weight_version"] for r in info] == [version, version]
     assert all(o.weight_version == version for o in outs)
+
+
+def test_a_replica_that_cannot_take_the_weights_back_shuts_the_cluster(ray_local, tmp_path):
+    """A restarted replica whose replay fails (its checkpoint path is gone) must not sample with initial weights."""
+    ckpt, crash = tmp_path / "ckpt", tmp_path / "crash"
+    ckpt.mkdir(), crash.mkdir()
+    save_file(dict(_new_weights(7)), str(ckpt / "model.safetensors"))
+    cluster = RolloutCluster(TinyEngine(crash_dir=str(crash)), num_replicas=2, threads_per_replica=1)
+    try:
+        cluster.update_weights_from_path(ckpt)
+        shutil.rmtree(ckpt)
+        (crash / "armed").touch()
+        with pytest.raises(Exception, match="does not exist"):
+            cluster.generate(PROMPTS, n=2, params=T1, max_new_tokens=8, seed=1)
+        with pytest.raises(RuntimeError, match=r"shut down: replica .* could not take the current weights back"):
+            cluster.generate(PROMPTS, n=2, params=T1, max_new_tokens=8, seed=1)
+    finally:
+        cluster.shutdown()
 
 
 def test_payload_round_trip_keeps_dtypes_and_bits():
