@@ -3,6 +3,7 @@ driven by verispec's RolloutClient; logprobs checked against fresh fp32 forwards
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
@@ -16,6 +17,7 @@ from verispec.model.loading import LoadedModel
 from verispec.rollout import RolloutEngine
 from verispec.rollout.client import RolloutClient, RolloutServerError
 from verispec.sampling import SamplingParams
+from verispec.serve.engine import EngineThread, Job
 
 from ..engine.tiny import EOS, loaded, noisy_copy
 from .test_server import MODEL, LiveServer
@@ -125,8 +127,13 @@ def test_a_bad_update_is_a_400_that_changes_nothing(served, tmp_path):
         client.update_weights([("model.norm.weight", torch.zeros(3))])
     with pytest.raises(RolloutServerError, match="does not exist"):
         client.update_weights_from_disk(tmp_path / "nowhere")
-    r = httpx.post(s.url + "/update_weights_from_tensor", content=b"not safetensors")
+    octets = {"content-type": "application/octet-stream"}
+    r = httpx.post(s.url + "/update_weights_from_tensor", content=b"not safetensors", headers=octets)
     assert r.status_code == 400 and "safetensors" in r.json()["error"]["message"]
+    r = httpx.post(s.url + "/update_weights_from_tensor", json={"model.norm.weight": [1.0]})
+    assert r.status_code == 415 and "application/octet-stream" in r.json()["error"]["message"]
+    r = httpx.post(s.url + "/update_weights_from_tensor", content=bytes(70 << 20), headers=octets)  # > the model
+    assert r.status_code == 413
     assert client.weight_version() == 0
     assert client.generate(PROMPTS, n=2, max_tokens=8, seed=2) == ref
 
@@ -166,6 +173,17 @@ def test_trl_housekeeping_routes(served):
         assert r.status_code == 501 and "update_weights_from_tensor" in r.json()["error"]["message"]
 
 
+def _slow_steps(engine: EngineThread, seconds: float = 0.005) -> None:
+    """Every engine step (the OpenAI routes') takes at least `seconds` more."""
+    step = engine.session.step
+
+    def slow():
+        time.sleep(seconds)
+        return step()
+
+    engine.session.step = slow
+
+
 def test_an_update_waits_for_running_requests_and_they_keep_their_weights(served):
     """A completion in flight when an update arrives finishes under the weights it started with."""
     s, client, _target = served
@@ -178,6 +196,7 @@ def test_an_update_waits_for_running_requests_and_they_keep_their_weights(served
             extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True},
         )  # fmt: skip
 
+    _slow_steps(s.engine)  # 150 steps take >= 0.75 s: the update surely arrives while the request runs
     t = threading.Thread(target=long_request)
     t.start()
     deadline = time.time() + 30
@@ -210,3 +229,70 @@ def test_abort_ends_a_running_generate(served):
     assert all(len(ids) < 240 for ids in out["completion_ids"])
     assert all(len(ids) == len(lp) for ids, lp in zip(out["completion_ids"], out["logprobs"]))
     assert client.generate(PROMPTS, n=1, max_tokens=4, seed=0)["finish_reasons"] == ["length", "length"]
+
+
+def test_abort_reaches_a_generate_still_waiting_for_the_model(served):
+    s, client, _ = served
+    _slow_steps(s.engine)
+    busy = threading.Thread(
+        target=lambda: s.client().completions.create(
+            model=MODEL, prompt=[3, 7], max_tokens=200, seed=0, extra_body={"ignore_eos": True}
+        )
+    )
+    busy.start()
+    while s.engine.num_running == 0:
+        time.sleep(0.005)
+    result = {}
+    t = threading.Thread(target=lambda: result.setdefault("out", client.generate(PROMPTS, n=2, max_tokens=8, seed=0)))
+    t.start()
+    while not s.app.state.rl_cancels:  # registered, waiting for the completion to finish
+        time.sleep(0.005)
+    assert s.engine.num_running == 1
+    client.abort()
+    t.join(timeout=60)
+    busy.join(timeout=60)
+    out = result["out"]
+    assert out["finish_reasons"] == ["abort"] * 4 and out["completion_ids"] == [[]] * 4
+
+
+def test_a_generate_whose_client_goes_away_is_aborted(served):
+    s, client, _ = served
+    gone = RolloutClient(s.url, generate_timeout=0.5)
+    with pytest.raises(httpx.ReadTimeout):
+        gone.generate(PROMPTS, n=4, max_tokens=240, seed=0, ignore_eos=True)
+    deadline = time.time() + 30
+    while s.app.state.rl_cancels and time.time() < deadline:  # the server notices within ~0.5 s and stops
+        time.sleep(0.05)
+    assert not s.app.state.rl_cancels
+    metrics = httpx.get(s.url + "/metrics").text  # all 8 samples ended as aborted, not finished
+    assert f'verispec:request_success_total{{finished_reason="abort",model_name="{MODEL}"}} 8.0' in metrics
+    assert client.generate(PROMPTS, n=1, max_tokens=4, seed=0)["finish_reasons"] == ["length"] * 2
+
+
+def test_exclusive_gives_up_when_the_server_stops(tiny_target, tiny_draft):
+    """A section waiting for running rows when the engine stops raises instead of waiting forever."""
+    engine = EngineThread(SpeculativeGenerator(tiny_target, tiny_draft, gamma=3), max_batch=2)
+    _slow_steps(engine, 0.02)
+    engine.start()
+    loop = asyncio.new_event_loop()
+    choice = {"prompt": [3, 7], "params": SamplingParams(), "max_new_tokens": 200, "ignore_eos": True}
+    engine.submit(Job(id="long", choices=[choice], loop=loop))
+    while engine.num_running == 0:
+        time.sleep(0.005)
+    raised = []
+
+    def hold():
+        try:
+            with engine.exclusive():
+                pass
+        except RuntimeError as e:
+            raised.append(e)
+
+    waiter = threading.Thread(target=hold)
+    waiter.start()
+    time.sleep(0.1)
+    assert waiter.is_alive()  # waiting for the running request
+    engine.stop()
+    waiter.join(timeout=10)
+    loop.close()
+    assert not waiter.is_alive() and raised and "shutting down" in str(raised[0])

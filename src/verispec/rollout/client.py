@@ -36,9 +36,14 @@ class RolloutServerError(RuntimeError):
 
 
 class RolloutClient:
-    def __init__(self, base_url: str = "http://127.0.0.1:8000", *, timeout: float | None = 600.0):
+    def __init__(
+        self, base_url: str = "http://127.0.0.1:8000", *, timeout: float | None = 600.0, generate_timeout=None
+    ):
+        """timeout: seconds for each call but generate; generate_timeout: for generate (None: as long as it takes;
+        a generate whose client gives up is aborted on the server)."""
         self.base_url = base_url.rstrip("/")
         self._http = httpx.Client(base_url=self.base_url, timeout=timeout)
+        self.generate_timeout = generate_timeout
 
     def close(self) -> None:
         self._http.close()
@@ -96,7 +101,7 @@ class RolloutClient:
             "generation_kwargs": kwargs,
             **options,
         }
-        return self._call("POST", "/generate/", json=body)
+        return self._call("POST", "/generate/", json=body, timeout=self.generate_timeout)
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict:
         """POST /update_weights_from_tensor with every tensor in one safetensors body; the reply has the new

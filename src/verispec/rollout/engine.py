@@ -40,6 +40,7 @@ from ..drafting.combined import CombinedProposer
 from ..drafting.history import HistoryProposer, RolloutHistory
 from ..engine import SpeculativeGenerator
 from ..engine.rows import Completion
+from ..engine.session import check_limits
 from ..engine.stats import SpecStats
 from ..model.loading import LoadedModel, shared_vocab_size
 from ..model.weights import load_safetensors_dir, update_weights
@@ -240,13 +241,15 @@ class RolloutEngine:
         chat: bool = False,
         ignore_eos: bool = False,
         prompt_indices: Sequence[int] | None = None,
+        cancel: threading.Event | None = None,
     ) -> list[Rollout]:
         """n samples of every prompt (token ids; text or chat messages are templated when chat=True), in prompt
         order then sample order. seed: the request seed every sample's own seed derives from (None: drawn).
         prompt_indices: each prompt's index i in `SeedSequence([seed, i, j])` and `Rollout.prompt_index` (default
         0, 1, ...): a shard of a larger batch run elsewhere passes its prompts' global indices and gets the same
         samples as the whole batch run here. `abort()` from another thread ends the call after the current step:
-        unfinished samples come back with the tokens they have and finish_reason "abort"."""
+        unfinished samples come back with the tokens they have and finish_reason "abort"; so does setting `cancel`
+        (this call's own event: set it before or during the call)."""
         if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= self.max_batch_size:
             raise ValueError(f"n must be an integer in [1, max_batch_size={self.max_batch_size}], got {n!r}")
         if not isinstance(params, SamplingParams):
@@ -255,6 +258,7 @@ class RolloutEngine:
             raise ValueError("pass the request seed as generate(seed=...); each sample derives its own from it")
         if self.strict_on_policy:
             check_on_policy(params)
+        check_limits(max_new_tokens, stop)
         if isinstance(prompts, str) or not isinstance(prompts, Sequence) or not prompts:
             raise ValueError("prompts must be a non-empty list of prompts (token id lists, strings or chat messages)")
         ids = [self.gen.encode(p, chat) for p in prompts]  # all validated before any compute
@@ -263,19 +267,20 @@ class RolloutEngine:
             seed = int(np.random.SeedSequence().generate_state(1, np.uint32)[0])
         with self._lock:
             self._aborting.clear()
-            return self._run(list(zip(indices, ids)), n, params, max_new_tokens, seed, stop, ignore_eos)
+            cancelled = cancel if cancel is not None else threading.Event()
+            return self._run(list(zip(indices, ids)), n, params, max_new_tokens, seed, stop, ignore_eos, cancelled)
 
     def abort(self) -> None:
         """End a running `generate` after its current step (from another thread); no-op when none runs."""
         self._aborting.set()
 
-    def _run(self, prompts, n, params, max_new_tokens, seed, stop, ignore_eos) -> list[Rollout]:
+    def _run(self, prompts, n, params, max_new_tokens, seed, stop, ignore_eos, cancel) -> list[Rollout]:
         sess = self.gen.session()
         waiting = deque(prompts)
         done: dict[tuple[int, int], Rollout] = {}
         t0 = time.perf_counter()
         while waiting or sess.num_active:
-            if self._aborting.is_set():
+            if self._aborting.is_set() or cancel.is_set():
                 self._aborted(sess, waiting, n, seed, done)
                 break
             while waiting and (sess.num_active == 0 or sess.num_active + n <= self.max_batch_size):
@@ -352,8 +357,8 @@ class RolloutEngine:
             t0 = time.perf_counter()
             written = update_weights(model, named_tensors)
             seconds = time.perf_counter() - t0
+            if bump:  # the weights have changed: count it before rebuilding drafts (which may fail)
+                self.weight_version += 1
             proposer = self.gen.proposer
             requant = proposer.weights_changed(model) if proposer is not None else 0.0
-            if bump:
-                self.weight_version += 1
             return WeightUpdate(self.weight_version, written, seconds, requant)

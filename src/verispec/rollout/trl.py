@@ -16,11 +16,13 @@ and logprobs (log softmax(logits / temperature) of each sampled token: what TRL 
 trainer's temperature and max_completion_length are used; top_p / top_k / min_p / repetition_penalty must be
 neutral (the server refuses others: TRL's own logprobs never apply them). Weights: the unwrapped policy's
 named_parameters, cast to float32, in one HTTP body, from the main process, before the first rollout and after
-every optimizer step; the other processes wait at a barrier.
+every optimizer step. With several processes the main one gathers every process's prompts and sends one request.
 
 `OnPolicyCheck` (a mixin: `class Trainer(OnPolicyCheck, GRPOTrainer)`) proves it while training: after each generated
 batch it recomputes the completions' logprobs with the trainer's own method under the weights it trains and logs
-the largest gap to the rollout logprobs (`verispec/logprob_gap_max`; fp32 on both sides: ~1e-6).
+the largest gap to the rollout logprobs (`verispec/logprob_gap_max`; fp32 on both sides: ~1e-6 on tiny models,
+< 1e-4 on SmolLM2-135M). It means something only with `disable_dropout=True` (TRL's default is False: dropout
+would then perturb the trainer's side).
 """
 
 from __future__ import annotations
@@ -39,42 +41,66 @@ def verispec_rollout_func(
     client: RolloutClient | str, *, sync_weights: bool = True, weight_dtype: torch.dtype = torch.float32
 ) -> Callable[[list, object], dict]:
     """TRL's rollout_func over a verispec server (a `RolloutClient` or its base URL). The returned function keeps
-    the last server reply in `.last` (speculation figures, weight_version) and counts syncs in `.syncs`."""
+    the last server reply in `.last` (speculation figures, weight_version) and counts syncs in `.syncs`.
+
+    With several training processes each one calls it with its own prompts (a group may straddle processes): the
+    main process gathers them all, syncs the weights, sends one request and hands every process its slice, as
+    TRL's vLLM server mode does; a failure there is raised on every process (none waits forever)."""
     client = RolloutClient(client) if isinstance(client, str) else client
     state = {"step": None, "calls": 0}
 
     def rollout_func(prompts: list, trainer) -> dict:
-        if sync_weights and state["step"] != trainer.state.global_step:
-            _sync(client, trainer, weight_dtype)
+        from accelerate.utils import broadcast_object_list, gather_object
+
+        acc = trainer.accelerator
+        everyone, counts = gather_object(list(prompts)), gather_object([len(prompts)])
+        sync = sync_weights and state["step"] != trainer.state.global_step
+        reply, error = None, None
+        if acc.is_main_process:
+            try:
+                reply = _rollouts(client, trainer, everyone, sync, weight_dtype, state["calls"])
+            except Exception as e:  # raised on every process below
+                error = f"{type(e).__name__}: {e}"
+        reply, error = broadcast_object_list([reply, error], from_process=0)
+        if error is not None:
+            raise RuntimeError(f"verispec rollout (on the main process) failed: {error}")
+        state["calls"] += 1
+        if sync:
             state["step"] = trainer.state.global_step
             rollout_func.syncs += 1
-        g = trainer.num_generations if trainer.model.training else trainer.num_generations_eval
-        groups = _groups(prompts, g)
-        ids = _tokenize(trainer, groups)
-        seed = int(np.random.SeedSequence([int(trainer.args.seed), trainer.state.global_step, state["calls"]])
-                   .generate_state(1, np.uint32)[0])  # fmt: skip
-        state["calls"] += 1
-        args = trainer.args
-        out = client.generate(
-            ids,
-            n=g,
-            temperature=args.temperature,
-            max_tokens=args.max_completion_length,
-            seed=seed,
-            top_p=args.top_p,
-            top_k=args.top_k if args.top_k is not None else -1,
-            min_p=args.min_p if args.min_p is not None else 0.0,
-            repetition_penalty=args.repetition_penalty,
-        )
-        rollout_func.last = out
-        return {
-            "prompt_ids": [p for p in out["prompt_ids"] for _ in range(g)],
-            "completion_ids": out["completion_ids"],
-            "logprobs": out["logprobs"],
-        }
+        rollout_func.last = reply
+        begin = sum(counts[: acc.process_index])
+        return {key: reply[key][begin : begin + len(prompts)] for key in ("prompt_ids", "completion_ids", "logprobs")}
 
     rollout_func.last, rollout_func.syncs = None, 0
     return rollout_func
+
+
+def _rollouts(client: RolloutClient, trainer, prompts: list, sync: bool, dtype: torch.dtype, call: int) -> dict:
+    """On the main process: sync the weights if asked, then one completion per entry of the whole batch."""
+    if sync:
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        client.update_weights((name, p.detach().to(dtype)) for name, p in model.named_parameters())
+    g = trainer.num_generations if trainer.model.training else trainer.num_generations_eval
+    ids = _tokenize(trainer, _groups(prompts, g))
+    step = trainer.state.global_step
+    seed = int(np.random.SeedSequence([int(trainer.args.seed), step, call]).generate_state(1, np.uint32)[0])
+    args = trainer.args
+    out = client.generate(
+        ids,
+        n=g,
+        temperature=args.temperature,
+        max_tokens=args.max_completion_length,
+        seed=seed,
+        top_p=args.top_p,
+        top_k=args.top_k if args.top_k is not None else -1,
+        min_p=args.min_p if args.min_p is not None else 0.0,
+        repetition_penalty=args.repetition_penalty,
+    )
+    if "abort" in out["finish_reasons"]:
+        raise RuntimeError("the server aborted the rollout (/abort_request): TRL cannot train on partial groups")
+    out["prompt_ids"] = [p for p in out["prompt_ids"] for _ in range(g)]
+    return out
 
 
 def _groups(prompts: list, g: int) -> list:
@@ -92,6 +118,7 @@ def _tokenize(trainer, prompts: list) -> list[list[int]]:
     if prompts and isinstance(prompts[0], list):  # conversational
         enc = tok.apply_chat_template(
             conversation=prompts,
+            tools=getattr(trainer, "tools", None) or None,
             chat_template=getattr(trainer, "chat_template", None),
             add_generation_prompt=True,
             tokenize=True,
@@ -100,14 +127,6 @@ def _tokenize(trainer, prompts: list) -> list[list[int]]:
         )
         return [list(map(int, x)) for x in enc["input_ids"]]
     return [list(map(int, x)) for x in tok(text=prompts)["input_ids"]]
-
-
-def _sync(client: RolloutClient, trainer, dtype: torch.dtype) -> None:
-    acc = trainer.accelerator
-    if acc.is_main_process:
-        model = acc.unwrap_model(trainer.model)
-        client.update_weights((name, p.detach().to(dtype)) for name, p in model.named_parameters())
-    acc.wait_for_everyone()
 
 
 class OnPolicyCheck:

@@ -75,6 +75,7 @@ def create_app(
 
     app = FastAPI(title="verispec", lifespan=lifespan)
     app.state.served, app.state.engine, app.state.metrics = served, engine, metrics
+    app.state.rl_cancels = set()  # the running and waiting /generate/ calls' cancel events (/abort_request)
     app.state.rollout = RolloutEngine.from_generator(gen, max_batch_size=max_batch, strict_on_policy=strict_on_policy)
     install_error_handlers(app)
     app.add_api_route("/health", health, methods=["GET"])

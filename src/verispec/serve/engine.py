@@ -89,8 +89,11 @@ class EngineThread:
         the running ones finish first, and waiting ones are admitted after the body."""
         with self._cond:
             self._holds += 1
-            while self._busy or self.session.num_active:
+            while (self._busy or self.session.num_active) and not self._stop:
                 self._cond.wait()
+            if self._stop:
+                self._holds -= 1
+                raise RuntimeError("the server is shutting down")
         try:
             yield
         finally:
@@ -118,7 +121,12 @@ class EngineThread:
         with self._cond:
             if not job.cancelled:
                 job.cancelled = True
-                self._cancel.append(job)
+                waiting = [j for j in self._waiting if j is not job]  # identity: a Job compares by fields
+                if len(waiting) < len(self._waiting):  # not started: leave the queue now (exclusive() may hold it)
+                    self._waiting = deque(waiting)
+                    self._dropped(len(job.choices), "abort")
+                else:
+                    self._cancel.append(job)
                 self._cond.notify_all()
 
     # --- the engine thread ---------------------------------------------------------------------------

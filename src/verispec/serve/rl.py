@@ -20,8 +20,9 @@ Weight updates (SGLang's names, which verl and OpenRLHF call):
     POST /update_weights_from_disk    {"model_path": a *.safetensors file or save_pretrained directory on the server}
          -> {weight_version, tensors, seconds, requantize_seconds}; a bad update is a 400 that changed nothing.
     GET  /get_weight_version          {"weight_version": n}
-    POST /abort_request               ends a running /generate/ after its step: unfinished samples return what they
-                                      have, finish_reason "abort"
+    POST /abort_request               ends the running and waiting /generate/ calls after their step: unfinished
+                                      samples return what they have, finish_reason "abort" (so does a /generate/
+                                      whose client goes away)
 An update waits for running requests to finish (every sample is drawn under one weight version) and holds new
 ones until it is written. Options under which the sampled law is not softmax(logits / T) (top-k, top-p, min-p,
 penalties, greedy) are refused (400): the trainer could not recompute its logprobs (`RolloutEngine`).
@@ -30,13 +31,16 @@ penalties, greedy) are refused (400): the trainer could not recompute its logpro
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
+import torch
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
+from ..engine.session import check_limits
 from ..model.weights import WeightUpdateError
-from ..rollout import RolloutEngine
+from ..rollout import RolloutEngine, check_on_policy
 from ..sampling import SamplingParams
 from .errors import APIError
 
@@ -109,15 +113,21 @@ def _rollout(request: Request) -> RolloutEngine:
     return request.app.state.rollout
 
 
-async def _exclusive(request: Request, fn, *args):
-    """fn(*args) on a worker thread with the model to itself (running OpenAI requests finish first)."""
+async def _exclusive(request: Request, fn, *args, cancel: threading.Event | None = None):
+    """fn(*args) on a worker thread with the model to itself (running OpenAI requests finish first). With `cancel`:
+    set when the client goes away, so a rollout nobody will read stops at its next step."""
     engine = request.app.state.engine
 
     def run():
         with engine.exclusive():
             return fn(*args)
 
-    return await asyncio.to_thread(run)
+    task = asyncio.ensure_future(asyncio.to_thread(run))
+    while cancel is not None and not task.done():
+        await asyncio.wait({task}, timeout=0.5)
+        if not task.done() and await request.is_disconnected():
+            cancel.set()
+    return await task
 
 
 @router.get("/health/")
@@ -197,17 +207,29 @@ async def generate(req: GenerateRequest, request: Request) -> GenerateResponse:
     if req.n > eng.max_batch_size:
         raise APIError(400, f"n = {req.n} exceeds the server's batch ({eng.max_batch_size}, --max-batch)", "n")
     params, ids, kw = _params(req), _prompts(eng, req), req.generation_kwargs
+    try:  # every check before waiting for the model: a bad request never holds up the OpenAI routes
+        if eng.strict_on_policy:
+            check_on_policy(params)
+        check_limits(req.max_tokens, kw.stop or ())
+    except ValueError as e:
+        raise APIError.bad_value(e) from None
+    cancel = threading.Event()  # /abort_request or the client going away
+    running: set = request.app.state.rl_cancels
+    running.add(cancel)
     t0 = time.perf_counter()
     try:
         outs = await _exclusive(
             request,
             lambda: eng.generate(
                 ids, req.n, params, max_new_tokens=req.max_tokens, seed=kw.seed, stop=kw.stop or (),
-                ignore_eos=kw.ignore_eos,
+                ignore_eos=kw.ignore_eos, cancel=cancel,
             ),
+            cancel=cancel,
         )  # fmt: skip
     except ValueError as e:
         raise APIError.bad_value(e) from None
+    finally:
+        running.discard(cancel)
     request.app.state.metrics.observe_rollouts(outs, time.perf_counter() - t0)
     seqs = [o.with_eos() for o in outs]
     return GenerateResponse(
@@ -224,9 +246,9 @@ async def generate(req: GenerateRequest, request: Request) -> GenerateResponse:
     )
 
 
-async def _update(request: Request, fn, arg) -> WeightUpdateResponse:
+async def _update(request: Request, fn) -> WeightUpdateResponse:
     try:
-        up = await _exclusive(request, fn, arg)
+        up = await _exclusive(request, fn)
     except WeightUpdateError as e:
         raise APIError(400, str(e)) from None
     request.app.state.metrics.observe_weight_update(up.version)
@@ -235,23 +257,45 @@ async def _update(request: Request, fn, arg) -> WeightUpdateResponse:
     )
 
 
-@router.post("/update_weights_from_tensor")
-async def update_weights_from_tensor(request: Request) -> WeightUpdateResponse:
-    body = await request.body()
-    if not body:
-        raise APIError(400, "the body must be a safetensors file's bytes (safetensors.torch.save(named tensors))")
+def _max_update_bytes(eng: RolloutEngine) -> int | None:
+    """The largest body an update may be: every tensor of the target once, plus room for the safetensors header
+    (None: the target is no torch model, and takes no updates)."""
+    model = eng.target.model
+    if not isinstance(model, torch.nn.Module):
+        return None
+    return sum(t.numel() * t.element_size() for t in model.state_dict().values()) + (64 << 20)
+
+
+def _parse_update(body: bytes) -> list:
     from safetensors.torch import load  # a transformers dependency
 
     try:
-        tensors = load(body)
+        return list(load(body).items())
     except Exception as e:  # a foreign or truncated body
-        raise APIError(400, f"the body is not a safetensors file: {e}") from None
-    return await _update(request, _rollout(request).update_weights, list(tensors.items()))
+        raise WeightUpdateError(f"the body is not a safetensors file: {e}") from None
+
+
+@router.post("/update_weights_from_tensor")
+async def update_weights_from_tensor(request: Request) -> WeightUpdateResponse:
+    eng = _rollout(request)
+    kind = request.headers.get("content-type", "").split(";")[0].strip()
+    if kind != "application/octet-stream":
+        raise APIError(415, f"send the safetensors bytes as content-type application/octet-stream, not {kind!r}")
+    limit, size = _max_update_bytes(eng), request.headers.get("content-length")
+    if limit is None:  # say why (a llama.cpp model's weights come from its file) before reading the body
+        return await _update(request, lambda: eng.update_weights([]))
+    if size is not None and size.isdigit() and int(size) > limit:
+        raise APIError(413, f"the update has {int(size)} bytes; the served model's tensors take at most {limit}")
+    body = await request.body()
+    if not body or len(body) > limit:
+        raise APIError(400 if not body else 413, "the body must be a safetensors file's bytes of the model's tensors")
+    return await _update(request, lambda: eng.update_weights(_parse_update(body)))
 
 
 @router.post("/update_weights_from_disk")
 async def update_weights_from_disk(req: DiskUpdate, request: Request) -> WeightUpdateResponse:
-    return await _update(request, _rollout(request).update_weights_from_path, req.model_path)
+    eng = _rollout(request)
+    return await _update(request, lambda: eng.update_weights_from_path(req.model_path))
 
 
 @router.get("/get_weight_version")
@@ -261,5 +305,7 @@ async def weight_version(request: Request):
 
 @router.post("/abort_request")
 async def abort(request: Request):
-    _rollout(request).abort()
+    for cancel in list(request.app.state.rl_cancels):  # waiting for the model or running
+        cancel.set()
+    _rollout(request).abort()  # a RolloutEngine.generate called by anyone else
     return {"success": True}
