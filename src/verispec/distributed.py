@@ -232,7 +232,7 @@ class _Replica:
             self.engine.abort()
             return True
 
-    def _apply(self, update, version: int) -> tuple[WeightUpdate, tuple[str, ...]]:
+    def _apply(self, update, version: int | None) -> tuple[WeightUpdate, tuple[str, ...]]:
         if isinstance(update, str):
             from .model.weights import load_safetensors_dir
 
@@ -240,7 +240,8 @@ class _Replica:
         else:
             items = from_payload(update)
         rep = self.engine.update_weights(items)
-        self.engine.weight_version = version
+        if version is not None:
+            self.engine.weight_version = version
         return replace(rep, version=version), tuple(name for name, _ in items)
 
     def update(self, update, version: int) -> tuple[WeightUpdate, tuple[str, ...]]:
@@ -249,9 +250,10 @@ class _Replica:
 
     def restore(self, version: int | None, *updates) -> dict:
         """A new incarnation: replay the updates that define the current weights, take the cluster's version."""
-        done = [self._apply(u, version)[0] for u in updates]
-        if version is not None:
-            self.engine.weight_version = version
+        self.engine.weight_version = -1  # until every update is replayed: a partial replay never looks current
+        done = [self._apply(u, None)[0] for u in updates]
+        self.engine.weight_version = version if version is not None else 0
+        done = [replace(d, version=self.engine.weight_version) for d in done]
         return self.info() | {"replayed": done}
 
 
@@ -383,6 +385,7 @@ class RolloutCluster:
         """Replace a slot's replica with a fresh actor; returns the future of its restore (replaying the current
         weights). ReplicaLostError after max_shard_retries failed restarts in a row."""
         ray = _ray()
+        self._check_open()  # never start replicas a shut-down cluster would not kill
         if slot.failed_restarts > self.max_shard_retries:
             raise ReplicaLostError(
                 f"replica {slot.index} could not be restarted ({slot.failed_restarts} attempts in a row failed)"
@@ -567,6 +570,8 @@ class RolloutCluster:
                     inflight[self._restart(slot, e)] = (slot, None, None)
                     continue
                 except ray.exceptions.RayTaskError as e:
+                    if k is None:  # a restarted replica could not take the current weights back
+                        self._break(f"replica {slot.index} could not take the current weights back: {e}")
                     _reraise(e)
                 if k is None:
                     slot.info, slot.failed_restarts = out, 0
@@ -590,7 +595,7 @@ class RolloutCluster:
         ray = _ray()
         deadline = time.monotonic() + _SETTLE_SECONDS
         try:
-            while inflight and time.monotonic() < deadline:
+            while inflight and time.monotonic() < deadline and not self._closed:
                 for slot, k, token in inflight.values():  # repeated: an abort can land before its shard starts
                     if k is not None:
                         slot.actor.abort.remote(token)
@@ -605,8 +610,11 @@ class RolloutCluster:
                         if not getattr(e, "actor_init_failed", False):
                             slot.failed_restarts += k is None
                             inflight[self._restart(slot, e)] = (slot, None, None)
-                    except Exception:  # the engine's own error, or an aborted shard's: nothing to keep
-                        pass
+                    except Exception as e:  # the engine's own error, or an aborted shard's: nothing to keep
+                        if k is None:  # but a failed weight replay leaves a replica with wrong weights
+                            self._break(f"replica {slot.index} could not take the current weights back: {e}")
+            if self._closed:
+                return
             for slot, _, _ in inflight.values():  # still busy: replace
                 self._restored(slot, self._restart(slot))
         except Exception:  # never hide the error being raised

@@ -37,10 +37,14 @@ class RolloutServerError(RuntimeError):
 
 class RolloutClient:
     def __init__(
-        self, base_url: str = "http://127.0.0.1:8000", *, timeout: float | None = 600.0, generate_timeout=None
+        self,
+        base_url: str = "http://127.0.0.1:8000",
+        *,
+        timeout: float | None = 600.0,
+        generate_timeout: float | None = 3600.0,
     ):
-        """timeout: seconds for each call but generate; generate_timeout: for generate (None: as long as it takes;
-        a generate whose client gives up is aborted on the server)."""
+        """timeout: seconds for each call but generate; generate_timeout: for generate (None: no limit). A
+        generate whose client gives up is aborted on the server."""
         self.base_url = base_url.rstrip("/")
         self._http = httpx.Client(base_url=self.base_url, timeout=timeout)
         self.generate_timeout = generate_timeout

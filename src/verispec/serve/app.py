@@ -71,6 +71,8 @@ def create_app(
         engine.start()
         log.info("serving model id %r (context %s tokens)", model_id, served.context)
         yield
+        for cancel in list(app.state.rl_cancels):  # RL rollouts end at their next step
+            cancel.set()
         engine.stop()
 
     app = FastAPI(title="verispec", lifespan=lifespan)

@@ -128,6 +128,7 @@ class EngineThread:
                 else:
                     self._cancel.append(job)
                 self._cond.notify_all()
+        self._gauges()
 
     # --- the engine thread ---------------------------------------------------------------------------
     def _gauges(self) -> None:

@@ -123,11 +123,16 @@ async def _exclusive(request: Request, fn, *args, cancel: threading.Event | None
             return fn(*args)
 
     task = asyncio.ensure_future(asyncio.to_thread(run))
-    while cancel is not None and not task.done():
-        await asyncio.wait({task}, timeout=0.5)
-        if not task.done() and await request.is_disconnected():
+    try:
+        while cancel is not None and not task.done():
+            await asyncio.wait({task}, timeout=0.5)
+            if not task.done() and await request.is_disconnected():
+                cancel.set()
+        return await task
+    except asyncio.CancelledError:  # the handler itself is cancelled (server shutdown): stop the rollout too
+        if cancel is not None:
             cancel.set()
-    return await task
+        raise
 
 
 @router.get("/health/")
@@ -289,7 +294,11 @@ async def update_weights_from_tensor(request: Request) -> WeightUpdateResponse:
     body = await request.body()
     if not body or len(body) > limit:
         raise APIError(400 if not body else 413, "the body must be a safetensors file's bytes of the model's tensors")
-    return await _update(request, lambda: eng.update_weights(_parse_update(body)))
+    try:
+        tensors = await asyncio.to_thread(_parse_update, body)  # before holding the model
+    except WeightUpdateError as e:
+        raise APIError(400, str(e)) from None
+    return await _update(request, lambda: eng.update_weights(tensors))
 
 
 @router.post("/update_weights_from_disk")
