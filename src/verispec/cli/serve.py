@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from .generate import build_generator
-from .options import add_counts, add_speculation_args, check_draft, draft_label, int_range
+from .options import UsageError, add_counts, add_speculation_args, check_draft, draft_label, int_range
 
 
 def add_parser(sub) -> None:
@@ -21,6 +22,19 @@ def add_parser(sub) -> None:
         p,
         ("--max-batch", 1, 8, "rows (choices) decoded together (default %(default)s)"),
         ("--max-queue", 0, 64, "requests waiting for a batch slot; beyond, 429 with Retry-After (default %(default)s)"),
+    )
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("VERISPEC_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on every route but /health, /version and /metrics (default: "
+        "$VERISPEC_API_KEY; none: open)",
+    )
+    p.add_argument(
+        "--cors-origin",
+        action="append",
+        dest="cors_origins",
+        metavar="ORIGIN",
+        help="allow browser requests from this origin (repeatable; '*' for any)",
     )
     levels = list(LOG_LEVELS)
     p.add_argument(
@@ -40,7 +54,16 @@ def run(args: argparse.Namespace) -> int:
     tree = check_draft(args)
     gen = build_generator(args, tree)
     name = args.served_model_name or args.target or DEFAULT_MODEL_NAME
-    app = create_app(gen, name, max_batch=args.max_batch, max_queue=args.max_queue)
+    if args.api_key == "":
+        raise UsageError("--api-key must not be empty")
+    app = create_app(
+        gen,
+        name,
+        max_batch=args.max_batch,
+        max_queue=args.max_queue,
+        api_key=args.api_key,
+        cors_origins=args.cors_origins,
+    )
     logging.basicConfig(level=logging.INFO)
     print(
         f"serving {name!r} on http://{args.host}:{args.port}/v1 (draft={draft_label(args, tree)}, gamma={args.gamma})",

@@ -10,6 +10,7 @@ weight updates in the request body or from a path, abort. What a trainer process
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterable, Sequence
 
@@ -42,11 +43,15 @@ class RolloutClient:
         *,
         timeout: float | None = 600.0,
         generate_timeout: float | None = 3600.0,
+        api_key: str | None = None,
     ):
         """timeout: seconds for each call but generate; generate_timeout: for generate (None: no limit). A
-        generate whose client gives up is aborted on the server."""
+        generate whose client gives up is aborted on the server. api_key: the server's --api-key (default:
+        $VERISPEC_API_KEY)."""
         self.base_url = base_url.rstrip("/")
-        self._http = httpx.Client(base_url=self.base_url, timeout=timeout)
+        api_key = api_key if api_key is not None else os.environ.get("VERISPEC_API_KEY")
+        headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+        self._http = httpx.Client(base_url=self.base_url, timeout=timeout, headers=headers)
         self.generate_timeout = generate_timeout
 
     def close(self) -> None:

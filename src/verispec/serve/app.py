@@ -20,7 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from ..engine.generator import SpeculativeGenerator
 from ..rollout import RolloutEngine
-from . import chat, completions, rl
+from . import chat, completions, ops, rl
 from .engine import EngineThread
 from .errors import install_error_handlers
 from .jobs import Served
@@ -57,10 +57,13 @@ def create_app(
     max_queue: int = 64,
     retry_after_s: int = 1,
     strict_on_policy: bool = True,
+    api_key: str | None = None,
+    cors_origins: list[str] | None = None,
 ) -> FastAPI:
     """The server over `gen`. `model_name` (a name, path or display string) becomes the plain id that clients
     send and /v1/models lists (`served_model_id`); a request naming `model_name` itself is accepted too. The RL
-    routes run a `RolloutEngine` on `gen` (batches of `max_batch` rows; strict_on_policy: see RolloutEngine)."""
+    routes run a `RolloutEngine` on `gen` (batches of `max_batch` rows; strict_on_policy: see RolloutEngine).
+    api_key / cors_origins: see `serve.ops`."""
     model_id = served_model_id(model_name)
     metrics = Metrics(model_id)
     engine = EngineThread(gen, max_batch=max_batch, max_queue=max_queue, metrics=metrics)
@@ -80,12 +83,14 @@ def create_app(
     app.state.rl_cancels = set()  # the running and waiting /generate/ calls' cancel events (/abort_request)
     app.state.rollout = RolloutEngine.from_generator(gen, max_batch_size=max_batch, strict_on_policy=strict_on_policy)
     install_error_handlers(app)
+    ops.install_access(app, api_key, cors_origins)
     app.add_api_route("/health", health, methods=["GET"])
     app.add_api_route("/v1/models", models, methods=["GET"])
     app.add_api_route("/metrics", prometheus, methods=["GET"])
     app.include_router(completions.router)
     app.include_router(chat.router)
     app.include_router(rl.router)
+    app.include_router(ops.router)
     return app
 
 

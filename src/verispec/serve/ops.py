@@ -1,0 +1,117 @@
+"""What operators need around the model routes: an API key, CORS, tokenizer routes, the version, one model's card.
+
+--api-key K (or VERISPEC_API_KEY): every route but GET /health, /health/, /version and /metrics needs
+`Authorization: Bearer K`; otherwise 401 with an OpenAI-style error (code "invalid_api_key"). The RL routes are
+covered too: a weight update replaces the served model. --cors-origin O (repeatable, "*" for any): CORS headers and
+preflight answers for those origins (CORS is checked before the key, so preflights need none).
+
+POST /tokenize   {model?, prompt | messages, add_special_tokens = true, add_generation_prompt = true}
+                 -> {count, max_model_len, tokens}          (vLLM's shapes)
+POST /detokenize {model?, tokens} -> {prompt}
+GET  /version    {"version": verispec's}
+GET  /v1/models/{id} the model's card, 404 for another id
+"""
+
+from __future__ import annotations
+
+import hmac
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
+from pydantic import BaseModel, ConfigDict
+
+from .. import __version__
+from .errors import APIError
+from .jobs import Served
+from .protocol import Message, ModelCard
+
+__all__ = ["install_access", "router"]
+
+router = APIRouter()
+_OPEN = frozenset({"/health", "/health/", "/version", "/metrics"})
+
+
+class _KeyCheck:
+    """ASGI middleware: `Authorization: Bearer <key>` on every HTTP route but the open ones (and preflights)."""
+
+    def __init__(self, app, expected: bytes):
+        self.app, self.expected = app, expected
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["method"] != "OPTIONS" and scope["path"] not in _OPEN:
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                message = "Incorrect API key provided: send it as 'Authorization: Bearer <key>'"
+                await APIError(401, message, code="invalid_api_key").response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def install_access(app: FastAPI, api_key: str | None, cors_origins: list[str] | None) -> None:
+    """The key check, then CORS outside it (a browser's preflight carries no key)."""
+    if api_key is not None:
+        if not api_key:
+            raise ValueError("the API key must not be empty")
+        app.add_middleware(_KeyCheck, expected=f"Bearer {api_key}".encode())
+    if cors_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["*"], allow_headers=["*"])
+
+
+class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[Message] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    tokens: list[int]
+
+
+def _served(request: Request, model: str | None) -> Served:
+    served: Served = request.app.state.served
+    if model is not None:
+        served.check_model(model)
+    return served
+
+
+@router.post("/tokenize")
+async def tokenize(req: TokenizeRequest, request: Request):
+    served = _served(request, req.model)
+    tok = served.gen.tokenizer
+    if (req.prompt is None) == (req.messages is None):
+        raise APIError(400, "send exactly one of prompt and messages", "prompt")
+    if req.prompt is not None:
+        ids = list(tok(req.prompt, add_special_tokens=req.add_special_tokens)["input_ids"])
+    else:
+        if getattr(tok, "chat_template", None) is None:
+            raise APIError(400, "the model's tokenizer has no chat template", "messages")
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        enc = tok.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt, tokenize=True)
+        ids = list(enc["input_ids"] if hasattr(enc, "keys") else enc)
+    return {"count": len(ids), "max_model_len": served.context, "tokens": [int(t) for t in ids]}
+
+
+@router.post("/detokenize")
+async def detokenize(req: DetokenizeRequest, request: Request):
+    served = _served(request, req.model)
+    vocab = served.gen.vocab_size
+    bad = [t for t in req.tokens if not 0 <= t < vocab]
+    if bad:
+        raise APIError(400, f"token ids must lie in [0, {vocab}), got {bad[:3]}", "tokens")
+    return {"prompt": served.gen.tokenizer.decode(req.tokens)}
+
+
+@router.get("/version")
+async def version():
+    return {"version": __version__}
+
+
+@router.get("/v1/models/{model_id:path}")
+async def model_card(model_id: str, request: Request) -> ModelCard:
+    served = _served(request, model_id)
+    return ModelCard(id=served.model_id, max_model_len=served.context)
