@@ -70,7 +70,7 @@ import numpy as np
 import torch
 
 from .engine.stats import SpecStats
-from .rollout import Rollout, RolloutEngine, WeightUpdate, check_on_policy
+from .rollout.engine import Rollout, RolloutEngine, WeightUpdate, check_request
 from .sampling import SamplingParams
 
 __all__ = ["EngineSpec", "ReplicaLostError", "RolloutCluster", "from_payload", "tensors_payload"]
@@ -483,25 +483,12 @@ class RolloutCluster:
 
     def _check_request(self, prompts, n, params, max_new_tokens, seed, stop) -> None:
         info = self._slots[0].info
-        limit = info["max_batch_size"]
-        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= limit:
-            raise ValueError(f"n must be an integer in [1, max_batch_size={limit}], got {n!r}")
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
-        if params.seed is not None:
-            raise ValueError("pass the request seed as generate(seed=...); each sample derives its own from it")
-        if info["strict_on_policy"]:
-            check_on_policy(params)
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+        ok_stop = stop is None or isinstance(stop, str)
+        if not (ok_stop or (isinstance(stop, Sequence) and all(isinstance(s, str) for s in stop))):
+            raise ValueError(f"stop must be None, a string or a list of strings, got {stop!r}")
+        check_request(prompts, n, params, max_new_tokens, stop, info["max_batch_size"], info["strict_on_policy"])
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
             raise ValueError(f"seed must be None or an integer >= 0, got {seed!r}")
-        ok_stop = stop is None or isinstance(stop, str)
-        ok_stop = ok_stop or (isinstance(stop, Sequence) and all(isinstance(s, str) for s in stop))
-        if not ok_stop:
-            raise ValueError(f"stop must be None, a string or a list of strings, got {stop!r}")
-        if isinstance(prompts, str) or not isinstance(prompts, Sequence) or not prompts:
-            raise ValueError("prompts must be a non-empty list of prompts (token id lists, strings or chat messages)")
 
     def _token_ids(self, prompts: list, chat: bool) -> list[list[int]]:
         """Every prompt as token ids, all checked before any shard runs: token ids here, against the vocabulary;

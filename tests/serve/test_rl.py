@@ -264,7 +264,9 @@ def test_a_generate_whose_client_goes_away_is_aborted(served):
     while s.app.state.rl_cancels and time.time() < deadline:  # the server notices within ~0.5 s and stops
         time.sleep(0.05)
     assert not s.app.state.rl_cancels
-    metrics = httpx.get(s.url + "/metrics").text  # all 8 samples ended as aborted, not finished
+    aborted = f'verispec:request_success_total{{finished_reason="abort",model_name="{MODEL}"}} 8.0'
+    while aborted not in (metrics := httpx.get(s.url + "/metrics").text) and time.time() < deadline:
+        time.sleep(0.05)  # the handler counts its rollouts just after leaving rl_cancels
     assert f'verispec:request_success_total{{finished_reason="abort",model_name="{MODEL}"}} 8.0' in metrics
     assert client.generate(PROMPTS, n=1, max_tokens=4, seed=0)["finish_reasons"] == ["length"] * 2
 

@@ -46,7 +46,7 @@ from ..model.loading import LoadedModel, shared_vocab_size
 from ..model.weights import load_safetensors_dir, update_weights
 from ..sampling import SamplingParams
 
-__all__ = ["Rollout", "RolloutEngine", "WeightUpdate", "check_on_policy", "sample_seed"]
+__all__ = ["Rollout", "RolloutEngine", "WeightUpdate", "check_on_policy", "check_request", "sample_seed"]
 
 
 @dataclass(frozen=True)
@@ -94,6 +94,21 @@ def _prompt_indices(indices: Sequence[int] | None, count: int) -> list[int]:
     if not ok or len(indices) != count or len(set(indices)) != count or min(indices) < 0:
         raise ValueError(f"prompt_indices must be {count} distinct integers >= 0, one per prompt, got {indices!r}")
     return [int(i) for i in indices]
+
+
+def check_request(prompts, n, params, max_new_tokens, stop, max_batch_size: int, strict_on_policy: bool) -> None:
+    """A rollout request's checks that need no model (a `RolloutCluster` runs them on its driver): ValueError."""
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= max_batch_size:
+        raise ValueError(f"n must be an integer in [1, max_batch_size={max_batch_size}], got {n!r}")
+    if not isinstance(params, SamplingParams):
+        raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+    if params.seed is not None:
+        raise ValueError("pass the request seed as generate(seed=...); each sample derives its own from it")
+    if strict_on_policy:
+        check_on_policy(params)
+    check_limits(max_new_tokens, stop)
+    if isinstance(prompts, str) or not isinstance(prompts, Sequence) or not prompts:
+        raise ValueError("prompts must be a non-empty list of prompts (token id lists, strings or chat messages)")
 
 
 def check_on_policy(params: SamplingParams) -> None:
@@ -250,17 +265,7 @@ class RolloutEngine:
         samples as the whole batch run here. `abort()` from another thread ends the call after the current step:
         unfinished samples come back with the tokens they have and finish_reason "abort"; so does setting `cancel`
         (this call's own event: set it before or during the call)."""
-        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= self.max_batch_size:
-            raise ValueError(f"n must be an integer in [1, max_batch_size={self.max_batch_size}], got {n!r}")
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
-        if params.seed is not None:
-            raise ValueError("pass the request seed as generate(seed=...); each sample derives its own from it")
-        if self.strict_on_policy:
-            check_on_policy(params)
-        check_limits(max_new_tokens, stop)
-        if isinstance(prompts, str) or not isinstance(prompts, Sequence) or not prompts:
-            raise ValueError("prompts must be a non-empty list of prompts (token id lists, strings or chat messages)")
+        check_request(prompts, n, params, max_new_tokens, stop, self.max_batch_size, self.strict_on_policy)
         ids = [self.gen.encode(p, chat) for p in prompts]  # all validated before any compute
         indices = _prompt_indices(prompt_indices, len(ids))
         if seed is None:

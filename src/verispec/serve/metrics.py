@@ -71,8 +71,7 @@ class Metrics:
         """The samples of one RL-route call (`Rollout`s), which ran outside the engine thread."""
         for r in rollouts:
             st = r.stats
-            drafting = sum(st.steps_by_drafted.get(k, 0) for k in st.steps_by_drafted if k > 0)
-            self.drafts.inc(drafting)
+            self.drafts.inc(sum(steps for drafted, steps in st.steps_by_drafted.items() if drafted > 0))
             self.draft_tokens.inc(st.drafted)
             self.accepted_tokens.inc(st.accepted)
             for pos, n in enumerate(st.accepted_at):
