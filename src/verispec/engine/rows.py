@@ -14,7 +14,7 @@ import torch
 from ..sampling import SamplingParams
 from .stats import SpecStats
 
-__all__ = ["Completion", "Row", "StreamEvent"]
+__all__ = ["Completion", "IncrementalDecoder", "Row", "StreamEvent"]
 
 TopLogprobs = list[tuple[int, float]]  # (token id, raw target logprob), best first
 
@@ -25,8 +25,9 @@ class Completion:
     prompt_token_ids: list[int]
     token_ids: list[int]  # generated tokens (EOS excluded)
     text: str
-    finish_reason: str  # "stop" (EOS or a stop string) or "length" (max_new_tokens or the context end)
-    stop_reason: str | int | None  # the stop string or EOS id that ended it
+    finish_reason: str  # "stop" (EOS, a stop token or string), "length" (max_new_tokens or the context end), or
+    # "abort" (cut short by its caller: `Row.finish("abort", None)`)
+    stop_reason: str | int | None  # the stop string, stop token or EOS id that ended it
     logprobs: list[float] | None  # log p(x) under the processed target distribution
     raw_logprobs: list[float] | None  # log softmax(target logits)(x), temperature 1, no truncation
     stats: SpecStats
@@ -48,6 +49,33 @@ class StreamEvent:
 
 
 @dataclass
+class IncrementalDecoder:
+    """The text of a growing token list, decoded a few tokens per step rather than whole every step (which is
+    O(n^2) over a request), in the way of vLLM's incremental detokenizer: the new tokens are decoded after a
+    window of already-decoded ones, tokens[prefix:read], and the text grows by what they add. Decoding them with
+    their predecessors keeps what a tokenizer does at a boundary (SentencePiece's leading space, a multi-byte
+    character split over tokens: the window waits until it completes, no U+FFFD is ever appended)."""
+
+    prefix: int = 0  # tokens[prefix:read]: the context decoded again with the next tokens
+    read: int = 0  # tokens[:read] are in text
+    text: str = ""
+
+    def update(self, tokenizer, tokens: list[int]) -> str:
+        if len(tokens) > self.read:
+            before = tokenizer.decode(tokens[self.prefix : self.read], skip_special_tokens=True)
+            after = tokenizer.decode(tokens[self.prefix :], skip_special_tokens=True)
+            if after.endswith("\ufffd") or len(after) <= len(before):
+                return self.text  # a character still incomplete, or nothing visible yet: the window waits
+            if after.startswith(before):
+                self.text += after[len(before) :]
+            else:  # the tokenizer rewrote the window (space clean-up): resynchronise on the whole text, once
+                whole = tokenizer.decode(tokens, skip_special_tokens=True)
+                self.text = whole if whole.startswith(self.text) else self.text
+            self.prefix, self.read = self.read, len(tokens)
+        return self.text
+
+
+@dataclass
 class Row:
     index: int
     prompt: list[int]
@@ -58,6 +86,7 @@ class Row:
     max_new: int = 128
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    stop_token_ids: frozenset[int] = frozenset()  # end the row like EOS (even with ignore_eos), not returned
     gamma: int | None = None  # this request's draft length (0: no speculation); None: the generator's choice
     top_logprobs: int = 0  # alternatives per position to return (raw target log-softmax)
     key: object = None  # the caller's handle (abort)
@@ -71,6 +100,7 @@ class Row:
     failures: int = 0  # steps that ended in a rejection (adaptive gamma)
     stats: SpecStats = field(default_factory=SpecStats)
     done: Completion | None = None
+    detok: IncrementalDecoder = field(default_factory=IncrementalDecoder)  # the streamed text, incrementally
 
     def observe(self, drafted: int, accepted: int, nodes: int) -> None:
         """One verification step: a draft `drafted` deep with `nodes` tokens, of which `accepted` were kept."""
@@ -90,7 +120,7 @@ class Row:
         """Append a step's tokens to the output until EOS, the budget or the context end; returns those taken."""
         returned: list[int] = []
         for j, t in enumerate(new):
-            if not self.ignore_eos and t in eos_ids:
+            if t in self.stop_token_ids or (not self.ignore_eos and t in eos_ids):
                 self.finish("stop", t)
                 self.done.eos_logprob, self.done.eos_raw_logprob = lp[j], raw[j]
                 break
@@ -122,11 +152,17 @@ class Row:
         )
 
     def event(self, tokenizer, before: int) -> StreamEvent:
-        """This step's event: the text delta (stop strings applied) and the tokens kept since `before`."""
-        text = tokenizer.decode(self.tokens, skip_special_tokens=True)
-        hit = min(((text.find(s), s) for s in self.stop if s in text), default=None)
-        if hit is not None:
-            text = self._cut_at_stop(tokenizer, text, *hit, before)
+        """This step's event: the text delta (stop strings applied) and the tokens kept since `before`.
+        While the row runs, its text grows incrementally (a few tokens decoded per step); a stop string seen
+        there, and the row's end, are settled on one decode of the whole output (the returned text)."""
+        old = len(self.detok.text)
+        text = self.detok.update(tokenizer, self.tokens)
+        span = max(map(len, self.stop), default=1) - 1  # a stop string may straddle the previous text's end
+        if self.done is not None or any(s in text[max(old - span, 0) :] for s in self.stop):
+            text = tokenizer.decode(self.tokens, skip_special_tokens=True)
+            hit = min(((text.find(s), s) for s in self.stop if s in text), default=None)
+            if hit is not None:
+                text = self._cut_at_stop(tokenizer, text, *hit, before)
         if self.done is not None:
             delta = text[len(self.sent) :] if text.startswith(self.sent) else ""
             self.sent = text

@@ -9,9 +9,9 @@ Then P(emit x) = q(x) min(1, p(x)/q(x)) + (1 - alpha) (p(x) - q(x))+ / (1 - alph
 
 Properties that the implementation keeps (each is tested):
   * strict `<` with u in [0, 1): a token with p(t) = 0 is never accepted, not even when u = 0;
-  * the residual is built lazily, only at each row's stopping position;
+  * the residual is built lazily, only at each row's stopping position, in reused buffers (`workspace`);
   * Z = 0 (p == q) cannot produce NaN: the row falls back to p (unreachable in exact arithmetic,
-    since a rejection needs p(t) < q(t));
+    since a rejection needs p(t) < q(t); detecting it costs one host sync per call);
   * acceptance and the final draw use separate uniforms: row b consumes exactly
     num_draft_tokens[b] + 1 uniforms from its generator, whatever the outcome, in this order:
     the acceptance uniforms for its drafts, then one for the recovered / bonus draw;
@@ -23,6 +23,8 @@ Properties that the implementation keeps (each is tested):
 
 from __future__ import annotations
 
+import math
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -149,47 +151,76 @@ def draw_uniforms(
     numbers do not depend on other rows. Without, the whole batch draws from the global generator.
     """
     B = num_draft.shape[0]
+    pos = torch.arange(k, device=device)
     if generators is None:
         u = torch.rand((B, k + 1), dtype=torch.float64, device=device)
-        pos = torch.arange(k, device=device)
-        accept_u = u[:, :k].masked_fill(pos >= num_draft.unsqueeze(1), 0.0)
-        final_u = u.gather(1, num_draft.unsqueeze(1)).squeeze(1)
-        return accept_u, final_u
-    if isinstance(generators, torch.Generator) or len(generators) != B:
-        got = "one generator" if isinstance(generators, torch.Generator) else len(generators)
-        raise ValueError(f"generators must have one entry per row: got {got} for {B} rows")
-    bad = [g for g in generators if g is not None and not isinstance(g, torch.Generator)]
-    if bad:
-        raise ValueError(f"generators must be torch.Generator objects or None, got {type(bad[0]).__name__}")
-    counts = num_draft.tolist()
-    accept_u = torch.zeros((B, k), dtype=torch.float64, device=device)
-    final_u = torch.empty((B,), dtype=torch.float64, device=device)
-    for b, (g, n) in enumerate(zip(generators, counts)):
-        gdev = g.device if g is not None else device
-        u = torch.rand((n + 1,), dtype=torch.float64, generator=g, device=gdev).to(device)
-        accept_u[b, :n] = u[:n]
-        final_u[b] = u[n]
+    else:
+        if isinstance(generators, torch.Generator) or len(generators) != B:
+            got = "one generator" if isinstance(generators, torch.Generator) else len(generators)
+            raise ValueError(f"generators must have one entry per row: got {got} for {B} rows")
+        bad = [g for g in generators if g is not None and not isinstance(g, torch.Generator)]
+        if bad:
+            raise ValueError(f"generators must be torch.Generator objects or None, got {type(bad[0]).__name__}")
+        u = _rows_of_uniforms(num_draft.tolist(), k + 1, generators, device)  # [B, k + 1]
+    accept_u = u[:, :k].masked_fill(pos >= num_draft.unsqueeze(1), 0.0)
+    final_u = u.gather(1, num_draft.unsqueeze(1)).squeeze(1)
     return accept_u, final_u
 
 
+def _rows_of_uniforms(
+    counts: list[int], width: int, generators: Sequence[torch.Generator | None], device: torch.device
+) -> Tensor:  # [B, width] float64: row b holds counts[b] + 1 uniforms from generators[b], then zeros
+    """One torch.rand per row, written in place (rows on the generators' device, moved once)."""
+    gdev = next((g.device for g in generators if g is not None), torch.device(device))
+    gdev = gdev if all(g is None or g.device == gdev for g in generators) else torch.device("cpu")
+    u = torch.zeros((len(counts), width), dtype=torch.float64, device=gdev)
+    for b, (g, n) in enumerate(zip(generators, counts)):
+        if g is not None and g.device != gdev:
+            u[b, : n + 1] = torch.rand((n + 1,), dtype=torch.float64, generator=g, device=g.device).to(gdev)
+        else:
+            torch.rand((n + 1,), dtype=torch.float64, generator=g, device=gdev, out=u[b, : n + 1])
+    return u.to(device)
+
+
+_local = threading.local()
+
+
+def workspace(name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A reused scratch tensor of `shape` (uninitialised), one per name and thread: the hot path's large
+    temporaries (fresh multi-MB allocations cost page faults on CPU). Valid until the next call with this name."""
+    pool = _local.__dict__.setdefault("pool", {})
+    n = math.prod(shape)
+    buf = pool.get(name)
+    if buf is None or buf.numel() < n or buf.dtype != dtype or buf.device != torch.device(device):
+        buf = pool[name] = torch.empty((n,), dtype=dtype, device=device)
+    return buf[:n].view(shape)
+
+
 def sample_from_weights(
-    weights: Tensor,  # [B, V] non-negative float, each row with positive mass
+    weights: Tensor,  # [B, V] non-negative float
     u: Tensor,  # [B] float64 in [0, 1)
     block: int = 256,
+    fallback: Tensor | None = None,  # [B, V]: rows of weights with no mass sample from this row instead
 ) -> Tensor:  # [B] int64: the first index whose cumulative weight exceeds u * total
     """Inverse-CDF sampling with one explicit uniform per row; never returns a zero-weight index.
 
     Two levels, so no [B, V] temporary is built: pick a block of `block` tokens from the block masses
     (float64 cumulative sums over float32 block sums), then a token inside it (float64 cumulative sum).
     A token's probability is exact up to the float rounding of the inputs (relative ~1e-7 in float32).
+    Each row of `weights` needs positive mass, or a `fallback` row that has it (checked with one host sync).
     """
-    _, V = weights.shape
+    B, V = weights.shape
     n_full = V // block
-    head = weights[:, : n_full * block].unflatten(1, (n_full, block)).sum(dim=-1)  # [B, n_full]
-    tail = weights[:, n_full * block :].sum(dim=-1, keepdim=True)  # [B, 1] (0 when V % block == 0)
-    mass = torch.cat([head, tail], dim=1).to(torch.float64)  # [B, n_blocks]
+    mass = torch.empty((B, n_full + 1), dtype=weights.dtype, device=weights.device)  # [B, n_blocks]
+    torch.sum(weights[:, : n_full * block].unflatten(1, (n_full, block)), dim=-1, out=mass[:, :n_full])
+    torch.sum(weights[:, n_full * block :], dim=-1, out=mass[:, n_full])  # 0 when V % block == 0
+    mass = mass.to(torch.float64)
     cdf = mass.cumsum(dim=1)  # monotone: the first block with cdf > x has positive mass
     total = cdf[:, -1:]
+    if fallback is not None:
+        empty = total <= 0  # [B, 1]: Z = 0 (inexact arithmetic only)
+        if bool(empty.any()):
+            return sample_from_weights(torch.where(empty, fallback, weights), u, block)
     x = torch.minimum(u.unsqueeze(1) * total, torch.nextafter(total, torch.zeros_like(total)))  # [B, 1], x < total
     blk = torch.searchsorted(cdf, x, right=True)  # [B, 1]
     x = x - (cdf.gather(1, blk) - mass.gather(1, blk))  # mass left to cover inside the chosen block
@@ -223,30 +254,45 @@ def verify_chain_with_uniforms(
         q_t = draft_probs.gather(-1, ids.unsqueeze(-1)).squeeze(-1).to(torch.float64)  # [B, k]
     accept = (accept_u * q_t < p_t) & (pos[:k] < num_draft.unsqueeze(1))  # [B, k]
     num_accepted = accept.to(torch.int64).cumprod(dim=1).sum(dim=1)  # [B]: length of the accepted prefix
-
     rejected = num_accepted < num_draft  # [B]: stopped at a draft (recovered) rather than after all (bonus)
-    # Residual (p - q)+ only at each row's stopping position, built in one [B, V] buffer (large temporaries
-    # cost page faults on CPU, so the arithmetic is in place). Bonus rows subtract nothing: residual = p.
-    row0 = torch.arange(B, device=dev)
-    p_row = target_probs.reshape(B * K1, V).index_select(0, row0 * K1 + num_accepted)  # [B, V]
-    stop = num_accepted.clamp(max=max(k - 1, 0))
-    if k > 0 and draft_probs is not None:  # q at the stopping position
-        residual = draft_probs.reshape(B * k, V).index_select(0, row0 * k + stop).to(p_row.dtype)  # [B, V]
-        # masked_fill (not a multiply by 0): a bonus row's q slot may hold garbage such as NaN
-        residual.masked_fill_(~rejected.unsqueeze(1), 0.0).neg_().add_(p_row).clamp_min_(0.0)
-    else:  # one-hot q: (p - onehot(t))+ is p with p(t) zeroed
-        residual = p_row.clone()
-        if k > 0:
-            t = ids.gather(1, stop.unsqueeze(1))  # [B, 1]
-            residual.scatter_(1, t, torch.where(rejected.unsqueeze(1), 0.0, residual.gather(1, t)))
-    z = residual.sum(dim=1, keepdim=True)  # [B, 1]
-    residual.addcmul_(p_row, (z <= 0).to(p_row.dtype))  # Z = 0 only in inexact arithmetic: fall back to p
-    final = sample_from_weights(residual, final_u)  # [B]
+    residual, p_row = _residual_at_stop(target_probs, ids, draft_probs, num_accepted, rejected)
+    final = sample_from_weights(residual, final_u, fallback=p_row)  # [B]; Z = 0 (inexact arithmetic): p
 
     token_ids = torch.where(pos[:k] < num_accepted.unsqueeze(1), draft_token_ids, -1)
     token_ids = torch.cat([token_ids, torch.full((B, 1), -1, dtype=torch.int64, device=dev)], dim=1)
     token_ids.scatter_(1, num_accepted.unsqueeze(1), final.unsqueeze(1))
     return ChainVerifyOutput(token_ids=token_ids, num_accepted=num_accepted)
+
+
+def _residual_at_stop(
+    target_probs: Tensor,  # [B, k + 1, V]
+    ids: Tensor,  # [B, k] int64 draft tokens (padding clamped into [0, V))
+    draft_probs: Tensor | None,  # [B, k, V] or None (one-hot drafts)
+    num_accepted: Tensor,  # [B] int64
+    rejected: Tensor,  # [B] bool
+) -> tuple[Tensor, Tensor]:  # residual (p - q)+ [B, V] (p on bonus rows), p at the stop [B, V]: workspace views
+    """(p - q)+ at each row's stopping position only, in two reused [B, V] buffers (no fresh large
+    temporaries, and full-vocabulary passes only, no [B, 1]-broadcast masked ops: those are slow on CPU)."""
+    B, K1, V = target_probs.shape
+    k = K1 - 1
+    dev, dtype = target_probs.device, target_probs.dtype
+    row0 = torch.arange(B, device=dev)
+    p_row = workspace("p_row", (B, V), dtype, dev)
+    torch.index_select(target_probs.reshape(B * K1, V), 0, row0 * K1 + num_accepted, out=p_row)
+    residual = workspace("residual", (B, V), dtype, dev)
+    stop = num_accepted.clamp(max=max(k - 1, 0))
+    if k > 0 and draft_probs is not None:  # q at the stopping position, zeroed on bonus rows
+        torch.index_select(draft_probs.reshape(B * k, V), 0, row0 * k + stop, out=residual)
+        # a bonus row's q slot may hold garbage (NaN, inf): the product with 0 is 0 or NaN, and nan_to_num zeroes
+        # it; a rejected row's q is a distribution, which neither step changes
+        residual.mul_(rejected.to(dtype).unsqueeze(1)).nan_to_num_(0.0, 0.0, 0.0)
+        torch.sub(p_row, residual, out=residual).clamp_min_(0.0)
+    else:  # one-hot q: (p - onehot(t))+ is p with p(t) zeroed
+        residual.copy_(p_row)
+        if k > 0:
+            t = ids.gather(1, stop.unsqueeze(1))  # [B, 1]
+            residual.scatter_(1, t, torch.where(rejected.unsqueeze(1), 0.0, residual.gather(1, t)))
+    return residual, p_row
 
 
 def verify_chain(
