@@ -83,3 +83,32 @@ def test_plain_cost_is_measured_once_per_batch_size():
     c.observe_verify(1, 1.0, batch=4)
     assert not c.wants_plain_probe(4)
     assert not GammaController(3).wants_plain_probe(1)  # a fixed gamma never probes
+
+
+def test_seeded_costs_set_gamma_per_batch_size_from_the_first_step():
+    """Costs measured before any step (calibrate): each batch size gets the draft length its own curve favours."""
+    c = GammaController("auto", max_gamma=8)
+    c.seed_costs(1, [1.0 + 0.02 * n for n in range(1, 10)], 0.05)
+    c.seed_costs(8, [1.0 + 0.5 * n for n in range(1, 10)], 0.15)
+    assert not c.wants_plain_probe(8)  # T(1) is measured
+    assert c.choose(0, 0, cap=8, batch=1) >= 5 and c.choose(0, 0, cap=8, batch=8) <= 2
+
+
+def test_generator_calibrate_measures_every_batch_size(tiny_target, tiny_draft):
+    from verispec.engine.generator import SpeculativeGenerator
+    from verispec.sampling import SamplingParams
+
+    gen = SpeculativeGenerator(tiny_target, tiny_draft, gamma="auto", max_gamma=3, runner="hf")
+    out = gen.calibrate((1, 2), context=8, repeats=1)
+    assert set(out) == {1, 2} and all(len(v["curve"]) == 4 and v["draft_step"] > 0 for v in out.values())
+    assert set(gen.controller.verify_costs) == {1, 2} and set(gen.controller.draft_costs) == {1, 2}
+    fixed = SpeculativeGenerator(tiny_target, tiny_draft, gamma=2, runner="hf")
+    fresh = SpeculativeGenerator(tiny_target, tiny_draft, gamma=2, runner="hf")
+    fixed.calibrate((2,), context=8, repeats=1)
+
+    def run(g):
+        return [c.token_ids for c in g.generate(["a b c", "d e"], SamplingParams(seed=0), max_new_tokens=6)]
+
+    assert run(fixed) == run(fresh)  # the calibration's cache contents do not leak into generation
+    with pytest.raises(ValueError, match="batches"):
+        gen.calibrate([0])

@@ -27,7 +27,6 @@ target cost T(n) over n tokens, calibrated at the start of the run).
 from __future__ import annotations
 
 import json
-import statistics
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -36,6 +35,7 @@ from pathlib import Path
 import torch
 
 from ..drafting import TreeSpec
+from ..engine.adaptive import measure_cost_curve
 from ..engine.generator import SpeculativeGenerator
 from ..model.fast import fast_path_unsupported
 from ..model.loading import LoadedModel
@@ -50,7 +50,7 @@ class E2EConfig:
     max_new_tokens: int = 64
     temperatures: tuple[float, ...] = (0.0, 1.0)
     num_prompts: int = 2  # per category at batch 1
-    batch: int = 4  # the batched verispec runs use the first `batch` prompts of each category
+    batch: tuple[int, ...] = (4,)  # batched verispec runs, each on the first `batch` prompts of each category
     gamma: int | str = 4
     seed: int = 0
     chat: bool = True
@@ -85,23 +85,9 @@ def load_prompts(paths: list[str]) -> dict[str, list[str]]:
     return dict(out)
 
 
-@torch.inference_mode()
-def calibrate(runner, vocab: int, max_n: int, context: int = 64, repeats: int = 5) -> list[float]:
-    """Median seconds of one forward over n = 1..max_n new tokens after `context` cached tokens (batch 1)."""
-    runner.start(1, context + max_n + 1)
-    g = torch.Generator().manual_seed(0)
-    runner.prefill([torch.randint(0, vocab, (context,), generator=g).tolist()])
-    curve = []
-    for n in range(1, max_n + 1):
-        times = []
-        for _ in range(repeats):
-            toks = torch.randint(0, vocab, (n,), generator=g).tolist()
-            t0 = time.perf_counter()
-            runner.forward([toks])
-            times.append(time.perf_counter() - t0)
-            runner.truncate([context])
-        curve.append(statistics.median(times))
-    return curve
+def calibrate(runner, vocab: int, max_n: int, context: int = 64, repeats: int = 5, batch: int = 1) -> list[float]:
+    """T_batch(1..max_n): see `verispec.engine.adaptive.measure_cost_curve`."""
+    return measure_cost_curve(runner, vocab, max_n, batch, context, repeats)
 
 
 def theory_speedup(alpha: float, steps_by_drafted: dict[int, int], draft_cost: float, curve: list[float]) -> float:
@@ -289,28 +275,33 @@ def run_e2e(
         + [int(_strip_mode(m).partition("@")[2]) for m in methods if m.startswith("verispec-draft@")]
         + [g.tree.max_nodes for g in gens.values() if g.tree is not None]
     )
-    log("calibrating the cost curve ...")
-    target_curve = calibrate(gens["verispec-plain"].runner, vocab, min(widest, 64) + 1)
+    batches = sorted({1, *cfg.batch})
+    log(f"calibrating the cost curves at batch {', '.join(map(str, batches))} ...")
+    curves = {b: calibrate(gens["verispec-plain"].runner, vocab, min(widest, 64) + 1, batch=b) for b in batches}
     draft_steps = {
-        m: calibrate(gens[m].proposer.runner, vocab, 1)[0]
+        m: {b: calibrate(gens[m].proposer.runner, vocab, 1, batch=b)[0] for b in batches}
         for m in gens
         if m.startswith(("verispec-draft", "verispec-self"))
     }
-    draft_step = draft_steps.get("verispec-draft", 0.0)
-    log(
-        "T(n) target seconds: "
-        + ", ".join(f"{t:.3f}" for t in target_curve)
-        + "; draft step "
-        + ", ".join(f"{m} {t:.3f}s" for m, t in draft_steps.items())
-    )
+    for m, gen in gens.items():  # gamma auto starts from the measured costs at every batch size
+        if gen.proposer is not None and gen.controller.fixed is None:
+            for b in batches:
+                gen.controller.seed_costs(b, curves[b], draft_steps.get(m, {}).get(b))
+    for b in batches:
+        log(
+            f"batch {b}: T(n) target seconds: "
+            + ", ".join(f"{t:.3f}" for t in curves[b])
+            + "; draft step "
+            + ", ".join(f"{m} {t[b]:.3f}s" for m, t in draft_steps.items())
+        )
 
     records = []
     encode = gens["verispec-plain"].encode
     for temp in cfg.temperatures:
         for cat, texts in prompts.items():
             ids = [encode(t, chat=cfg.chat) for t in texts]
-            for batch in sorted({1, cfg.batch}):
-                chosen = ids[: cfg.num_prompts] if batch == 1 else ids[: cfg.batch]
+            for batch in batches:
+                chosen = ids[: cfg.num_prompts] if batch == 1 else ids[:batch]
                 if batch > 1 and len(chosen) < batch:
                     continue
                 for method in methods:
@@ -375,9 +366,10 @@ def run_e2e(
                         if tree:  # alpha of a tree is not one number: per-depth acceptance is per_position
                             rec["alpha"] = None
                         if method != "verispec-plain" and stats.drafted and not tree:
-                            step_draft = draft_steps.get(method, stats.draft_time / max(stats.drafted, 1))
+                            measured = draft_steps.get(method, {}).get(batch)
+                            step_draft = measured if measured is not None else stats.draft_time / max(stats.drafted, 1)
                             rec["theory_speedup"] = theory_speedup(
-                                stats.acceptance_rate, stats.steps_by_drafted, step_draft, target_curve
+                                stats.acceptance_rate, stats.steps_by_drafted, step_draft, curves[batch]
                             )
                     rec["tokens_per_s"] = rec["tokens"] / rec["seconds"] if rec["seconds"] else None
                     if rec.get("prefill_s") is not None and rec["seconds"] > rec["prefill_s"]:  # after the prefill
@@ -416,9 +408,10 @@ def run_e2e(
         "draft": draft.name if draft else None,
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
-        "cost_curve_s": target_curve,
-        "draft_step_s": draft_step,
-        "draft_steps_s": draft_steps,
+        "cost_curve_s": curves[1],  # batch 1
+        "cost_curves_s": {str(b): c for b, c in curves.items()},  # batch size -> T(1..n)
+        "draft_step_s": draft_steps.get("verispec-draft", {}).get(1, 0.0),
+        "draft_steps_s": {m: {str(b): t for b, t in d.items()} for m, d in draft_steps.items()},
         "runner": type(gens["verispec-plain"].runner).__name__,
         "records": records,
     }
@@ -459,15 +452,27 @@ def _fmt(x, spec=".2f"):
     return "-" if x is None else format(x, spec)
 
 
+def _curve_lines(result: dict) -> list[str]:
+    curves = result.get("cost_curves_s") or {"1": result["cost_curve_s"]}
+    drafts = result.get("draft_steps_s", {})
+    return [
+        f"- batch {b}: T(1..{len(c)}) = "
+        + ", ".join(f"{t:.3f}" for t in c)
+        + f"; T(n)/T(1) at n = {len(c)}: {c[-1] / c[0]:.2f}; draft step "
+        + (", ".join(f"{m} {d[b]:.3f}" for m, d in drafts.items() if b in d) or "-")
+        for b, c in curves.items()
+    ]
+
+
 def to_markdown(result: dict) -> str:
     lines = [
         f"target: {result['target']}; draft: {result['draft']}; torch {result['torch']}, "
         f"{result['threads']} threads; max_new_tokens {result['config']['max_new_tokens']}; "
         f"gamma {result['config']['gamma']}",
-        f"verispec runner: {result.get('runner', 'HFRunner')}; cost curve T(1..n) s: "
-        + ", ".join(f"{t:.3f}" for t in result["cost_curve_s"])
-        + "; draft step "
-        + (", ".join(f"{m} {t:.3f} s" for m, t in result.get("draft_steps_s", {}).items()) or "-"),
+        f"verispec runner: {result.get('runner', 'HFRunner')}; cost curves T_B(n), seconds of one target forward "
+        "over n new tokens per row at batch B, and the draft step at B (theory at batch B prices steps with these):",
+        "",
+        *_curve_lines(result),
         "",
         "| T | category | batch | method | tok/s | tok/s after prefill | speedup | vs HF assisted "
         "| vs llama.cpp plain (incl. / after prefill) | tau | drafted / step | alpha "

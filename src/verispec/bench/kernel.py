@@ -2,7 +2,9 @@
 
 For each (B, k, V) it times, on the same inputs:
   * read pass  — one read of target_probs and draft_probs (a sum), the memory-bandwidth floor;
-  * verispec   — verify_chain(check=False): the hot-path call an engine makes with trusted inputs;
+  * verispec   — verify_chain(check=False): the hot-path call an engine makes with trusted inputs, on p far
+                 from q (rows reject early: the residual path);
+  * p = q      — the same call with p = q at the draft positions: every draft accepted (the bonus path);
   * +checks    — verify_chain(check=True): the default, with input validation;
   * +per-row generators — check=False with one torch.Generator per row (per-request seeds);
   * block      — verify_block(check=False): block verification (one more read of p and q, for the block masses);
@@ -26,6 +28,8 @@ from .table import markdown_table
 DEFAULT_SHAPES: tuple[tuple[int, int, int], ...] = (
     (1, 4, 32000),
     (1, 4, 151936),
+    (2, 4, 151936),
+    (4, 4, 151936),
     (8, 4, 151936),
     (64, 8, 32000),
     (32, 8, 151936),
@@ -104,6 +108,8 @@ def time_shape(B: int, k: int, V: int, repeats: int = 10, device: str = "cpu", r
     }
     r["read_s"] = timed(lambda: (target_probs.sum(), draft_probs.sum()))
     r["verispec_s"] = timed(lambda: verify_chain(target_probs, draft_ids, draft_probs, check=False))
+    same = torch.cat([draft_probs, target_probs[:, -1:]], 1)  # [B, k + 1, V]: p = q at every draft position
+    r["same_s"] = timed(lambda: verify_chain(same, draft_ids, draft_probs, check=False))
     r["checked_s"] = timed(lambda: verify_chain(target_probs, draft_ids, draft_probs))
     r["generators_s"] = timed(lambda: verify_chain(target_probs, draft_ids, draft_probs, generators=gens, check=False))
     r["block_s"] = timed(lambda: verify_block(target_probs, draft_ids, draft_probs, check=False))
@@ -120,6 +126,8 @@ def to_markdown(rows: list[dict]) -> str:
         "V",
         "read pass ms",
         "verispec ms",
+        "x read",
+        "p = q ms",
         "x read",
         "+checks ms",
         "x read",
@@ -140,6 +148,8 @@ def to_markdown(rows: list[dict]) -> str:
                 f"{r['read_s'] * 1e3:.3f}",
                 f"{r['verispec_s'] * 1e3:.3f}",
                 f"{r['verispec_s'] / r['read_s']:.2f}",
+                f"{r['same_s'] * 1e3:.3f}",
+                f"{r['same_s'] / r['read_s']:.2f}",
                 f"{r['checked_s'] * 1e3:.3f}",
                 f"{r['checked_s'] / r['read_s']:.2f}",
                 f"{r['generators_s'] * 1e3:.3f}",

@@ -11,6 +11,7 @@ from .options import (
     add_bench_model_args,
     bench_model_options,
     gamma_type,
+    int_range,
     load,
     model_errors,
     pick,
@@ -38,6 +39,11 @@ def _temperatures(text: str) -> tuple[float, ...]:
     return values
 
 
+def _batches(text: str) -> tuple[int, ...]:
+    check = int_range(1)
+    return tuple(sorted({check(b) for b in text.split(",")}))
+
+
 def add_parser(sub) -> None:
     p = sub.add_parser("e2e", help="end-to-end tokens/s: verispec (plain, draft, ngram) vs HF generate")
     add_bench_inputs(
@@ -45,8 +51,13 @@ def add_parser(sub) -> None:
         "target model (default: the built-in default model)",
         "draft model for verispec-draft and hf-assisted (omit: those are skipped)",
         ("--num-prompts", 1, 2, "prompts per category at batch 1 (default %(default)s)"),
-        ("--batch", 1, 4, "batch size of the batched verispec runs (default %(default)s)"),
         ("--max-new-tokens", 1, 64, "default %(default)s"),
+    )
+    p.add_argument(
+        "--batch",
+        type=_batches,
+        default=(4,),
+        help="batch sizes of the batched verispec runs, comma-separated, e.g. 4,8,16 (default 4)",
     )
     p.add_argument("--temperatures", type=_temperatures, default="0,1", help="comma-separated (default 0,1)")
     p.add_argument("--gamma", type=gamma_type(), default=4, help="drafts per step for verispec, or auto (default 4)")

@@ -19,11 +19,39 @@ timings, so seeded outputs are reproducible only with a fixed gamma.
 
 from __future__ import annotations
 
+import statistics
+import time
+
+import torch
+
 from ..sampling.theory import optimal_gamma_cost_curve, speedup_cost_curve
 
-__all__ = ["MAX_GAMMA", "GammaController", "check_gamma"]
+__all__ = ["MAX_GAMMA", "GammaController", "check_gamma", "measure_cost_curve"]
 
 MAX_GAMMA = 64  # drafts per step: far beyond where speculation pays (every draft costs a draft forward)
+
+
+@torch.inference_mode()
+def measure_cost_curve(
+    runner, vocab: int, max_n: int, batch: int = 1, context: int = 64, repeats: int = 5
+) -> list[float]:
+    """Median seconds of one forward of `runner` over n = 1..max_n new tokens per row after `context` cached
+    (random) tokens, for `batch` rows: the cost curve T_batch(n) that prices a speculative step at that batch size.
+    Leaves the runner's cache in use: call it before generating, never during."""
+    runner.start(batch, context + max_n + 1)
+    g = torch.Generator().manual_seed(0)
+    runner.prefill([torch.randint(0, vocab, (context,), generator=g).tolist() for _ in range(batch)])
+    curve = []
+    for n in range(1, max_n + 1):
+        times = []
+        for _ in range(repeats):
+            toks = [torch.randint(0, vocab, (n,), generator=g).tolist() for _ in range(batch)]
+            t0 = time.perf_counter()
+            runner.forward(toks)
+            times.append(time.perf_counter() - t0)
+            runner.truncate([context] * batch)
+        curve.append(statistics.median(times))
+    return curve
 
 
 def check_gamma(value, name: str = "gamma") -> int:
@@ -47,6 +75,13 @@ class GammaController:
         self.draft_costs: dict[int, float] = {}  # batch size -> seconds per draft forward
         self.verify_costs: dict[int, dict[int, float]] = {}  # batch size -> n tokens per row -> seconds per pass
         self.pooled = [0, 0]  # successes, failures over every row (the prior for new rows)
+
+    def seed_costs(self, batch: int, curve: list[float], draft_cost: float | None) -> None:
+        """Measured costs at one batch size before any step runs (`SpeculativeGenerator.calibrate`): the target's
+        T(1..n) at `batch` rows and the seconds of one draft forward there. Steps then refine them (EMA)."""
+        self.verify_costs[batch] = {n: t for n, t in enumerate(curve, 1)}
+        if draft_cost is not None:
+            self.draft_costs[batch] = draft_cost
 
     def _blend(self, old: float | None, new: float) -> float:
         return new if old is None else (1 - self.ema) * old + self.ema * new

@@ -30,7 +30,7 @@ from ..model.fast import make_runner
 from ..model.loading import LoadedModel, shared_vocab_size
 from ..sampling import CHAIN_RULES, SamplingParams, verify_tree
 from ..sampling.coupling import COUPLINGS
-from .adaptive import GammaController
+from .adaptive import GammaController, measure_cost_curve
 from .rows import Completion, StreamEvent
 from .session import GenerationSession, check_limits
 from .stats import SpecStats
@@ -232,6 +232,26 @@ class SpeculativeGenerator:
         for i, (prompt, sp) in enumerate(zip(prompts, params)):  # every prompt is validated before any step
             sess.add(prompt, sp, max_new_tokens=max_new_tokens, stop=stop, chat=chat, ignore_eos=ignore_eos, index=i)
         return self._drive(sess)
+
+    def calibrate(self, batches: Sequence[int] = (1, 2, 4, 8), context: int = 64, repeats: int = 3) -> dict:
+        """Measure the target's cost curve T_B(1..max_gamma + 1) and the draft's step cost at each batch size B, and
+        give them to gamma "auto", which then picks each step's draft length from the curve at that step's batch
+        size from the first step on (vLLM asks for a hand-set draft length per batch size; here it is measured).
+        Returns {B: {"curve": [...], "draft_step": seconds or None}}. Lossless either way: only speed moves."""
+        if (
+            isinstance(batches, int)
+            or not batches
+            or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in batches)
+        ):
+            raise ValueError(f"batches must be a non-empty list of integers >= 1, got {batches!r}")
+        drafter = getattr(self.proposer, "runner", None)  # a draft model's runner; n-gram drafting costs no forward
+        out = {}
+        for b in sorted(set(batches)):
+            curve = measure_cost_curve(self.runner, self.vocab_size, self.controller.max_gamma + 1, b, context, repeats)
+            step = measure_cost_curve(drafter, self.vocab_size, 1, b, context, repeats)[0] if drafter else None
+            self.controller.seed_costs(b, curve, step)
+            out[b] = {"curve": curve, "draft_step": step}
+        return out
 
     def session(self) -> GenerationSession:
         """A continuous-batching session: requests join (`add`) and leave (finish, `abort`) between steps."""
