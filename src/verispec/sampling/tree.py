@@ -56,7 +56,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .chain import check_probability_rows, draw_uniforms, sample_from_weights
+from .chain import check_probability_rows, draw_uniforms, sample_from_weights, workspace
 
 __all__ = [
     "TREE_RULES",
@@ -162,6 +162,7 @@ def verify_tree_with_uniforms(
             q_cur = draft_probs[rows, cur].to(r.dtype)  # [B, V]
             if rule == "without_replacement":
                 q_cur = q_cur.clone()
+        q_scale = None  # [B, 1]: without_replacement's normalisation of q_cur
         took = torch.full((B,), -1, dtype=torch.int64, device=dev)  # accepted child per row
         searching = active.clone()
         for i in range(W):
@@ -181,21 +182,16 @@ def verify_tree_with_uniforms(
                 q_i = q_cur
                 q_x = torch.where(s, q_cur.gather(1, x.unsqueeze(1)).squeeze(1).double(), 1.0)
             else:
-                q_i = q_cur / q_cur.sum(-1, keepdim=True) if rule == "without_replacement" else q_cur
-                q_x = q_i.gather(1, x.unsqueeze(1)).squeeze(1).double()
+                q_i = q_cur
+                q_x = q_cur.gather(1, x.unsqueeze(1)).squeeze(1).double()
+                if rule == "without_replacement":  # q_cur renormalised: the siblings drawn before x are gone
+                    q_scale = 1.0 / q_cur.sum(-1, keepdim=True).clamp_min(torch.finfo(q_cur.dtype).tiny)  # [B, 1]
+                    q_x = q_x * q_scale.squeeze(1).double()
             acc = test & (accept_u[rows, c] * q_x < r_x)
             took = torch.where(acc, c, took)
             rej = test & ~acc
-            if not _stale_residual and bool(rej.any()):
-                if q_i is None:
-                    new = r.scatter(1, x.unsqueeze(1), 0.0)
-                elif s is not None:  # mixed: per row, the sampled or the chosen child's residual
-                    new = torch.where(s.unsqueeze(1), (r - q_i).clamp_min(0.0), r.scatter(1, x.unsqueeze(1), 0.0))
-                else:
-                    new = (r - q_i).clamp_min_(0.0)
-                z = new.sum(-1, keepdim=True)
-                new = torch.where(z > 0, new / z.clamp_min(torch.finfo(new.dtype).tiny), r)  # Z = 0: keep r
-                r = torch.where(rej.unsqueeze(1), new, r)
+            if not _stale_residual:
+                _reject(r, workspace("tree_residual", (B, V), r.dtype, dev), q_i, q_scale, s, x, rej)
             if rule == "without_replacement":  # the next sibling was drawn with x removed
                 q_cur.scatter_(1, x.unsqueeze(1), torch.where(test.unsqueeze(1), 0.0, q_cur.gather(1, x.unsqueeze(1))))
             searching &= ~acc
@@ -218,6 +214,35 @@ def verify_tree_with_uniforms(
     tok = torch.cat([tok, torch.full((B, 1), -1, dtype=torch.int64, device=dev)], 1)  # [B, D + 1]
     tok.scatter_(1, num_accepted.unsqueeze(1), final.unsqueeze(1))
     return TreeVerifyOutput(token_ids=tok, num_accepted=num_accepted, path=path)
+
+
+def _reject(
+    r: Tensor,  # [B, V]: running residual, updated in place on the rejected rows
+    buf: Tensor,  # [B, V]: scratch
+    q: Tensor | None,  # [B, V]: the slot's q (None: deterministic children, one-hot q)
+    q_scale: Tensor | None,  # [B, 1]: a factor on q (without_replacement's renormalisation), or None
+    sampled: Tensor | None,  # [B] bool, rule "mixed": the child was sampled from q (else chosen: one-hot)
+    x: Tensor,  # [B] int64: the child's token
+    rej: Tensor,  # [B] bool: rows whose child was rejected
+) -> None:
+    """r <- normalise((r - q)+) on the rejected rows (r with x zeroed for a one-hot q; Z = 0 keeps r), in place: no
+    [B, V] temporaries, no host sync. Rows not rejected keep r exactly, whatever their q holds (a leaf's q slot may
+    be garbage: products with 0 weight are zeroed by nan_to_num)."""
+    x = x.unsqueeze(1)
+    if q is None:
+        buf.copy_(r).scatter_(1, x, 0.0)
+    else:
+        factor = q_scale if q_scale is not None else torch.ones_like(r[:, :1])  # [B, 1]
+        if sampled is None:
+            torch.addcmul(r, q, -factor, out=buf).clamp_min_(0.0)
+        else:  # chosen children subtract nothing (their slot's q may be garbage: zeroed) and zero x below
+            torch.mul(q, factor * sampled.to(r.dtype).unsqueeze(1), out=buf).nan_to_num_(0.0, 0.0, 0.0)
+            torch.sub(r, buf, out=buf).clamp_min_(0.0)
+            buf.scatter_(1, x, torch.where(sampled.unsqueeze(1), buf.gather(1, x), 0.0))
+    z = buf.sum(-1, keepdim=True)  # [B, 1]
+    w = (rej.unsqueeze(1) & (z > 0)).to(r.dtype)  # [B, 1]: rows that take the new residual
+    buf.mul_(w / z.clamp_min(torch.finfo(r.dtype).tiny)).nan_to_num_(0.0, 0.0, 0.0)
+    r.mul_(1.0 - w).add_(buf)
 
 
 def _check_tree(
