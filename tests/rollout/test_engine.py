@@ -57,6 +57,9 @@ def test_groups_are_seeded_and_reproducible(tiny_target):
         SamplingParams(top_p=0.9),
         SamplingParams(min_p=0.1),
         SamplingParams(repetition_penalty=1.2),
+        SamplingParams(logit_bias={3: 2.0}),
+        SamplingParams(allowed_token_ids=[3, 4, 5]),
+        SamplingParams(bad_words=[[3]]),
     ],
 )
 def test_options_a_trainer_cannot_recompute_are_refused(tiny_target, params):

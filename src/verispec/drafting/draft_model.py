@@ -15,7 +15,7 @@ import time
 import torch
 
 from ..model.fast import make_runner
-from ..sampling import counts_at_nodes, probs_from_logits, sample_from_weights
+from ..sampling import sample_from_weights
 from ..sampling.coupling import coupled_draws
 from ..sampling.positional import DRAFT, keyed_uniforms
 from ..sampling.tree import chain_parents
@@ -77,16 +77,15 @@ class DraftModelProposer(Proposer):
         B, k, dev = len(view.seqs), max(gammas), view.device
         ids = torch.full((B, k), -1, dtype=torch.int64, device=dev)
         probs = None  # [B, k + 1, V] once V is known
-        penalties = view.output_counts is not None and any(p.uses_penalties for p in view.params)
         feed = [s[n:] if g > 0 else [] for s, n, g in zip(view.seqs, self.runner.lengths, gammas)]
         for j in range(k):
             logits = self.runner.forward(feed, logits_at="last")  # [B, V]
             if j == 0:
                 self._start = list(self.runner.lengths)
-            counts = (
-                counts_at_nodes(view.output_counts, ids[:, :j], chain_parents(B, j, dev))[:, j] if penalties else None
+            counts, recent = view.node_context(ids[:, :j], chain_parents(B, j, dev))  # the context after draft j - 1
+            q = view.probs(  # [B, V]: penalties and bad words see the drafts before j
+                logits, None if counts is None else counts[:, j], None if recent is None else recent[:, j]
             )
-            q = probs_from_logits(logits, view.params, prompt_mask=view.prompt_mask, output_counts=counts)  # [B, V]
             if probs is None:
                 probs = torch.zeros((B, k + 1, q.shape[-1]), dtype=q.dtype, device=dev)
             probs[:, j] = q

@@ -1,5 +1,6 @@
 """Prompt lookup (n-gram) drafting: propose the continuation of the most recent earlier occurrence of the
-sequence's last n tokens, for n from the largest configured size down. Deterministic, so q is one-hot.
+sequence's last n tokens, for n from the largest configured size down. Deterministic, so q is one-hot. A
+continuation stops before a token the request can never sample (allowed_token_ids, one-token bad words).
 
 As a tree (with a TreeSpec): the continuations of several matches (most recent first, longer
 n-grams first, up to the tree's first width) become sibling branches of one trie, verified with the
@@ -9,10 +10,11 @@ from __future__ import annotations
 
 import torch
 
+from ..sampling import SamplingParams
 from .base import BatchView, Draft, Proposer
 from .tree import TreeSpec
 
-__all__ = ["PromptLookupProposer", "lookup", "lookup_all", "trie"]
+__all__ = ["PromptLookupProposer", "lookup", "lookup_all", "trie", "unblocked_prefix"]
 
 
 def lookup(seq: torch.Tensor, n_sizes: tuple[int, ...], gamma: int) -> list[int]:
@@ -71,6 +73,7 @@ class PromptLookupProposer(Proposer):
         counts = []
         for b, (seq, g) in enumerate(zip(view.seqs, caps)):
             found = lookup(torch.as_tensor(seq), self.ngram_sizes, g) if g > 0 else []
+            found = unblocked_prefix(found, view.params[b])
             ids[b, : len(found)] = torch.as_tensor(found, dtype=torch.int64)
             counts.append(len(found))
         return Draft.chain_of(ids[:, : max(counts, default=0)].to(view.device), None, counts)
@@ -79,16 +82,27 @@ class PromptLookupProposer(Proposer):
         """A trie of up to `branches` matches' continuations per row, at most caps[b] deep, within the node budget."""
         spec = self.tree
         tokens, parents = [], []
-        for seq, cap in zip(view.seqs, caps):
+        for seq, cap, params in zip(view.seqs, caps, view.params):
             conts = (
                 lookup_all(torch.as_tensor(seq), self.ngram_sizes, min(cap, spec.max_depth), spec.branches)
                 if cap > 0
                 else []
             )
-            toks, pars = trie(conts, spec.max_nodes)
+            toks, pars = trie([unblocked_prefix(c, params) for c in conts], spec.max_nodes)
             tokens.append(toks)
             parents.append(pars)
         return Draft.tree_of(tokens, parents, None, "deterministic", view.device)
+
+
+def unblocked_prefix(tokens: list[int], params: SamplingParams | None) -> list[int]:
+    """A chosen continuation up to its first token the request never samples (allowed_token_ids, one-token bad
+    words): p = 0 there, so it and everything after it would be rejected. A deterministic cut keeps q one-hot."""
+    if not isinstance(params, SamplingParams) or (params.allowed_token_ids is None and not params.bad_words):
+        return tokens
+    for i, t in enumerate(tokens):
+        if params.blocks(t):
+            return tokens[:i]
+    return tokens
 
 
 def trie(continuations: list[list[int]], max_nodes: int) -> tuple[list[int], list[int]]:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..sampling import counts_at_nodes, probs_from_logits, sample_from_weights
+from ..sampling import sample_from_weights
 from ..sampling.tree import TREE_RULES
 from .base import BatchView, Draft
 
@@ -199,17 +199,23 @@ class TreeGrowth:
             chunk[b].append(self.tokens[b][n])
         return chunk
 
-    def path_counts(self, output_counts: Tensor, nodes: list[tuple[int, int]], T: int) -> Tensor:
-        """Output counts after each node of a fed chunk (the node's path included): [B, T, V]."""
+    def path_context(self, view: BatchView, nodes: list[tuple[int, int]], T: int) -> tuple[Tensor | None, ...]:
+        """The context after each node of a fed chunk (the node's path included, `BatchView.node_context`):
+        penalty counts [B, T, V] and bad-word context [B, T, M], None where unused."""
         B = len(self.tokens)
-        built = Draft.tree_of(self.tokens, self.parents, None, "deterministic", output_counts.device)
-        every = counts_at_nodes(output_counts, built.token_ids, built.parents)  # [B, N + 1, V]
+        if view.output_counts is None and view.recent is None:
+            return None, None
+        built = Draft.tree_of(self.tokens, self.parents, None, "deterministic", view.device)
         slot = torch.zeros((B, T), dtype=torch.int64)
         pos = [0] * B
         for b, n in nodes:
             slot[b, pos[b]] = n + 1
             pos[b] += 1
-        return every.gather(1, slot.to(every.device).unsqueeze(-1).expand(-1, -1, every.shape[-1]))
+        slot = slot.to(view.device).unsqueeze(-1)
+        return tuple(
+            None if every is None else every.gather(1, slot.expand(-1, -1, every.shape[-1]))  # [B, N + 1, *]
+            for every in view.node_context(built.token_ids, built.parents)
+        )
 
     def prune(self) -> None:
         """EAGLE-2's re-ranking: keep the `budget` nodes of highest path probability per row (a node's ancestors
@@ -231,13 +237,10 @@ def grow_tree(runner, spec: TreeSpec, view: BatchView, caps: list[int]) -> tuple
     grown = TreeGrowth(spec, B)
     if max(caps, default=0) == 0:
         return Draft.tree_of(grown.tokens, grown.parents, None, spec.rule, dev), list(runner.lengths), grown.fed
-    penalties = view.output_counts is not None and any(p.uses_penalties for p in view.params)
     feed = [s[n:] if c > 0 else [] for s, n, c in zip(view.seqs, runner.lengths, caps)]
     logits = runner.forward(feed, logits_at="last")  # [B, V]: the root (after the pending token)
     start = list(runner.lengths)
-    q = probs_from_logits(
-        logits, view.params, prompt_mask=view.prompt_mask, output_counts=view.output_counts if penalties else None
-    )  # [B, V]
+    q = view.probs(logits)  # [B, V]: the root's context
     probs = None
     if spec.rule != "deterministic":  # q at every slot that gets children
         probs = torch.zeros((B, spec.drafted_nodes + 1, q.shape[-1]), dtype=q.dtype, device=dev)
@@ -254,8 +257,8 @@ def grow_tree(runner, spec: TreeSpec, view: BatchView, caps: list[int]) -> tuple
             break
         chunk = grown.feed(expand)  # one draft forward over them: they see the prefix and their ancestors
         logits = runner.forward(chunk, parents=grown.fed_parents, tree_start=start)  # [B, T, V]
-        counts = grown.path_counts(view.output_counts, expand, logits.shape[1]) if penalties else None
-        q = probs_from_logits(logits, view.params, prompt_mask=view.prompt_mask, output_counts=counts)  # [B, T, V]
+        counts, recent = grown.path_context(view, expand, logits.shape[1])  # each fed node's own path
+        q = view.probs(logits, counts, recent)  # [B, T, V]
         q_expand = _chunk_rows(q, expand)
         if probs is not None:
             probs[[b for b, _ in expand], [n + 1 for _, n in expand]] = q_expand

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from ..drafting import BatchView, Draft
-from ..sampling import SamplingParams, counts_at_nodes, probs_from_logits
+from ..sampling import SamplingMetadata, SamplingParams
 from ..sampling.coupling import coupled_targets
 from ..sampling.positional import ACCEPT, FINAL, keyed_uniforms, verify_positional
 from ..sampling.tree import chain_parents
@@ -79,6 +79,7 @@ class GenerationSession:
         self.prompt_mask: Tensor | None = None  # [B, V] bool: tokens in each row's prompt
         self.counts: Tensor | None = None  # [B, V] float32: each row's generated-token counts
         self.last_step: list[tuple[int, int]] = []  # (drafted, accepted) per row of the last step, for metrics
+        self.sampling: SamplingMetadata | None = None  # self.rows' params as tensors (rebuilt in _admit / _keep)
         self._aborted: set = set()
 
     @property
@@ -110,6 +111,7 @@ class GenerationSession:
             raise ValueError(f"top_logprobs must be an integer in [0, 20], got {top_logprobs!r}")
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        params.check_vocab(gen.vocab_size)  # token options' ids: refused here, not when the batch is built
         ids = gen.encode(prompt, chat)
         if gen.max_positions is not None and len(ids) >= gen.max_positions:
             raise ValueError(f"prompt {index} has {len(ids)} tokens; the model's context is {gen.max_positions}")
@@ -169,6 +171,7 @@ class GenerationSession:
             positions=[len(r.tokens) for r in rows],
             coupling=gen.coupling,
             seeding=gen.seeding,
+            sampling=self.sampling if rows is self.rows else None,  # the batch's, built at its last membership change
         )
 
     def _capacity(self, rows: list[Row]) -> int:
@@ -208,6 +211,7 @@ class GenerationSession:
         for r in new:
             r.t_start = now
         self.rows.extend(new)
+        self.sampling = SamplingMetadata.build([r.params for r in self.rows], V, dev)  # once per membership change
 
     def _keep(self, keep: list[int]) -> None:
         if len(keep) == len(self.rows):
@@ -221,6 +225,7 @@ class GenerationSession:
             gen.proposer.select(keep)
         idx = torch.tensor(keep, device=gen.device)
         self.prompt_mask, self.counts = self.prompt_mask.index_select(0, idx), self.counts.index_select(0, idx)
+        self.sampling = self.sampling.select(keep)
 
     # --- draft ----------------------------------------------------------------------------------------
     def _caps(self) -> list[int]:
@@ -297,8 +302,8 @@ class GenerationSession:
         """One target forward over each row's chunk (pending token + fed nodes `ids` [B, N] below `par`): the logits
         and the processed p at the root and after every node, [B, N + 1, V] each."""
         logits = self.gen.runner.forward(chunk, parents=parents)[:, : ids.shape[1] + 1]
-        counts = counts_at_nodes(view.output_counts, ids, par) if view.output_counts is not None else None
-        return logits, probs_from_logits(logits, view.params, prompt_mask=view.prompt_mask, output_counts=counts)
+        counts, recent = view.node_context(ids, par)  # each slot's own path: what the drafter's q saw there
+        return logits, view.probs(logits, counts, recent)
 
     def _verify_positional(self, view: BatchView, draft: Draft, t0: float) -> StepOutput:
         """seeding="position" (chains): the target is fed every draft but each row's last, which is verified

@@ -121,6 +121,7 @@ def check_on_policy(params: SamplingParams) -> None:
             ("top_p", params.top_p < 1.0),
             ("min_p", params.min_p > 0.0),
             ("repetition/presence/frequency penalties", params.uses_penalties),
+            ("logit_bias/allowed_token_ids/bad_words", params.uses_token_options),
         )
         if on
     ]

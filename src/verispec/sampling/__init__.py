@@ -5,8 +5,9 @@ Nothing here knows about models or caches: tensors in, tensors out, explicit ran
 
 from .block import verify_block, verify_block_with_uniforms
 from .chain import ChainVerifyOutput, draw_uniforms, sample_from_weights, verify_chain, verify_chain_with_uniforms
-from .params import ParamError, SamplingParams
-from .processors import counts_at_nodes, probs_from_logits
+from .metadata import SamplingMetadata
+from .params import ParamError, SamplingParams, bad_words_from_text
+from .processors import counts_at_nodes, probs_from_logits, recent_at_nodes, recent_tokens
 from .theory import (
     acceptance_rate,
     expected_tokens_per_pass,
@@ -25,15 +26,19 @@ __all__ = [
     "VERIFY_RULES",
     "ChainVerifyOutput",
     "ParamError",
+    "SamplingMetadata",
     "SamplingParams",
     "TreeVerifyOutput",
     "acceptance_rate",
+    "bad_words_from_text",
     "counts_at_nodes",
     "draw_uniforms",
     "expected_tokens_per_pass",
     "optimal_gamma_constant_cost",
     "optimal_gamma_cost_curve",
     "probs_from_logits",
+    "recent_at_nodes",
+    "recent_tokens",
     "sample_from_weights",
     "speedup_constant_cost",
     "speedup_cost_curve",

@@ -7,10 +7,16 @@ The same `SamplingParams` is used to build the target's distribution p and the d
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from numbers import Integral, Real
 
-__all__ = ["ParamError", "SamplingParams"]
+__all__ = ["MAX_BAD_WORDS", "MAX_BAD_WORD_TOKENS", "ParamError", "SamplingParams", "bad_words_from_text"]
+
+MAX_BAD_WORDS = 256  # token sequences per request (vLLM allows 128 words; a string gives up to two sequences)
+MAX_BAD_WORD_TOKENS = 1024  # tokens over all of a request's bad words (vLLM's limit)
+MAX_LOGIT_BIAS = 100.0  # |bias| bound (OpenAI's)
 
 
 class ParamError(ValueError):
@@ -32,12 +38,88 @@ def _real(name: str, value: object) -> float:
     return value
 
 
+def _token_id(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, Integral) or value < 0:
+        raise ParamError(name, f"must hold token ids (integers >= 0), got {value!r}")
+    return int(value)
+
+
+def _logit_bias(value: object) -> tuple[tuple[int, float], ...]:
+    if value is None:
+        return ()
+    if isinstance(value, Mapping):
+        value = value.items()
+    elif isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        raise ParamError("logit_bias", f"must map token ids to biases ({{id: bias}}), got {type(value).__name__}")
+    out: dict[int, float] = {}
+    for item in value:
+        if not isinstance(item, (tuple, list)) or len(item) != 2:
+            raise ParamError("logit_bias", f"must map token ids to biases, got the entry {item!r}")
+        tok, bias = _token_id("logit_bias", item[0]), _real("logit_bias", item[1])
+        if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+            raise ParamError("logit_bias", f"biases must lie in [-100, 100], got {bias} for token {tok}")
+        out[tok] = bias
+    return tuple(sorted(out.items()))
+
+
+def _allowed(value: object) -> tuple[int, ...] | None:
+    if value is None:
+        return None
+    if isinstance(value, (str, bytes)) or not isinstance(value, (Sequence, set, frozenset)):
+        raise ParamError("allowed_token_ids", f"must be None or a list of token ids, got {type(value).__name__}")
+    ids = tuple(sorted({_token_id("allowed_token_ids", t) for t in value}))
+    if not ids:
+        raise ParamError("allowed_token_ids", "must not be empty (None allows every token)")
+    return ids
+
+
+def _bad_words(value: object) -> tuple[tuple[int, ...], ...]:
+    if value is None:
+        return ()
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        raise ParamError("bad_words", f"must be a list of token-id sequences, got {type(value).__name__}")
+    words: dict[tuple[int, ...], None] = {}  # deduplicated, in order
+    for w in value:
+        if isinstance(w, str):
+            raise ParamError(
+                "bad_words",
+                f"holds token-id sequences: tokenize {w!r} first (`bad_words_from_text`, as the server does)",
+            )
+        if not isinstance(w, Sequence) or not len(w):
+            raise ParamError("bad_words", f"entries must be non-empty token-id sequences, got {w!r}")
+        words[tuple(_token_id("bad_words", t) for t in w)] = None
+    if len(words) > MAX_BAD_WORDS or sum(map(len, words)) > MAX_BAD_WORD_TOKENS:
+        raise ParamError("bad_words", f"holds at most {MAX_BAD_WORDS} sequences of {MAX_BAD_WORD_TOKENS} tokens in all")
+    return tuple(words)
+
+
+def bad_words_from_text(words: Sequence[str], encode: Callable[[str], list[int]]) -> list[list[int]]:
+    """Bad-word strings -> token-id sequences for `SamplingParams.bad_words`, as vLLM tokenizes them: each word
+    (leading spaces stripped) on its own, and with a leading space when that gives a different first token and
+    as many tokens (so the word is banned at the start of the text and in its middle). `encode` tokenizes
+    without special tokens, e.g. `lambda s: tokenizer.encode(s, add_special_tokens=False)`."""
+    if isinstance(words, str) or not isinstance(words, Sequence):
+        raise ParamError("bad_words", f"must be a list of strings, got {type(words).__name__}")
+    out: list[list[int]] = []
+    for w in words:
+        if not isinstance(w, str):
+            raise ParamError("bad_words", f"must be a list of strings, got the entry {w!r}")
+        plain = [int(t) for t in encode(w.lstrip())]
+        if not plain:
+            raise ParamError("bad_words", f"entry {w!r} gives no tokens")
+        out.append(plain)
+        spaced = [int(t) for t in encode(" " + w.lstrip())]
+        if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+            out.append(spaced)
+    return out
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to turn a model's logits into the distribution that is sampled from.
 
-    The processing order is fixed and documented in `probs_from_logits`:
-    penalties -> temperature -> top_k -> top_p -> min_p -> softmax.
+    The processing order is fixed and documented in `probs_from_logits`: allowed_token_ids -> bad_words ->
+    logit_bias -> penalties -> temperature -> top_k -> top_p -> min_p -> softmax.
 
     Fields (defaults give plain sampling from the model at temperature 1):
         temperature: > 0 divides the logits; 0 means greedy (a one-hot distribution on the argmax,
@@ -50,6 +132,16 @@ class SamplingParams:
         presence_penalty: in [-2, 2]; subtracted once from the logit of every token already in the output.
         frequency_penalty: in [-2, 2]; subtracted once per occurrence in the output.
         seed: per-request seed for the request's own random stream; None draws from the global one.
+        logit_bias: {token id: bias in [-100, 100]} added to the logits (OpenAI's semantics); stored as sorted
+            (id, bias) pairs; None or {} disables.
+        allowed_token_ids: only these tokens may be sampled (the others get logit -inf); stored sorted; None
+            allows every token.
+        bad_words: token-id sequences never to produce (strings: tokenize them with `bad_words_from_text`).
+            A one-token word is banned everywhere; for a longer one its last token is banned wherever the
+            context before the position (prompt + output, and inside a speculative step the drafts on the
+            path to it) ends with the word's other tokens (vLLM's rule). Where those context bans would leave
+            no token at all, that position keeps only the static bans (allowed_token_ids, one-token words).
+        Token ids are checked against the vocabulary where it is known (`check_vocab`).
     """
 
     temperature: float = 1.0
@@ -60,6 +152,9 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     seed: int | None = None
+    logit_bias: Mapping[int, float] | tuple[tuple[int, float], ...] | None = ()
+    allowed_token_ids: Sequence[int] | None = None
+    bad_words: Sequence[Sequence[int]] = ()
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: normalise the validated values in place, once
@@ -91,6 +186,11 @@ class SamplingParams:
             if isinstance(self.seed, bool) or not isinstance(self.seed, Integral) or not 0 <= self.seed < 2**63:
                 raise ParamError("seed", f"must be None or an integer in [0, 2**63), got {self.seed!r}")
             set_(self, "seed", int(self.seed))
+        set_(self, "logit_bias", _logit_bias(self.logit_bias))
+        set_(self, "allowed_token_ids", _allowed(self.allowed_token_ids))
+        set_(self, "bad_words", _bad_words(self.bad_words))
+        if self.allowed_token_ids is not None and set(self.allowed_token_ids) <= set(self.banned_token_ids):
+            raise ParamError("bad_words", "ban every token of allowed_token_ids: nothing could be sampled")
 
     @property
     def greedy(self) -> bool:
@@ -104,3 +204,42 @@ class SamplingParams:
     def uses_truncation(self) -> bool:
         """True when top_k or top_p needs a sort of the vocabulary."""
         return self.top_k > 0 or self.top_p < 1.0
+
+    @property
+    def banned_token_ids(self) -> tuple[int, ...]:
+        """The one-token bad words: banned at every position."""
+        return tuple(sorted({w[0] for w in self.bad_words if len(w) == 1}))
+
+    @cached_property
+    def _static_bans(self) -> tuple[frozenset[int] | None, frozenset[int]]:
+        allowed = None if self.allowed_token_ids is None else frozenset(self.allowed_token_ids)
+        return allowed, frozenset(self.banned_token_ids)
+
+    def blocks(self, token: int) -> bool:
+        """True when `token` is never sampled, at any position: outside allowed_token_ids, or a one-token bad word
+        (a chosen draft of it is rejected for sure, so drafters may stop before it)."""
+        allowed, banned = self._static_bans
+        return token in banned or (allowed is not None and token not in allowed)
+
+    @property
+    def bad_word_depth(self) -> int:
+        """How many context tokens the multi-token bad words look back at (their longest length - 1; 0: none)."""
+        return max((len(w) - 1 for w in self.bad_words), default=0)
+
+    @property
+    def uses_token_options(self) -> bool:
+        """True when logit_bias, allowed_token_ids or bad_words is set."""
+        return bool(self.logit_bias) or self.allowed_token_ids is not None or bool(self.bad_words)
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """ParamError (a ValueError) when a token id of logit_bias, allowed_token_ids or bad_words is outside [0, vocab_size)."""
+        for name, ids in (
+            ("logit_bias", [t for t, _ in self.logit_bias]),
+            ("allowed_token_ids", self.allowed_token_ids or ()),
+            ("bad_words", [t for w in self.bad_words for t in w]),
+        ):
+            bad = sorted({t for t in ids if t >= vocab_size})
+            if bad:
+                raise ParamError(name, f"has token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+        if self.allowed_token_ids is None and len(self.banned_token_ids) >= vocab_size:
+            raise ParamError("bad_words", "ban every token of the vocabulary: nothing could be sampled")

@@ -5,13 +5,18 @@ decoding is lossless only when the draft token was sampled from exactly the q ha
 is exactly what plain sampling would have used. Using one function with one `SamplingParams` for both
 makes that hold by construction.
 
-Processing order (HF transformers' order for these warpers):
+Processing order (vLLM's for the token options, then HF transformers' order for these warpers):
+    0. token options: allowed_token_ids (the others -> -inf), bad_words (one-token words -> -inf everywhere;
+       a longer word's last token -> -inf where the context ends with its other tokens), logit_bias (added)
     1. repetition penalty (prompt + output tokens), presence and frequency penalties (output tokens)
-    2. temperature (0 = greedy: one-hot on the argmax of the penalised logits, lowest id on ties)
+    2. temperature (0 = greedy: one-hot on the argmax of the logits after 0 and 1, lowest id on ties)
     3. top_k   (ties at the k-th value are broken by token id, via a stable sort)
     4. top_p   (keep a token while the mass of the more probable tokens before it is < top_p)
     5. min_p   (drop tokens with probability < min_p * max probability)
     6. softmax
+
+Inside a speculative step each position has its own context: the drafts on the path to it count for the
+penalties (`counts_at_nodes`) and for the bad words (`recent_at_nodes`), for p and q alike.
 """
 
 from __future__ import annotations
@@ -21,10 +26,11 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from .metadata import SamplingMetadata
 from .params import SamplingParams
 from .tree import tree_ancestors
 
-__all__ = ["counts_at_nodes", "probs_from_logits"]
+__all__ = ["counts_at_nodes", "probs_from_logits", "recent_at_nodes", "recent_tokens"]
 
 
 def _per_row(params: SamplingParams | Sequence[SamplingParams], batch: int) -> list[SamplingParams]:
@@ -41,17 +47,21 @@ def _per_row(params: SamplingParams | Sequence[SamplingParams], batch: int) -> l
 
 def probs_from_logits(
     logits: Tensor,  # [B, T, V] or [B, V] float: raw model logits
-    params: SamplingParams | Sequence[SamplingParams],  # one for all rows, or one per row
+    params: SamplingParams | Sequence[SamplingParams] | SamplingMetadata,  # one for all rows, one per row, or built
     *,
     prompt_mask: Tensor | None = None,  # [B, V] bool: token occurs in the prompt (repetition penalty)
     output_counts: Tensor | None = None,  # [B, T, V] or [B, V] int/float: occurrences in the output so far
+    recent_tokens: Tensor | None = None,  # [B, T, M] or [B, M] int64: the context's last tokens, most recent first
     check: bool = True,
 ) -> Tensor:  # same shape as logits, float32 (float64 if logits are float64): rows sum to 1
     """Turn logits into the processed distribution that sampling (and verification) uses.
 
-    `output_counts` may differ per position T (a draft position j has seen the drafts before j); see
-    `counts_at_nodes`. With `check=True` (default) NaN / +inf logits and rows with no finite
-    logit raise ValueError instead of producing NaN probabilities.
+    `params` may be a `SamplingMetadata` built once for the batch (the engine's hot path); SamplingParams are
+    turned into one per call. `output_counts` and `recent_tokens` may differ per position T (a draft position j
+    has seen the drafts before j); see `counts_at_nodes` and `recent_at_nodes`. `recent_tokens` (-1 where the
+    context is shorter) is needed when a row has a multi-token bad word; it holds at least the metadata's
+    `bad_depth` tokens. With `check=True` (default) NaN / +inf logits and rows with no finite logit raise
+    ValueError instead of producing NaN probabilities.
     """
     if not isinstance(logits, Tensor) or not logits.is_floating_point():
         raise ValueError("logits must be a floating-point tensor")
@@ -60,70 +70,114 @@ def probs_from_logits(
         logits = logits.unsqueeze(1)
     if logits.dim() != 3:
         raise ValueError(f"logits must have shape [B, V] or [B, T, V], got {tuple(logits.shape)}")
-    B, T, V = logits.shape
-    rows = _per_row(params, B)
+    B, V = logits.shape[0], logits.shape[-1]
+    meta = params
+    if not isinstance(meta, SamplingMetadata):
+        meta = SamplingMetadata.build(_per_row(params, B), V, logits.device)
+    meta.check(B, V, logits.device)
     dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
     x = logits.to(dtype)
-    dev = x.device
 
     if check:
         row_max = x.amax(dim=-1)  # [B, T]; NaN and +inf propagate, all -inf stays -inf
         if not bool(torch.isfinite(row_max).all()):
             raise ValueError("logits contain NaN or +inf, or a row where every logit is -inf")
 
-    def col(values: list[float]) -> Tensor:  # [B, 1, 1]
-        return torch.tensor(values, dtype=dtype, device=dev).view(B, 1, 1)
+    x = _token_options(x, meta, recent_tokens)
+    if meta.any_penalties:
+        x = _penalise(x, meta, prompt_mask, output_counts)
 
-    if any(r.uses_penalties for r in rows):
-        counts = torch.zeros((B, 1, V), dtype=dtype, device=dev) if output_counts is None else output_counts
-        if counts.dim() == 2:
-            counts = counts.unsqueeze(1)
-        if counts.shape[0] != B or counts.shape[-1] != V or counts.shape[1] not in (1, T):
-            raise ValueError(
-                f"output_counts must have shape [B, V] or [B, T, V] = [{B}, {T}, {V}], got {tuple(counts.shape)}"
-            )
-        counts = counts.to(dtype)
-        in_output = counts > 0
-        seen = in_output
-        if prompt_mask is not None:
-            if tuple(prompt_mask.shape) != (B, V):
-                raise ValueError(f"prompt_mask must have shape [B, V] = [{B}, {V}], got {tuple(prompt_mask.shape)}")
-            seen = seen | prompt_mask.bool().unsqueeze(1)
-        rep = col([r.repetition_penalty for r in rows])
-        x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
-        x = x - col([r.presence_penalty for r in rows]) * in_output - col([r.frequency_penalty for r in rows]) * counts
-
-    greedy = [r.greedy for r in rows]
     greedy_probs = None
-    if any(greedy):
+    if meta.any_greedy:
         greedy_probs = torch.zeros_like(x).scatter_(-1, x.argmax(dim=-1, keepdim=True), 1.0)
-        if all(greedy):
+        if meta.all_greedy:
             return greedy_probs.squeeze(1) if squeeze else greedy_probs
 
-    x = x / col([r.temperature if r.temperature > 0 else 1.0 for r in rows])
-
-    if any(r.uses_truncation for r in rows):
-        sorted_x, order = x.sort(dim=-1, descending=True, stable=True)  # [B, T, V]
-        rank = torch.arange(V, device=dev)
-        top_k = torch.tensor([r.top_k if r.top_k > 0 else V for r in rows], device=dev).view(B, 1, 1)
-        sorted_x = sorted_x.masked_fill(rank >= top_k, float("-inf"))
-        if any(r.top_p < 1.0 for r in rows):
-            sp = sorted_x.softmax(dim=-1)
-            mass_before = sp.cumsum(dim=-1) - sp
-            top_p = col([r.top_p for r in rows])
-            drop = (mass_before >= top_p) & (top_p < 1.0) & (rank > 0)
-            sorted_x = sorted_x.masked_fill(drop, float("-inf"))
-        x = torch.empty_like(x).scatter_(-1, order, sorted_x)
-
-    if any(r.min_p > 0 for r in rows):
+    x = x / meta.col("temperature", dtype)
+    if meta.any_truncation:
+        x = _truncate(x, meta)
+    if meta.any_min_p:
         probs = x.softmax(dim=-1)
-        threshold = col([r.min_p for r in rows]) * probs.amax(dim=-1, keepdim=True)
+        threshold = meta.col("min_p", dtype) * probs.amax(dim=-1, keepdim=True)
         x = x.masked_fill(probs < threshold, float("-inf"))
 
     probs = x.softmax(dim=-1)
     if greedy_probs is not None:
-        probs = torch.where(torch.tensor(greedy, device=dev).view(B, 1, 1), greedy_probs, probs)
+        probs = torch.where(meta.greedy.view(B, 1, 1), greedy_probs, probs)
     return probs.squeeze(1) if squeeze else probs
+
+
+def _token_options(x: Tensor, meta: SamplingMetadata, recent: Tensor | None) -> Tensor:
+    """Step 0: allowed_token_ids and one-token bad words (-inf), multi-token bad words, logit_bias (vLLM's order)."""
+    B, T = x.shape[:2]
+    if meta.blocked is not None:
+        x = x.masked_fill(meta.blocked.unsqueeze(1), float("-inf"))
+    if meta.bad_depth:
+        x = _ban_bad_words(x, meta, recent)
+    if meta.bias_ids is not None:
+        K = meta.bias_ids.shape[1]
+        x = x.scatter_add(-1, meta.bias_ids.unsqueeze(1).expand(B, T, K), meta.bias_as(x.dtype).expand(B, T, K))
+    return x
+
+
+def _ban_bad_words(x: Tensor, meta: SamplingMetadata, recent: Tensor | None) -> Tensor:
+    """-inf on the last token of every multi-token bad word whose other tokens end the position's context; a
+    position where that would leave no token keeps its static bans only (the same rule for p, q and plain)."""
+    B, T = x.shape[:2]
+    M = meta.bad_depth
+    if recent is None:
+        raise ValueError("multi-token bad_words need recent_tokens (each position's last context tokens)")
+    if recent.dim() == 2:
+        recent = recent.unsqueeze(1)
+    if recent.dim() != 3 or recent.shape[0] != B or recent.shape[1] not in (1, T) or recent.shape[2] < M:
+        raise ValueError(
+            f"recent_tokens must have shape [B, M'] or [B, T, M'] = [{B}, {T}, >= {M}], got {tuple(recent.shape)}"
+        )
+    recent = recent[..., :M].to(device=x.device, dtype=torch.int64)
+    hit = (recent.unsqueeze(2) == meta.bad_prefix.unsqueeze(1)) | meta.bad_free.unsqueeze(1)  # [B, T', W, M]
+    match = (hit.all(-1) & meta.bad_valid.unsqueeze(1)).expand(B, T, -1)  # [B, T, W]
+    W = match.shape[-1]
+    hits = torch.zeros_like(x).scatter_add_(-1, meta.bad_last.unsqueeze(1).expand(B, T, W), match.to(x.dtype))
+    banned = x.masked_fill(hits > 0, float("-inf"))
+    return torch.where(torch.isfinite(banned.amax(-1, keepdim=True)), banned, x)
+
+
+def _penalise(x: Tensor, meta: SamplingMetadata, prompt_mask: Tensor | None, output_counts: Tensor | None) -> Tensor:
+    """Step 1: repetition penalty on prompt + output tokens, presence / frequency penalties on output tokens."""
+    B, T, V = x.shape
+    dtype = x.dtype
+    counts = torch.zeros((B, 1, V), dtype=dtype, device=x.device) if output_counts is None else output_counts
+    if counts.dim() == 2:
+        counts = counts.unsqueeze(1)
+    if counts.shape[0] != B or counts.shape[-1] != V or counts.shape[1] not in (1, T):
+        raise ValueError(
+            f"output_counts must have shape [B, V] or [B, T, V] = [{B}, {T}, {V}], got {tuple(counts.shape)}"
+        )
+    counts = counts.to(dtype)
+    in_output = counts > 0
+    seen = in_output
+    if prompt_mask is not None:
+        if tuple(prompt_mask.shape) != (B, V):
+            raise ValueError(f"prompt_mask must have shape [B, V] = [{B}, {V}], got {tuple(prompt_mask.shape)}")
+        seen = seen | prompt_mask.bool().unsqueeze(1)
+    rep = meta.col("repetition", dtype)
+    x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
+    return x - meta.col("presence", dtype) * in_output - meta.col("frequency", dtype) * counts
+
+
+def _truncate(x: Tensor, meta: SamplingMetadata) -> Tensor:
+    """Steps 3 and 4: top_k, then top_p, on the temperature-scaled logits (one stable sort)."""
+    B, V = x.shape[0], x.shape[-1]
+    sorted_x, order = x.sort(dim=-1, descending=True, stable=True)  # [B, T, V]
+    rank = torch.arange(V, device=x.device)
+    sorted_x = sorted_x.masked_fill(rank >= meta.top_k.view(B, 1, 1), float("-inf"))
+    if meta.any_top_p:
+        sp = sorted_x.softmax(dim=-1)
+        mass_before = sp.cumsum(dim=-1) - sp
+        top_p = meta.col("top_p", x.dtype)
+        drop = (mass_before >= top_p) & (top_p < 1.0) & (rank > 0)
+        sorted_x = sorted_x.masked_fill(drop, float("-inf"))
+    return torch.empty_like(x).scatter_(-1, order, sorted_x)
 
 
 def counts_at_nodes(
@@ -145,3 +199,37 @@ def counts_at_nodes(
     along = anc @ onehot  # [B, N, V]: tokens on each node's path, itself included
     root = torch.zeros((B, 1, V), dtype=along.dtype, device=along.device)
     return output_counts.unsqueeze(1) + torch.cat([root, along], 1)
+
+
+def recent_tokens(seqs: Sequence[Sequence[int]], depth: int, device: torch.device | str = "cpu") -> Tensor:
+    """[B, depth] int64: each sequence's last `depth` tokens, most recent first, -1 where it is shorter (the
+    context multi-token bad words look at; a row's sequence is its prompt + output, pending token included)."""
+    rows = [list(s[-depth:])[::-1] if depth else [] for s in seqs]
+    return (
+        torch.tensor([r + [-1] * (depth - len(r)) for r in rows], dtype=torch.int64).view(len(seqs), depth).to(device)
+    )
+
+
+def recent_at_nodes(
+    recent: Tensor,  # [B, M] int64: the last M context tokens before the draft (the root), most recent first
+    token_ids: Tensor,  # [B, N] int64: draft tokens; entries < 0 (padding) hang off the root
+    parents: Tensor,  # [B, N] int64: -1 = child of the root, else an earlier node (a chain: -1, 0, 1, ...)
+) -> Tensor:  # [B, N + 1, M]: the last M tokens at the root (slot 0) and after node n (slot n + 1, n included)
+    """Per-node bad-word context inside a speculative step, for chains and trees alike: the position after node n
+    sees n, its ancestors (most recent first), then the root's context. p and q are built with the same one."""
+    B, N = token_ids.shape
+    M = recent.shape[-1]
+    if N == 0 or M == 0:
+        return recent.unsqueeze(1).expand(B, N + 1, M)
+    parents = torch.where(token_ids >= 0, parents, -1)
+    cur = torch.arange(N, device=token_ids.device).expand(B, N)  # the node each slot reads next (-1: the root)
+    cur = torch.where(token_ids >= 0, cur, -1)  # a padding node's slot (never read) gets the root's context
+    behind = torch.zeros((B, N), dtype=torch.int64, device=token_ids.device)  # root tokens read so far
+    out = torch.empty((B, N, M), dtype=torch.int64, device=token_ids.device)
+    for m in range(M):
+        on_path = cur >= 0
+        node = cur.clamp(min=0)
+        out[:, :, m] = torch.where(on_path, token_ids.gather(1, node), recent.gather(1, behind.clamp(max=M - 1)))
+        behind = behind + (~on_path).long()
+        cur = torch.where(on_path, parents.gather(1, node), -1)
+    return torch.cat([recent.unsqueeze(1), out], 1)
