@@ -30,22 +30,40 @@ def test_requests_latency_queue_and_dropped_choices():
     m = Metrics("m")
     m.observe_request(5, 7, "stop", 0.2)
     m.observe_request(5, 16, "length", 3.0)
-    m.observe_dropped(2)
-    m.observe_dropped(1, "error")
+    m.observe_end("abort", 0.1, choices=2)
+    m.observe_end("error", 0.5)
     m.set_queue(waiting=4, running=2)
+    m.set_kv(0.25, 64)
     m.rejected.inc()
     reasons = {
         r: value(m, "verispec:request_success_total", finished_reason=r) for r in ("stop", "length", "abort", "error")
     }
     assert reasons == {"stop": 1, "length": 1, "abort": 2, "error": 1}
     assert value(m, "verispec:prompt_tokens_total") == 10 and value(m, "verispec:generation_tokens_total") == 23
-    assert value(m, "verispec:e2e_request_latency_seconds_count") == 2
-    assert abs(value(m, "verispec:e2e_request_latency_seconds_sum") - 3.2) < 1e-9
-    assert value(m, "verispec:e2e_request_latency_seconds_bucket", le="0.3") == 1
+    assert value(m, "verispec:e2e_request_latency_seconds_count") == 5  # every ended choice, however it ended
+    assert abs(value(m, "verispec:e2e_request_latency_seconds_sum") - 3.9) < 1e-9
+    assert value(m, "verispec:e2e_request_latency_seconds_bucket", le="0.3") == 3
     assert value(m, "verispec:num_requests_waiting") == 4 and value(m, "verispec:num_requests_running") == 2
+    assert value(m, "verispec:kv_cache_usage_perc") == 0.25 and value(m, "verispec:kv_cache_slots") == 64
     assert value(m, "verispec:request_rejected_total") == 1
     text = m.render().decode()
     assert 'verispec:request_success_total{finished_reason="abort",model_name="m"} 2.0' in text
+    assert "_created" not in text  # vLLM leaves the _created series out too
+    assert "stop 1, length 1, abort 2, error 1" in m.summary()
+
+
+def test_queue_time_ttft_and_inter_token_latency():
+    m = Metrics("m")
+    m.observe_admitted(3, 0.002)
+    m.observe_tokens(2, first=True, seconds=0.03)
+    m.observe_tokens(3, first=False, seconds=0.004)
+    m.observe_tokens(1, first=False, seconds=0.006)
+    assert value(m, "verispec:request_queue_time_seconds_count") == 1
+    assert value(m, "verispec:time_to_first_token_seconds_count") == 1
+    assert value(m, "verispec:time_to_first_token_seconds_bucket", le="0.04") == 1
+    assert value(m, "verispec:inter_token_latency_seconds_count") == 2  # one per step, as vLLM counts
+    assert value(m, "verispec:inter_token_latency_seconds_bucket", le="0.005") == 1
+    assert value(m, "verispec:generation_tokens_total") == 6 and value(m, "verispec:prompt_tokens_total") == 3
 
 
 def test_two_servers_keep_separate_registries():
@@ -109,7 +127,54 @@ def test_engine_counts_finished_aborted_and_failed_choices_once(tiny_target):
         r: value(m, "verispec:request_success_total", finished_reason=r) for r in ("stop", "length", "abort", "error")
     }
     assert reasons == {"stop": None, "length": 1, "abort": 3, "error": 2}
-    assert value(m, "verispec:generation_tokens_total") == 3 and value(m, "verispec:prompt_tokens_total") == 3
+    assert value(m, "verispec:e2e_request_latency_seconds_count") == 6  # every choice once, however it ended
+    # tokens as they are produced (the cancelled rows' too), prompts as their rows join (the failed job's too)
+    assert value(m, "verispec:generation_tokens_total") >= 3 + 2 and value(m, "verispec:prompt_tokens_total") == 15
+    assert value(m, "verispec:request_queue_time_seconds_count") == 5  # the waiting job never joined
+    assert value(m, "verispec:time_to_first_token_seconds_count") == 3  # the failed job never stepped
+    assert value(m, "verispec:kv_cache_usage_perc") == 0 and value(m, "verispec:num_requests_running") == 0
+
+
+def test_expired_jobs_end_with_abort_and_what_they_have_and_big_jobs_run_in_parts(tiny_target):
+    """expire(): a running choice's last event carries its tokens so far (finish_reason "abort"), a waiting one an
+    empty completion; a job with more choices than the batch holds joins as rows free up."""
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        m = Metrics("m")
+        engine = EngineThread(SpeculativeGenerator(tiny_target, None), max_batch=2, max_queue=4, metrics=m)
+        engine.start()
+        try:
+            big = _job(loop, 3, 4, seed=1)  # 3 choices, 2 rows: the third joins when one leaves
+            engine.submit(big)
+            ends = [await _last_event(big) for _ in range(3)]
+            assert sorted(e.completion.index for e in ends) == [0, 1, 2]
+            assert all(len(e.completion.token_ids) == 4 for e in ends)
+            running, waiting = _job(loop, 2, 200, seed=2), _job(loop, 1, 200, seed=3)
+            engine.submit(running)
+            engine.submit(waiting)
+            first = await asyncio.wait_for(running.events.get(), timeout=60)
+            for _ in range(200):  # the gauge follows the step that sent the event
+                if value(m, "verispec:kv_cache_usage_perc"):
+                    break
+                await asyncio.sleep(0.01)
+            usage = value(m, "verispec:kv_cache_usage_perc")
+            assert first.token_ids and 0 < usage <= 1 and value(m, "verispec:kv_cache_slots") > 0
+            engine.expire(waiting)
+            engine.expire(running)
+            cut = [await _last_event(running) for _ in range(2)]
+            gone = await _last_event(waiting)
+            await _idle(engine)
+        finally:
+            engine.stop()
+        return m, cut, gone
+
+    m, cut, gone = asyncio.run(main())
+    assert [c.completion.finish_reason for c in cut] == ["abort", "abort"]
+    assert all(0 < len(c.completion.token_ids) < 200 for c in cut)
+    assert gone.completion.finish_reason == "abort" and gone.completion.token_ids == []
+    assert value(m, "verispec:request_success_total", finished_reason="abort") == 3
+    assert value(m, "verispec:request_success_total", finished_reason="length") == 3
 
 
 def _broken():

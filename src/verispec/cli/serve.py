@@ -3,11 +3,20 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 
 from .generate import build_generator
-from .options import UsageError, add_counts, add_speculation_args, check_draft, draft_label, int_range
+from .options import (
+    UsageError,
+    add_counts,
+    add_speculation_args,
+    check_draft,
+    draft_label,
+    int_range,
+    user_errors,
+)
 
 
 def add_parser(sub) -> None:
@@ -36,6 +45,7 @@ def add_parser(sub) -> None:
         metavar="ORIGIN",
         help="allow browser requests from this origin (repeatable; '*' for any)",
     )
+    _add_operator_args(p)
     levels = list(LOG_LEVELS)
     p.add_argument(
         "--log-level", choices=levels, default="warning", help="the HTTP server's log level (default warning)"
@@ -43,32 +53,85 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
+def _add_operator_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--max-model-len",
+        type=int_range(2),
+        metavar="N",
+        help="the most tokens a request may hold, prompt and max_tokens together; beyond, 400 (default: the model's "
+        "context; more is refused)",
+    )
+    p.add_argument(
+        "--request-timeout",
+        type=_seconds(0, inclusive=False),
+        metavar="SECONDS",
+        help="a request still running this long after it arrived is stopped: its unfinished choices end with "
+        "finish_reason 'abort' and what they have (default: no limit)",
+    )
+    p.add_argument(
+        "--shutdown-timeout",
+        type=_seconds(0),
+        default=30.0,
+        metavar="SECONDS",
+        help="on SIGTERM / Ctrl-C: new requests get 503, running ones get this long to finish, then end with "
+        "finish_reason 'abort' (default %(default)s)",
+    )
+    p.add_argument(
+        "--chat-template",
+        metavar="FILE_OR_STRING",
+        help="a Jinja chat template (a file, or the template itself) replacing the tokenizer's",
+    )
+
+
+def _seconds(low: float, inclusive: bool = True):
+    """An argparse type: a number of seconds >= low (> low when not inclusive)."""
+
+    def seconds(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not (value >= low if inclusive else value > low) or math.isinf(value):
+            raise argparse.ArgumentTypeError(
+                f"must be a number of seconds {'>=' if inclusive else '>'} {low}, got {text!r}"
+            )
+        return value
+
+    return seconds
+
+
 def run(args: argparse.Namespace) -> int:
     import logging
 
-    import uvicorn
-
     from ..model.loading import DEFAULT_MODEL_NAME
     from ..serve import create_app
+    from ..serve.chat import load_chat_template
+    from ..serve.shutdown import serve
 
+    if args.api_key == "":
+        raise UsageError("--api-key must not be empty")
+    with user_errors():
+        template = None if args.chat_template is None else load_chat_template(args.chat_template)
     tree = check_draft(args)
     gen = build_generator(args, tree)
     name = args.served_model_name or args.target or DEFAULT_MODEL_NAME
-    if args.api_key == "":
-        raise UsageError("--api-key must not be empty")
-    app = create_app(
-        gen,
-        name,
-        max_batch=args.max_batch,
-        max_queue=args.max_queue,
-        api_key=args.api_key,
-        cors_origins=args.cors_origins,
-    )
+    with user_errors():
+        app = create_app(
+            gen,
+            name,
+            max_batch=args.max_batch,
+            max_queue=args.max_queue,
+            api_key=args.api_key,
+            cors_origins=args.cors_origins,
+            max_model_len=args.max_model_len,
+            request_timeout=args.request_timeout,
+            chat_template=template,
+        )
     logging.basicConfig(level=logging.INFO)
     print(
         f"serving {name!r} on http://{args.host}:{args.port}/v1 (draft={draft_label(args, tree)}, gamma={args.gamma})",
         file=sys.stderr,
         flush=True,
     )
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    serve(app, host=args.host, port=args.port, log_level=args.log_level, shutdown_timeout=args.shutdown_timeout)
     return 0

@@ -1,9 +1,10 @@
 """`verispec serve`: an OpenAI-compatible HTTP server over a SpeculativeGenerator.
 
 Endpoints: GET /health, GET /v1/models, POST /v1/completions (`serve.completions`), POST /v1/chat/completions
-(`serve.chat`), GET /metrics, and the RL routes (TRL's /generate/, weight updates over HTTP: `serve.rl`). Requests are validated in the handler (400 with an OpenAI-style error object
-naming the field; 404 for an unknown model or route; see `serve.errors`), then run by the engine thread with
-continuous batching (`serve.engine`). Logprobs are the target model's raw log-softmax (temperature 1, nothing
+(`serve.chat`), GET /metrics (`serve.metrics`), the operators' routes (`serve.ops`), and the RL routes (TRL's
+/generate/, weight updates over HTTP: `serve.rl`). Requests are validated in the handler (400 with an OpenAI-style
+error object naming the field; 404 for an unknown model or route; see `serve.errors`), then run by the engine
+thread with continuous batching (`serve.engine`); a shutdown drains them (`serve.shutdown`). Logprobs are the target model's raw log-softmax (temperature 1, nothing
 truncated) at each returned token — the same convention as vLLM's default and what RL importance ratios need.
 """
 
@@ -21,11 +22,14 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from ..engine.generator import SpeculativeGenerator
 from ..rollout import RolloutEngine
 from . import chat, completions, ops, rl
+from .chat import check_chat_template
 from .engine import EngineThread
 from .errors import install_error_handlers
 from .jobs import Served
 from .metrics import Metrics
 from .protocol import ModelCard, ModelList
+from .scoring import PromptScorer
+from .shutdown import Gate, GateState
 
 __all__ = ["create_app", "served_model_id"]
 
@@ -59,15 +63,29 @@ def create_app(
     strict_on_policy: bool = True,
     api_key: str | None = None,
     cors_origins: list[str] | None = None,
+    max_model_len: int | None = None,
+    request_timeout: float | None = None,
+    chat_template: str | None = None,
 ) -> FastAPI:
     """The server over `gen`. `model_name` (a name, path or display string) becomes the plain id that clients
     send and /v1/models lists (`served_model_id`); a request naming `model_name` itself is accepted too. The RL
     routes run a `RolloutEngine` on `gen` (batches of `max_batch` rows; strict_on_policy: see RolloutEngine).
-    api_key / cors_origins: see `serve.ops`."""
+    api_key / cors_origins: see `serve.ops`. max_model_len: the most tokens a request may hold, prompt and
+    completion (at most the model's context; None: the model's). request_timeout: seconds from a request's arrival
+    after which its unfinished choices end with finish_reason "abort" (None: no limit). chat_template: a Jinja
+    template (its text: `serve.chat.load_chat_template` reads --chat-template's file) that replaces the tokenizer's
+    (chat completions and /tokenize; set on gen's tokenizer). Run the app with
+    `serve.shutdown.serve` for a graceful shutdown."""
+    _check_limits(gen, max_model_len, request_timeout)
+    if chat_template is not None:
+        gen.tokenizer.chat_template = check_chat_template(chat_template)
     model_id = served_model_id(model_name)
     metrics = Metrics(model_id)
-    engine = EngineThread(gen, max_batch=max_batch, max_queue=max_queue, metrics=metrics)
-    served = Served(gen, engine, metrics, model_id, frozenset({model_name}), retry_after_s)
+    scorer = PromptScorer(gen)
+    engine = EngineThread(gen, max_batch=max_batch, max_queue=max_queue, metrics=metrics, scorer=scorer)
+    served = Served(
+        gen, engine, metrics, model_id, frozenset({model_name}), retry_after_s, max_model_len, request_timeout, scorer
+    )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -77,21 +95,36 @@ def create_app(
         for cancel in list(app.state.rl_cancels):  # RL rollouts end at their next step
             cancel.set()
         engine.stop()
+        log.info("stopped; %s", metrics.summary())
 
     app = FastAPI(title="verispec", lifespan=lifespan)
     app.state.served, app.state.engine, app.state.metrics = served, engine, metrics
     app.state.rl_cancels = set()  # the running and waiting /generate/ calls' cancel events (/abort_request)
     app.state.rollout = RolloutEngine.from_generator(gen, max_batch_size=max_batch, strict_on_policy=strict_on_policy)
+    app.state.gate = GateState()  # requests in flight; 503 once a shutdown starts (`serve.shutdown`)
     install_error_handlers(app)
+    app.add_middleware(Gate, state=app.state.gate, retry_after_s=retry_after_s)
     ops.install_access(app, api_key, cors_origins)
+    _routes(app)
+    return app
+
+
+def _routes(app: FastAPI) -> None:
     app.add_api_route("/health", health, methods=["GET"])
     app.add_api_route("/v1/models", models, methods=["GET"])
     app.add_api_route("/metrics", prometheus, methods=["GET"])
-    app.include_router(completions.router)
-    app.include_router(chat.router)
-    app.include_router(rl.router)
-    app.include_router(ops.router)
-    return app
+    for module in (completions, chat, rl, ops):
+        app.include_router(module.router)
+
+
+def _check_limits(gen: SpeculativeGenerator, max_model_len: int | None, request_timeout: float | None) -> None:
+    if max_model_len is not None:
+        if isinstance(max_model_len, bool) or not isinstance(max_model_len, int) or max_model_len < 2:
+            raise ValueError(f"max_model_len must be an integer >= 2, got {max_model_len!r}")
+        if gen.max_positions is not None and max_model_len > gen.max_positions:
+            raise ValueError(f"max_model_len {max_model_len} exceeds the model's context ({gen.max_positions} tokens)")
+    if request_timeout is not None and not request_timeout > 0:
+        raise ValueError(f"request_timeout must be a number of seconds > 0, got {request_timeout!r}")
 
 
 async def health():

@@ -1,10 +1,14 @@
-"""POST /v1/chat/completions: the tokenizer's chat template over the messages, plain or streamed."""
+"""POST /v1/chat/completions: the tokenizer's chat template (or --chat-template's) over the messages, plain or
+streamed."""
 
 from __future__ import annotations
 
 from functools import partial
+from pathlib import Path
 
 from fastapi import APIRouter, Request
+from jinja2 import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from ..engine.generator import Completion, StreamEvent
 from .errors import APIError
@@ -22,7 +26,7 @@ from .protocol import (
     TopLogprob,
 )
 
-__all__ = ["router"]
+__all__ = ["check_chat_template", "encode_messages", "load_chat_template", "router"]
 
 router = APIRouter()
 
@@ -86,18 +90,49 @@ class _Reply:
         )
 
 
+def load_chat_template(arg: str) -> str:
+    """--chat-template: a file's contents, or the argument itself when it is a template (a one-line template's
+    literal \\n and \\t become newline and tab, as a shell passes them); checked to compile. ValueError for a
+    missing file or a template that does not compile."""
+    path = Path(arg).expanduser()
+    try:
+        is_file = path.is_file()
+    except OSError:  # e.g. a long template is no valid file name
+        is_file = False
+    if is_file:
+        template = path.read_text()
+    elif any(s in arg for s in ("{{", "{%")):
+        template = arg if "\n" in arg else arg.replace("\\n", "\n").replace("\\t", "\t")
+    else:
+        raise ValueError(f"--chat-template {arg!r}: no such file, and no Jinja template either ({{{{ or {{% in it)")
+    return check_chat_template(template)
+
+
+def check_chat_template(template: str) -> str:
+    """The template, once it compiles (ValueError otherwise)."""
+    try:
+        ImmutableSandboxedEnvironment().parse(template)
+    except TemplateError as e:
+        raise ValueError(f"--chat-template: the template does not compile: {e}") from None
+    return template
+
+
+def encode_messages(served: Served, messages: list[dict]) -> list[int]:
+    """The messages through the chat template; 400 when the template has none or refuses them."""
+    try:
+        return served.gen.encode(messages, chat=True)
+    except (ValueError, TemplateError) as e:  # a template's raise_exception(...) is the request's fault
+        raise APIError(400, str(e), "messages") from None
+
+
 @router.post("/v1/chat/completions")
 async def chat(req: ChatCompletionRequest, request: Request):
     served: Served = request.app.state.served
-    messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-    try:
-        ids = served.gen.encode(messages, chat=True)
-    except ValueError as e:
-        raise APIError(400, str(e), "messages") from None
+    ids = encode_messages(served, [{"role": m.role, "content": m.text()} for m in req.messages])
     if req.top_logprobs and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
     top_n = (req.top_logprobs or 0) if req.logprobs else 0
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    run = served.submit(req, request, ids, max_tokens, top_n, "messages")
+    run = served.submit(req, request, [ids], max_tokens, top_n, "messages")
     reply = _Reply(served, req, run)
     return await run.respond(reply.answer, reply.choice, reply.chunk, reply.first)

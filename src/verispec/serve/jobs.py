@@ -1,11 +1,13 @@
 """What the completions and chat handlers share: the served model (`Served`: checks a request against the
 model and its context, builds its choices, submits them) and one submitted request (`Run`: its engine
-events, collected for a plain answer or streamed as server-sent events, cancelled when the client goes away)."""
+events, collected for a plain answer or streamed as server-sent events, cancelled when the client goes away,
+expired at --request-timeout: its unfinished choices then end with finish_reason "abort" and what they have)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -16,10 +18,12 @@ from pydantic import BaseModel
 
 from ..engine.generator import Completion, SpeculativeGenerator, StreamEvent
 from ..sampling import SamplingParams
-from .engine import EngineThread, Job, Overloaded
+from .engine import EngineThread, Job, Overloaded, PromptLogprobs
 from .errors import APIError
 from .metrics import Metrics
 from .protocol import Speculation, Usage
+from .scoring import PromptScorer
+from .token_options import check_token_options, token_options
 
 __all__ = ["Run", "Served", "usage"]
 
@@ -34,10 +38,17 @@ class Served:
     model_id: str
     aliases: frozenset[str] = field(default_factory=frozenset)  # other names a request may use for the model
     retry_after_s: int = 1
+    max_model_len: int | None = None  # --max-model-len: below the model's own context
+    request_timeout: float | None = None  # --request-timeout: seconds from a request's arrival to its end
+    scorer: PromptScorer | None = None  # prompt logprobs (completions' echo with logprobs)
 
     @property
     def context(self) -> int | None:
-        return self.gen.max_positions
+        """The most tokens a request may hold, prompt and completion together."""
+        own = self.gen.max_positions
+        if self.max_model_len is None:
+            return own
+        return self.max_model_len if own is None else min(own, self.max_model_len)
 
     def decode(self, ids: Sequence[int]) -> str:
         """Text as the engine decodes a completion (special tokens skipped)."""
@@ -63,63 +74,97 @@ class Served:
     def max_new_tokens(self, prompt_tokens: int, max_tokens: int | None, prompt_field: str) -> int:
         """The request's token budget: max_tokens, or the rest of the context; 400 when it does not fit."""
         context = self.context
+        limit = f"This model's maximum context length is {context} tokens"
         if context is not None and prompt_tokens >= context:
-            raise APIError(
-                400, f"the prompt has {prompt_tokens} tokens; the model's context is {context}", prompt_field
-            )
+            raise APIError(400, f"{limit}; the prompt has {prompt_tokens} tokens", prompt_field)
         if max_tokens is None:
             return (context - prompt_tokens) if context is not None else 256
         if context is not None and prompt_tokens + max_tokens > context:
             raise APIError(
                 400,
-                f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) exceeds the model's context ({context})",
+                f"{limit}; the request asks for {prompt_tokens + max_tokens} ({prompt_tokens} in the prompt, "
+                f"{max_tokens} in the completion): shorten the prompt or lower max_tokens",
                 "max_tokens",
             )
         return max_tokens
 
-    def choices(self, req, ids: list[int], max_tokens: int | None, top_n: int, prompt_field: str) -> list[dict]:
-        """GenerationSession.add's keyword arguments for each of the request's n choices (choice i: seed + i)."""
+    def stop_token_ids(self, req) -> list[int]:
+        ids = list(req.stop_token_ids or [])
+        bad = [t for t in ids if not 0 <= t < self.gen.vocab_size]
+        if bad:
+            raise APIError(
+                400, f"stop_token_ids must lie in [0, {self.gen.vocab_size}), got {bad[:3]}", "stop_token_ids"
+            )
+        return ids
+
+    def params(self, req, seed: int | None) -> SamplingParams:
+        options = token_options(req, self.gen.tokenizer)  # logit_bias, allowed_token_ids, bad_words (tokenized)
+        try:
+            params = SamplingParams(
+                temperature=req.temperature,
+                top_p=req.top_p,
+                top_k=req.top_k,
+                min_p=req.min_p,
+                repetition_penalty=req.repetition_penalty,
+                presence_penalty=req.presence_penalty,
+                frequency_penalty=req.frequency_penalty,
+                seed=seed,
+                **options,
+            )
+        except ValueError as e:
+            raise APIError.bad_value(e) from None
+        check_token_options(params, self.gen.vocab_size)
+        return params
+
+    def choices(
+        self, req, prompts: list[list[int]], max_tokens: int | None, top_n: int, prompt_field: str
+    ) -> list[dict]:
+        """GenerationSession.add's keyword arguments (and stop_token_ids) for each of the request's choices,
+        prompt-major: prompt p's choice j is choice p * n + j and uses seed + j (a list of prompts samples as
+        the same requests sent one by one)."""
         self.check_model(req.model)
-        max_new = self.max_new_tokens(len(ids), max_tokens, prompt_field)
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         if any(s == "" for s in stop):
             raise APIError(400, "stop strings must be non-empty", "stop")
+        stop_ids = self.stop_token_ids(req)
+        params = [self.params(req, None if req.seed is None else req.seed + j) for j in range(req.n)]
         out = []
-        for i in range(req.n):
-            try:
-                params = SamplingParams(
-                    temperature=req.temperature,
-                    top_p=req.top_p,
-                    top_k=req.top_k,
-                    min_p=req.min_p,
-                    repetition_penalty=req.repetition_penalty,
-                    presence_penalty=req.presence_penalty,
-                    frequency_penalty=req.frequency_penalty,
-                    seed=None if req.seed is None else req.seed + i,
+        for p, ids in enumerate(prompts):
+            field_ = prompt_field if len(prompts) == 1 else f"{prompt_field}[{p}]"
+            max_new = self.max_new_tokens(len(ids), max_tokens, field_)
+            for j in range(req.n):
+                out.append(
+                    {
+                        "prompt": ids,
+                        "params": params[j],
+                        "max_new_tokens": max_new,
+                        "stop": stop,
+                        "ignore_eos": req.ignore_eos,
+                        "gamma": req.num_speculative_tokens,
+                        "top_logprobs": top_n,
+                        "stop_token_ids": stop_ids,
+                    }
                 )
-            except ValueError as e:
-                raise APIError.bad_value(e) from None
-            out.append(
-                {
-                    "prompt": ids,
-                    "params": params,
-                    "max_new_tokens": max_new,
-                    "stop": stop,
-                    "ignore_eos": req.ignore_eos,
-                    "gamma": req.num_speculative_tokens,
-                    "top_logprobs": top_n,
-                }
-            )
         return out
 
     def submit(
-        self, req, request: Request, ids: list[int], max_tokens: int | None, top_n: int, prompt_field: str
+        self,
+        req,
+        request: Request,
+        prompts: list[list[int]],
+        max_tokens: int | None,
+        top_n: int,
+        prompt_field: str,
+        score_top: int | None = None,
     ) -> Run:
-        """Validate the request against the model, queue it (429 when the queue is full) and return its Run."""
+        """Validate the request against the model, queue it (429 when the queue is full) and return its Run.
+        score_top: score the prompts too (echo with logprobs), with this many alternatives per token."""
         job = Job(
             id=uuid.uuid4().hex,
-            choices=self.choices(req, ids, max_tokens, top_n, prompt_field),
+            choices=self.choices(req, prompts, max_tokens, top_n, prompt_field),
             loop=asyncio.get_running_loop(),
+            per_prompt=req.n,
+            score_top=score_top,
         )
         try:
             self.engine.submit(job)
@@ -132,10 +177,14 @@ class Served:
                 headers={"Retry-After": str(self.retry_after_s)},
             ) from None
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return Run(self, job, request, len(ids), req.stream, include_usage)
+        deadline = None if self.request_timeout is None else job.arrived + self.request_timeout
+        tokens = [len(c["prompt"]) for c in job.choices]
+        return Run(self, job, request, tokens, req.stream, include_usage, deadline)
 
 
-def usage(prompt_tokens: int, done: Sequence[Completion]) -> Usage:
+def usage(prompt_tokens: int | Sequence[int], done: Sequence[Completion]) -> Usage:
+    """The request's usage: prompt tokens per choice (a list, one per choice; an int: the same for every one),
+    completion tokens, and the speculation summed over the choices."""
     drafted = sum(c.stats.drafted for c in done)
     accepted = sum(c.stats.accepted for c in done)
     passes = sum(c.stats.target_passes for c in done)
@@ -148,10 +197,11 @@ def usage(prompt_tokens: int, done: Sequence[Completion]) -> Usage:
         target_passes=passes,
         tokens_per_pass=emitted / passes if passes else None,
     )
+    prompt = prompt_tokens * len(done) if isinstance(prompt_tokens, int) else sum(prompt_tokens)
     return Usage(
-        prompt_tokens=prompt_tokens * len(done),
+        prompt_tokens=prompt,
         completion_tokens=completion,
-        total_tokens=prompt_tokens * len(done) + completion,
+        total_tokens=prompt + completion,
         speculation=spec,
     )
 
@@ -163,25 +213,38 @@ def _sse(data: BaseModel | dict) -> str:
 
 @dataclass
 class Run:
-    """One submitted request (n choices) as its handler sees it."""
+    """One submitted request (its choices, prompt-major) as its handler sees it."""
 
     served: Served
     job: Job
     request: Request
-    prompt_tokens: int
+    prompt_tokens: list[int]  # per choice
     streaming: bool = False
     include_usage: bool = False
+    deadline: float | None = None  # time.perf_counter() past which the job expires (--request-timeout)
     gone: bool = False  # the client went away (the job is cancelled)
+    prompt_logprobs: dict[int, PromptLogprobs] = field(default_factory=dict)  # by prompt index (echo + logprobs)
 
     @property
     def n(self) -> int:
         return len(self.job.choices)
 
-    async def _next(self) -> StreamEvent | None:
+    def _wait(self) -> float:
+        """How long to wait for the next event before looking at the client and the deadline again; expires the
+        job once its deadline has passed."""
+        if self.deadline is None or self.job.expired:
+            return 0.5
+        left = self.deadline - time.perf_counter()
+        if left <= 0:
+            self.served.engine.expire(self.job)  # its last events follow
+            return 0.5
+        return min(0.5, left)
+
+    async def _next(self) -> StreamEvent | PromptLogprobs | None:
         """The job's next engine event; None (and the job cancelled) once the client has gone away."""
         while True:
             try:
-                item = await asyncio.wait_for(self.job.events.get(), timeout=0.5)
+                item = await asyncio.wait_for(self.job.events.get(), timeout=self._wait())
             except asyncio.TimeoutError:
                 if await self.request.is_disconnected():
                     self.gone = True
@@ -194,11 +257,15 @@ class Run:
             return item
 
     async def events(self) -> AsyncIterator[StreamEvent]:
-        """The job's events until every choice has finished or the client has gone away."""
+        """The job's events until every choice has finished or the client has gone away (prompt logprobs are
+        kept in `prompt_logprobs`, not yielded)."""
         while self.job.finished < self.n:
             ev = await self._next()
             if ev is None:
                 return
+            if isinstance(ev, PromptLogprobs):
+                self.prompt_logprobs[ev.prompt] = ev
+                continue
             if ev.completion is not None:
                 self.job.finished += 1
             yield ev

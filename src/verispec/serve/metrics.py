@@ -1,25 +1,50 @@
 """Prometheus metrics, named after vLLM's (prefix `verispec:` instead of `vllm:`) so existing dashboards and
-alerts carry over: spec_decode_num_drafts / num_draft_tokens / num_accepted_tokens /
-num_accepted_tokens_per_pos, num_requests_running / waiting, e2e_request_latency_seconds, token counters, and
-request_success{finished_reason}: "stop" / "length" for finished choices, "abort" for those whose client went
-away, "error" for those an engine fault ended (each choice of a request counts once). The RL routes' rollouts count
-the same way (one per sample, "abort" for those `/abort_request` ended), plus weight_updates and weight_version."""
+alerts carry over:
+
+* speculation: spec_decode_num_drafts / num_draft_tokens / num_accepted_tokens / num_accepted_tokens_per_pos;
+* load: num_requests_running / num_requests_waiting (choices in the batch / not yet in it), kv_cache_usage_perc
+  (the fraction of the target's allocated KV slots holding committed tokens; 0 with nothing running) and
+  kv_cache_slots (token slots the target's cache holds allocated);
+* tokens: prompt_tokens (counted when a choice joins the batch), generation_tokens (as they are produced, also for
+  a choice that is later aborted);
+* latency histograms, per choice: request_queue_time_seconds (arrival to joining the batch),
+  time_to_first_token_seconds (arrival to its first tokens), inter_token_latency_seconds (between two steps that
+  gave it tokens: one observation per step, as vLLM counts it, even when speculation gives several tokens at once),
+  e2e_request_latency_seconds (arrival to its end, however it ended);
+* request_success{finished_reason}: each choice once, when it ends: "stop" / "length" when it finished, "abort" when
+  it was cut short (its client went away, --request-timeout, a shutdown past --shutdown-timeout, /abort_request for
+  the RL routes' rollouts), "error" when an engine fault ended it; so e2e_request_latency_seconds_count equals its
+  sum. request_rejected counts requests (not choices) refused with 429 because the queue was full.
+* RL routes: their rollouts count the same way (one per sample), plus weight_updates and weight_version.
+
+No `_created` series (vLLM leaves them out too): prometheus_client's switch is process-wide, turned off here.
+"""
 
 from __future__ import annotations
 
+import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 __all__ = ["Metrics"]
+
+# vLLM's buckets, with finer ones at the short end for small models on CPUs
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 20, 40, 80)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1, 2.5, 5, 10)
+_REQUEST_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1, 1.5, 2, 2.5, 5, 10, 15, 20, 30, 40, 60, 120, 300, 600, 1200)
+REASONS = ("stop", "length", "abort", "error")
 
 
 class Metrics:
     """The server's metrics, in a registry of its own (two servers in one process do not share counters)."""
 
     def __init__(self, model_name: str):
+        prometheus_client.disable_created_metrics()  # before any metric is made: it is read at creation
         self.registry = CollectorRegistry()
         self._lbl = {"model_name": model_name}
-        self.running = self._one(Gauge, "num_requests_running", "Requests in the running batch")
-        self.waiting = self._one(Gauge, "num_requests_waiting", "Requests waiting for a batch slot")
+        self.running = self._one(Gauge, "num_requests_running", "Choices in the running batch")
+        self.waiting = self._one(Gauge, "num_requests_waiting", "Choices waiting for a batch slot")
+        self.kv_usage = self._one(Gauge, "kv_cache_usage_perc", "Fraction of the allocated KV slots in use (0 to 1)")
+        self.kv_slots = self._one(Gauge, "kv_cache_slots", "Token slots allocated in the target's KV cache")
         self.drafts = self._one(Counter, "spec_decode_num_drafts", "Speculative steps that drafted (per row)")
         self.draft_tokens = self._one(Counter, "spec_decode_num_draft_tokens", "Draft tokens proposed")
         self.accepted_tokens = self._one(Counter, "spec_decode_num_accepted_tokens", "Draft tokens accepted")
@@ -28,20 +53,23 @@ class Metrics:
         )
         self.prompt_tokens = self._one(Counter, "prompt_tokens", "Prompt tokens processed")
         self.generation_tokens = self._one(Counter, "generation_tokens", "Tokens generated")
-        self.request_success = self._by("request_success", "Finished requests", "finished_reason")
+        self.request_success = self._by("request_success", "Ended choices, by how they ended", "finished_reason")
         self.rejected = self._one(Counter, "request_rejected", "Requests refused because the queue was full")
         self.weight_updates = self._one(Counter, "weight_updates", "Weight updates applied (RL routes)")
         self.weight_version = self._one(Gauge, "weight_version", "Weight updates applied since the server started")
-        self.latency = self._one(
-            Histogram,
-            "e2e_request_latency_seconds",
-            "End-to-end request latency",
-            buckets=(0.1, 0.3, 0.5, 1, 2.5, 5, 10, 20, 40, 60, 120, 300),
+        self.latency = self._histogram("e2e_request_latency_seconds", "End-to-end request latency", _REQUEST_BUCKETS)
+        self.queue_time = self._histogram(
+            "request_queue_time_seconds", "Time waiting for a batch slot", _REQUEST_BUCKETS
         )
+        self.ttft = self._histogram("time_to_first_token_seconds", "Time to first token", _TTFT_BUCKETS)
+        self.itl = self._histogram("inter_token_latency_seconds", "Time between steps giving tokens", _ITL_BUCKETS)
 
     def _one(self, kind, name: str, doc: str, **kw):
         """A metric of this server's model: `verispec:<name>{model_name}`."""
         return kind(f"verispec:{name}", doc, ["model_name"], registry=self.registry, **kw).labels(**self._lbl)
+
+    def _histogram(self, name: str, doc: str, buckets) -> Histogram:
+        return self._one(Histogram, name, doc, buckets=buckets)
 
     def _by(self, name: str, doc: str, label: str) -> Counter:
         """A counter with one more label besides model_name (set it and model_name with `.labels`)."""
@@ -50,6 +78,10 @@ class Metrics:
     def set_queue(self, waiting: int, running: int) -> None:
         self.waiting.set(waiting)
         self.running.set(running)
+
+    def set_kv(self, usage: float, slots: int) -> None:
+        self.kv_usage.set(usage)
+        self.kv_slots.set(slots)
 
     def observe_step(self, per_row: list[tuple[int, int]]) -> None:
         """(drafted, accepted) per row of one engine step."""
@@ -61,11 +93,27 @@ class Metrics:
                 for pos in range(accepted):
                     self.accepted_per_pos.labels(position=str(pos), **self._lbl).inc()
 
+    def observe_admitted(self, prompt_tokens: int, queued: float) -> None:
+        """A choice joined the batch after `queued` seconds."""
+        self.prompt_tokens.inc(prompt_tokens)
+        self.queue_time.observe(queued)
+
+    def observe_tokens(self, tokens: int, first: bool, seconds: float) -> None:
+        """A choice's step output: `seconds` since its arrival (first) or since its previous tokens."""
+        self.generation_tokens.inc(tokens)
+        (self.ttft if first else self.itl).observe(seconds)
+
+    def observe_end(self, reason: str, seconds: float, choices: int = 1) -> None:
+        """`choices` choices ended `seconds` after their arrival."""
+        self.request_success.labels(finished_reason=reason, **self._lbl).inc(choices)
+        for _ in range(choices):
+            self.latency.observe(seconds)
+
     def observe_request(self, prompt_tokens: int, generated: int, reason: str, seconds: float) -> None:
+        """A whole choice at once (the RL routes' rollouts, which run outside the engine thread)."""
         self.prompt_tokens.inc(prompt_tokens)
         self.generation_tokens.inc(generated)
-        self.request_success.labels(finished_reason=reason, **self._lbl).inc()
-        self.latency.observe(seconds)
+        self.observe_end(reason, seconds)
 
     def observe_rollouts(self, rollouts, seconds: float) -> None:
         """The samples of one RL-route call (`Rollout`s), which ran outside the engine thread."""
@@ -83,9 +131,15 @@ class Metrics:
         self.weight_updates.inc()
         self.weight_version.set(version)
 
-    def observe_dropped(self, choices: int, reason: str = "abort") -> None:
-        """Choices that ended without finishing: "abort" (the client went away) or "error" (an engine fault)."""
-        self.request_success.labels(finished_reason=reason, **self._lbl).inc(choices)
+    def value(self, name: str, **labels) -> float:
+        """One series' current value (0 when it has none yet): `value("request_success_total", finished_reason=...)`."""
+        v = self.registry.get_sample_value(f"verispec:{name}", {**self._lbl, **labels})
+        return v or 0.0
+
+    def summary(self) -> str:
+        """One line for the log: how every choice ended, and the rejected requests."""
+        ended = ", ".join(f"{r} {int(self.value('request_success_total', finished_reason=r))}" for r in REASONS)
+        return f"choices ended: {ended}; requests rejected (queue full): {int(self.value('request_rejected_total'))}"
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

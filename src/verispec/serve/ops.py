@@ -18,6 +18,7 @@ import hmac
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
+from jinja2 import TemplateError
 from pydantic import BaseModel, ConfigDict
 
 from .. import __version__
@@ -91,7 +92,10 @@ async def tokenize(req: TokenizeRequest, request: Request):
         if getattr(tok, "chat_template", None) is None:
             raise APIError(400, "the model's tokenizer has no chat template", "messages")
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-        enc = tok.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt, tokenize=True)
+        try:
+            enc = tok.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt, tokenize=True)
+        except TemplateError as e:  # the template's raise_exception(...): the request's fault
+            raise APIError(400, str(e), "messages") from None
         ids = list(enc["input_ids"] if hasattr(enc, "keys") else enc)
     return {"count": len(ids), "max_model_len": served.context, "tokens": [int(t) for t in ids]}
 

@@ -34,23 +34,30 @@ class _Common(BaseModel):
     stream_options: StreamOptions | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None  # {"token id": bias in [-100, 100]}, added to the logits
     user: str | None = None  # metadata only
     # extra fields (send with the openai client's extra_body=)
     top_k: int = 0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
+    allowed_token_ids: list[StrictInt] | None = None  # vLLM's: only these tokens may be sampled
+    bad_words: list[str] | None = None  # vLLM's: never produced (tokenized with and without a leading space)
     # this request's draft length; 0 turns speculation off; the server caps it at its own maximum
     num_speculative_tokens: StrictInt | None = Field(None, ge=0, le=MAX_SPECULATIVE_TOKENS)
     ignore_eos: bool = False
+    # vLLM's: token ids that end a choice like EOS (finish_reason "stop", the token not in the text), even with
+    # ignore_eos
+    stop_token_ids: list[StrictInt] | None = None
     # vLLM's extension: logprobs' `token` fields as "token_id:N" (exact ids, for RL trainers and certifiers)
     return_tokens_as_token_ids: bool = False
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[int]
+    # a string, a list of strings, token ids, or a list of lists of token ids (a mix is refused by the handler)
+    prompt: str | list[str | StrictInt | list[StrictInt]]
     max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=20)
-    echo: Literal[False] = False
+    echo: bool = False
 
 
 class TextContent(BaseModel):
@@ -157,8 +164,8 @@ class _Envelope(_OmitNone, Generic[C]):
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]] | None
+    token_logprobs: list[float | None]  # None: an echoed prompt's first token
+    top_logprobs: list[dict[str, float] | None] | None
     text_offset: list[int]  # where each token starts in the choice's text
 
 
