@@ -74,3 +74,63 @@ def test_each_step_decodes_a_window_not_the_whole_output():
         dec.update(Counting(), ids[:n])
     assert dec.text == tok.decode(ids[: len(ids) // 2 * 2])
     assert max(seen) <= 8, max(seen)  # two steps of 2 tokens, plus a few when a character spans tokens
+
+
+class _Bytes:
+    """A tokenizer whose tokens are byte strings (a multi-byte character can split over tokens)."""
+
+    clean_up_tokenization_spaces = False
+
+    def __init__(self, pieces):
+        self.pieces = pieces
+
+    def decode(self, ids, skip_special_tokens=True):
+        return b"".join(self.pieces[i] for i in ids).decode("utf-8", errors="replace")
+
+
+def _row(stop):
+    import torch
+
+    from verispec.engine.rows import Row
+    from verispec.sampling import SamplingParams
+
+    return Row(0, [0], SamplingParams(), torch.Generator(), [0], max_new=16, stop=stop)
+
+
+def test_a_stop_string_is_seen_in_the_step_that_completes_it_even_before_an_incomplete_character():
+    """Step 1 brings "ab", "STOP" and the first byte of a 3-byte character: the stop ends the row in step 1, and
+    the tokens after "STOP" are neither kept nor streamed."""
+    tok = _Bytes([b"ab", b"STOP", b"\xe6", b"\x9d\xb1", b"zz"])
+    row = _row(("STOP",))
+    row.take([0, 1, 2], [0.0] * 3, [0.0] * 3, None, set(), None)
+    event = row.event(tok, 0)
+    assert row.done is not None and row.done.token_ids == [0, 1] and row.done.text == "ab"
+    assert event.token_ids == [0, 1] and event.delta == "ab"
+
+
+def test_a_character_split_over_steps_is_streamed_once_complete():
+    tok = _Bytes([b"ab", b"\xe6", b"\x9d\xb1", b"zz"])
+    row = _row(())
+    deltas = []
+    for step in ([0, 1], [2], [3]):
+        before = len(row.tokens)
+        row.take(step, [0.0] * len(step), [0.0] * len(step), None, set(), None)
+        deltas.append(row.event(tok, before).delta)
+    assert deltas == ["ab", "\u6771", "zz"]
+
+
+def test_a_tokenizer_that_cleans_up_spaces_is_decoded_whole():
+    """clean_up_tokenization_spaces rewrites text across window edges ("a '" -> "a'"): such a tokenizer's text
+    is decoded whole every step (as before incremental decoding), and the completion's text is the full decode."""
+    tok = make_tokenizer(["<unk>", "<s>", "</s>", "a", "'", "b", "c", "."])
+    tok.clean_up_tokenization_spaces = True
+    ids = [3, 4, 5, 6, 7, 3, 4]
+    assert tok.decode(ids) != " ".join(tok.convert_ids_to_tokens(ids))  # the clean-up does rewrite
+    row = _row(())
+    row.max_new = len(ids)
+    for i in range(0, len(ids), 2):
+        before = len(row.tokens)
+        row.take(ids[i : i + 2], [0.0] * 2, [0.0] * 2, None, set(), None)
+        row.event(tok, before)
+        assert row.detok.whole and row.detok.update(tok, row.tokens) == tok.decode(row.tokens)
+    assert row.done is not None and row.done.text == tok.decode(ids)

@@ -199,3 +199,40 @@ def test_out_of_vocabulary_token_options_are_refused_at_add(tiny_target):
     with pytest.raises(ValueError, match="allowed_token_ids"):
         sess.add(PROMPT, SamplingParams(allowed_token_ids=[1, 32]))
     assert sess.num_active == 0
+
+
+def test_mixed_rows_joining_and_leaving_keep_their_own_options(tiny_target, tiny_draft):
+    """Rows with different token options, budgets and arrival times in one continuous batch (one joins mid-run,
+    one is aborted): each row's greedy output equals that row decoded alone, so the batch's SamplingMetadata
+    follows every membership change in row order (a stale or shuffled one would hand a row another's bans)."""
+    from verispec.sampling import SamplingParams
+
+    rows = [
+        (PROMPT, SamplingParams(temperature=0.0, bad_words=[[22, 23], [7]]), 7),
+        ([3, 12, 22], SamplingParams(temperature=0.0, allowed_token_ids=[9, 10, 22, 23]), 3),
+        ([9, 9, 10], SamplingParams(temperature=0.0, logit_bias={23: 8.0, 12: 5.0}), 9),
+        ([12, 3], SamplingParams(temperature=0.0, bad_words=[[10, 9], [3, 12, 3]]), 6),
+    ]
+    gen = SpeculativeGenerator(tiny_target, tiny_draft, gamma=2, runner="hf")
+
+    def alone(prompt, p, n):
+        return gen.generate([prompt], p, max_new_tokens=n, ignore_eos=True)[0].token_ids
+
+    expected = [alone(*r) for r in rows]
+    sess = GenerationSession(gen)
+    keys = [
+        sess.add(prompt, p, max_new_tokens=n, ignore_eos=True, index=i) for i, (prompt, p, n) in enumerate(rows[:3])
+    ]
+    aborted = sess.add([3, 3, 3], SamplingParams(temperature=0.0, allowed_token_ids=[3]), max_new_tokens=9, index=9)
+    done = {}
+    for step in range(40):
+        if step == 1:
+            keys.append(sess.add(rows[3][0], rows[3][1], max_new_tokens=rows[3][2], ignore_eos=True, index=3))
+            sess.abort(aborted)
+        for ev in sess.step():
+            if ev.completion is not None:
+                done[ev.completion.index] = ev.completion.token_ids
+        if not sess.num_active:
+            break
+    assert 9 not in done and {i: done[i] for i in range(4)} == dict(enumerate(expected))
+    assert len({tuple(e) for e in expected}) == 4  # the rows do differ

@@ -10,6 +10,7 @@ After a fully accepted chain the last draft was never fed: the next step's first
 
 from __future__ import annotations
 
+import math
 import time
 
 import torch
@@ -101,7 +102,8 @@ class DraftModelProposer(Proposer):
             if self.stop_below is not None:
                 # confidence from the draft's own unprocessed distribution (a greedy q is always one-hot); with
                 # seeding="position" the step's last draft is not fed to the target, so draft one more after it
-                unsure = (logits.softmax(-1).gather(1, tok.unsqueeze(1)).squeeze(1) < self.stop_below).tolist()
+                own = logits.gather(1, tok.unsqueeze(1)).squeeze(1) - logits.logsumexp(-1)  # [B]: log softmax at tok
+                unsure = (own < (math.log(self.stop_below) if self.stop_below > 0 else -math.inf)).tolist()
                 last = j + (2 if view.seeding == "position" else 1)
                 gammas = [min(last, g) if (a and low) else g for g, a, low in zip(gammas, active, unsure)]
             if max(gammas) <= j + 1:

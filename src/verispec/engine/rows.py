@@ -54,24 +54,32 @@ class IncrementalDecoder:
     O(n^2) over a request), in the way of vLLM's incremental detokenizer: the new tokens are decoded after a
     window of already-decoded ones, tokens[prefix:read], and the text grows by what they add. Decoding them with
     their predecessors keeps what a tokenizer does at a boundary (SentencePiece's leading space, a multi-byte
-    character split over tokens: the window waits until it completes, no U+FFFD is ever appended)."""
+    character split over tokens). `update` returns the text of every complete character so far — what a whole
+    decode gives, less a trailing incomplete character — so a stop string is seen in the step that completes it.
+    A tokenizer that cleans up spaces (`clean_up_tokenization_spaces`) rewrites text across any window edge: its
+    text is decoded whole every step, as is any text whose window the tokenizer rewrote."""
 
     prefix: int = 0  # tokens[prefix:read]: the context decoded again with the next tokens
     read: int = 0  # tokens[:read] are in text
-    text: str = ""
+    text: str = ""  # the text of tokens[:read]
+    whole: bool = False  # decode everything every step (see the class docstring)
 
     def update(self, tokenizer, tokens: list[int]) -> str:
-        if len(tokens) > self.read:
-            before = tokenizer.decode(tokens[self.prefix : self.read], skip_special_tokens=True)
-            after = tokenizer.decode(tokens[self.prefix :], skip_special_tokens=True)
-            if after.endswith("\ufffd") or len(after) <= len(before):
-                return self.text  # a character still incomplete, or nothing visible yet: the window waits
-            if after.startswith(before):
-                self.text += after[len(before) :]
-            else:  # the tokenizer rewrote the window (space clean-up): resynchronise on the whole text, once
-                whole = tokenizer.decode(tokens, skip_special_tokens=True)
-                self.text = whole if whole.startswith(self.text) else self.text
-            self.prefix, self.read = self.read, len(tokens)
+        if self.whole or getattr(tokenizer, "clean_up_tokenization_spaces", False):
+            self.whole = True
+            return tokenizer.decode(tokens, skip_special_tokens=True).rstrip("\ufffd")
+        if len(tokens) <= self.read:
+            return self.text
+        before = tokenizer.decode(tokens[self.prefix : self.read], skip_special_tokens=True)
+        after = tokenizer.decode(tokens[self.prefix :], skip_special_tokens=True)
+        if not after.startswith(before):  # the tokenizer rewrote the window: decode whole from now on
+            self.whole = True
+            return self.update(tokenizer, tokens)
+        new = after[len(before) :]
+        if not new or new.endswith("\ufffd"):  # nothing visible yet, or a character still incomplete: the window
+            return self.text + new.rstrip("\ufffd")  # waits; the complete characters are shown (look-ahead)
+        self.text += new
+        self.prefix, self.read = self.read, len(tokens)
         return self.text
 
 

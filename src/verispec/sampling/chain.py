@@ -192,7 +192,8 @@ def workspace(name: str, shape: tuple[int, ...], dtype: torch.dtype, device: tor
     n = math.prod(shape)
     buf = pool.get(name)
     if buf is None or buf.numel() < n or buf.dtype != dtype or buf.device != torch.device(device):
-        buf = pool[name] = torch.empty((n,), dtype=dtype, device=device)
+        with torch.inference_mode(False):  # a normal tensor: writable inside and outside inference mode alike
+            buf = pool[name] = torch.empty((n,), dtype=dtype, device=device)
     return buf[:n].view(shape)
 
 
@@ -282,7 +283,8 @@ def _residual_at_stop(
     residual = workspace("residual", (B, V), dtype, dev)
     stop = num_accepted.clamp(max=max(k - 1, 0))
     if k > 0 and draft_probs is not None:  # q at the stopping position, zeroed on bonus rows
-        torch.index_select(draft_probs.reshape(B * k, V), 0, row0 * k + stop, out=residual)
+        q_flat = draft_probs.reshape(B * k, V)
+        torch.index_select(q_flat if q_flat.dtype == dtype else q_flat.to(dtype), 0, row0 * k + stop, out=residual)
         # a bonus row's q slot may hold garbage (NaN, inf): the product with 0 is 0 or NaN, and nan_to_num zeroes
         # it; a rejected row's q is a distribution, which neither step changes
         residual.mul_(rejected.to(dtype).unsqueeze(1)).nan_to_num_(0.0, 0.0, 0.0)

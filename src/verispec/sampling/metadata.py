@@ -63,15 +63,16 @@ class SamplingMetadata:
 
     @classmethod
     def build(
-        cls, params: Sequence[SamplingParams], vocab_size: int, device: torch.device | str = "cpu"
+        cls, params: Sequence[SamplingParams], vocab_size: int, device: torch.device | str = "cpu", check: bool = True
     ) -> SamplingMetadata:
         """The metadata of rows with these params; ParamError (a ValueError) when a token id is outside the
-        vocabulary."""
+        vocabulary (check=False: the params were checked already, e.g. by `select`)."""
         rows = tuple(params)
         for r in rows:
             if not isinstance(r, SamplingParams):
                 raise ValueError(f"params must be SamplingParams, got {type(r).__name__}")
-            r.check_vocab(vocab_size)
+            if check:
+                r.check_vocab(vocab_size)
         dev, V = torch.device(device), int(vocab_size)
 
         def f64(values: list[float]) -> Tensor:
@@ -100,7 +101,7 @@ class SamplingMetadata:
 
     def select(self, rows: Sequence[int]) -> SamplingMetadata:
         """The metadata of these rows (in this order), e.g. after others left the batch."""
-        return SamplingMetadata.build([self.params[b] for b in rows], self.vocab_size, self.device)
+        return SamplingMetadata.build([self.params[b] for b in rows], self.vocab_size, self.device, check=False)
 
     def col(self, name: str, dtype: torch.dtype) -> Tensor:
         """A [B] parameter column as [B, 1, 1] in `dtype` (cast once per dtype, then reused)."""

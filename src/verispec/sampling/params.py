@@ -80,6 +80,8 @@ def _bad_words(value: object) -> tuple[tuple[int, ...], ...]:
         raise ParamError("bad_words", f"must be a list of token-id sequences, got {type(value).__name__}")
     words: dict[tuple[int, ...], None] = {}  # deduplicated, in order
     for w in value:
+        if isinstance(w, bytes):
+            raise ParamError("bad_words", f"entries must be token-id sequences, got bytes {w!r}")
         if isinstance(w, str):
             raise ParamError(
                 "bad_words",
@@ -230,6 +232,17 @@ class SamplingParams:
     def uses_token_options(self) -> bool:
         """True when logit_bias, allowed_token_ids or bad_words is set."""
         return bool(self.logit_bias) or self.allowed_token_ids is not None or bool(self.bad_words)
+
+    @property
+    def is_identity(self) -> bool:
+        """True when the processed distribution is softmax(logits) itself: temperature 1 and nothing else."""
+        return (
+            self.temperature == 1.0
+            and not self.uses_truncation
+            and self.min_p == 0.0
+            and not self.uses_penalties
+            and not self.uses_token_options
+        )
 
     def check_vocab(self, vocab_size: int) -> None:
         """ParamError (a ValueError) when a token id of logit_bias, allowed_token_ids or bad_words is outside [0, vocab_size)."""

@@ -84,6 +84,8 @@ def probs_from_logits(
             raise ValueError("logits contain NaN or +inf, or a row where every logit is -inf")
 
     x = _token_options(x, meta, recent_tokens)
+    if check and meta.blocked is not None and not bool(torch.isfinite(x.amax(dim=-1)).all()):
+        raise ValueError("every token a row allows has logit -inf (allowed_token_ids / bad_words leave nothing)")
     if meta.any_penalties:
         x = _penalise(x, meta, prompt_mask, output_counts)
 
