@@ -16,12 +16,13 @@ Methods (same target, prompts, max_new_tokens, temperature and seeds):
     verispec-tree@SHAPE[/RULE]    draft-model trees: SHAPE = widths per depth (4-2-2-1) or dynamic-D-K-M, RULE =
                                   deterministic (default), iid or without_replacement
     verispec-ngram-tree@SHAPE     prompt-lookup tries (SHAPE's first width = branches, its depth = length)
-at each temperature, at batch 1 (all methods) and batch 4 (verispec methods). Every run generates exactly
-max_new_tokens per prompt (EOS ignored by verispec, suppressed by min_new_tokens in HF) so token counts
-match. Per prompt category it reports tokens/s, speedup over verispec-plain at the same temperature and
-batch, tau (tokens per target pass; HF's counted with a forward hook), alpha, per-position acceptance,
-and the theoretical speedup from the measured alpha and the measured cost curve (draft step cost and
-target cost T(n) over n tokens, calibrated at the start of the run).
+at each temperature, at batch 1 (all methods) and at each batch size of `batch` (verispec methods). Every run
+generates exactly max_new_tokens per prompt (EOS ignored by verispec, suppressed by min_new_tokens in HF) so token
+counts match. Per prompt category it reports tokens/s, speedup over verispec-plain at the same temperature and
+batch (with the prefill, and after it: the decoding steps alone), tau (tokens per target pass; HF's counted with a
+forward hook), alpha, per-position acceptance, and the theoretical speedup from the measured alpha and the cost
+curves measured at the start of the run at that batch size (the draft step and the target's T_B(n) over n tokens
+per row at batch B). Measured / theory compares the speedup after prefill with it (the theory prices steps only).
 """
 
 from __future__ import annotations
@@ -393,8 +394,10 @@ def run_e2e(
             None,
         )
         rec["speedup"] = rec["tokens_per_s"] / base["tokens_per_s"] if base and base["tokens_per_s"] else None
-        if rec.get("theory_speedup") and rec["speedup"]:
-            rec["measured_over_theory"] = rec["speedup"] / rec["theory_speedup"]
+        dec, base_dec = rec.get("decode_tokens_per_s"), base.get("decode_tokens_per_s") if base else None
+        rec["decode_speedup"] = dec / base_dec if dec and base_dec else None  # the steps alone, prefill excluded
+        if rec.get("theory_speedup") and rec["decode_speedup"]:  # the theory prices decoding steps, not the prefill
+            rec["measured_over_theory"] = rec["decode_speedup"] / rec["theory_speedup"]
         hf = _find(records, "hf-assisted", rec["temperature"], rec["category"])
         if hf and hf["tokens_per_s"]:
             rec["vs_hf_assisted"] = rec["tokens_per_s"] / hf["tokens_per_s"]
@@ -474,16 +477,17 @@ def to_markdown(result: dict) -> str:
         "",
         *_curve_lines(result),
         "",
-        "| T | category | batch | method | tok/s | tok/s after prefill | speedup | vs HF assisted "
+        "| T | category | batch | method | tok/s | tok/s after prefill | speedup | speedup after prefill | vs HF assisted "
         "| vs llama.cpp plain (incl. / after prefill) | tau | drafted / step | alpha "
         "| per-position (trees: per-depth) acceptance | theory speedup | measured / theory |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["records"]:
         pp = r.get("per_position")
         lines.append(
             f"| {r['temperature']:g} | {r['category']} | {r['batch']} | {r['method']} | {_fmt(r['tokens_per_s'])} | "
-            f"{_fmt(r.get('decode_tokens_per_s'))} | {_fmt(r.get('speedup'))} | {_fmt(r.get('vs_hf_assisted'))} | "
+            f"{_fmt(r.get('decode_tokens_per_s'))} | {_fmt(r.get('speedup'))} | {_fmt(r.get('decode_speedup'))} | "
+            f"{_fmt(r.get('vs_hf_assisted'))} | "
             f"{_fmt(r.get('vs_llamacpp_plain'))} / {_fmt(r.get('vs_llamacpp_plain_decode'))} | {_fmt(r.get('tau'))} | "
             f"{_fmt(r.get('drafted_per_step'), '.1f')} | "
             f"{_fmt(r.get('alpha'))} | {' '.join(f'{x:.2f}' for x in pp) if pp else '-'} | "

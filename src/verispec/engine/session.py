@@ -355,11 +355,15 @@ class GenerationSession:
                 slots[b, 1 : len(path) + 1] = torch.tensor([n + 1 for n in path], dtype=torch.int64)
             sl = slots.to(logits.device).unsqueeze(-1).expand(-1, -1, logits.shape[-1])
             p_e, logits_e = p.gather(1, sl), logits.gather(1, sl)  # [B, D + 1, V]
-        lp = p_e.gather(-1, tok).squeeze(-1).log().tolist()
-        log_z = logits_e.logsumexp(-1, keepdim=True)  # [B, D + 1, 1]
-        raw = (logits_e.gather(-1, tok) - log_z).squeeze(-1).tolist()
-        top = None
+        lp_t = p_e.gather(-1, tok).squeeze(-1).log()  # [B, D + 1]
+        lp = lp_t.tolist()
         n_top = max(r.top_logprobs for r in self.rows)
+        if n_top or not all(r.params.is_identity for r in self.rows):
+            log_z = logits_e.logsumexp(-1, keepdim=True)  # [B, D + 1, 1]
+            raw = (logits_e.gather(-1, tok) - log_z).squeeze(-1).tolist()
+        else:  # p is softmax(logits) itself (temperature 1, no processing): no second pass over [B, D + 1, V]
+            raw = lp
+        top = None
         if n_top:
             values, top_ids = logits_e.topk(n_top, dim=-1)  # [B, D + 1, n_top]
             top = [
