@@ -117,6 +117,12 @@ def test_logprobs_conventions(tiny_target, tiny_draft):
     processed = torch.log_softmax(logits / 0.5, -1)[torch.arange(6), toks]
     assert out.raw_logprobs == pytest.approx(raw.tolist(), abs=1e-4)
     assert out.logprobs == pytest.approx(processed.tolist(), abs=1e-4)
+    # temperature 1 with no processing: raw logprobs come from the processed ones (no second log-softmax pass)
+    t1 = gen.generate(PROMPTS[0], SamplingParams(seed=4), max_new_tokens=6, ignore_eos=True)[0]
+    with torch.no_grad():
+        logits = tiny_target.model(torch.tensor([PROMPTS[0] + t1.token_ids])).logits[0, len(PROMPTS[0]) - 1 : -1]
+    raw1 = torch.log_softmax(logits, -1)[torch.arange(6), torch.tensor(t1.token_ids)]
+    assert t1.raw_logprobs == pytest.approx(raw1.tolist(), abs=1e-4) == t1.logprobs
     greedy = gen.generate(PROMPTS[0], GREEDY, max_new_tokens=4, ignore_eos=True)[0]
     assert greedy.logprobs == [0.0] * 4
 
