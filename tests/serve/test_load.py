@@ -28,6 +28,8 @@ from ..engine.tiny import make_model, make_tokenizer
 from .test_server import _free_port
 
 MODEL = "m"
+CONTEXT = 4096  # the saved model's context: room for streams far longer than --shutdown-timeout
+STREAM_TOKENS = 4000  # per stream in flight at SIGTERM: thousands of steps, where 0.5 s holds some hundred at most
 
 
 @dataclass(frozen=True)
@@ -36,9 +38,7 @@ class Scale:
     tokens: int = 16  # per stream
     burst: int = 160  # requests sent at once with the queue at --max-queue
     hangups: int = 16  # clients that disconnect mid-stream
-    in_flight: int = (
-        24  # streams running or waiting when SIGTERM comes (240 tokens each: 3 batches outlast the timeout)
-    )
+    in_flight: int = 24  # streams running or waiting when SIGTERM comes (of STREAM_TOKENS each, never done in time)
     max_batch: int = 8
     max_queue: int = 64
 
@@ -116,7 +116,7 @@ class Server:
 
 
 def _start(tmp_path, scale: Scale, shutdown_timeout: float) -> Server:
-    make_model(0).save_pretrained(tmp_path / "model")
+    make_model(0, max_positions=CONTEXT).save_pretrained(tmp_path / "model")
     make_tokenizer().save_pretrained(tmp_path / "model")
     port = _free_port()
     argv = [sys.executable, "-m", "verispec.cli", "serve", "--target", str(tmp_path / "model"), "--port", str(port),
@@ -158,26 +158,39 @@ async def _hangups(url: str, scale: Scale) -> tuple[list[Stream], list[Stream]]:
 
 
 async def _until_idle(url: str, seconds: float = 20) -> dict[str, float]:
+    """The metrics once nothing runs or waits and the KV gauge says so too (it follows the last step)."""
     deadline = time.time() + seconds
     while True:
         m = _metrics(url)
         idle = not m["verispec:num_requests_running"] and not m["verispec:num_requests_waiting"]
-        if idle or time.time() > deadline:
+        if (idle and not m["verispec:kv_cache_usage_perc"]) or time.time() > deadline:
             return m
         await asyncio.sleep(0.05)
+
+
+async def _draining(c: httpx.AsyncClient) -> int:
+    """Poll /health until the drain answers 503 (0: the socket closed first)."""
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        try:
+            if (status := (await c.get("/health")).status_code) == 503:
+                return status
+        except httpx.TransportError:
+            return 0
+        await asyncio.sleep(0.01)
+    raise AssertionError("/health never answered 503 after SIGTERM")
 
 
 async def _sigterm(server: Server, scale: Scale) -> tuple[list[Stream], list[int]]:
     """Streams in flight, SIGTERM once each has its first text, then new requests (503) while they drain."""
     async with httpx.AsyncClient(base_url=server.url, timeout=120, limits=httpx.Limits(max_connections=None)) as c:
         started = asyncio.Semaphore(0)
-        body = {"prompt": "a b", "max_tokens": 240, "ignore_eos": True}
+        body = {"prompt": "a b", "max_tokens": STREAM_TOKENS, "ignore_eos": True}
         tasks = [asyncio.ensure_future(_stream(c, body | {"seed": i}, started=started)) for i in range(scale.in_flight)]
         for _ in range(min(scale.in_flight, scale.max_batch)):  # the first batch is running
             await asyncio.wait_for(started.acquire(), 60)
         server.proc.send_signal(signal.SIGTERM)
-        await asyncio.sleep(0.2)
-        refused = []
+        refused = [await _draining(c)]  # the drain has begun: the probes below come within --shutdown-timeout
         for _ in range(3):
             try:
                 r = await c.post("/v1/completions", json={"model": MODEL, "prompt": "a", "max_tokens": 2})
@@ -222,7 +235,7 @@ def _check_sigterm(server: Server, streams: list[Stream], refused: list[int], be
     assert refused and set(refused) <= {503, 0} and 503 in refused  # drained, not dropped
     for s in streams:  # every stream in flight ends with [DONE]: finished, or cut short at --shutdown-timeout
         assert s.status == 200 and s.done and s.finish_reasons in (["length"], ["abort"]), s.chunks[-2:]
-    assert "abort" in {r for s in streams for r in s.finish_reasons}  # 3 batches of 240 tokens outlast the timeout
+    assert "abort" in {r for s in streams for r in s.finish_reasons}  # STREAM_TOKENS steps outlast the timeout
     last = re.search(r"choices ended: stop (\d+), length (\d+), abort (\d+), error (\d+); .*: (\d+)", log)
     assert last, log
     stop, length, abort, error, rejected = map(int, last.groups())

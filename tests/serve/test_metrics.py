@@ -1,14 +1,17 @@
 """The server's Prometheus metrics: the Metrics object directly, and the engine thread counting every choice
-exactly once (finished, aborted while running or waiting, failed by an engine error)."""
+exactly once (finished, aborted while running or waiting, failed by an engine error); the engine thread's queue
+limit, deadlines, shutdown cut and fault handling."""
 
 from __future__ import annotations
 
 import asyncio
 import time
 
+import pytest
+
 from verispec.engine.generator import SpeculativeGenerator
 from verispec.sampling import SamplingParams
-from verispec.serve.engine import EngineThread, Job
+from verispec.serve.engine import Closing, EngineThread, Job, Overloaded
 from verispec.serve.metrics import Metrics
 
 
@@ -88,9 +91,9 @@ async def _idle(engine: EngineThread, timeout: float = 20) -> None:
         await asyncio.sleep(0.01)
 
 
-async def _last_event(job: Job):
+async def _last_event(job: Job, timeout: float = 60):
     while True:
-        item = await asyncio.wait_for(job.events.get(), timeout=60)
+        item = await asyncio.wait_for(job.events.get(), timeout=timeout)
         if isinstance(item, Exception) or item.completion is not None:
             return item
 
@@ -179,3 +182,98 @@ def test_expired_jobs_end_with_abort_and_what_they_have_and_big_jobs_run_in_part
 
 def _broken():
     raise RuntimeError("injected device error")
+
+
+def test_max_queue_counts_the_requests_that_cannot_join_the_batch_now(tiny_target):
+    """--max-queue 0: a request is admitted if a row is free for it, else 429; N: N may wait for a row. (The
+    engine thread is not started: nothing leaves the queue.)"""
+    loop = asyncio.new_event_loop()
+    try:
+        gen = SpeculativeGenerator(tiny_target, None)
+        none_wait = EngineThread(gen, max_batch=2, max_queue=0)
+        none_wait.submit(_job(loop, 1, 4, seed=1))  # a row is free: admitted (was refused: 0 >= 0)
+        none_wait.submit(_job(loop, 1, 4, seed=2))  # the second row
+        with pytest.raises(Overloaded):
+            none_wait.submit(_job(loop, 1, 4, seed=3))
+        one_waits = EngineThread(gen, max_batch=1, max_queue=1)
+        one_waits.submit(_job(loop, 2, 4, seed=1))  # joins (in part: it has more choices than rows)
+        one_waits.submit(_job(loop, 1, 4, seed=2))  # waits
+        with pytest.raises(Overloaded):
+            one_waits.submit(_job(loop, 1, 4, seed=3))
+    finally:
+        loop.close()
+
+
+def test_after_the_shutdown_cut_nothing_is_admitted(tiny_target):
+    loop = asyncio.new_event_loop()
+    try:
+        engine = EngineThread(SpeculativeGenerator(tiny_target, None), max_batch=2, max_queue=4)
+        engine.submit(_job(loop, 1, 4, seed=1))
+        assert engine.expire_all() == 1
+        with pytest.raises(Closing):  # a request that passed the gate before the drain: 503, never run
+            engine.submit(_job(loop, 1, 4, seed=2))
+        assert engine.num_waiting == 0
+    finally:
+        loop.close()
+
+
+def test_the_engine_expires_a_job_at_its_deadline_though_nobody_reads_its_events(tiny_target):
+    """A streaming client that stops reading: its handler pulls no event, yet the compute ends at the deadline."""
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        m = Metrics("m")
+        engine = EngineThread(SpeculativeGenerator(tiny_target, None), max_batch=2, max_queue=4, metrics=m)
+        step = engine.session.step
+
+        def slow():  # 200 tokens take more than 4 s
+            time.sleep(0.02)
+            return step()
+
+        engine.session.step = slow
+        engine.start()
+        try:
+            running, waiting = _job(loop, 2, 200, seed=1), _job(loop, 1, 200, seed=2)
+            running.deadline = waiting.deadline = time.perf_counter() + 0.3
+            engine.submit(running)
+            engine.submit(waiting)
+            await _idle(engine, timeout=2.5)  # not a single event read
+        finally:
+            engine.stop()
+        return m, running
+
+    m, running = asyncio.run(main())
+    assert value(m, "verispec:request_success_total", finished_reason="abort") == 3
+    events = [running.events.get_nowait() for _ in range(running.events.qsize())]
+    ends = [e.completion for e in events if e.completion is not None]
+    assert [c.finish_reason for c in ends] == ["abort", "abort"] and all(len(c.token_ids) < 200 for c in ends)
+
+
+@pytest.mark.parametrize("broken", ["observe_step", "observe_tokens"])
+def test_a_fault_outside_the_step_fails_its_jobs_and_the_engine_serves_on(tiny_target, broken):
+    async def main():
+        loop = asyncio.get_running_loop()
+        m = Metrics("m")
+        engine = EngineThread(SpeculativeGenerator(tiny_target, None), max_batch=2, max_queue=4, metrics=m)
+        engine.start()
+        try:
+            setattr(m, broken, _raising)
+            failed = _job(loop, 2, 5, seed=1)
+            engine.submit(failed)
+            assert isinstance(await _last_event(failed, timeout=10), RuntimeError)  # was: a dead thread, no answer
+            delattr(m, broken)
+            done = _job(loop, 1, 3, seed=2)
+            engine.submit(done)
+            assert (await _last_event(done, timeout=10)).completion.finish_reason == "length"
+            await _idle(engine)
+        finally:
+            engine.stop()
+        return m
+
+    m = asyncio.run(main())
+    assert value(m, "verispec:request_success_total", finished_reason="error") == 2
+    assert value(m, "verispec:num_requests_running") == 0
+
+
+def _raising(*args, **kwargs):
+    raise RuntimeError("injected metrics bug")

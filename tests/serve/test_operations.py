@@ -1,6 +1,6 @@
 """What operators of `verispec serve` need beyond the basics, on live servers over tiny models: lists of prompts,
-stop_token_ids, echo (with prompt logprobs), --max-model-len, --request-timeout, --chat-template, and the 503 gate a
-shutdown raises (the SIGTERM path itself runs in test_load)."""
+stop_token_ids, echo (with prompt logprobs), --max-model-len (the RL routes too), --request-timeout, --chat-template,
+clients that leave, failed streams, and the 503s a shutdown answers (the SIGTERM path itself runs in test_load)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from verispec.engine.generator import SpeculativeGenerator
 from verispec.model.loading import LoadedModel
 from verispec.serve import create_app
 from verispec.serve.chat import load_chat_template
+from verispec.serve.jobs import Served
 
 from ..engine.tiny import make_tokenizer
 from .test_server import MODEL, LiveServer
@@ -46,6 +47,11 @@ def _stream(s, body: dict, path: str = "/v1/completions") -> list:
     return out
 
 
+def _prompt_tokens_total(s) -> float:
+    line = next(ln for ln in httpx.get(s.url + "/metrics").text.splitlines() if ln.startswith("verispec:prompt_t"))
+    return float(line.rsplit(" ", 1)[1])
+
+
 def _texts(chunks: list) -> dict[int, str]:
     texts: dict[int, str] = {}
     for ch in chunks[:-1]:
@@ -61,7 +67,12 @@ def test_a_list_of_prompts_gives_prompt_major_choices_as_separate_requests_would
     assert [c["index"] for c in both["choices"]] == [0, 1, 2, 3]
     alone = [_post(server, {"prompt": p} | kw).json() for p in prompts]
     assert [c["text"] for c in both["choices"]] == [c["text"] for a in alone for c in a["choices"]]
-    assert both["usage"]["prompt_tokens"] == sum(a["usage"]["prompt_tokens"] for a in alone)
+    once = [_post(server, {"prompt": p} | kw | {"n": 1}).json()["usage"]["prompt_tokens"] for p in prompts]
+    assert [a["usage"]["prompt_tokens"] for a in alone] == once  # each prompt counted once, whatever n is
+    assert both["usage"]["prompt_tokens"] == sum(once)
+    before = _prompt_tokens_total(server)
+    _post(server, {"prompt": prompts[0]} | kw | {"n": 3})
+    assert _prompt_tokens_total(server) - before == once[0]  # the counter too
     assert both["usage"]["completion_tokens"] == 4 * 6
     streamed = _stream(server, {"prompt": prompts, "stream_options": {"include_usage": True}} | kw)
     assert streamed[-1] == "[DONE]" and streamed[-2]["usage"]["completion_tokens"] == 24
@@ -102,11 +113,16 @@ def test_stop_token_ids_end_a_choice_without_their_token(server, tiny_target):
 
 def test_echo_prepends_the_prompt_and_its_logprobs(server, tiny_target):
     prompt = "a b c a"
-    ids = tiny_target.tokenizer(prompt)["input_ids"]
+    tok = tiny_target.tokenizer
+    ids = tok(prompt)["input_ids"]
     kw = {"prompt": prompt, "max_tokens": 5, "seed": 3, "ignore_eos": True}
     plain = _post(server, kw).json()["choices"][0]
+    as_ids = _post(server, kw | {"logprobs": 0, "return_tokens_as_token_ids": True}).json()["choices"][0]
+    completion = [int(t.split(":")[1]) for t in as_ids["logprobs"]["tokens"]]
     echoed = _post(server, kw | {"echo": True}).json()["choices"][0]
-    assert echoed["text"] == prompt + plain["text"] and echoed["logprobs"] is None
+    assert echoed["logprobs"] is None and plain["text"] and echoed["text"] != prompt + plain["text"]  # not glued
+    assert echoed["text"] == tok.decode(ids + completion, skip_special_tokens=True)  # "a b c a" + " " + "b ..."
+    assert echoed["text"] == prompt + " " + plain["text"]
     lp = _post(server, kw | {"echo": True, "logprobs": 2}).json()
     got = lp["choices"][0]["logprobs"]
     assert lp["choices"][0]["text"] == echoed["text"]
@@ -120,6 +136,9 @@ def test_echo_prepends_the_prompt_and_its_logprobs(server, tiny_target):
     assert all(len(d) == 2 for d in got["top_logprobs"][1:])
     offsets = got["text_offset"]
     assert offsets == sorted(offsets) and offsets[n] == len(prompt)  # the completion starts after the prompt
+    text, ends = lp["choices"][0]["text"], [*offsets[n + 1 :], len(lp["choices"][0]["text"])]
+    words = [text[a:b].strip() for a, b in zip(offsets[n:], ends)]  # each completion token's text at its offset
+    assert words == [t if t not in tok.all_special_tokens else "" for t in got["tokens"][n:]]
     streamed = _stream(server, kw | {"echo": True, "logprobs": 2})
     assert _texts(streamed) == {0: lp["choices"][0]["text"]}
     tokens = [t for ch in streamed[:-1] for c in ch["choices"] if c["logprobs"] for t in c["logprobs"]["tokens"]]
@@ -226,3 +245,64 @@ def test_cli_refuses_a_chat_template_that_is_neither_file_nor_template_before_lo
 
     assert main(["serve", "--chat-template", "no/such/template.jinja"]) == 2
     assert "--chat-template" in capsys.readouterr().err
+
+
+def test_rl_generate_honours_max_model_len(server):
+    r = httpx.post(server.url + "/generate/", json={"prompts": ["a b"], "max_tokens": CONTEXT}, timeout=60)
+    assert r.status_code == 400 and f"exceeds the context ({CONTEXT})" in r.json()["error"]["message"]
+    assert httpx.post(server.url + "/generate/", json={"prompts": ["a b"], "max_tokens": 3}, timeout=60).is_success
+
+
+def test_a_plain_request_whose_client_leaves_stops_though_its_events_come_fast(tiny_target):
+    """Events every ~10 ms never let a 0.5 s wait time out: the client is watched on its own."""
+    with LiveServer(SpeculativeGenerator(tiny_target, None), max_batch=2, max_queue=4) as s:
+        _slowed(s, 0.01)  # 200 tokens take over 2 s
+        body = {"model": MODEL, "prompt": "a b", "max_tokens": 200, "ignore_eos": True}
+        with pytest.raises(httpx.ReadTimeout):  # the client gives up and hangs up
+            httpx.post(s.url + "/v1/completions", json=body, timeout=0.3)
+        deadline = time.time() + 10
+        while time.time() < deadline and (s.engine.num_running or s.engine.session.num_active):
+            time.sleep(0.02)
+        ended = [ln for ln in httpx.get(s.url + "/metrics").text.splitlines() if ln.startswith("verispec:request_s")]
+        assert ended == ['verispec:request_success_total{finished_reason="abort",model_name="tiny"} 1.0']
+
+
+def test_a_failed_stream_ends_with_its_error_then_done_and_the_server_serves_on(tiny_target):
+    with LiveServer(SpeculativeGenerator(tiny_target, None)) as s:
+
+        def broken():
+            raise RuntimeError("injected device error")
+
+        s.engine.session.step = broken  # this session's only: a failed step replaces it
+        chunks = _stream(s, {"prompt": "a b", "max_tokens": 5})
+        assert chunks[-1] == "[DONE]" and "injected device error" in chunks[-2]["error"]["message"]  # as vLLM ends it
+        assert _post(s, {"prompt": "a", "max_tokens": 2}).status_code == 200
+
+
+def test_served_without_a_scorer_shares_or_makes_one(tiny_target):
+    gen = SpeculativeGenerator(tiny_target, None)
+    with LiveServer(gen) as s:
+        s.engine.scorer = None
+        s.app.state.served = served = Served(gen, s.engine, s.app.state.metrics, MODEL)
+        assert served.scorer is not None and s.engine.scorer is served.scorer
+        r = _post(s, {"prompt": "a b c", "max_tokens": 2, "echo": True, "logprobs": 1})  # was a 500
+        assert r.status_code == 200 and r.json()["choices"][0]["logprobs"]["token_logprobs"][-3] is not None
+
+
+def test_a_request_reaching_the_engine_after_the_shutdown_cut_gets_503(tiny_target):
+    with LiveServer(SpeculativeGenerator(tiny_target, None)) as s:
+        s.engine.expire_all()  # what the drain does at --shutdown-timeout; the gate let this one through before
+        r = _post(s, {"prompt": "a", "max_tokens": 2})
+        assert r.status_code == 503 and r.headers["retry-after"] == "1" and r.json()["error"]["type"] == "server_error"
+
+
+def test_chat_templates_compile_as_transformers_compiles_them():
+    template = (
+        "{% for m in messages %}{% if loop.index > 2 %}{% break %}{% endif %}"
+        "{% generation %}{{ m['content'] }} {% endgeneration %}{% endfor %}"
+    )
+    assert load_chat_template(template) == template  # was refused: no {% break %} nor {% generation %}
+    tok = make_tokenizer()
+    tok.chat_template = template
+    msgs = [{"role": "user", "content": w} for w in "abc"]
+    assert tok.apply_chat_template(msgs, tokenize=False) == "a b "

@@ -30,7 +30,13 @@ def add_parser(sub) -> None:
     add_counts(
         p,
         ("--max-batch", 1, 8, "rows (choices) decoded together (default %(default)s)"),
-        ("--max-queue", 0, 64, "requests waiting for a batch slot; beyond, 429 with Retry-After (default %(default)s)"),
+        (
+            "--max-queue",
+            0,
+            64,
+            "requests that may wait for a batch slot (0: none; a request is admitted if a row is free); beyond, "
+            "429 with Retry-After (default %(default)s)",
+        ),
     )
     p.add_argument(
         "--api-key",
@@ -65,8 +71,8 @@ def _add_operator_args(p: argparse.ArgumentParser) -> None:
         "--request-timeout",
         type=_seconds(0, inclusive=False),
         metavar="SECONDS",
-        help="a request still running this long after it arrived is stopped: its unfinished choices end with "
-        "finish_reason 'abort' and what they have (default: no limit)",
+        help="a request still running this long after it arrived is stopped at the next step, read by its client "
+        "or not: its unfinished choices end with finish_reason 'abort' and what they have (default: no limit)",
     )
     p.add_argument(
         "--shutdown-timeout",

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from fastapi import APIRouter, Request
 from jinja2 import TemplateError
+from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from ..engine.generator import Completion, StreamEvent
@@ -108,10 +109,21 @@ def load_chat_template(arg: str) -> str:
     return check_chat_template(template)
 
 
-def check_chat_template(template: str) -> str:
-    """The template, once it compiles (ValueError otherwise)."""
+def _compile(template: str) -> None:
+    """Compile the template as transformers' apply_chat_template does (its sandbox, with {% break %} /
+    {% continue %} and its {% generation %} tag), so that every template it renders passes; TemplateError if not."""
     try:
-        ImmutableSandboxedEnvironment().parse(template)
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+    except ImportError:  # a transformers without it: its environment's extensions, all but {% generation %}
+        ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols]).parse(template)
+    else:
+        _compile_jinja_template(template)
+
+
+def check_chat_template(template: str) -> str:
+    """The template, once it compiles as transformers compiles chat templates (ValueError otherwise)."""
+    try:
+        _compile(template)
     except TemplateError as e:
         raise ValueError(f"--chat-template: the template does not compile: {e}") from None
     return template

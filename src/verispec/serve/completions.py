@@ -1,9 +1,10 @@
 """POST /v1/completions (the legacy text completions API), plain or streamed, with legacy logprobs.
 
 `prompt`: a string, a list of strings, token ids, or a list of lists of token ids; the choices are indexed
-prompt-major (prompt p's choice j is index p * n + j) and usage sums over them. `echo`: each choice's text starts
-with its prompt (as sent; token ids decoded), and with `logprobs` its logprobs start with the prompt's tokens (the
-first one's null), scored by one target forward (`serve.scoring`)."""
+prompt-major (prompt p's choice j is index p * n + j) and usage sums over them (each prompt once). `echo`: each
+choice's text starts with its prompt (as sent; token ids decoded), then the completion as decoded after the prompt
+(`joiner`: "a b" + "c" reads "a b c" with a tokenizer that spaces words), and with `logprobs` its logprobs start
+with the prompt's tokens (the first one's null), scored by one target forward (`serve.scoring`)."""
 
 from __future__ import annotations
 
@@ -18,27 +19,84 @@ from .errors import APIError
 from .jobs import Run, Served, usage
 from .protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse
 
-__all__ = ["prompt_list", "router", "text_offsets"]
+__all__ = ["TextOffsets", "joiner", "prompt_list", "router", "text_offsets"]
 
 router = APIRouter()
+_TAIL = 8  # echo: the prompt tokens decoded before a completion's first ones (its decoding context)
+_HEAD = 16  # echo: at most this many completion tokens are tried to find what joins it to the prompt
+
+
+class TextOffsets:
+    """Where each token of a growing token list starts in a text: the text decoded from the tokens, or as much of
+    it as the client has (cut at a stop string, or held back while a stop string may be starting).
+
+    Token i starts where the text of ids[:i] ends, as far as that text agrees with the client's. The text of the
+    prefixes grows as `engine.rows.IncrementalDecoder` streams a row's text: each new token is decoded after a
+    window of the tokens before it, tokens[prefix:read], and the text grows by what it adds. Decoding with the
+    window, not each token alone, gets SentencePiece's spaces, WordPiece's joins and characters split over several
+    tokens right (a split character belongs to the token that completes it: the window waits for it), and costs a
+    few tokens' decode per token: n tokens in O(n), where decoding every prefix was O(n^2). Monotone, from `low`
+    on, never past the client's text."""
+
+    def __init__(self, decode: Callable[[list[int]], str]):
+        self.decode = decode
+        self.ids: list[int] = []
+        self.prefix = self.read = 0  # ids[prefix:read]: the window decoded again before the next token
+        self.decoded = ""  # the text of ids[:read]
+        self.text = ""  # the client's text so far
+        self.agree = 0  # leading characters `decoded` and `text` share
+        self.parted = False  # they differ at `agree` (so it stays there, until a resynchronisation)
+        self.synced = 0  # `read` at the last resynchronisation on a whole decode
+        self.low = 0  # the last offset given
+
+    def add(self, ids: Sequence[int], text: str = "") -> list[int]:
+        """The offsets of `ids`, the next tokens, which brought `text` to the client's text."""
+        self.text += text
+        out = []
+        for t in ids:
+            self.low = max(self.low, self._agreeing())
+            out.append(self.low)
+            self._feed(t)
+        return out
+
+    def _agreeing(self) -> int:
+        """How many leading characters the text of the tokens so far shares with the client's (each character is
+        compared once over the whole list). Where the two part (a tokenizer that rewrites text across a window's
+        edge), the text is decoded whole again once the tokens have doubled since the last time: O(n) still."""
+        if self.parted and self.read >= 2 * max(self.synced, 1):
+            self.decoded, self.synced = self.decode(self.ids[: self.read]), self.read
+            self.agree, self.parted = 0, False
+        end = min(len(self.decoded), len(self.text))
+        if not self.parted and self.agree < end:
+            a = self.decoded[self.agree : end]
+            same = _agreeing(a, self.text[self.agree : end])
+            self.agree += same
+            self.parted = same < len(a)
+        return self.agree
+
+    def _feed(self, token: int) -> None:
+        self.ids.append(token)
+        before = self.decode(self.ids[self.prefix : self.read])
+        after = self.decode(self.ids[self.prefix :])
+        if after.endswith("\ufffd") or len(after) <= len(before):
+            return  # a character still incomplete, or nothing visible yet: the window waits
+        if after.startswith(before):
+            self.decoded += after[len(before) :]
+        else:  # the tokenizer rewrote the window (space clean-up): resynchronise on the whole text
+            whole = self.decode(self.ids)
+            self.decoded = whole if whole.startswith(self.decoded) else self.decoded
+        self.prefix, self.read = self.read, len(self.ids)
 
 
 def text_offsets(
     decode: Callable[[list[int]], str], ids: Sequence[int], text: str, first: int = 0, low: int = 0
 ) -> list[int]:
     """Where each token of ids[first:] starts in `text`, the text decoded from ids (or as much of it as the
-    client has: cut at a stop string, or held back while a stop string may be starting).
-
-    Token i starts where the text of ids[:i] ends, as far as that text agrees with `text`. Decoding the prefix,
-    not each token alone, gets SentencePiece's spaces, WordPiece's joins and characters split over several
-    tokens right (a split character belongs to the token that completes it). Monotone, from `low` on (the
-    previous offset when streaming), never past len(text)."""
-    out = []
-    for i in range(first, len(ids)):
-        prefix = decode(list(ids[:i])) if i else ""
-        low = max(low, _agreeing(prefix, text))
-        out.append(low)
-    return out
+    client has); from `low` on (the previous offset when streaming). See `TextOffsets`."""
+    offsets = TextOffsets(decode)
+    offsets.add(ids[:first])
+    offsets.low = max(offsets.low, low)
+    return offsets.add(ids[first:], text)
 
 
 def _agreeing(a: str, b: str) -> int:
@@ -49,16 +107,35 @@ def _agreeing(a: str, b: str) -> int:
     return next(i for i in range(n) if a[i] != b[i])
 
 
+def joiner(decode: Callable[[list[int]], str], tail: Sequence[int], ids: Sequence[int]) -> str:
+    """What decoding a completion after its prompt puts before the completion's own text (decoded alone): the
+    space a WordPiece or SentencePiece tokenizer sets between words, nothing for byte-level BPE. So an echoed
+    choice reads prompt text + this + its text, as decode(prompt + completion) does (vLLM's detokenizer decodes a
+    completion with the prompt's last tokens before it). Found on the completion's shortest head that decodes to
+    whole visible text, after `tail`, the prompt's last tokens; "" when there is none."""
+    before = decode(list(tail))
+    for k in range(1, min(len(ids), _HEAD) + 1):
+        alone = decode(list(ids[:k]))
+        if not alone or alone.endswith("\ufffd"):
+            continue
+        after = decode([*tail, *ids[:k]])
+        if after.startswith(before) and after.endswith(alone) and len(after) >= len(before) + len(alone):
+            return after[len(before) : len(after) - len(alone)]
+        return ""
+    return ""
+
+
 class LegacyLogprobs:
     """One request's legacy logprobs, choice by choice and (streamed) event by event: each choice's tokens and
-    text so far, so that `text_offset` indexes the choice's whole text (after its echoed prompt, if any)."""
+    text so far (`TextOffsets`), so that `text_offset` indexes the choice's whole text (after its echoed prompt and
+    what joins the two, if any)."""
 
     def __init__(self, served: Served, n: int, top_n: int, as_ids: bool = False):
         self.served, self.top_n, self.piece = served, top_n, served.namer(as_ids)
-        self.ids: list[list[int]] = [[] for _ in range(n)]
-        self.text = [""] * n
-        self.low = [0] * n
+        self.offsets = [TextOffsets(served.decode) for _ in range(n)]
         self.shift = [0] * n  # characters before the completion's own text: the echoed prompt
+        self.glue = [0] * n  # and what joins the two (`joiner`): before the completion's tokens but its first
+        self._echoed: dict[tuple[int, bool], CompletionLogprobs] = {}  # the prompts' (the same for their choices)
 
     def _top(self, tops) -> list | None:
         if not self.top_n or tops is None:
@@ -67,33 +144,35 @@ class LegacyLogprobs:
 
     def add(self, index: int, ids: list[int], text: str, lps: list[float], tops) -> CompletionLogprobs | None:
         """The logprobs of `ids`, new tokens of choice `index` that brought the new `text`; None without tokens."""
-        first = len(self.ids[index])
-        self.ids[index] += ids
-        self.text[index] += text
+        offsets = self.offsets[index].add(ids, text)
         if not ids:
             return None
-        offsets = text_offsets(self.served.decode, self.ids[index], self.text[index], first, self.low[index])
-        self.low[index] = offsets[-1]
-        shift = self.shift[index]
+        shift, glue = self.shift[index], self.glue[index]
         return CompletionLogprobs(
             tokens=[self.piece(t) for t in ids],
             token_logprobs=lps,
             top_logprobs=self._top(tops),
-            text_offset=[o + shift for o in offsets],
+            text_offset=[o + shift + (glue if o else 0) for o in offsets],
         )
 
-    def echo(self, index: int, ids: list[int], text: str, scored: PromptLogprobs | None) -> CompletionLogprobs:
-        """The echoed prompt's logprobs for choice `index` (the first token's are None; all are None when the
-        prompt was never scored: a request cut short before it ran); the completion's offsets then follow `text`."""
+    def echo(
+        self, index: int, prompt: int, ids: list[int], text: str, scored: PromptLogprobs | None
+    ) -> CompletionLogprobs:
+        """The echoed logprobs of prompt `prompt` (`ids`, `text`) for choice `index`; computed once per prompt (the
+        first token's are None; all are None when the prompt was never scored: a request cut short before it
+        ran). The choice's own offsets then follow `text`."""
         self.shift[index] = len(text)
-        lps = scored.logprobs if scored is not None else [None] * len(ids)
-        tops = scored.top if scored is not None else [None] * len(ids)
-        return CompletionLogprobs(
-            tokens=[self.piece(t) for t in ids],
-            token_logprobs=lps,
-            top_logprobs=self._top(tops),
-            text_offset=text_offsets(self.served.decode, ids, text),
-        )
+        key = (prompt, scored is None)
+        if key not in self._echoed:
+            lps = scored.logprobs if scored is not None else [None] * len(ids)
+            tops = scored.top if scored is not None else [None] * len(ids)
+            self._echoed[key] = CompletionLogprobs(
+                tokens=[self.piece(t) for t in ids],
+                token_logprobs=lps,
+                top_logprobs=self._top(tops),
+                text_offset=TextOffsets(self.served.decode).add(ids, text),
+            )
+        return self._echoed[key]
 
 
 def _join(a: CompletionLogprobs | None, b: CompletionLogprobs | None) -> CompletionLogprobs | None:
@@ -112,8 +191,10 @@ class _Reply:
     def __init__(self, served: Served, req: CompletionRequest, run: Run, echo: list[tuple[list[int], str]] | None):
         as_ids = req.return_tokens_as_token_ids
         lp = LegacyLogprobs(served, run.n, req.logprobs or 0, as_ids) if req.logprobs is not None else None
-        self.logprobs, self.run, self.echo, self.per_prompt = lp, run, echo, req.n
+        self.served, self.logprobs, self.run, self.echo, self.per_prompt = served, lp, run, echo, req.n
         self.echoed: set[int] = set()  # (streamed) choices whose prompt has been sent
+        self.joined: set[int] = set()  # (echo) choices whose text has begun, after what joins it to the prompt
+        self.seen: dict[int, list[int]] = {}  # (streamed echo) a choice's tokens before its first text
         self.chunk = partial(
             CompletionResponse, id=f"cmpl-{run.job.id}", created=int(run.job.created), model=served.model_id
         )
@@ -130,12 +211,30 @@ class _Reply:
         ids, text = self.echo[p]
         if self.logprobs is None:
             return text, None
-        return text, self.logprobs.echo(index, ids, text, self.run.prompt_logprobs.get(p))
+        return text, self.logprobs.echo(index, p, ids, text, self.run.prompt_logprobs.get(p))
+
+    def _glue(self, index: int, ids: list[int], text: str) -> str:
+        """(echo) What goes between the prompt's text and choice `index`'s own (`joiner`): decided and sent with
+        the choice's first text, `text`, from its tokens so far (`ids` the latest)."""
+        if self.echo is None or index in self.joined:
+            return ""
+        seen = self.seen.setdefault(index, [])
+        seen += ids
+        if not text:
+            return ""
+        self.joined.add(index)
+        del self.seen[index]
+        prompt = self.echo[index // self.per_prompt][0]
+        glue = joiner(self.served.decode, prompt[-_TAIL:], seen)
+        if self.logprobs is not None:
+            self.logprobs.glue[index] = len(glue)
+        return glue
 
     def answer(self, done: list[Completion]) -> CompletionResponse:
         choices = []
         for i, c in enumerate(done):
             text, head = self._prefix(i)
+            text += self._glue(i, c.token_ids, c.text)
             lp = self._lp(i, c.token_ids, c.text, c.raw_logprobs, c.top_logprobs)
             choices.append(
                 CompletionChoice(index=i, text=text + c.text, finish_reason=c.finish_reason, logprobs=_join(head, lp))
@@ -144,6 +243,7 @@ class _Reply:
 
     def choice(self, ev: StreamEvent) -> CompletionChoice | None:
         text, head = self._prefix(ev.index)
+        text += self._glue(ev.index, ev.token_ids, ev.delta)
         lp = _join(head, self._lp(ev.index, ev.token_ids, ev.delta, ev.raw_logprobs, ev.top_logprobs))
         c = ev.completion
         if not (text or ev.delta or lp or c is not None):

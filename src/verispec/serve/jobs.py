@@ -1,13 +1,13 @@
 """What the completions and chat handlers share: the served model (`Served`: checks a request against the
 model and its context, builds its choices, submits them) and one submitted request (`Run`: its engine
-events, collected for a plain answer or streamed as server-sent events, cancelled when the client goes away,
-expired at --request-timeout: its unfinished choices then end with finish_reason "abort" and what they have)."""
+events, collected for a plain answer or streamed as server-sent events, cancelled when the client goes away
+(watched every 0.5 s, however fast the events come), expired by the engine thread at --request-timeout: its
+unfinished choices then end with finish_reason "abort" and what they have)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -18,7 +18,7 @@ from pydantic import BaseModel
 
 from ..engine.generator import Completion, SpeculativeGenerator, StreamEvent
 from ..sampling import SamplingParams
-from .engine import EngineThread, Job, Overloaded, PromptLogprobs
+from .engine import Closing, EngineThread, Job, Overloaded, PromptLogprobs
 from .errors import APIError
 from .metrics import Metrics
 from .protocol import Speculation, Usage
@@ -26,6 +26,9 @@ from .scoring import PromptScorer
 from .token_options import check_token_options, token_options
 
 __all__ = ["Run", "Served", "usage"]
+
+_POLL_S = 0.5  # how often a request's client is checked for having gone away
+_GONE = object()  # put on a job's events once its client has gone away: the handler stops waiting
 
 
 @dataclass
@@ -40,7 +43,15 @@ class Served:
     retry_after_s: int = 1
     max_model_len: int | None = None  # --max-model-len: below the model's own context
     request_timeout: float | None = None  # --request-timeout: seconds from a request's arrival to its end
-    scorer: PromptScorer | None = None  # prompt logprobs (completions' echo with logprobs)
+    scorer: PromptScorer | None = None  # prompt logprobs (completions' echo with logprobs); None: the engine's
+
+    def __post_init__(self) -> None:
+        """One scorer for the handlers' checks and the engine's scoring: the one given, else the engine's, else a
+        new one (it loads nothing until it first scores)."""
+        if self.scorer is None:
+            self.scorer = self.engine.scorer if self.engine.scorer is not None else PromptScorer(self.gen)
+        if self.engine.scorer is None:
+            self.engine.scorer = self.scorer
 
     @property
     def context(self) -> int | None:
@@ -157,8 +168,9 @@ class Served:
         prompt_field: str,
         score_top: int | None = None,
     ) -> Run:
-        """Validate the request against the model, queue it (429 when the queue is full) and return its Run.
-        score_top: score the prompts too (echo with logprobs), with this many alternatives per token."""
+        """Validate the request against the model, queue it (429 when the queue is full, 503 once a shutdown has
+        cut the requests short) and return its Run. score_top: score the prompts too (echo with logprobs), with
+        this many alternatives per token."""
         job = Job(
             id=uuid.uuid4().hex,
             choices=self.choices(req, prompts, max_tokens, top_n, prompt_field),
@@ -166,25 +178,31 @@ class Served:
             per_prompt=req.n,
             score_top=score_top,
         )
+        if self.request_timeout is not None:
+            job.deadline = job.arrived + self.request_timeout  # the engine thread expires the job there
+        retry = {"Retry-After": str(self.retry_after_s)}
         try:
             self.engine.submit(job)
         except Overloaded as e:
             self.metrics.rejected.inc()
             raise APIError(
-                429,
-                f"server overloaded: {e}; retry later",
-                kind="rate_limit_error",
-                headers={"Retry-After": str(self.retry_after_s)},
+                429, f"server overloaded: {e}; retry later", kind="rate_limit_error", headers=retry
+            ) from None
+        except Closing:
+            raise APIError(
+                503,
+                "the server is shutting down; retry later",
+                kind="server_error",
+                headers=retry | {"Connection": "close"},
             ) from None
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        deadline = None if self.request_timeout is None else job.arrived + self.request_timeout
-        tokens = [len(c["prompt"]) for c in job.choices]
-        return Run(self, job, request, tokens, req.stream, include_usage, deadline)
+        return Run(self, job, request, [len(p) for p in prompts], req.stream, include_usage)
 
 
 def usage(prompt_tokens: int | Sequence[int], done: Sequence[Completion]) -> Usage:
-    """The request's usage: prompt tokens per choice (a list, one per choice; an int: the same for every one),
-    completion tokens, and the speculation summed over the choices."""
+    """The request's usage: its prompt tokens (an int, or a list with one count per prompt, summed), each prompt
+    counted once whatever n is (as OpenAI and vLLM count), and the completion tokens and the speculation summed
+    over the choices."""
     drafted = sum(c.stats.drafted for c in done)
     accepted = sum(c.stats.accepted for c in done)
     passes = sum(c.stats.target_passes for c in done)
@@ -197,7 +215,7 @@ def usage(prompt_tokens: int | Sequence[int], done: Sequence[Completion]) -> Usa
         target_passes=passes,
         tokens_per_pass=emitted / passes if passes else None,
     )
-    prompt = prompt_tokens * len(done) if isinstance(prompt_tokens, int) else sum(prompt_tokens)
+    prompt = prompt_tokens if isinstance(prompt_tokens, int) else sum(prompt_tokens)
     return Usage(
         prompt_tokens=prompt,
         completion_tokens=completion,
@@ -218,47 +236,42 @@ class Run:
     served: Served
     job: Job
     request: Request
-    prompt_tokens: list[int]  # per choice
+    prompt_tokens: list[int]  # per prompt
     streaming: bool = False
     include_usage: bool = False
-    deadline: float | None = None  # time.perf_counter() past which the job expires (--request-timeout)
     gone: bool = False  # the client went away (the job is cancelled)
     prompt_logprobs: dict[int, PromptLogprobs] = field(default_factory=dict)  # by prompt index (echo + logprobs)
+    _watcher: asyncio.Task | None = field(default=None, init=False, repr=False)  # polls the client (_watch)
 
     @property
     def n(self) -> int:
         return len(self.job.choices)
 
-    def _wait(self) -> float:
-        """How long to wait for the next event before looking at the client and the deadline again; expires the
-        job once its deadline has passed."""
-        if self.deadline is None or self.job.expired:
-            return 0.5
-        left = self.deadline - time.perf_counter()
-        if left <= 0:
-            self.served.engine.expire(self.job)  # its last events follow
-            return 0.5
-        return min(0.5, left)
+    async def _watch(self) -> None:
+        """Until the handler is done: every 0.5 s, whether the client has gone away; if so the job is cancelled
+        (its compute ends at the next step) and the handler stops waiting for its events."""
+        while not await self.request.is_disconnected():
+            await asyncio.sleep(_POLL_S)
+        self.gone = True
+        self.served.engine.cancel(self.job)
+        self.job.events.put_nowait(_GONE)
 
     async def _next(self) -> StreamEvent | PromptLogprobs | None:
         """The job's next engine event; None (and the job cancelled) once the client has gone away."""
-        while True:
-            try:
-                item = await asyncio.wait_for(self.job.events.get(), timeout=self._wait())
-            except asyncio.TimeoutError:
-                if await self.request.is_disconnected():
-                    self.gone = True
-                    return None
-                continue
-            if isinstance(item, ValueError):
-                raise APIError.bad_value(item)
-            if isinstance(item, Exception):
-                raise APIError(500, str(item), kind="server_error")
-            return item
+        item = await self.job.events.get()
+        if item is _GONE:
+            return None
+        if isinstance(item, ValueError):
+            raise APIError.bad_value(item)
+        if isinstance(item, Exception):
+            raise APIError(500, str(item), kind="server_error")
+        return item
 
     async def events(self) -> AsyncIterator[StreamEvent]:
         """The job's events until every choice has finished or the client has gone away (prompt logprobs are
         kept in `prompt_logprobs`, not yielded)."""
+        if self._watcher is None:
+            self._watcher = asyncio.ensure_future(self._watch())
         while self.job.finished < self.n:
             ev = await self._next()
             if ev is None:
@@ -271,7 +284,10 @@ class Run:
             yield ev
 
     def release(self) -> None:
-        """Cancel the job if it is unfinished (client gone, engine error, a reader that stopped early)."""
+        """Stop watching the client; cancel the job if it is unfinished (client gone, engine error, a reader that
+        stopped early)."""
+        if self._watcher is not None:
+            self._watcher.cancel()
         if self.job.finished < self.n:
             self.served.engine.cancel(self.job)  # stop spending compute on it
 
@@ -306,8 +322,9 @@ class Run:
             if self.include_usage:
                 yield _sse(chunk(choices=[], usage=usage(self.prompt_tokens, done)))
             yield "data: [DONE]\n\n"
-        except APIError as e:
+        except APIError as e:  # the error as a chunk, then [DONE] (as vLLM ends a failed stream)
             yield _sse(e.body())
+            yield "data: [DONE]\n\n"
         finally:
             self.release()
 
@@ -320,7 +337,7 @@ class Run:
     ) -> BaseModel | Response:
         """The request's reply. Plain: `answer(completions)` (499 when the client went away). Streamed: a
         `chunk(choices=[...])` per `first` choice, then per event `choice_of(event)` (None: nothing to send),
-        then `chunk(choices=[], usage=...)` if the request asked for usage, then [DONE]."""
+        then `chunk(choices=[], usage=...)` if the request asked for usage, then [DONE] (after an error too)."""
         if self.streaming:
             return StreamingResponse(self._sse(choice_of, chunk, first), media_type="text/event-stream")
         done = await self.collect()

@@ -5,8 +5,8 @@ alerts carry over:
 * load: num_requests_running / num_requests_waiting (choices in the batch / not yet in it), kv_cache_usage_perc
   (the fraction of the target's allocated KV slots holding committed tokens; 0 with nothing running) and
   kv_cache_slots (token slots the target's cache holds allocated);
-* tokens: prompt_tokens (counted when a choice joins the batch), generation_tokens (as they are produced, also for
-  a choice that is later aborted);
+* tokens: prompt_tokens (each prompt once, whatever n is: counted when its first choice joins the batch),
+  generation_tokens (as they are produced, also for a choice that is later aborted);
 * latency histograms, per choice: request_queue_time_seconds (arrival to joining the batch),
   time_to_first_token_seconds (arrival to its first tokens), inter_token_latency_seconds (between two steps that
   gave it tokens: one observation per step, as vLLM counts it, even when speculation gives several tokens at once),
@@ -94,7 +94,7 @@ class Metrics:
                     self.accepted_per_pos.labels(position=str(pos), **self._lbl).inc()
 
     def observe_admitted(self, prompt_tokens: int, queued: float) -> None:
-        """A choice joined the batch after `queued` seconds."""
+        """A choice joined the batch after `queued` seconds (prompt_tokens: 0 but for its prompt's first choice)."""
         self.prompt_tokens.inc(prompt_tokens)
         self.queue_time.observe(queued)
 

@@ -184,9 +184,9 @@ def _params(req: GenerateRequest) -> SamplingParams:
         raise APIError.bad_value(e) from None
 
 
-def _prompts(eng: RolloutEngine, req: GenerateRequest) -> list[list[int]]:
+def _prompts(eng: RolloutEngine, req: GenerateRequest, context: int | None) -> list[list[int]]:
     """Token ids per prompt (text: the tokenizer, special tokens added as for a completion), truncated as asked;
-    400 when one does not fit the context with max_tokens."""
+    400 when one does not fit the served context (--max-model-len, else the model's) with max_tokens."""
     out = []
     for i, p in enumerate(req.prompts):
         try:
@@ -195,7 +195,6 @@ def _prompts(eng: RolloutEngine, req: GenerateRequest) -> list[list[int]]:
             raise APIError(400, f"prompts[{i}]: {e}", f"prompts[{i}]") from None
         if req.truncate_prompt_tokens is not None:
             ids = ids[-req.truncate_prompt_tokens :]
-        context = eng.gen.max_positions
         if context is not None and len(ids) + req.max_tokens > context:
             raise APIError(
                 400,
@@ -211,7 +210,7 @@ async def generate(req: GenerateRequest, request: Request) -> GenerateResponse:
     eng = _rollout(request)
     if req.n > eng.max_batch_size:
         raise APIError(400, f"n = {req.n} exceeds the server's batch ({eng.max_batch_size}, --max-batch)", "n")
-    params, ids, kw = _params(req), _prompts(eng, req), req.generation_kwargs
+    params, ids, kw = _params(req), _prompts(eng, req, request.app.state.served.context), req.generation_kwargs
     try:  # every check before waiting for the model: a bad request never holds up the OpenAI routes
         if eng.strict_on_policy:
             check_on_policy(params)

@@ -5,7 +5,7 @@ On SIGTERM (or Ctrl-C) the server stops admitting requests: every route but /met
 rotation) while the requests in flight go on. Once they have all been answered, or after --shutdown-timeout seconds,
 whichever comes first, the rest are cut short: their unfinished choices end with finish_reason "abort" and what
 they have so far (streams get their last chunks and [DONE]), the RL routes' rollouts end as /abort_request ends
-them. Then the listening socket closes and the process exits; the log's last line says how every choice ended. A
+them, and a request that passed the gate before the drain but reaches the engine after the cut gets 503. Then the listening socket closes and the process exits; the log's last line says how every choice ended. A
 second Ctrl-C exits at once.
 """
 
