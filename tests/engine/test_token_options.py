@@ -8,7 +8,7 @@ LEVEL = 1e-4 per test, seeds fixed. A sample with a sequence of probability 0 (a
 allowed_token_ids) rejects outright.
 Power: the deliberately broken engine whose target p builds the bad-word context without the drafts (every
 verification slot sees the context before the step, as if the drafts before it were not there) emits the banned
-pair 22 -> 23 after an accepted draft 22: measured on these seeds, 1162 of its 3000 samples (39%) are sequences
+pair 22 -> 23 after an accepted draft 22: measured on these seeds, 1174 of its 3000 samples (39%) are sequences
 of probability 0, so the same test at N = 3000 rejects it with probability > 1 - 0.62 ** 3000 (power ~ 1; each
 sample has a probability-0 sequence with probability ~ 0.39, so even N = 50 would give power > 0.9999).
 """
@@ -21,11 +21,11 @@ import numpy as np
 import pytest
 import torch
 
-from verispec.certify.stats import chisquare_gof
 from verispec.drafting import Draft, Proposer
 from verispec.engine.generator import SpeculativeGenerator
 from verispec.engine.session import GenerationSession
 
+from .test_distribution import gof, sample_sequences
 from .tiny import V
 
 pytestmark = pytest.mark.statistical
@@ -87,16 +87,7 @@ def exact(tiny_target):
 
 
 def sample(gen: SpeculativeGenerator, n: int) -> np.ndarray:
-    rows = [replace(params(), seed=20_000 + i) for i in range(n)]
-    outs = gen.generate([PROMPT] * n, rows, max_new_tokens=L, ignore_eos=True)
-    seqs = np.array([o.token_ids for o in outs])
-    assert seqs.shape == (n, L)
-    return seqs
-
-
-def gof(seqs: np.ndarray, probs: np.ndarray):
-    index = (seqs[:, 0] * V + seqs[:, 1]) * V + seqs[:, 2]
-    return chisquare_gof(np.bincount(index, minlength=V**L), probs)
+    return sample_sequences(gen, params(), n)  # [n, L]: the same prompt, per-sample seeds
 
 
 def _generator(kind: str, target, noisy) -> SpeculativeGenerator:
