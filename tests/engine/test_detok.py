@@ -134,3 +134,25 @@ def test_a_tokenizer_that_cleans_up_spaces_is_decoded_whole():
         row.event(tok, before)
         assert row.detok.whole and row.detok.update(tok, row.tokens) == tok.decode(row.tokens)
     assert row.done is not None and row.done.text == tok.decode(ids)
+
+
+def test_tokens_that_never_complete_a_character_do_not_grow_the_window():
+    """Stray UTF-8 continuation bytes never make a character: the window waits at most MAX_PENDING tokens, so the
+    work stays linear (a quadratic decode would read ~n^2 / 2 = 20k tokens here) and the text still equals the whole
+    decode."""
+    from verispec.engine.rows import MAX_PENDING
+
+    class Counting(_Bytes):
+        read = 0
+
+        def decode(self, ids, skip_special_tokens=True):
+            Counting.read += len(ids)
+            return super().decode(ids)
+
+    tok = Counting([b"a", b"\x9d"])
+    ids = [0] + [1] * 200
+    dec = IncrementalDecoder()
+    for n in range(1, len(ids) + 1):
+        dec.update(tok, ids[:n])
+    assert Counting.read <= 4 * (MAX_PENDING + 2) * len(ids)
+    assert dec.text == _Bytes([b"a", b"\x9d"]).decode(ids)[: len(dec.text)] and len(dec.text) >= 190

@@ -16,6 +16,7 @@ from .stats import SpecStats
 
 __all__ = ["Completion", "IncrementalDecoder", "Row", "StreamEvent"]
 
+MAX_PENDING = 8  # tokens a decoding window may wait for (a UTF-8 character is at most 4 bytes): bounds each step's work
 TopLogprobs = list[tuple[int, float]]  # (token id, raw target logprob), best first
 
 
@@ -76,9 +77,10 @@ class IncrementalDecoder:
             self.whole = True
             return self.update(tokenizer, tokens)
         new = after[len(before) :]
-        if not new or new.endswith("\ufffd"):  # nothing visible yet, or a character still incomplete: the window
-            return self.text + new.rstrip("\ufffd")  # waits; the complete characters are shown (look-ahead)
-        self.text += new
+        waiting = not new or new.endswith("\ufffd")  # nothing visible yet, or a character still incomplete
+        if waiting and len(tokens) - self.read <= MAX_PENDING:  # the window waits; complete characters are shown
+            return self.text + new.rstrip("\ufffd")
+        self.text += new  # (past MAX_PENDING tokens a wait never ends, e.g. stray bytes: take the text as it is)
         self.prefix, self.read = self.read, len(tokens)
         return self.text
 

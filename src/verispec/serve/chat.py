@@ -126,6 +126,8 @@ def check_chat_template(template: str) -> str:
         _compile(template)
     except TemplateError as e:
         raise ValueError(f"--chat-template: the template does not compile: {e}") from None
+    except ImportError as e:  # transformers' compiler needs a newer jinja2
+        raise ValueError(f"--chat-template: cannot compile chat templates here: {e}") from None
     return template
 
 

@@ -14,6 +14,7 @@ from functools import partial
 from fastapi import APIRouter, Request
 
 from ..engine.generator import Completion, StreamEvent
+from ..engine.rows import MAX_PENDING
 from .engine import PromptLogprobs
 from .errors import APIError
 from .jobs import Run, Served, usage
@@ -78,8 +79,9 @@ class TextOffsets:
         self.ids.append(token)
         before = self.decode(self.ids[self.prefix : self.read])
         after = self.decode(self.ids[self.prefix :])
-        if after.endswith("\ufffd") or len(after) <= len(before):
-            return  # a character still incomplete, or nothing visible yet: the window waits
+        waiting = after.endswith("\ufffd") or len(after) <= len(before)  # incomplete character, or nothing visible
+        if waiting and len(self.ids) - self.read <= MAX_PENDING:
+            return  # the window waits (a bounded number of tokens: stray bytes or invisible tokens never complete)
         if after.startswith(before):
             self.decoded += after[len(before) :]
         else:  # the tokenizer rewrote the window (space clean-up): resynchronise on the whole text

@@ -244,7 +244,10 @@ class EngineThread:
 
     def _gauges(self) -> None:
         if self.metrics is not None:
-            self.metrics.set_queue(self.num_waiting, self.num_running)
+            try:  # a gauge fault must not fail requests
+                self.metrics.set_queue(self.num_waiting, self.num_running)
+            except Exception:
+                log.exception("updating the queue gauges failed")
 
     def _ended(self, job: Job, reason: str, choices: int = 1) -> None:
         if self.metrics is None or not choices:
@@ -441,7 +444,10 @@ class EngineThread:
     def _kv(self) -> None:
         """The KV cache's use, and the queue gauges (rows may have left)."""
         if self.metrics is not None:
-            self.metrics.set_kv(*kv_cache_usage(self.gen.runner, bool(self.session.rows)))
+            try:  # a gauge fault must not fail the step's requests
+                self.metrics.set_kv(*kv_cache_usage(self.gen.runner, bool(self.session.rows)))
+            except Exception:
+                log.exception("updating the KV-cache gauges failed")
             self._gauges()
 
     def _step(self) -> None:
