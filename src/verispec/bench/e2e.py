@@ -86,11 +86,6 @@ def load_prompts(paths: list[str]) -> dict[str, list[str]]:
     return dict(out)
 
 
-def calibrate(runner, vocab: int, max_n: int, context: int = 64, repeats: int = 5, batch: int = 1) -> list[float]:
-    """T_batch(1..max_n): see `verispec.engine.adaptive.measure_cost_curve`."""
-    return measure_cost_curve(runner, vocab, max_n, batch, context, repeats)
-
-
 def theory_speedup(alpha: float, steps_by_drafted: dict[int, int], draft_cost: float, curve: list[float]) -> float:
     """Expected speedup over plain decoding for the run's own mix of draft lengths: each step with g drafts
     yields tau(alpha, g) tokens for g draft steps plus one target pass over g + 1 tokens (cost T(g + 1))."""
@@ -278,9 +273,9 @@ def run_e2e(
     )
     batches = sorted({1, *cfg.batch})
     log(f"calibrating the cost curves at batch {', '.join(map(str, batches))} ...")
-    curves = {b: calibrate(gens["verispec-plain"].runner, vocab, min(widest, 64) + 1, batch=b) for b in batches}
+    curves = {b: measure_cost_curve(gens["verispec-plain"].runner, vocab, min(widest, 64) + 1, b) for b in batches}
     draft_steps = {
-        m: {b: calibrate(gens[m].proposer.runner, vocab, 1, batch=b)[0] for b in batches}
+        m: {b: measure_cost_curve(gens[m].proposer.runner, vocab, 1, b)[0] for b in batches}
         for m in gens
         if m.startswith(("verispec-draft", "verispec-self"))
     }

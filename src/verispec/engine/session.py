@@ -358,7 +358,7 @@ class GenerationSession:
         lp_t = p_e.gather(-1, tok).squeeze(-1).log()  # [B, D + 1]
         lp = lp_t.tolist()
         n_top = max(r.top_logprobs for r in self.rows)
-        if n_top or not all(r.params.is_identity for r in self.rows):
+        if n_top or not self.sampling.all_identity:  # (the batch's metadata: computed once per membership)
             log_z = logits_e.logsumexp(-1, keepdim=True)  # [B, D + 1, 1]
             raw = (logits_e.gather(-1, tok) - log_z).squeeze(-1).tolist()
         else:  # p is softmax(logits) itself (temperature 1, no processing): no second pass over [B, D + 1, V]

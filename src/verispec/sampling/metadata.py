@@ -55,6 +55,7 @@ class SamplingMetadata:
     any_truncation: bool
     any_top_p: bool
     any_min_p: bool
+    all_identity: bool  # every row samples softmax(logits) itself (SamplingParams.is_identity)
     _cast: dict = field(default_factory=dict, repr=False)  # (name, dtype) -> a column in a logits dtype
 
     @property
@@ -97,6 +98,7 @@ class SamplingMetadata:
             any_truncation=any(r.uses_truncation for r in rows),
             any_top_p=any(r.top_p < 1.0 for r in rows),
             any_min_p=any(r.min_p > 0 for r in rows),
+            all_identity=all(r.is_identity for r in rows),
         )
 
     def select(self, rows: Sequence[int]) -> SamplingMetadata:
