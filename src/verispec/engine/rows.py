@@ -17,6 +17,7 @@ from .stats import SpecStats
 __all__ = ["Completion", "IncrementalDecoder", "Row", "StreamEvent"]
 
 MAX_PENDING = 8  # tokens a decoding window may wait for (a UTF-8 character is at most 4 bytes): bounds each step's work
+MAX_WINDOW = 64  # the longest decoding window (context + new tokens) kept for runs of invisible tokens
 TopLogprobs = list[tuple[int, float]]  # (token id, raw target logprob), best first
 
 
@@ -81,7 +82,9 @@ class IncrementalDecoder:
         if waiting and len(tokens) - self.read <= MAX_PENDING:  # the window waits; complete characters are shown
             return self.text + new.rstrip("\ufffd")
         self.text += new  # (past MAX_PENDING tokens a wait never ends, e.g. stray bytes: take the text as it is)
-        self.prefix, self.read = self.read, len(tokens)
+        if new or len(tokens) - self.prefix > MAX_WINDOW:  # invisible tokens (skipped specials) stay in the window:
+            self.prefix = self.read  # a window of them alone would make the next token the first one decoded
+        self.read = len(tokens)  # (SentencePiece then drops its leading space); MAX_WINDOW bounds the cost
         return self.text
 
 
