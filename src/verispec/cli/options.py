@@ -161,6 +161,13 @@ _HELP = {
     "'ngram' (prompt lookup, default) or 'none'",
     "draft_quant": "weight-only quantize the draft model's linear layers (lossless: q is what it sampled from)",
     "ngram_sizes": "prompt-lookup n-gram sizes, longest first (default 3,2,1)",
+    "verify": "how drafted chains are verified: token-wise (default) or block verification (exact too, an accepted "
+    "prefix at least as long in expectation; chains only)",
+    "coupling": "gumbel: every token is the exponential race of p under noise keyed by (seed, position), drafts draw "
+    "with the same noise: a seeded request then gives plain decoding's tokens for any drafter, gamma and batch",
+    "seeding": "position: key every random number by (seed, output position) and draft each step's last position "
+    "too, so a seeded request's tokens do not depend on --gamma (auto included), the batch or timing; one draft "
+    "forward more per step; a draft model's chains (or --draft none) with --verify token (default stream)",
 }
 
 
@@ -210,33 +217,15 @@ def add_tree_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_verify_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--verify",
-        choices=("token", "block"),
-        default="token",
-        help="how drafted chains are verified: token-wise (default) or block verification (exact too, an accepted "
-        "prefix at least as long in expectation; chains only)",
-    )
+    p.add_argument("--verify", choices=("token", "block"), default="token", help=_HELP["verify"])
 
 
 def add_coupling_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--coupling",
-        choices=("gumbel",),
-        help="gumbel: every token is the exponential race of p under noise keyed by (seed, position), drafts draw "
-        "with the same noise: a seeded request then gives plain decoding's tokens for any drafter, gamma and batch",
-    )
+    p.add_argument("--coupling", choices=("gumbel",), help=_HELP["coupling"])
 
 
 def add_seeding_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--seeding",
-        choices=("stream", "position"),
-        default="stream",
-        help="position: key every random number by (seed, output position) and draft each step's last position "
-        "too, so a seeded request's tokens do not depend on --gamma (auto included), the batch or timing; one draft "
-        "forward more per step; a draft model's chains (or --draft none) with --verify token (default stream)",
-    )
+    p.add_argument("--seeding", choices=("stream", "position"), default="stream", help=_HELP["seeding"])
 
 
 def add_speculation_args(p: argparse.ArgumentParser) -> None:
@@ -464,3 +453,31 @@ def add_bench_model_args(
 def bench_model_options(args: argparse.Namespace) -> dict:
     """The benchmark config fields that add_bench_model_args' options give (seed, chat, runner, quantizations)."""
     return pick(args, "seed", "runner", "draft_quant", "self_quant") | {"chat": not args.no_chat}
+
+
+def bench_config(make, args: argparse.Namespace, *names: str, **extra):
+    """A benchmark's config dataclass: `make(**the options names, **extra, **bench_model_options)`, the model options
+    limited to the fields `make` has; its ValueError is a usage error."""
+    from dataclasses import fields
+
+    known = {f.name for f in fields(make)}
+    model = {k: v for k, v in bench_model_options(args).items() if k in known}
+    with user_errors():
+        return make(**pick(args, *names), **extra, **model)
+
+
+def log_stderr(message: str) -> None:
+    """A benchmark's progress log: one line on stderr, flushed."""
+    print(message, file=sys.stderr, flush=True)
+
+
+def run_model_bench(args: argparse.Namespace, name: str, cfg, run, report) -> int:
+    """Load --target (and --draft, when given) with the device options, `run(target, draft, the --prompts, cfg,
+    log=log_stderr)` and write its result into --out (`report.to_markdown`, `report.plot`: the bench module)."""
+    prompts = read_bench_prompts(args.prompts)
+    with model_errors():
+        target = load(args.target, args)
+        draft = load(args.draft, args, threads=False) if args.draft else None
+        result = run(target, draft, prompts, cfg, log=log_stderr)
+    write_bench_report(args.out, name, result, report.to_markdown(result), report.plot)
+    return 0
