@@ -25,8 +25,8 @@ from verispec.drafting import Draft, Proposer
 from verispec.engine.generator import SpeculativeGenerator
 from verispec.engine.session import GenerationSession
 
-from .test_distribution import gof, sample_sequences
-from .tiny import V
+from ..helpers.sequences import gof, sample_sequences
+from ..helpers.tiny import V
 
 pytestmark = pytest.mark.statistical
 
@@ -125,7 +125,7 @@ def test_generator_with_token_options_samples_the_exact_distribution(kind, n, ti
 def _score_without_draft_context(self, view, chunk, ids, par, parents=None):
     """Broken on purpose: every verification slot's p sees the bad-word context before the step (the drafts on
     the path to it left out), while penalties still count them."""
-    logits = self.gen.runner.forward(chunk, parents=parents)[:, : ids.shape[1] + 1]
+    logits = self.core.runner.forward(chunk, parents=parents)[:, : ids.shape[1] + 1]
     counts, _ = view.node_context(ids, par)
     recent = view.recent.unsqueeze(1).expand(-1, ids.shape[1] + 1, -1)
     return logits, view.probs(logits, counts, recent)

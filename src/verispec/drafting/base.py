@@ -9,75 +9,15 @@ of slot s were drawn from; deterministic drafters (prompt lookup, greedy, top-k 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from ..sampling import (
-    SamplingMetadata,
-    SamplingParams,
-    counts_at_nodes,
-    probs_from_logits,
-    recent_at_nodes,
-    recent_tokens,
-)
+from ..engine.batch import BatchView  # the engine's batch (re-exported here for drafters)
 from ..sampling.tree import VERIFY_RULES, chain_parents, tree_ancestors
 
 __all__ = ["BatchView", "Draft", "Proposer"]
-
-
-@dataclass
-class BatchView:
-    """What the engine shares with proposers. Row b's last token seqs[b][-1] is the pending token:
-    emitted, not yet in any model's cache.
-
-    A drafter builds its q with `probs` (the target's p is built the same way, from the same `sampling`), and the
-    per-position context of a draft's nodes with `node_context`, so that p and q at a node agree."""
-
-    seqs: list[list[int]]  # prompt + generated tokens per row
-    params: list[SamplingParams]
-    generators: list[torch.Generator]  # per-row random streams (draft sampling draws from them)
-    prompt_mask: Tensor | None = None  # [B, V] bool, for repetition penalties
-    output_counts: Tensor | None = None  # [B, V] generated-token counts, for penalties
-    vocab_size: int = 0
-    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
-    seeds: list[int] | None = None  # per-row request seeds (the coupling noise's key)
-    positions: list[int] | None = None  # per row: the output position of the next token (tokens emitted so far)
-    coupling: str | None = None  # "gumbel": draw drafts with the target's keyed noise (sampling.coupling)
-    seeding: str = "stream"  # "position": draw drafts with uniforms keyed by (seed, position) (sampling.positional)
-    sampling: SamplingMetadata | None = None  # params as tensors, built once per batch membership; None: per call
-    recent: Tensor | None = None  # [B, M] int64: last context tokens, most recent first (multi-token bad words)
-
-    def __post_init__(self):
-        depth = (
-            self.sampling.bad_depth
-            if self.sampling is not None
-            else max((getattr(p, "bad_word_depth", 0) for p in self.params), default=0)  # tests may pass None
-        )
-        if self.recent is None and depth:
-            self.recent = recent_tokens(self.seqs, depth, self.device)
-
-    def probs(
-        self, logits: Tensor, output_counts: Tensor | None = None, recent: Tensor | None = None
-    ) -> Tensor:  # logits' shape ([B, V] or [B, T, V]), rows summing to 1
-        """The processed distribution of these logits under the rows' params (`probs_from_logits`); output_counts
-        and recent default to the root's (the position after the pending token)."""
-        return probs_from_logits(
-            logits,
-            self.sampling if self.sampling is not None else self.params,
-            prompt_mask=self.prompt_mask,
-            output_counts=self.output_counts if output_counts is None else output_counts,
-            recent_tokens=self.recent if recent is None else recent,
-        )
-
-    def node_context(self, token_ids: Tensor, parents: Tensor) -> tuple[Tensor | None, Tensor | None]:
-        """The context at the root (slot 0) and after every node n (slot n + 1) of a draft (token_ids, parents
-        [B, N]): penalty counts [B, N + 1, V] (None without penalties) and bad-word context [B, N + 1, M] (None
-        without multi-token bad words)."""
-        counts = None if self.output_counts is None else counts_at_nodes(self.output_counts, token_ids, parents)
-        recent = None if self.recent is None else recent_at_nodes(self.recent, token_ids, parents)
-        return counts, recent
 
 
 @dataclass(frozen=True)

@@ -31,8 +31,10 @@ from ..model.loading import LoadedModel, shared_vocab_size
 from ..sampling import CHAIN_RULES, SamplingParams, verify_tree
 from ..sampling.coupling import COUPLINGS
 from .adaptive import GammaController, measure_cost_curve
+from .core import EngineCore
+from .request import Job, check_limits
 from .rows import Completion, StreamEvent
-from .session import GenerationSession, check_limits
+from .session import GenerationSession
 from .stats import SpecStats
 
 __all__ = ["Completion", "GenerationSession", "SpeculativeGenerator", "StreamEvent"]
@@ -123,6 +125,19 @@ class SpeculativeGenerator:
         self.max_positions = self.runner.max_positions
         self.stats = SpecStats()  # pooled over every call
         self.last_stats = SpecStats()  # the last generate / stream call's
+        self.core = EngineCore(
+            runner=self.runner,
+            proposer=self.proposer,
+            controller=self.controller,
+            tokenizer=self.tokenizer,
+            model=target.model,
+            vocab_size=self.vocab_size,
+            eos_ids=self.eos_ids,
+            verifier=self.verifier,
+            tree_verifier=self.tree_verifier,
+            coupling=self.coupling,
+            seeding=self.seeding,
+        )
 
     @staticmethod
     def _proposer(target, draft, tree, ngram_sizes, stop_below, runner, quant) -> tuple[Proposer | None, int]:
@@ -155,36 +170,13 @@ class SpeculativeGenerator:
 
     # --- input handling -------------------------------------------------------------------------------
     def encode(self, prompt: str | Sequence[int] | Sequence[dict], chat: bool = False) -> list[int]:
-        """A prompt as token ids: text (with the chat template when chat=True), chat messages
-        ([{"role": ..., "content": ...}, ...], always templated) or token ids (checked against the vocabulary)."""
-        if isinstance(prompt, str):
-            if prompt == "":
-                raise ValueError("prompt is empty")
-            if not chat:
-                return list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
-            return self._apply_chat_template([{"role": "user", "content": prompt}])
-        if not isinstance(prompt, Sequence) or not len(prompt):
-            raise ValueError(
-                f"a prompt must be a non-empty string, list of token ids or list of chat messages, got {prompt!r}"
-            )
-        if all(isinstance(m, dict) for m in prompt):
-            return self._apply_chat_template(list(prompt))
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            raise ValueError(f"token ids must be integers, got {[t for t in prompt if not isinstance(t, int)][:3]}")
-        if any(not 0 <= t < self.vocab_size for t in prompt):
-            raise ValueError(f"prompt token ids must lie in [0, {self.vocab_size})")
-        return [int(t) for t in prompt]
+        """A prompt as token ids (`EngineCore.encode`: text, chat messages or token ids)."""
+        return self.core.encode(prompt, chat)
 
-    def _apply_chat_template(self, messages: list[dict]) -> list[int]:
-        for i, m in enumerate(messages):
-            if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-                raise ValueError(f"chat message {i} must have a string 'role' and a string 'content', got {m!r}")
-        if getattr(self.tokenizer, "chat_template", None) is None:
-            raise ValueError("chat=True but the tokenizer has no chat template")
-        enc = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        if hasattr(enc, "keys"):
-            enc = enc["input_ids"]
-        return [int(t) for t in enc]
+    @property
+    def weight_version(self) -> int:
+        """The target's weight version (counted by `EngineCore.update_weights`)."""
+        return self.core.weight_version
 
     # --- public API -----------------------------------------------------------------------------------
     def generate(
@@ -228,9 +220,12 @@ class SpeculativeGenerator:
             or not all(isinstance(p, SamplingParams) for p in params)
         ):
             raise ValueError("params must be one SamplingParams, or one per prompt")
-        sess = GenerationSession(self)
-        for i, (prompt, sp) in enumerate(zip(prompts, params)):  # every prompt is validated before any step
-            sess.add(prompt, sp, max_new_tokens=max_new_tokens, stop=stop, chat=chat, ignore_eos=ignore_eos, index=i)
+        requests = [  # every prompt is validated before any step
+            self.core.request(p, sp, max_new_tokens=max_new_tokens, stop=stop, chat=chat, ignore_eos=ignore_eos, index=i)
+            for i, (p, sp) in enumerate(zip(prompts, params))
+        ]
+        sess = GenerationSession(self.core)
+        sess.submit(Job(requests))
         return self._drive(sess)
 
     def calibrate(self, batches: Sequence[int] = (1, 2, 4, 8), context: int = 64, repeats: int = 3) -> dict:
@@ -253,13 +248,13 @@ class SpeculativeGenerator:
             out[b] = {"curve": curve, "draft_step": step}
         return out
 
-    def session(self) -> GenerationSession:
-        """A continuous-batching session: requests join (`add`) and leave (finish, `abort`) between steps."""
-        return GenerationSession(self)
+    def session(self, max_batch: int | None = None) -> GenerationSession:
+        """A continuous-batching session: jobs join (`submit`, `add`) and leave (finish, `abort`) between steps."""
+        return GenerationSession(self.core, max_batch)
 
     def _drive(self, sess: GenerationSession) -> Iterator[StreamEvent]:
         t_start = time.perf_counter()
-        while sess.num_active:
+        while not sess.idle:
             yield from sess.step()
         pooled = sess.stats
         pooled.wall_time = time.perf_counter() - t_start

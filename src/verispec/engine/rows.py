@@ -37,6 +37,9 @@ class Completion:
     key: object = None  # the handle given to GenerationSession.add
     eos_logprob: float | None = None  # when EOS ended it: the EOS token's logprob (processed), as `logprobs`
     eos_raw_logprob: float | None = None  # ... and its raw one, as `raw_logprobs`
+    text_offsets: list[int] = field(default_factory=list)  # where each of token_ids starts in text (cut at its
+    # stop string; see `StreamEvent.text_offsets`); empty for a completion no row decoded
+    weight_version: int | None = None  # the target's weight version it was drawn under (EngineCore.weight_version)
 
 
 @dataclass
@@ -48,6 +51,9 @@ class StreamEvent:
     key: object = None  # the handle given to GenerationSession.add
     raw_logprobs: list[float] = field(default_factory=list)  # raw target logprob of each of token_ids
     top_logprobs: list[TopLogprobs] | None = None  # per token: (id, raw logprob) alternatives
+    text_offsets: list[int] = field(default_factory=list)  # where each of token_ids starts in the completion's
+    # text (`IncrementalDecoder.offsets`), never past the text streamed so far: a character split over tokens
+    # belongs to the token that completes it, text held back (a possible stop string's start) is not there yet
 
 
 @dataclass
@@ -59,33 +65,78 @@ class IncrementalDecoder:
     character split over tokens). `update` returns the text of every complete character so far — what a whole
     decode gives, less a trailing incomplete character — so a stop string is seen in the step that completes it.
     A tokenizer that cleans up spaces (`clean_up_tokenization_spaces`) rewrites text across any window edge: its
-    text is decoded whole every step, as is any text whose window the tokenizer rewrote."""
+    text is decoded whole every step, as is any text whose window the tokenizer rewrote.
+
+    The same windows place each token in the text: `offsets[i]` is where token i starts, the length of the text
+    of tokens[:i] (its complete characters: a character split over tokens belongs to the token that completes it),
+    set once when the token arrives — a step's first token starts where the text ends, each further one where the
+    window decoded up to it ends (one more window decode per token) — so n tokens cost O(n). The windows keep
+    going when the text is decoded whole (the offsets come from them; the window text is reset to the whole
+    decode whenever no token is pending), and a window the tokenizer rewrote replaces its part of the text.
+    `offsets_of` places a token list (a prompt) without decoding it whole."""
 
     prefix: int = 0  # tokens[prefix:read]: the context decoded again with the next tokens
     read: int = 0  # tokens[:read] are in text
     text: str = ""  # the text of tokens[:read]
     whole: bool = False  # decode everything every step (see the class docstring)
+    offsets: list[int] = field(default_factory=list)  # where each token given so far starts in the text
 
     def update(self, tokenizer, tokens: list[int]) -> str:
-        if self.whole or getattr(tokenizer, "clean_up_tokenization_spaces", False):
-            self.whole = True
-            return tokenizer.decode(tokens, skip_special_tokens=True).rstrip("\ufffd")
+        text = self.advance(tokenizer, tokens)
+        if not (self.whole or getattr(tokenizer, "clean_up_tokenization_spaces", False)):
+            return text
+        self.whole = True
+        whole = tokenizer.decode(tokens, skip_special_tokens=True)
+        if self.read == len(tokens):  # the windows continue from the whole text
+            self.text = whole
+        return whole.rstrip("\ufffd")
+
+    def advance(self, tokenizer, tokens: list[int]) -> str:
+        """The windows' step: the new tokens placed, and the text of every complete character so far."""
         if len(tokens) <= self.read:
             return self.text
         before = tokenizer.decode(tokens[self.prefix : self.read], skip_special_tokens=True)
         after = tokenizer.decode(tokens[self.prefix :], skip_special_tokens=True)
-        if not after.startswith(before):  # the tokenizer rewrote the window: decode whole from now on
+        if after.startswith(before):
+            common = len(before)
+        else:  # the tokenizer rewrote the window: its text replaces the window's, and the text is decoded whole
             self.whole = True
-            return self.update(tokenizer, tokens)
-        new = after[len(before) :]
+            common = next((i for i, (a, b) in enumerate(zip(before, after)) if a != b), min(len(before), len(after)))
+        head = self.text[: max(len(self.text) - len(before) + common, 0)]  # the text up to what the window adds
+        new = after[common:]
+        self._place(tokenizer, tokens, before, len(head) - common, len(head) + len(new))
         waiting = not new or new.endswith("\ufffd")  # nothing visible yet, or a character still incomplete
         if waiting and len(tokens) - self.read <= MAX_PENDING:  # the window waits; complete characters are shown
-            return self.text + new.rstrip("\ufffd")
-        self.text += new  # (past MAX_PENDING tokens a wait never ends, e.g. stray bytes: take the text as it is)
+            return head + new.rstrip("\ufffd")
+        self.text = head + new  # (past MAX_PENDING tokens a wait never ends, e.g. stray bytes: take the text as it is)
         if new or len(tokens) - self.prefix > MAX_WINDOW:  # invisible tokens (skipped specials) stay in the window:
             self.prefix = self.read  # a window of them alone would make the next token the first one decoded
         self.read = len(tokens)  # (SentencePiece then drops its leading space); MAX_WINDOW bounds the cost
         return self.text
+
+    def _place(self, tokenizer, tokens: list[int], before: str, base: int, end: int) -> None:
+        """Offsets for the tokens not placed yet: token j starts at `base` plus the length of the window's text up
+        to it (tokens[prefix:j], complete characters), not past `end`, from the last offset on."""
+        last = self.offsets[-1] if self.offsets else 0
+        for j in range(len(self.offsets), len(tokens)):
+            if j == self.read:
+                at = base + len(before)
+            else:
+                upto = tokenizer.decode(tokens[self.prefix : j], skip_special_tokens=True)
+                k = len(before) if upto.startswith(before) else 0
+                at = base + k + len(upto[k:].rstrip("\ufffd"))
+            last = max(min(at, end), last)
+            self.offsets.append(last)
+
+    @classmethod
+    def offsets_of(cls, tokenizer, tokens: list[int]) -> list[int]:
+        """Where each of `tokens` starts in their text, decoded a token at a time by the windows alone (O(n), also
+        for a tokenizer whose text `update` decodes whole): e.g. an echoed prompt's tokens."""
+        dec, seen = cls(), []
+        for t in tokens:
+            seen.append(t)
+            dec.advance(tokenizer, seen)
+        return dec.offsets
 
 
 @dataclass
@@ -103,6 +154,7 @@ class Row:
     gamma: int | None = None  # this request's draft length (0: no speculation); None: the generator's choice
     top_logprobs: int = 0  # alternatives per position to return (raw target log-softmax)
     key: object = None  # the caller's handle (abort)
+    weight_version: int | None = None  # the weights it is drawn under (its job's)
     t_start: float = 0.0
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -114,6 +166,29 @@ class Row:
     stats: SpecStats = field(default_factory=SpecStats)
     done: Completion | None = None
     detok: IncrementalDecoder = field(default_factory=IncrementalDecoder)  # the streamed text, incrementally
+
+    @classmethod
+    def of(cls, req, weight_version: int | None, gamma: int | None) -> Row:
+        """The row of a Request (engine.request) joining the batch: its own generator from its seed (the params'
+        seed, or one drawn from torch's global RNG)."""
+        ids = list(req.prompt_token_ids)
+        seed = req.params.seed if req.params.seed is not None else int(torch.randint(0, 2**62, ()))
+        return cls(
+            req.index,
+            ids,
+            req.params,
+            torch.Generator().manual_seed(seed),
+            list(ids),
+            seed=seed,
+            max_new=req.max_new_tokens,
+            stop=req.stop,
+            ignore_eos=req.ignore_eos,
+            stop_token_ids=req.stop_token_ids,
+            gamma=gamma,
+            top_logprobs=req.top_logprobs,
+            key=req.key,
+            weight_version=weight_version,
+        )
 
     def observe(self, drafted: int, accepted: int, nodes: int) -> None:
         """One verification step: a draft `drafted` deep with `nodes` tokens, of which `accepted` were kept."""
@@ -162,6 +237,7 @@ class Row:
             raw_logprobs=None,
             stats=self.stats,
             key=self.key,
+            weight_version=self.weight_version,
         )
 
     def event(self, tokenizer, before: int) -> StreamEvent:
@@ -170,6 +246,8 @@ class Row:
         there, and the row's end, are settled on one decode of the whole output (the returned text)."""
         old = len(self.detok.text)
         text = self.detok.update(tokenizer, self.tokens)
+        if self.detok.whole:  # a whole decode may rewrite text before the previous end: look at all of it
+            old = 0
         span = max(map(len, self.stop), default=1) - 1  # a stop string may straddle the previous text's end
         if self.done is not None or any(s in text[max(old - span, 0) :] for s in self.stop):
             text = tokenizer.decode(self.tokens, skip_special_tokens=True)
@@ -183,6 +261,7 @@ class Row:
         else:
             delta = self._safe_delta(text)
         kept = min(before, len(self.tokens))  # a stop string may cut tokens of this step
+        shown = len(self.sent)  # offsets never point past the text streamed so far (this delta included)
         return StreamEvent(
             self.index,
             delta,
@@ -191,6 +270,7 @@ class Row:
             key=self.key,
             raw_logprobs=self.raw_logprobs[kept:],
             top_logprobs=self.top[kept:] if self.top_logprobs else None,
+            text_offsets=[min(o, shown) for o in self.detok.offsets[kept : len(self.tokens)]],
         )
 
     def _cut_at_stop(self, tokenizer, text: str, cut: int, stop: str, before: int) -> str:
@@ -198,13 +278,14 @@ class Row:
         n = before  # the stop string was not in the text before this step
         while n < len(self.tokens) and stop not in tokenizer.decode(self.tokens[:n], skip_special_tokens=True):
             n += 1
-        del self.tokens[n:], self.logprobs[n:], self.raw_logprobs[n:], self.top[n:]
+        del self.tokens[n:], self.logprobs[n:], self.raw_logprobs[n:], self.top[n:], self.detok.offsets[n:]
         self.finish("stop", stop)
         return text[:cut]
 
     def _complete(self, text: str) -> None:
         d = self.done
         d.text, d.token_ids = text, list(self.tokens)
+        d.text_offsets = [min(o, len(text)) for o in self.detok.offsets[: len(self.tokens)]]
         d.logprobs, d.raw_logprobs = list(self.logprobs), list(self.raw_logprobs)
         d.top_logprobs = list(self.top) if self.top_logprobs else None
 

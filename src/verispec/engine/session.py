@@ -1,5 +1,7 @@
-"""The speculative step, with one home: a `GenerationSession` drafts, verifies, commits and emits for a batch
-of requests that join (`add`) and leave (they finish, or `abort`) between steps — continuous batching.
+"""The speculative step and the scheduler, with one home: a `GenerationSession` runs jobs of requests on an
+`EngineCore` — requests join the batch (whole groups, at most `max_batch` rows) and leave it (they finish, or are
+aborted) between steps: continuous batching — and runs `Barrier`s (weight updates) between jobs, so that every job
+is drawn under one weight version, which its completions report.
 
     draft  -> the proposer's `Draft` (a token tree per row; a chain is the tree with parents -1, 0, 1, ...)
     verify -> one target forward over every row's pending token and draft nodes, p from the same processing as
@@ -9,30 +11,30 @@ of requests that join (`add`) and leave (they finish, or `abort`) between steps 
 
 A request's randomness is its own generator, and with a fixed draft length its tokens do not depend on which
 other requests share the batch (as far as the kernels are batch-invariant; see `verispec.engine.generator`).
-Not thread-safe: drive it from one thread (the server's engine thread does).
+Not thread-safe: drive it from one thread (the server's engine thread does); `Barrier.wait` is the one call meant
+for other threads.
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
-from ..drafting import BatchView, Draft
+from ..drafting import Draft
 from ..sampling import SamplingMetadata, SamplingParams
 from ..sampling.coupling import coupled_targets
 from ..sampling.positional import ACCEPT, FINAL, keyed_uniforms, verify_positional
 from ..sampling.tree import chain_parents
-from .adaptive import check_gamma
-from .rows import Row, StreamEvent, TopLogprobs
+from .batch import BatchView
+from .core import EngineCore
+from .request import Barrier, Job, Request, check_limits
+from .rows import Completion, Row, StreamEvent, TopLogprobs
 from .stats import SpecStats
-
-if TYPE_CHECKING:  # the generator builds sessions; a session only reads its public parts
-    from .generator import SpeculativeGenerator
 
 __all__ = ["GenerationSession", "StepOutput", "check_limits"]
 
@@ -51,40 +53,67 @@ class StepOutput:
     top: list[list[TopLogprobs]] | None  # [B][accepted + 1]: best raw alternatives, when a row asked for them
 
 
-def check_limits(max_new_tokens, stop) -> tuple[int, tuple[str, ...]]:
-    """Validate a request's budget and stop strings (a single string is one stop string; None: none)."""
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-    if stop is None:
-        stop = ()
-    elif isinstance(stop, str):
-        stop = (stop,)
-    elif not isinstance(stop, Sequence):
-        raise ValueError(f"stop must be a string or a list of strings, got {type(stop).__name__}")
-    stop = tuple(stop)
-    if any(not isinstance(s, str) or s == "" for s in stop):
-        raise ValueError("stop strings must be non-empty strings")
-    return max_new_tokens, stop
+@dataclass(eq=False)
+class _Live:
+    """A submitted job while it is unfinished: how many of its requests joined the batch, how many are still open."""
+
+    job: Job
+    admitted: int = 0
+    open: int = 0
 
 
 class GenerationSession:
-    """Continuous batching over one SpeculativeGenerator; `step()` runs one draft + verify step for every
-    active request (see the module docstring)."""
+    """Continuous batching and scheduling over one EngineCore; `step()` admits what the queue allows and runs one
+    draft + verify step for every row in the batch (see the module docstring). `max_batch`: the most rows at once
+    (None: no bound)."""
 
-    def __init__(self, gen: SpeculativeGenerator):
-        self.gen = gen
+    def __init__(self, core: EngineCore, max_batch: int | None = None):
+        core = getattr(core, "core", core)  # a SpeculativeGenerator passes its core
+        if max_batch is not None and (isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1):
+            raise ValueError(f"max_batch must be None or an integer >= 1, got {max_batch!r}")
+        self.core = core
+        self.max_batch = max_batch
         self.rows: list[Row] = []  # in the batch, in cache row order
-        self.pending: list[Row] = []  # join at the next step
+        self.queue: deque[_Live | Barrier] = deque()  # jobs not fully admitted and barriers, in submission order
         self.stats = SpecStats()  # pooled over this session
         self.prompt_mask: Tensor | None = None  # [B, V] bool: tokens in each row's prompt
         self.counts: Tensor | None = None  # [B, V] float32: each row's generated-token counts
         self.last_step: list[tuple[int, int]] = []  # (drafted, accepted) per row of the last step, for metrics
-        self.sampling: SamplingMetadata | None = None  # self.rows' params as tensors (rebuilt in _admit / _keep)
-        self._aborted: set = set()
+        self.sampling: SamplingMetadata | None = None  # self.rows' params as tensors (rebuilt in _join / _keep)
+        self._live: dict[object, _Live] = {}  # job key -> its state, while unfinished
+        self._owner: dict[object, _Live] = {}  # request key -> its job's state, while the request is unfinished
+
+    # --- submitting ---------------------------------------------------------------------------------------
+    @property
+    def pending(self) -> list[Request]:
+        """Submitted requests that have not joined the batch yet, in the order they will."""
+        return [r for item in self.queue if isinstance(item, _Live) for r in item.job.requests[item.admitted :]]
 
     @property
     def num_active(self) -> int:
+        """Requests in the batch or waiting to join it."""
         return len(self.rows) + len(self.pending)
+
+    @property
+    def idle(self) -> bool:
+        """Nothing to run: no row, no queued job, no barrier."""
+        return not self.rows and not self.queue
+
+    def submit(self, job: Job) -> object:
+        """Queue a job (its requests checked against the core now); it starts once every barrier submitted before it
+        has run. Returns its key."""
+        if job.key in self._live:
+            raise ValueError(f"a job with key {job.key!r} is already in this session")
+        for req in job.requests:
+            self.core.check(req)
+            if req.key in self._owner:
+                raise ValueError(f"a request with key {req.key!r} is already in this session")
+        live = _Live(job, open=len(job.requests))
+        self._live[job.key] = live
+        for req in job.requests:
+            self._owner[req.key] = live
+        self.queue.append(live)
+        return job.key
 
     def add(
         self,
@@ -100,52 +129,64 @@ class GenerationSession:
         key: object = None,
         index: int = 0,
     ) -> object:
-        """Queue a request (validated now; it joins the batch at the next step). Returns its key.
-        gamma: this request's draft length (0 turns speculation off), None for the generator's setting;
-        top_logprobs: how many best alternatives (raw target logprobs) to return per position."""
-        gen = self.gen
-        max_new_tokens, stop = check_limits(max_new_tokens, stop)
-        if gamma is not None:
-            gamma = min(check_gamma(gamma, "gamma"), gen.controller.max_gamma)
-        if isinstance(top_logprobs, bool) or not isinstance(top_logprobs, int) or not 0 <= top_logprobs <= 20:
-            raise ValueError(f"top_logprobs must be an integer in [0, 20], got {top_logprobs!r}")
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
-        params.check_vocab(gen.vocab_size)  # token options' ids: refused here, not when the batch is built
-        ids = gen.encode(prompt, chat)
-        if gen.max_positions is not None and len(ids) >= gen.max_positions:
-            raise ValueError(f"prompt {index} has {len(ids)} tokens; the model's context is {gen.max_positions}")
-        seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()))
-        row = Row(
-            index,
-            ids,
+        """Queue one request as a job of its own (`EngineCore.request` checks it now); returns its key."""
+        req = self.core.request(
+            prompt,
             params,
-            torch.Generator().manual_seed(seed),
-            list(ids),
-            seed=seed,
-            max_new=max_new_tokens,
+            max_new_tokens=max_new_tokens,
             stop=stop,
+            chat=chat,
             ignore_eos=ignore_eos,
-            gamma=0 if gen.proposer is None else gamma,
+            gamma=gamma,
             top_logprobs=top_logprobs,
-            key=key if key is not None else object(),
+            key=key,
+            index=index,
         )
-        self.pending.append(row)
-        return row.key
+        self.submit(Job([req], key=("request", req.key)))
+        return req.key
 
-    def abort(self, key: object) -> None:
-        """Drop a request before the next step (its compute stops there)."""
-        self._aborted.add(key)
+    def barrier(self, fn, on_done=None) -> Barrier:
+        """Run fn() with the model to itself once every job submitted so far has finished; jobs submitted after it
+        wait for it. The Barrier holds its result or exception (`Barrier.wait` from another thread)."""
+        b = fn if isinstance(fn, Barrier) else Barrier(fn, on_done)
+        self.queue.append(b)
+        return b
+
+    def abort(self, key: object) -> list[StreamEvent]:
+        """End a job (by its key) or one request (by its key) now: each unfinished request's last event, finish_reason
+        "abort", with the tokens it has (none when it had not joined the batch). Unknown keys: []."""
+        if key in self._live:
+            live = self._live[key]
+            keys = [r.key for r in live.job.requests if self._owner.get(r.key) is live]
+        elif key in self._owner:
+            keys = [key]
+        else:
+            return []
+        events = []
+        running = {r.key: b for b, r in enumerate(self.rows)}
+        for k in keys:
+            b = running.get(k)
+            if b is None:
+                live = self._owner[k]
+                req = next(r for r in live.job.requests if r.key == k)
+                events.append(_aborted(req, live.job.weight_version))
+            else:
+                row = self.rows[b]
+                row.finish("abort", None)
+                events.append(row.event(self.core.tokenizer, len(row.tokens)))
+            self._closed(k)
+        self._keep([b for b, r in enumerate(self.rows) if r.key in self._owner])
+        self.queue = deque(x for x in self.queue if isinstance(x, Barrier) or self._waiting(x))
+        return events
 
     def step(self) -> list[StreamEvent]:
-        """Admit queued requests, drop aborted ones, run one step; returns this step's events (a finished
-        request's last event carries its Completion)."""
-        if self._aborted:
-            self.pending = [r for r in self.pending if r.key not in self._aborted]
-            self._keep([b for b, r in enumerate(self.rows) if r.key not in self._aborted])
-            self._aborted.clear()
-        if self.pending:
-            self._admit()
+        """Admit what the queue allows (running barriers that are due), then one step for the rows in the batch;
+        returns this step's events (a finished request's last event carries its Completion)."""
+        self.schedule()
+        return self.run()
+
+    def run(self) -> list[StreamEvent]:
+        """One draft + verify step for the rows in the batch (none: no events)."""
         if not self.rows:
             return []
         view = self._view(penalties=any(r.params.uses_penalties for r in self.rows))
@@ -154,9 +195,61 @@ class GenerationSession:
         self._commit(view, draft, out)
         return self._emit(out)
 
+    # --- scheduling ---------------------------------------------------------------------------------------
+    def schedule(self) -> None:
+        """Move queued requests into the batch in submission order while rows are free (a group whole when it fits,
+        in parts only into an empty batch); a barrier at the head runs once the batch is empty, and holds back
+        everything behind it until then."""
+        joining: list[Row] = []
+        while self.queue:
+            head = self.queue[0]
+            if isinstance(head, Barrier):
+                if self.rows or joining:
+                    break
+                self.queue.popleft()
+                head.run()
+                continue
+            if not self._take(head, joining):
+                break
+            self.queue.popleft()
+        if joining:
+            self._join(joining)
+
+    def _take(self, live: _Live, joining: list[Row]) -> bool:
+        """Rows for the job's next groups while they fit; True once every request of the job has joined."""
+        job = live.job
+        if job.weight_version is None:
+            job.weight_version = self.core.weight_version
+        while live.admitted < len(job.requests):
+            free = (self.max_batch or 1 << 30) - len(self.rows) - len(joining)
+            size = min(job.group - live.admitted % job.group, len(job.requests) - live.admitted)
+            if free <= 0 or (size > free and (self.rows or joining)):
+                return False
+            for req in job.requests[live.admitted : live.admitted + min(size, free)]:
+                live.admitted += 1
+                if req.key not in self._owner:  # aborted before it joined
+                    continue
+                joining.append(Row.of(req, job.weight_version, 0 if self.core.proposer is None else req.gamma))
+                if job.on_admit is not None:
+                    job.on_admit(req)
+        return True
+
+    def _waiting(self, live: _Live) -> bool:
+        """Whether the job still has requests to admit (not aborted)."""
+        return any(r.key in self._owner for r in live.job.requests[live.admitted :])
+
+    def _closed(self, key: object) -> None:
+        """A request ended (finished or aborted): its job ends with its last one."""
+        live = self._owner.pop(key, None)
+        if live is None:
+            return
+        live.open -= 1
+        if live.open == 0:
+            self._live.pop(live.job.key, None)
+
     # --- membership -----------------------------------------------------------------------------------
     def _view(self, rows: list[Row] | None = None, penalties: bool = True, prompt_mask=None, counts=None) -> BatchView:
-        gen = self.gen
+        core = self.core
         if rows is None:
             rows, prompt_mask, counts = self.rows, self.prompt_mask, self.counts
         return BatchView(
@@ -165,29 +258,29 @@ class GenerationSession:
             generators=[r.generator for r in rows],
             prompt_mask=prompt_mask if penalties else None,
             output_counts=counts if penalties else None,
-            vocab_size=gen.vocab_size,
-            device=gen.device,
+            vocab_size=core.vocab_size,
+            device=core.device,
             seeds=[r.seed for r in rows],
             positions=[len(r.tokens) for r in rows],
-            coupling=gen.coupling,
-            seeding=gen.seeding,
+            coupling=core.coupling,
+            seeding=core.seeding,
             sampling=self.sampling if rows is self.rows else None,  # the batch's, built at its last membership change
         )
 
     def _capacity(self, rows: list[Row]) -> int:
         """KV slots the rows can need: prompt, budget, the largest draft and the pending token."""
-        gen = self.gen
-        tree = gen.proposer.tree if gen.proposer is not None else None
-        slack = max(gen.controller.max_gamma, tree.cache_slots if tree is not None else 0) + 2
+        core = self.core
+        tree = core.tree
+        slack = max(core.controller.max_gamma, tree.cache_slots if tree is not None else 0) + 2
         capacity = max(len(r.prompt) + r.max_new + slack for r in rows)
-        if gen.max_positions is not None:
-            capacity = min(capacity, gen.max_positions + slack)
+        if core.max_positions is not None:
+            capacity = min(capacity, core.max_positions + slack)
         return capacity
 
-    def _admit(self) -> None:
-        gen = self.gen
-        new, self.pending = self.pending, []
-        V, dev = gen.vocab_size, gen.device
+    def _join(self, new: list[Row]) -> None:
+        """The rows join the batch: their prompts into the target's cache (and the drafter's)."""
+        core = self.core
+        V, dev = core.vocab_size, core.device
         mask = torch.zeros((len(new), V), dtype=torch.bool, device=dev)
         for b, r in enumerate(new):
             mask[b, torch.as_tensor(r.prompt, device=dev)] = True
@@ -195,17 +288,17 @@ class GenerationSession:
         capacity = self._capacity(new)
         # a draft cache may lag behind by a backlog fed in one chunk (plain probes; rows another drafter served for
         # several steps: up to a whole output), and a ragged chunk is written up to the longest row + the longest chunk
-        draft_capacity = capacity + max(gen.controller.probe_every, max(r.max_new for r in new)) + 2
+        draft_capacity = capacity + max(core.controller.probe_every, max(r.max_new for r in new)) + 2
         view = self._view(new, True, mask, counts)
         if not self.rows:
-            gen.runner.fill([r.seq[:-1] for r in new], capacity)  # a group's shared prompt is computed once
-            if gen.proposer is not None:
-                gen.proposer.start(view, draft_capacity)
+            core.runner.fill([r.seq[:-1] for r in new], capacity)  # a group's shared prompt is computed once
+            if core.proposer is not None:
+                core.proposer.start(view, draft_capacity)
             self.prompt_mask, self.counts = mask, counts
         else:
-            gen.runner.add_rows([r.seq[:-1] for r in new], capacity)
-            if gen.proposer is not None:
-                gen.proposer.add(view, draft_capacity)
+            core.runner.add_rows([r.seq[:-1] for r in new], capacity)
+            if core.proposer is not None:
+                core.proposer.add(view, draft_capacity)
             self.prompt_mask, self.counts = torch.cat([self.prompt_mask, mask]), torch.cat([self.counts, counts])
         now = time.perf_counter()
         for r in new:
@@ -219,23 +312,23 @@ class GenerationSession:
         self.rows = [self.rows[b] for b in keep]
         if not self.rows:
             return  # the next admission starts fresh caches
-        gen = self.gen
-        gen.runner.select(keep)
-        if gen.proposer is not None:
-            gen.proposer.select(keep)
-        idx = torch.tensor(keep, device=gen.device)
+        core = self.core
+        core.runner.select(keep)
+        if core.proposer is not None:
+            core.proposer.select(keep)
+        idx = torch.tensor(keep, device=core.device)
         self.prompt_mask, self.counts = self.prompt_mask.index_select(0, idx), self.counts.index_select(0, idx)
         self.sampling = self.sampling.select(keep)
 
     # --- draft ----------------------------------------------------------------------------------------
     def _caps(self) -> list[int]:
         """Per row, the most draft tokens its budget and the context leave room for (the step adds one more)."""
-        end = self.gen.max_positions or 1 << 30
+        end = self.core.max_positions or 1 << 30
         caps = [min(r.max_new - len(r.tokens), end - len(r.seq)) - 1 for r in self.rows]
-        gen = self.gen
-        if gen.proposer is not None and gen.proposer.tree is not None:  # the tree's shape sets the draft
+        core = self.core
+        if core.proposer is not None and core.proposer.tree is not None:  # the tree's shape sets the draft
             return [0 if r.gamma == 0 else c for r, c in zip(self.rows, caps)]
-        controller, B = gen.controller, len(self.rows)
+        controller, B = core.controller, len(self.rows)
         probe = controller.wants_plain_probe(B)  # measure T(1) at this batch size once
         return [
             max(0, min(r.gamma, c))
@@ -247,27 +340,27 @@ class GenerationSession:
         ]
 
     def _draft(self, view: BatchView) -> Draft:
-        gen = self.gen
+        core = self.core
         caps = self._caps()
         t0 = time.perf_counter()
-        if gen.proposer is not None:  # also with every cap 0: its state then follows the step (update)
-            if gen.seeding == "position":  # one draft more than the target is fed: the last position is drafted
+        if core.proposer is not None:  # also with every cap 0: its state then follows the step (update)
+            if core.seeding == "position":  # one draft more than the target is fed: the last position is drafted
                 caps = [c + 1 for c in caps]
-            draft = gen.proposer.propose(view, caps)
+            draft = core.proposer.propose(view, caps)
         else:
-            draft = Draft.empty(len(self.rows), gen.device)
+            draft = Draft.empty(len(self.rows), core.device)
         seconds = time.perf_counter() - t0
         self.stats.draft_time += seconds
         if draft.chain and max(draft.num_nodes) > 0:
-            gen.controller.observe_draft(seconds / max(draft.num_nodes), len(self.rows))
+            core.controller.observe_draft(seconds / max(draft.num_nodes), len(self.rows))
         return draft
 
     # --- verify ---------------------------------------------------------------------------------------
     def _verify(self, view: BatchView, draft: Draft) -> StepOutput:
         """One target forward over the pending tokens and the drafts, then exact verification."""
-        gen, rows, dev = self.gen, self.rows, self.gen.device
+        core, rows, dev = self.core, self.rows, self.core.device
         t0 = time.perf_counter()
-        if gen.seeding == "position":
+        if core.seeding == "position":
             return self._verify_positional(view, draft, t0)
         nn = draft.num_nodes
         N = max(nn)
@@ -277,16 +370,16 @@ class GenerationSession:
         parents = None if draft.chain else [[-1] + [p + 1 for p in node_par[b][: nn[b]]] for b in range(len(rows))]
         logits, p = self._score(view, chunk, ids, par, parents)  # [B, N + 1, V]: root, then the nodes
         num = torch.tensor(nn, device=dev)
-        p_v = p if gen.coupling is None else coupled_targets(p, view.seeds, _slot_positions(view, draft, N))
+        p_v = p if core.coupling is None else coupled_targets(p, view.seeds, _slot_positions(view, draft, N))
         if draft.chain:
             q = draft.probs[:, :N] if draft.probs is not None else None  # [B, N, V]
-            out = gen.verifier(p_v, ids, q, num, view.generators, check=False)
+            out = core.verifier(p_v, ids, q, num, view.generators, check=False)
             accepted = out.num_accepted.tolist()
             paths = [list(range(a)) for a in accepted]
         else:
             q = draft.probs[:, : N + 1] if draft.probs is not None else None  # [B, N + 1, V]
             sampled = draft.sampled[:, :N] if draft.sampled is not None else None
-            out = gen.tree_verifier(
+            out = core.tree_verifier(
                 p_v, ids, par, q, num, view.generators, rule=draft.rule, check=False, sampled=sampled
             )
             accepted = out.num_accepted.tolist()
@@ -295,20 +388,20 @@ class GenerationSession:
         seconds = time.perf_counter() - t0
         self.stats.verify_time += seconds
         if draft.chain:
-            gen.controller.observe_verify(N + 1, seconds, len(rows))
+            core.controller.observe_verify(N + 1, seconds, len(rows))
         return step
 
     def _score(self, view: BatchView, chunk, ids: Tensor, par: Tensor, parents=None) -> tuple[Tensor, Tensor]:
         """One target forward over each row's chunk (pending token + fed nodes `ids` [B, N] below `par`): the logits
         and the processed p at the root and after every node, [B, N + 1, V] each."""
-        logits = self.gen.runner.forward(chunk, parents=parents)[:, : ids.shape[1] + 1]
+        logits = self.core.runner.forward(chunk, parents=parents)[:, : ids.shape[1] + 1]
         counts, recent = view.node_context(ids, par)  # each slot's own path: what the drafter's q saw there
         return logits, view.probs(logits, counts, recent)
 
     def _verify_positional(self, view: BatchView, draft: Draft, t0: float) -> StepOutput:
         """seeding="position" (chains): the target is fed every draft but each row's last, which is verified
         against the p after the fed ones like any draft (sampling.positional), every uniform keyed by position."""
-        gen, dev = self.gen, self.gen.device
+        core, dev = self.core, self.core.device
         fed = [max(n - 1, 0) for n in draft.num_nodes]
         F = max(fed)
         B = len(fed)
@@ -337,7 +430,7 @@ class GenerationSession:
         step = self._outputs(fed_draft, logits, p, out.token_ids, [list(range(a)) for a in accepted], accepted)
         seconds = time.perf_counter() - t0
         self.stats.verify_time += seconds
-        gen.controller.observe_verify(F + 1, seconds, B)
+        core.controller.observe_verify(F + 1, seconds, B)
         return step
 
     def _outputs(
@@ -386,21 +479,21 @@ class GenerationSession:
     def _commit(self, view: BatchView, draft: Draft, out: StepOutput) -> None:
         """Keep each row's pending token and accepted path in the target's cache (everything else is dropped),
         append the emitted tokens, count the step, and let the proposer roll its own state forward."""
-        gen = self.gen
+        core = self.core
         old_lengths = [len(r.seq) for r in self.rows]
-        gen.runner.keep_paths([n - 1 for n in old_lengths], [[0] + [n + 1 for n in path] for path in out.paths])
+        core.runner.keep_paths([n - 1 for n in old_lengths], [[0] + [n + 1 for n in path] for path in out.paths])
         for b, r in enumerate(self.rows):
             r.seq.extend(out.tokens[b])  # view.seqs are these lists: the proposer sees the committed tokens
             r.observe(out.drafted[b], out.accepted[b], out.nodes[b])
             self.stats.observe(out.drafted[b], out.accepted[b], out.nodes[b])
             if draft.chain:
-                gen.controller.observe_acceptance(out.accepted[b], int(out.accepted[b] < out.drafted[b]))
-        if gen.proposer is not None:
-            gen.proposer.update(view, old_lengths, draft, out.paths)
+                core.controller.observe_acceptance(out.accepted[b], int(out.accepted[b] < out.drafted[b]))
+        if core.proposer is not None:
+            core.proposer.update(view, old_lengths, draft, out.paths)
         self.last_step = list(zip(out.drafted, out.accepted))
 
     def _emit(self, out: StepOutput) -> list[StreamEvent]:
-        gen, dev = self.gen, self.gen.device
+        core, dev = self.core, self.core.device
         events: list[StreamEvent] = []
         keep: list[int] = []
         for b, r in enumerate(self.rows):
@@ -410,16 +503,17 @@ class GenerationSession:
                 out.logprobs[b],
                 out.raw_logprobs[b],
                 out.top[b] if out.top else None,
-                gen.eos_ids,
-                gen.max_positions,
+                core.eos_ids,
+                core.max_positions,
             )
             if taken:
                 self.counts[b].index_add_(0, torch.tensor(taken, device=dev), torch.ones(len(taken), device=dev))
-            event = r.event(gen.tokenizer, before)
+            event = r.event(core.tokenizer, before)
             if r.done is not None:
                 r.stats.output_tokens = len(r.done.token_ids)
                 r.stats.wall_time = time.perf_counter() - r.t_start  # this request's latency
                 self.stats.output_tokens += len(r.done.token_ids)
+                self._closed(r.key)
                 events.append(event)
             else:
                 keep.append(b)
@@ -427,6 +521,25 @@ class GenerationSession:
                     events.append(event)
         self._keep(keep)
         return events
+
+
+def _aborted(req: Request, weight_version: int | None) -> StreamEvent:
+    """The last event of a request aborted before it joined the batch: no tokens."""
+    c = Completion(
+        index=req.index,
+        prompt_token_ids=list(req.prompt_token_ids),
+        token_ids=[],
+        text="",
+        finish_reason="abort",
+        stop_reason=None,
+        logprobs=[],
+        raw_logprobs=[],
+        stats=SpecStats(),
+        top_logprobs=[] if req.top_logprobs else None,
+        key=req.key,
+        weight_version=weight_version,
+    )
+    return StreamEvent(req.index, "", [], completion=c, key=req.key)
 
 
 def _slot_positions(view: BatchView, draft: Draft, N: int) -> list[list[int]]:

@@ -6,6 +6,7 @@ This layer knows nothing of drafting or of the generate loop: tokens in, logits 
 from .cache import RowKVCache
 from .fast import FastRunner, make_runner
 from .loading import LoadedModel, ModelLoadError, load_model, shared_vocab_size
+from .protocol import Runner
 from .runner import HFRunner
 
 __all__ = [
@@ -14,6 +15,7 @@ __all__ = [
     "LoadedModel",
     "ModelLoadError",
     "RowKVCache",
+    "Runner",
     "load_model",
     "make_runner",
     "shared_vocab_size",

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .linear import QUANT_MODES, Linear, make_linear, onednn_available
+from .protocol import Runner
 from .runner import HFRunner
 
 __all__ = ["RUNNER_KINDS", "SUPPORTED_MODEL_TYPES", "FastRunner", "fast_path_unsupported", "make_runner"]
@@ -258,7 +259,7 @@ class FastRunner(HFRunner):
 RUNNER_KINDS = ("auto", "fast", "hf", "llamacpp")
 
 
-def make_runner(model, vocab_size: int | None = None, *, runner: str = "auto", quant: str | None = None) -> HFRunner:
+def make_runner(model, vocab_size: int | None = None, *, runner: str = "auto", quant: str | None = None) -> Runner:
     """The runner for a model. runner: "auto" (llama.cpp for a model loaded with backend="llamacpp"; else the fast
     runner where the architecture is supported, else the transformers forward), "fast" (an error if unsupported),
     "hf" or "llamacpp" (a model loaded with backend="llamacpp"). quant (drafts only) needs the fast runner."""

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 
@@ -38,12 +37,14 @@ from torch import Tensor
 from ..drafting import DraftModelProposer, Proposer, TreeSpec
 from ..drafting.combined import CombinedProposer
 from ..drafting.history import HistoryProposer, RolloutHistory
-from ..engine import SpeculativeGenerator
+from ..engine.core import WeightUpdate
+from ..engine.generator import SpeculativeGenerator
+from ..engine.request import Job, check_limits
 from ..engine.rows import Completion
-from ..engine.session import check_limits
+from ..engine.session import GenerationSession
 from ..engine.stats import SpecStats
 from ..model.loading import LoadedModel, shared_vocab_size
-from ..model.weights import load_safetensors_dir, update_weights
+from ..model.weights import load_safetensors_dir
 from ..sampling import SamplingParams
 
 __all__ = ["Rollout", "RolloutEngine", "WeightUpdate", "check_on_policy", "check_request", "sample_seed"]
@@ -71,14 +72,6 @@ class Rollout:
         if self.eos_logprob is None or not isinstance(self.stop_reason, int):
             return list(self.completion_token_ids), list(self.logprobs)
         return [*self.completion_token_ids, self.stop_reason], [*self.logprobs, self.eos_logprob]
-
-
-@dataclass(frozen=True)
-class WeightUpdate:
-    version: int  # the new weight version
-    tensors: int  # tensors written
-    seconds: float  # validation + in-place copy
-    requantize_seconds: float  # rebuilding quantized drafts from the new weights (0 when none)
 
 
 def sample_seed(seed: int, prompt_index: int, sample_index: int) -> int:
@@ -217,7 +210,6 @@ class RolloutEngine:
         self.draft = draft
         self.max_batch_size = max_batch_size
         self.strict_on_policy = strict_on_policy
-        self.weight_version = 0
         self.last_stats = SpecStats()
         self._lock = threading.Lock()  # generate and weight updates never overlap
         self._aborting = threading.Event()
@@ -244,6 +236,12 @@ class RolloutEngine:
             )
         return CombinedProposer(history, sampler, gamma, choose_depth=self._choose_depth)
 
+    @property
+    def weight_version(self) -> int:
+        """The target's weight version (the generator's core counts it; every Rollout reports the one it was drawn
+        under)."""
+        return self.gen.core.weight_version
+
     # --- rollouts -------------------------------------------------------------------------------------
     def generate(
         self,
@@ -266,65 +264,86 @@ class RolloutEngine:
         samples as the whole batch run here. `abort()` from another thread ends the call after the current step:
         unfinished samples come back with the tokens they have and finish_reason "abort"; so does setting `cancel`
         (this call's own event: set it before or during the call)."""
+        job, seed = self.job(
+            prompts,
+            n,
+            params,
+            max_new_tokens=max_new_tokens,
+            seed=seed,
+            stop=stop,
+            chat=chat,
+            ignore_eos=ignore_eos,
+            prompt_indices=prompt_indices,
+        )
+        with self._lock:
+            self._aborting.clear()
+            return self._run(job, seed, cancel if cancel is not None else threading.Event())
+
+    def job(
+        self,
+        prompts,
+        n: int = 1,
+        params: SamplingParams = SamplingParams(),
+        *,
+        max_new_tokens: int = 256,
+        seed: int | None = None,
+        stop: str | Sequence[str] | None = (),
+        chat: bool = False,
+        ignore_eos: bool = False,
+        prompt_indices: Sequence[int] | None = None,
+        key: object = None,
+    ) -> tuple[Job, int]:
+        """The engine job of a rollout request (every check done, nothing run) and its request seed: sample j of
+        prompt i is request (i, j) with seed `sample_seed(seed, i, j)`, the n samples of a prompt one group (they
+        join the batch together: the prompt is prefilled once). `generate` runs it; the server queues it."""
         check_request(prompts, n, params, max_new_tokens, stop, self.max_batch_size, self.strict_on_policy)
-        ids = [self.gen.encode(p, chat) for p in prompts]  # all validated before any compute
+        core = self.gen.core
+        ids = [core.encode(p, chat) for p in prompts]  # all validated before any compute
         indices = _prompt_indices(prompt_indices, len(ids))
         if seed is None:
             seed = int(np.random.SeedSequence().generate_state(1, np.uint32)[0])
-        with self._lock:
-            self._aborting.clear()
-            cancelled = cancel if cancel is not None else threading.Event()
-            return self._run(list(zip(indices, ids)), n, params, max_new_tokens, seed, stop, ignore_eos, cancelled)
+        requests = [
+            core.request(
+                prompt,
+                replace(params, seed=sample_seed(seed, i, j)),
+                max_new_tokens=max_new_tokens,
+                stop=stop,
+                ignore_eos=ignore_eos,
+                key=(i, j),
+                index=k * n + j,
+            )
+            for k, (i, prompt) in enumerate(zip(indices, ids))
+            for j in range(n)
+        ]
+        return Job(requests, group=n, **({} if key is None else {"key": key})), seed
 
     def abort(self) -> None:
         """End a running `generate` after its current step (from another thread); no-op when none runs."""
         self._aborting.set()
 
-    def _run(self, prompts, n, params, max_new_tokens, seed, stop, ignore_eos, cancel) -> list[Rollout]:
-        sess = self.gen.session()
-        waiting = deque(prompts)
+    def _run(self, job: Job, seed: int, cancel: threading.Event) -> list[Rollout]:
+        sess = GenerationSession(self.gen.core, self.max_batch_size)
+        sess.submit(job)
         done: dict[tuple[int, int], Rollout] = {}
         t0 = time.perf_counter()
-        while waiting or sess.num_active:
+        while not sess.idle:
             if self._aborting.is_set() or cancel.is_set():
-                self._aborted(sess, waiting, n, seed, done)
+                for event in sess.abort(job.key):
+                    done[event.key] = self.rollout(event.completion, seed, record=False)
                 break
-            while waiting and (sess.num_active == 0 or sess.num_active + n <= self.max_batch_size):
-                i, prompt = waiting.popleft()  # a whole group joins at once: its prompt is prefilled once
-                for j in range(n):
-                    sp = replace(params, seed=sample_seed(seed, i, j))
-                    sess.add(prompt, sp, max_new_tokens=max_new_tokens, stop=stop, ignore_eos=ignore_eos, key=(i, j))
             for event in sess.step():
                 if event.completion is not None:
-                    done[event.key] = self._rollout(event.key, event.completion, seed)
+                    done[event.key] = self.rollout(event.completion, seed)
         self.last_stats = sess.stats
         self.last_stats.wall_time = time.perf_counter() - t0
         return [done[k] for k in sorted(done)]
 
-    def _aborted(self, sess, waiting, n: int, seed: int, done: dict) -> None:
-        """Every unfinished sample as an "abort" rollout with the tokens it has (none for a group not started)."""
-        for r in sess.rows + sess.pending:
-            c = Completion(
-                index=0,
-                prompt_token_ids=r.prompt,
-                token_ids=list(r.tokens),
-                text=self.gen.tokenizer.decode(r.tokens, skip_special_tokens=True),
-                finish_reason="abort",
-                stop_reason=None,
-                logprobs=list(r.logprobs),
-                raw_logprobs=list(r.raw_logprobs),
-                stats=r.stats,
-            )
-            done[r.key] = self._rollout(r.key, c, seed, record=False)
-        for i, prompt in waiting:
-            for j in range(n):
-                c = Completion(0, prompt, [], "", "abort", None, [], [], SpecStats())
-                done[(i, j)] = self._rollout((i, j), c, seed, record=False)
-
-    def _rollout(self, key: tuple[int, int], c, seed: int, record: bool = True) -> Rollout:
-        if self.history is not None and record:
+    def rollout(self, c: Completion, seed: int, record: bool = True, key: tuple[int, int] | None = None) -> Rollout:
+        """A finished request of a rollout job (`job`) as a Rollout; `record` adds it to the history (not for an
+        aborted one). key: the request's (prompt index, sample index) when the completion carries another key."""
+        if self.history is not None and record and c.finish_reason != "abort":
             self.history.add(c.prompt_token_ids, c.token_ids)
-        i, j = key
+        i, j = c.key if key is None else key
         return Rollout(
             prompt_index=i,
             sample_index=j,
@@ -337,7 +356,7 @@ class RolloutEngine:
             eos_logprob=c.eos_logprob,
             text=c.text,
             seed=sample_seed(seed, i, j),
-            weight_version=self.weight_version,
+            weight_version=self.weight_version if c.weight_version is None else c.weight_version,
             stats=c.stats,
         )
 
@@ -359,12 +378,5 @@ class RolloutEngine:
         return self._update(self.draft.model, named_tensors, bump=False)
 
     def _update(self, model, named_tensors, bump: bool = True) -> WeightUpdate:
-        with self._lock:
-            t0 = time.perf_counter()
-            written = update_weights(model, named_tensors)
-            seconds = time.perf_counter() - t0
-            if bump:  # the weights have changed: count it before rebuilding drafts (which may fail)
-                self.weight_version += 1
-            proposer = self.gen.proposer
-            requant = proposer.weights_changed(model) if proposer is not None else 0.0
-            return WeightUpdate(self.weight_version, written, seconds, requant)
+        with self._lock:  # between generate calls: every rollout is drawn under one weight version
+            return self.gen.core.update_weights(named_tensors, model=None if bump else model)

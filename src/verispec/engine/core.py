@@ -1,0 +1,157 @@
+"""`EngineCore`: what a generation session runs on — the target's runner, the drafter, the gamma controller, the
+verification functions and randomness, the vocabulary, limits and device — and the one place where inputs become
+checked `Request`s (`encode`, `request`) and where the target's weights change (`update_weights`, which counts the
+weight version every completion reports)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from ..model.protocol import Runner
+from ..model.weights import update_weights
+from ..sampling import SamplingParams
+from .adaptive import GammaController, check_gamma
+from .request import Request
+
+__all__ = ["EngineCore", "WeightUpdate"]
+
+
+@dataclass(frozen=True)
+class WeightUpdate:
+    version: int  # the new weight version
+    tensors: int  # tensors written
+    seconds: float  # validation + in-place copy
+    requantize_seconds: float  # rebuilding quantized drafts from the new weights (0 when none)
+
+
+@dataclass(eq=False)
+class EngineCore:
+    """The parts a `GenerationSession` runs (built by `SpeculativeGenerator`; one core may back several sessions,
+    one at a time). `weight_version` counts the target's weight updates through `update_weights`."""
+
+    runner: Runner  # the target's
+    proposer: object | None  # a drafting.Proposer, or None (plain decoding through the same loop)
+    controller: GammaController
+    tokenizer: object
+    model: object  # the target model whose weights `update_weights` replaces
+    vocab_size: int  # ids target and draft share
+    eos_ids: set[int]
+    verifier: Callable  # verify_chain's interface (token-wise or block)
+    tree_verifier: Callable  # verify_tree's interface
+    coupling: str | None = None  # None or "gumbel" (sampling.coupling)
+    seeding: str = "stream"  # "stream" or "position" (sampling.positional)
+    weight_version: int = 0
+    device: torch.device = field(init=False)
+    max_positions: int | None = field(init=False)
+
+    def __post_init__(self):
+        self.device = self.runner.device
+        self.max_positions = self.runner.max_positions
+
+    @property
+    def tree(self):
+        """The drafter's token-tree shape (a TreeSpec), None for chains."""
+        return getattr(self.proposer, "tree", None)
+
+    # --- inputs -----------------------------------------------------------------------------------------
+    def encode(self, prompt: str | Sequence[int] | Sequence[dict], chat: bool = False) -> list[int]:
+        """A prompt as token ids: text (with the chat template when chat=True), chat messages
+        ([{"role": ..., "content": ...}, ...], always templated) or token ids (checked against the vocabulary)."""
+        if isinstance(prompt, str):
+            if prompt == "":
+                raise ValueError("prompt is empty")
+            if not chat:
+                return list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
+            return self._apply_chat_template([{"role": "user", "content": prompt}])
+        if not isinstance(prompt, Sequence) or not len(prompt):
+            raise ValueError(
+                f"a prompt must be a non-empty string, list of token ids or list of chat messages, got {prompt!r}"
+            )
+        if all(isinstance(m, dict) for m in prompt):
+            return self._apply_chat_template(list(prompt))
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            raise ValueError(f"token ids must be integers, got {[t for t in prompt if not isinstance(t, int)][:3]}")
+        if any(not 0 <= t < self.vocab_size for t in prompt):
+            raise ValueError(f"prompt token ids must lie in [0, {self.vocab_size})")
+        return [int(t) for t in prompt]
+
+    def _apply_chat_template(self, messages: list[dict]) -> list[int]:
+        for i, m in enumerate(messages):
+            if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                raise ValueError(f"chat message {i} must have a string 'role' and a string 'content', got {m!r}")
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            raise ValueError("chat=True but the tokenizer has no chat template")
+        enc = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if hasattr(enc, "keys"):
+            enc = enc["input_ids"]
+        return [int(t) for t in enc]
+
+    def request(
+        self,
+        prompt,
+        params: SamplingParams = SamplingParams(),
+        *,
+        max_new_tokens: int = 128,
+        stop: str | Sequence[str] | None = (),
+        stop_token_ids: Iterable[int] = (),
+        chat: bool = False,
+        ignore_eos: bool = False,
+        gamma: int | None = None,
+        top_logprobs: int = 0,
+        key: object = None,
+        index: int = 0,
+    ) -> Request:
+        """A checked request: the prompt encoded (`encode`), every option validated against this model (ValueError
+        naming it). gamma: this request's draft length (0: off; capped at the controller's max_gamma)."""
+        ids = self.encode(prompt, chat)
+        req = Request(
+            tuple(ids),
+            params,
+            max_new_tokens=max_new_tokens,
+            stop=() if stop is None else (stop,) if isinstance(stop, str) else stop,
+            stop_token_ids=frozenset(self._token_ids(stop_token_ids, "stop_token_ids")),
+            ignore_eos=bool(ignore_eos),
+            gamma=None if gamma is None else min(check_gamma(gamma, "gamma"), self.controller.max_gamma),
+            top_logprobs=top_logprobs,
+            key=key if key is not None else object(),
+            index=index,
+        )
+        self.check(req)
+        return req
+
+    def check(self, req: Request) -> None:
+        """What a Request cannot check alone: its ids against the vocabulary, its prompt against the context."""
+        req.params.check_vocab(self.vocab_size)  # token options' ids: refused here, not when the batch is built
+        self._token_ids(req.prompt_token_ids, "prompt token ids")
+        self._token_ids(req.stop_token_ids, "stop_token_ids")
+        if self.max_positions is not None and len(req.prompt_token_ids) >= self.max_positions:
+            raise ValueError(
+                f"prompt {req.index} has {len(req.prompt_token_ids)} tokens; the model's context is {self.max_positions}"
+            )
+
+    def _token_ids(self, ids: Iterable[int], name: str) -> list[int]:
+        ids = list(ids)
+        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size for t in ids):
+            raise ValueError(f"{name} must be integers in [0, {self.vocab_size})")
+        return ids
+
+    # --- weights ------------------------------------------------------------------------------------------
+    def update_weights(self, named_tensors: Iterable[tuple[str, Tensor]], model=None) -> WeightUpdate:
+        """Replace weights in place (every name, shape, dtype and value checked before anything is written: a bad
+        update changes nothing). model: the target (default; the weight version counts it) or a separate draft
+        model (the version stays). Drafts derived from the changed model (a quantized self-draft) are rebuilt.
+        Run it only between jobs (`GenerationSession.barrier`), never while a job is unfinished."""
+        target = model is None or model is self.model
+        model = self.model if model is None else model
+        t0 = time.perf_counter()
+        written = update_weights(model, named_tensors)
+        seconds = time.perf_counter() - t0
+        if target:  # the weights have changed: count it before rebuilding drafts (which may fail)
+            self.weight_version += 1
+        requant = self.proposer.weights_changed(model) if self.proposer is not None else 0.0
+        return WeightUpdate(self.weight_version, written, seconds, requant)

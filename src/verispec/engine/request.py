@@ -1,0 +1,116 @@
+"""What the engine is asked to do: a `Request` (one sequence to generate: token ids in, typed options) and a `Job`
+(the requests of one call — an HTTP request's choices, a rollout batch — that run under one weight version), and
+`Barrier`, work that needs the model to itself between jobs (a weight update).
+
+A Request is built and checked by `EngineCore.request` (encoding, the vocabulary, the context); its own
+`__post_init__` checks what needs no model."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from ..sampling import SamplingParams
+
+__all__ = ["Barrier", "Job", "Request", "check_limits"]
+
+
+def check_limits(max_new_tokens, stop) -> tuple[int, tuple[str, ...]]:
+    """Validate a request's budget and stop strings (a single string is one stop string; None: none)."""
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    if stop is None:
+        stop = ()
+    elif isinstance(stop, str):
+        stop = (stop,)
+    elif not isinstance(stop, Sequence):
+        raise ValueError(f"stop must be a string or a list of strings, got {type(stop).__name__}")
+    stop = tuple(stop)
+    if any(not isinstance(s, str) or s == "" for s in stop):
+        raise ValueError("stop strings must be non-empty strings")
+    return max_new_tokens, stop
+
+
+@dataclass(frozen=True)
+class Request:
+    """One sequence to generate. `key` is the caller's handle (events and completions carry it; `abort` takes it),
+    unique among a session's live requests; `index` is its position in its job (`Completion.index`)."""
+
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams = SamplingParams()
+    max_new_tokens: int = 128
+    stop: tuple[str, ...] = ()  # stop strings: the text ends before the first one
+    stop_token_ids: frozenset[int] = frozenset()  # end the request like EOS (even with ignore_eos), not returned
+    ignore_eos: bool = False
+    gamma: int | None = None  # this request's draft length (0: no speculation); None: the engine's choice
+    top_logprobs: int = 0  # best alternatives (raw target logprobs) to return per position, 0..20
+    key: object = field(default_factory=object)
+    index: int = 0
+
+    def __post_init__(self):
+        if not self.prompt_token_ids:
+            raise ValueError("a request's prompt has no tokens")
+        _, stop = check_limits(self.max_new_tokens, self.stop)
+        object.__setattr__(self, "stop", stop)
+        object.__setattr__(self, "prompt_token_ids", tuple(self.prompt_token_ids))
+        object.__setattr__(self, "stop_token_ids", frozenset(self.stop_token_ids))
+        if not isinstance(self.params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(self.params).__name__}")
+        k = self.top_logprobs
+        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= 20:
+            raise ValueError(f"top_logprobs must be an integer in [0, 20], got {k!r}")
+
+
+@dataclass(eq=False)
+class Job:
+    """Requests that run under one weight version: the session starts no weight update (no `Barrier`) while any of
+    them is unfinished, and starts none of them before an update submitted ahead of the job. `group`: consecutive
+    runs of this many requests share a prompt (n samples of it) and join the batch together, so the prompt is
+    prefilled once (a group larger than the batch joins in parts). `on_admit(request)` runs on the session's thread
+    as each request joins the batch, before its first step. `weight_version` is set when the job starts."""
+
+    requests: list[Request]
+    key: object = field(default_factory=object)
+    group: int = 1
+    on_admit: Callable[[Request], None] | None = None
+    weight_version: int | None = None
+
+    def __post_init__(self):
+        if not self.requests:
+            raise ValueError("a job has at least one request")
+        if isinstance(self.group, bool) or not isinstance(self.group, int) or self.group < 1:
+            raise ValueError(f"group must be an integer >= 1, got {self.group!r}")
+        if len({r.key for r in self.requests}) != len(self.requests):
+            raise ValueError("the requests of a job need distinct keys")
+
+
+@dataclass(eq=False)
+class Barrier:
+    """Work that runs with the model to itself, between jobs: after every job submitted before it has finished, and
+    before any job submitted after it starts (`GenerationSession.barrier`). `run()` happens on the session's
+    thread; its return value or exception is kept, `done` is set, then `on_done(barrier)` is called."""
+
+    fn: Callable[[], object]
+    on_done: Callable[[Barrier], None] | None = None
+    result: object = None
+    error: BaseException | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+
+    def run(self) -> None:
+        try:
+            self.result = self.fn()
+        except Exception as e:  # handed to whoever waits for it; the session serves on
+            self.error = e
+        finally:
+            self.done.set()
+            if self.on_done is not None:
+                self.on_done(self)
+
+    def wait(self, timeout: float | None = None) -> object:
+        """Block until it ran (from another thread than the session's); its result, or its exception raised."""
+        if not self.done.wait(timeout):
+            raise TimeoutError("the barrier has not run yet")
+        if self.error is not None:
+            raise self.error
+        return self.result

@@ -1,0 +1,55 @@
+"""The runner protocol: what the engine needs of a model that computes logits for a batch of rows with a KV cache
+that can be grown, forked (`fill` copies a shared prompt), reordered (`select`) and rolled back (`keep_paths`,
+`truncate`). `HFRunner` (transformers' forward), `FastRunner` (verispec's fused forward) and `LlamaCppRunner`
+(llama.cpp's) implement it; the engine and the drafters see nothing else of a model."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
+import torch
+from torch import Tensor
+
+__all__ = ["Runner"]
+
+
+@runtime_checkable
+class Runner(Protocol):
+    device: torch.device  # where logits come back (verification runs there)
+    vocab_size: int  # logits are sliced to this many ids (the vocabulary target and draft share)
+    max_positions: int | None  # the model's context, None when it states none
+
+    def start(self, batch: int, capacity: int) -> None:
+        """Fresh, empty cache rows: `batch` rows of `capacity` slots."""
+
+    def fill(self, seqs: Sequence[Sequence[int]], capacity: int) -> None:
+        """Fresh rows holding seqs[b] (rows with the same prompt share one prefill)."""
+
+    def add_rows(self, seqs: Sequence[Sequence[int]], capacity: int) -> None:
+        """Append rows holding seqs[b] to the running batch."""
+
+    def lengths(self) -> list[int]:
+        """[B] committed tokens per row."""
+
+    def truncate(self, lengths: list[int]) -> None:
+        """Roll row b back to its first lengths[b] tokens."""
+
+    def select(self, rows: list[int]) -> None:
+        """Keep these rows, in this order."""
+
+    def forward(
+        self,
+        tokens: Sequence[Sequence[int]],
+        logits_at: str = "all",
+        parents: Sequence[Sequence[int]] | None = None,
+        tree_start: Sequence[int] | None = None,
+    ) -> Tensor:
+        """Append tokens[b] to row b (chains, or token trees by `parents`); float32 logits [B, T, V] ("all") or
+        [B, V] ("last"). See `HFRunner.forward`."""
+
+    def keep_paths(self, old_lengths: list[int], paths: Sequence[Sequence[int]]) -> None:
+        """After a tree forward: row b keeps the chunk nodes paths[b] (root first) after its prefix."""
+
+    def prefill(self, tokens: Sequence[Sequence[int]], chunk: int = 512) -> None:
+        """Feed tokens into the cache without computing logits."""
