@@ -20,7 +20,8 @@ import pytest
 
 from verispec.certify.bugs import broken_verifier
 from verispec.certify.endpoint import Endpoint, EndpointError, TokenMapper
-from verispec.certify.generate import MethodSpec, _load, build_method, certify_generate
+from verispec.certify.generate import certify_generate
+from verispec.certify.methods import MethodSpec, _load, build_method
 from verispec.certify.stats import tolerant_tv_test
 from verispec.cli import main
 from verispec.engine.generator import SpeculativeGenerator

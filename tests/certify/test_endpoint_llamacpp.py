@@ -17,7 +17,8 @@ import time
 import httpx
 import pytest
 
-from verispec.certify.generate import MethodSpec, _load, certify_generate
+from verispec.certify.generate import certify_generate
+from verispec.certify.methods import MethodSpec, _load
 from verispec.model.loading import default_model_path
 from verispec.sampling import SamplingParams
 

@@ -24,7 +24,9 @@ import pytest
 import torch
 
 from verispec.certify.bugs import BUGS
-from verispec.certify.generate import DEFAULT_SAMPLES, MethodSpec, _load, build_method, certify_generate, write_report
+from verispec.certify.generate import DEFAULT_SAMPLES, certify_generate
+from verispec.certify.methods import MethodSpec, _load, build_method
+from verispec.certify.report import write_report
 from verispec.cli import main
 from verispec.sampling import SamplingParams
 
@@ -173,7 +175,7 @@ def test_injected_bugs_fail_at_default_size(models, bug, prompts):
 
 def callable_sampler(prompt, params, seed, _scale=1.0):
     """A user-supplied generator: plain sampling from the tiny target, temperature multiplied by _scale."""
-    from verispec.certify.generate import _load
+    from verispec.certify.methods import _load
     from verispec.sampling import probs_from_logits
 
     model = _load(os.environ["VERISPEC_TEST_TARGET"], "float32").model
@@ -448,3 +450,16 @@ def test_verification_modes_pass(models, mode):
     r = certify_generate(MethodSpec(target=target, draft=draft, **mode), PROMPTS[:1], PARAMS, show_progress=False)
     assert r.passed, r.to_markdown()
     assert r.acceptance and r.acceptance_rate > 0.1
+
+
+def test_old_import_paths_still_work():
+    """The split of certify.generate (methods / scoring / report) keeps every name importable from generate."""
+    from verispec.certify import generate, methods, report, scoring
+
+    for mod, names in (
+        (methods, ("LOSSY_VERIFIERS", "METHODS", "MethodSpec", "SampleFn", "_load", "_verifier", "build_method")),
+        (scoring, ("Scores", "score", "exact_sequence_law", "top_deviations", "logprob_parity", "PARITY_THRESHOLD")),
+        (report, ("GenerateReport", "TestResult", "write_report")),
+    ):
+        for name in names:
+            assert getattr(generate, name) is getattr(mod, name), name

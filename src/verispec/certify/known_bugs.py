@@ -186,105 +186,96 @@ _SEED = "seed tutorial §8 (shared/DESIGN.md)"
 _CHAIN_CONTROL_CASES = ("random-k1", "equal-k4", "onehot-k4", "sparse-disjoint-zeros-k4", "truncated-k4")
 _SEQUENCE_CONTROL_CASES = ("small-vocab-k2", "random-k4", "ragged-high-entropy-k4")
 
+
+def _chain_bug(name: str, engine: str, reference: str, what: str, cases, samples: int, make=None, kind="chain-step"):
+    """A chain bug's entry: broken_verifier's bug `name` unless `make` says otherwise, FAILED at `samples` steps
+    per case with the stated power 0.9999 (module docstring)."""
+    make = functools.partial(broken_verifier, name) if make is None else make
+    return KnownBug(name, engine, reference, what, make, kind, cases, samples=samples, stated_power=0.9999)
+
+
+def _control(name: str, reference: str, what: str, make, kind: str, cases=None, samples: int = TAIL_DRAWS):
+    """One of verispec's own samplers next to the bugs, through the same tests: it must PASS."""
+    sizes = dict(samples=samples, full_samples=4 * TAIL_DRAWS) if kind == "tail" else dict(samples=samples)
+    return KnownBug(name, "verispec", reference, what, make, kind, cases, expected="PASS", **sizes)
+
+
 KNOWN_BUGS: tuple[KnownBug, ...] = (
-    KnownBug(
+    _chain_bug(
         "resample_from_p",
         "textbook mistake",
         _SEED,
         "at a rejection, a fresh draw from p instead of the residual (p - q)+ / Z",
-        functools.partial(broken_verifier, "resample_from_p"),
-        "chain-step",
         ("random-k1",),
-        samples=500,
-        stated_power=0.9999,
+        500,
     ),
-    KnownBug(
+    _chain_bug(
         "resample_from_abs_diff",
         "textbook mistake",
         _SEED,
         "at a rejection, a draw from |p - q| instead of (p - q)+",
-        functools.partial(broken_verifier, "resample_from_abs_diff"),
-        "chain-step",
         ("random-k1",),
-        samples=500,
-        stated_power=0.9999,
+        500,
     ),
-    KnownBug(
+    _chain_bug(
         "q_before_temperature",
         "vLLM; HF transformers",
         f"{_VLLM_TEMPERATURE} ; {_HF_TEMPERATURE}",
         "drafts sampled at temperature 0.7, the verifier given q at temperature 1 (q^0.7 renormalized)",
-        functools.partial(broken_verifier, "q_before_temperature"),
-        "chain-step",
         ("random-k1", "equal-k4"),
-        samples=1000,
-        stated_power=0.9999,
+        1000,
     ),
-    KnownBug(
+    _chain_bug(
         "le_zero_uniform",
         "SGLang",
         "https://github.com/sgl-project/sglang/issues/35771",
         "`u * q <= p` with a uniform that can be exactly 0: a draft with p = 0 can be accepted",
-        functools.partial(broken_verifier, "le_zero_uniform"),
-        "chain-step",
         ("onehot-k4", "sparse-disjoint-zeros-k4"),
-        samples=1000,
-        stated_power=0.9999,
+        1000,
     ),
-    KnownBug(
+    _chain_bug(
         "bonus_ignores_temperature",
         "EAGLE",
         "EAGLE reference code, 2024-25 (bonus token sampled without the request's temperature/top-p)",
         "the bonus token (every draft accepted) drawn from p before temperature 0.7 (p^0.7 renormalized)",
-        functools.partial(broken_verifier, "bonus_ignores_temperature"),
-        "chain-step",
         ("equal-k4", "random-k1"),
-        samples=1000,
-        stated_power=0.9999,
+        1000,
     ),
-    KnownBug(
+    _chain_bug(
         "wrong_q_raw_logits",
         "HF transformers",
         "https://github.com/huggingface/transformers/issues/47932 (fix: PR #47961)",
         "drafts sampled from the top-k-processed q, the verifier given the raw q (ratio inflated by 1 / Z)",
-        functools.partial(broken_verifier, "wrong_q_raw_logits"),
-        "chain-step",
         ("truncated-k4",),
-        samples=1000,
-        stated_power=0.9999,
+        1000,
     ),
-    KnownBug(
+    _chain_bug(
         "block_plain_residual",
         "vllm-ascend",
         "https://github.com/vllm-project/vllm-ascend/issues/7807",
         "block verification's decision, then the token-wise residual (p - q)+ instead of (rho p - q)+",
-        functools.partial(broken_block_verifier, "block_plain_residual"),
-        "chain-sequence",
         ("small-vocab-k2",),
-        samples=15_000,
-        stated_power=0.9999,
+        15_000,
+        make=functools.partial(broken_block_verifier, "block_plain_residual"),
+        kind="chain-sequence",
     ),
-    KnownBug(
+    _chain_bug(
         "spec_rl",
         "SPEC-RL",
         "SPEC-RL rollout reuse (Liu et al. 2025), l = 1",
         "accept an old rollout's token with min(1, p / q), at a rejection a fresh draw from p",
-        functools.partial(_spec_rl, False),
-        "chain-step",
         ("random-k1",),
-        samples=500,
-        stated_power=0.9999,
+        500,
+        make=functools.partial(_spec_rl, False),
     ),
-    KnownBug(
+    _chain_bug(
         "spec_rl_lenient",
         "SPEC-RL",
         "SPEC-RL rollout reuse (Liu et al. 2025), its scripts' lenience l = e^0.5",
         "accept with min(1, l p / q), l = e^0.5 ~ 1.65, at a rejection a fresh draw from p",
-        functools.partial(_spec_rl, True),
-        "chain-step",
         ("random-k1",),
-        samples=500,
-        stated_power=0.9999,
+        500,
+        make=functools.partial(_spec_rl, True),
     ),
     KnownBug(
         "fp32_exponential_race",
@@ -297,71 +288,55 @@ KNOWN_BUGS: tuple[KnownBug, ...] = (
         full_samples=4 * TAIL_DRAWS,
     ),
     # controls: verispec's own samplers, next to the bugs (the same tests; they must PASS)
-    KnownBug(
+    _control(
         "verify_chain",
-        "verispec",
         "verispec.sampling.chain.verify_chain",
         "control: the exact token-wise rule, on the chain bugs' cases",
         lambda: verispec_sampler,
         "chain-step",
         _CHAIN_CONTROL_CASES,
-        expected="PASS",
-        samples=1000,
+        1000,
     ),
-    KnownBug(
+    _control(
         "verify_block",
-        "verispec",
         "verispec.sampling.block.verify_block",
         "control: block verification against the sequence laws",
         lambda: verispec_block_sampler,
         "chain-sequence",
         _SEQUENCE_CONTROL_CASES,
-        expected="PASS",
-        samples=15_000,
+        15_000,
     ),
-    KnownBug(
+    _control(
         "gumbel_verifier",
-        "verispec",
         "verispec.sampling.coupling.gumbel_verifier",
         "control: Gumbel-coupled verification against the sequence laws",
         _gumbel,
         "chain-sequence",
         _SEQUENCE_CONTROL_CASES,
-        expected="PASS",
-        samples=15_000,
+        15_000,
     ),
-    KnownBug(
+    _control(
         "positional_verifier",
-        "verispec",
         "verispec.sampling.positional.positional_verifier",
         "control: position-seeded verification against the sequence laws",
         _positional,
         "chain-sequence",
         _SEQUENCE_CONTROL_CASES,
-        expected="PASS",
-        samples=15_000,
+        15_000,
     ),
-    KnownBug(
+    _control(
         "sample_from_weights",
-        "verispec",
         "verispec.sampling.chain.sample_from_weights",
         "control: inverse-CDF sampling with float64 uniforms, on the tail test",
         lambda: sample_from_weights_control,
         "tail",
-        expected="PASS",
-        samples=TAIL_DRAWS,
-        full_samples=4 * TAIL_DRAWS,
     ),
-    KnownBug(
+    _control(
         "race_winner_fp64",
-        "verispec",
         "verispec.sampling.coupling.race_winner",
         "control: the exponential race with float64 Exp(1) noise, on the tail test",
         lambda: race_fp64_control,
         "tail",
-        expected="PASS",
-        samples=TAIL_DRAWS,
-        full_samples=4 * TAIL_DRAWS,
     ),
 )
 

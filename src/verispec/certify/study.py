@@ -30,7 +30,8 @@ from ..sampling.lossy import (
     one_step_law_typical,
 )
 from .bugs import _Q_TEMPERATURE
-from .generate import MethodSpec, _load, certify_generate, draw_samples
+from .generate import certify_generate, draw_samples
+from .methods import MethodSpec, _load
 
 __all__ = ["SPEC_RL_LENIENCE", "VARIANTS", "StudyRow", "run_study", "study_markdown"]
 

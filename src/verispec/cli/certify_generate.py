@@ -45,7 +45,7 @@ def add_parser(sub) -> None:
 
 def _add_method_args(p: argparse.ArgumentParser) -> None:
     from ..certify.bugs import BLOCK_BUGS, BUGS, TREE_BUGS
-    from ..certify.generate import LOSSY_VERIFIERS, METHODS
+    from ..certify.methods import LOSSY_VERIFIERS, METHODS
 
     p.add_argument(
         "--method",
@@ -123,7 +123,7 @@ def _reference_fn(args: argparse.Namespace, spec):
     """The two-sample reference's sample function: the --reference-url endpoint, or None (plain decoding)."""
     from dataclasses import replace
 
-    from ..certify.generate import build_method
+    from ..certify.methods import build_method
 
     if not args.reference_url:
         return None
@@ -147,7 +147,7 @@ def _add_certificate_args(p: argparse.ArgumentParser) -> None:
 
 def _method_spec(args: argparse.Namespace):
     """The MethodSpec of the options, every combination checked (no model loaded yet)."""
-    from ..certify.generate import MethodSpec
+    from ..certify.methods import MethodSpec
 
     if args.method == "verispec":
         check_draft(args)
@@ -187,7 +187,8 @@ def _method_spec(args: argparse.Namespace):
 
 def load_reference(args: argparse.Namespace, texts: list[str]):
     """(the float32 reference target, the prompts' token ids): what every certificate scores against."""
-    from ..certify.generate import _load, encode_prompt
+    from ..certify.generate import encode_prompt
+    from ..certify.methods import _load
 
     print("loading the reference target (float32) ...", file=sys.stderr, flush=True)
     ref = _load(args.target, "float32")
@@ -198,7 +199,8 @@ def run(args: argparse.Namespace) -> int:
     """Draw N continuations of L tokens per prompt from a method and test them against the target model's own
     distribution (first-token and sequence goodness of fit, PIT uniformity, log-likelihood, two-sample vs plain
     decoding). Exit status 0 = PASS, 1 = FAIL."""
-    from ..certify.generate import certify_generate, write_report
+    from ..certify.generate import certify_generate
+    from ..certify.report import write_report
 
     params = sampling_params(args)
     spec = _method_spec(args)

@@ -1,0 +1,316 @@
+"""What a generator certificate certifies: a method as plain data (`MethodSpec`) and the adapters that turn it
+into a sample function (`build_method`): verispec in any configuration, plain decoding, HF transformers `generate`
+(with or without `assistant_model` or prompt lookup), an OpenAI-compatible endpoint (endpoint.py), or a user
+callable. Models load once per process (`_load`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field, replace
+
+import torch
+
+from ..drafting import TreeSpec
+from ..engine.generator import SpeculativeGenerator
+from ..model import loading
+from ..sampling import CHAIN_RULES, SamplingParams
+from ..sampling.coupling import COUPLINGS
+from ..sampling.lossy import lenient_verifier, spec_rl_verifier, typical_verifier
+from .bugs import (
+    BLOCK_BUGS,
+    BUGS,
+    TREE_BUGS,
+    TREE_NON_BUGS,
+    broken_block_verifier,
+    broken_tree_verifier,
+    broken_verifier,
+)
+from .endpoint import Endpoint, TokenMapper
+from .kernel import load_sampler
+
+__all__ = ["LOSSY_VERIFIERS", "METHODS", "MethodSpec", "SampleFn", "build_method", "eos_set"]
+
+METHODS = ("verispec", "plain", "hf", "hf-assisted", "hf-lookup", "callable", "openai")
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """What to certify, as plain data (rebuilt inside each worker process)."""
+
+    method: str = "verispec"  # one of METHODS
+    target: str | None = None  # model path / hub id (None: verispec's default model)
+    draft: str = "ngram"  # verispec: draft model path, 'ngram', 'self' or 'none'; hf-assisted: the assistant model
+    draft_quant: str | None = None
+    gamma: int | str = 4
+    runner: str = "auto"
+    dtype: str = "float32"  # the method's target precision (the reference score is always float32)
+    draft_dtype: str = "float32"
+    callable: str | None = None  # method 'callable': module:function mapping (prompt_ids, params, seed) -> tokens
+    verifier: str | None = None  # a bug from verispec.certify.bugs, or a lossy rule: LOSSY_VERIFIERS
+    threads: int | None = None
+    tree: str | None = None  # verispec: a tree shape ('4-2-2-1', 'dynamic-D-K-M'); None = chains
+    tree_rule: str | None = None  # 'deterministic' (default), 'iid', 'without_replacement'
+    verify: str = "token"  # verispec chains: 'token' or 'block' verification
+    coupling: str | None = None  # verispec / plain: 'gumbel' (sampling.coupling)
+    seeding: str = "stream"  # verispec / plain: 'position' (sampling.positional)
+    base_url: str | None = None  # openai: the endpoint (http://host:port or .../v1)
+    model_name: str | None = None  # openai: the model name the endpoint serves
+    api_key: str | None = field(default=None, repr=False)  # openai: sent as a Bearer token
+    max_in_flight: int = 8  # openai: concurrent requests
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise ValueError(f"method must be one of {', '.join(METHODS)}, got {self.method!r}")
+        if self.method == "hf-lookup" and not (isinstance(self.gamma, int) and self.gamma >= 1):
+            raise ValueError(f"method 'hf-lookup' needs gamma >= 1 (prompt_lookup_num_tokens), got {self.gamma!r}")
+        if self.method == "openai" and not (self.base_url and self.model_name):
+            raise ValueError("method 'openai' needs base_url and model_name (the endpoint and the model it serves)")
+        if self.method == "callable" and not self.callable:
+            raise ValueError("method 'callable' needs callable='module:function'")
+        if self.method == "hf-assisted" and self.draft in ("ngram", "self", "none", None):
+            raise ValueError("method 'hf-assisted' needs a draft model (draft=PATH)")
+        if self.verifier is not None and self.method != "verispec":
+            raise ValueError(f"a verifier override (--inject) applies to method 'verispec', not {self.method!r}")
+        if self.tree is not None and self.method != "verispec":
+            raise ValueError(f"a tree applies to method 'verispec', not {self.method!r}")
+        if self.tree is not None:
+            TreeSpec.parse(self.tree, self.tree_rule)  # validate early
+        elif self.tree_rule is not None:
+            raise ValueError("tree_rule needs a tree")
+        if self.verify not in CHAIN_RULES:
+            raise ValueError(f"verify must be one of {', '.join(CHAIN_RULES)}, got {self.verify!r}")
+        if self.verify != "token" and (self.method != "verispec" or self.tree is not None):
+            raise ValueError(f"verify={self.verify!r} applies to method 'verispec' with chains (no tree)")
+        if self.verifier is not None:
+            _verifier(self.verifier, tree=self.tree is not None, block=self.verify == "block")  # validate early
+        if self.seeding not in ("stream", "position"):
+            raise ValueError(f"seeding must be 'stream' or 'position', got {self.seeding!r}")
+        if self.seeding == "position" and (
+            self.method not in ("verispec", "plain") or self.tree or self.draft == "ngram"
+        ):
+            raise ValueError("seeding 'position' applies to verispec with a draft model's chains, or to plain")
+        if self.coupling is not None and self.verifier is not None:
+            raise ValueError(
+                "an injected verifier under coupling sees one-hot targets, where most bugs verify exactly: "
+                "certify the coupled verifier with `certify kernel --coupling gumbel --inject ...`"
+            )
+        if self.coupling is not None and (self.coupling not in COUPLINGS or self.method not in ("verispec", "plain")):
+            raise ValueError(f"coupling {self.coupling!r} applies to methods 'verispec' and 'plain' ({COUPLINGS})")
+
+    def label(self) -> str:
+        if self.method == "verispec":
+            d = self.draft + (f" ({self.draft_quant})" if self.draft_quant else "")
+            extra = f", verifier {self.verifier}" if self.verifier else ""
+            extra += f", {self.verify} verification" if self.verify != "token" else ""
+            extra += f", {self.coupling} coupling" if self.coupling else ""
+            extra += ", seeding by position" if self.seeding == "position" else ""
+            if self.tree:
+                return (
+                    f"verispec (draft {d}, tree {self.tree} {self.tree_rule or 'deterministic'}, "
+                    f"target {self.dtype}{extra})"
+                )
+            return f"verispec (draft {d}, gamma {self.gamma}, target {self.dtype}{extra})"
+        if self.method == "hf-assisted":
+            return f"transformers generate(assistant_model={self.draft})"
+        if self.method == "hf-lookup":
+            return f"transformers generate(prompt_lookup_num_tokens={self.gamma})"
+        if self.method == "callable":
+            return f"callable {self.callable}"
+        if self.method == "openai":
+            return f"OpenAI endpoint {self.base_url} (model {self.model_name})"
+        return {"plain": "verispec plain decoding", "hf": "transformers generate (plain sampling)"}[self.method]
+
+
+LOSSY_VERIFIERS = "lenient:L (L in (0, 1]), typical, spec-rl[:L] (L >= 1)"  # the lossy rules _verifier knows
+
+
+def _verifier(name: str, tree: bool = False, block: bool = False):
+    if block:
+        if name not in BLOCK_BUGS:
+            raise ValueError(f"with verify='block' the verifier override must be a block bug: {', '.join(BLOCK_BUGS)}")
+        return broken_block_verifier(name)
+    if name in BLOCK_BUGS:
+        raise ValueError(f"{name} is a block verification bug: it needs verify='block'")
+
+    if tree:
+        usable = [b for b in TREE_BUGS + TREE_NON_BUGS if not b.startswith("tree_mixed_")]
+        if name in usable:
+            return broken_tree_verifier(name)
+        if name.startswith("tree_mixed_"):  # they act only on rule 'mixed', which these trees never use: a sure PASS
+            raise ValueError(f"{name} breaks rule 'mixed' only; certify it with `certify kernel --tree mixed`")
+        raise ValueError(f"with a tree the verifier override must be a tree bug: {', '.join(usable)}")
+    if name in TREE_BUGS + TREE_NON_BUGS:
+        raise ValueError(f"{name} is a tree bug: it needs a tree")
+    if name in BUGS:
+        return broken_verifier(name)
+    if name.startswith("lenient"):
+        try:
+            return lenient_verifier(float(name.partition(":")[2] or 0.5))
+        except ValueError:
+            raise ValueError(f"lenient takes a lenience in (0, 1]: 'lenient:0.5', got {name!r}") from None
+    if name == "typical":
+        return typical_verifier()
+    if name == "spec-rl" or name.startswith("spec-rl:"):
+        try:
+            return spec_rl_verifier(float(name.partition(":")[2] or 1.0))
+        except ValueError:
+            raise ValueError(
+                f"spec-rl takes a finite lenience >= 1: 'spec-rl' (l = 1) or 'spec-rl:2', got {name!r}"
+            ) from None
+    raise ValueError(f"unknown verifier {name!r}: one of {', '.join(BUGS)}, {LOSSY_VERIFIERS}")
+
+
+_LOADED: dict = {}
+
+
+def _load(path: str | None, dtype: str):
+    """Load once per process: the float32 reference target doubles as the method's float32 target."""
+
+    key = (path, dtype)
+    if key not in _LOADED:
+        _LOADED[key] = loading.load_model(path, dtype=dtype)  # looked up at call time (tests patch it)
+    return _LOADED[key]
+
+
+# fn(prompt_ids, params, seeds, length) -> (one token list per seed, SpecStats or None[, logprobs]): logprobs,
+# when the method returns them, one list per seed of the tokens' raw logprobs (as an engine reports them)
+SampleFn = Callable[[list[int], SamplingParams, Sequence[int], int], tuple]
+
+
+def build_method(spec: MethodSpec) -> SampleFn:
+    """spec -> a SampleFn.
+
+    The models come from the per-process cache (`_load`) and are shared: nothing here modifies them."""
+    if spec.threads:
+        torch.set_num_threads(spec.threads)
+    if spec.method == "callable":
+        return _callable_method(spec)
+    target = _load(spec.target, "float32" if spec.method == "openai" else spec.dtype)
+    if spec.method == "openai":
+        return _openai_method(spec, target)
+    if spec.method in ("verispec", "plain"):
+        return _verispec_method(spec, target)
+    return _hf_method(spec, target)
+
+
+def _callable_method(spec: MethodSpec) -> SampleFn:
+    fn = load_sampler(spec.callable)
+
+    def sample_callable(prompt, params, seeds, length):
+        out = []
+        for s in seeds:
+            toks = [int(t) for t in fn(list(prompt), asdict(replace(params, seed=s)) | {"max_tokens": length}, s)]
+            out.append(toks[:length])
+        return out, None
+
+    return sample_callable
+
+
+def _verispec_method(spec: MethodSpec, target) -> SampleFn:
+
+    draft = "none" if spec.method == "plain" else spec.draft
+    if draft not in ("ngram", "none", "self"):
+        draft = _load(draft, spec.draft_dtype)
+    kwargs = {}
+    if spec.verifier:  # the override replaces the rule's verifier (a block bug replaces verify_block)
+        override = _verifier(spec.verifier, tree=spec.tree is not None, block=spec.verify == "block")
+        kwargs["tree_verifier" if spec.tree else "verifier"] = override
+    elif spec.verify != "token":
+        kwargs["verify"] = spec.verify
+    if spec.coupling is not None:
+        kwargs["coupling"] = spec.coupling
+    if spec.seeding != "stream":
+        kwargs["seeding"] = spec.seeding
+    if spec.tree:
+        kwargs.update(tree=spec.tree, tree_rule=spec.tree_rule)
+    gen = SpeculativeGenerator(
+        target,
+        draft,
+        gamma=spec.gamma if draft != "none" else 0,
+        runner=spec.runner,
+        draft_quant=spec.draft_quant,
+        **kwargs,
+    )
+
+    def sample_verispec(prompt, params, seeds, length):
+        outs = gen.generate(
+            [list(prompt)] * len(seeds),
+            [replace(params, seed=s) for s in seeds],
+            max_new_tokens=length,
+            ignore_eos=True,
+        )
+        return [o.token_ids for o in outs], gen.last_stats, [o.raw_logprobs for o in outs]
+
+    return sample_verispec
+
+
+def _openai_method(spec: MethodSpec, target) -> SampleFn:
+    """Continuations from an OpenAI-compatible endpoint (endpoint.py); the local target supplies the tokenizer
+    (token texts back to ids) and the EOS set. `sample_openai.endpoint.log` records what the run did."""
+    endpoint = Endpoint(spec.base_url, spec.model_name, spec.api_key, spec.max_in_flight)
+    tok = target.tokenizer
+    mapper = TokenMapper(tok)
+    eos = eos_set(target)
+    adds_bos = tok.bos_token_id is not None and tok("a")["input_ids"][:1] == [tok.bos_token_id]
+
+    def sample_openai(prompt, params, seeds, length):
+        ids = list(prompt)
+        # as text, a leading BOS is left to a server whose tokenizer adds one itself (as this tokenizer does)
+        text = tok.decode(ids[1:] if adds_bos and ids[:1] == [tok.bos_token_id] else ids)
+        tokens, logprobs = endpoint.draw(ids, params, list(seeds), length, mapper, eos, text)
+        return tokens, None, logprobs
+
+    sample_openai.endpoint = endpoint
+    return sample_openai
+
+
+def _hf_method(spec: MethodSpec, target) -> SampleFn:
+    """transformers generate with EOS off for this call only (eos_token_id=None; the assistant takes the
+    target's), so every sample has `length` tokens, like ignore_eos in verispec. The cached models'
+    generation configs are left as they are."""
+    model = target.model
+    assistant = _load(spec.draft, spec.draft_dtype).model if spec.method == "hf-assisted" else None
+    lookup = {"prompt_lookup_num_tokens": spec.gamma} if spec.method == "hf-lookup" else {}
+
+    def sample_hf(prompt, params, seeds, length):
+        kw = _hf_sampling_kwargs(params) | lookup
+        ids = torch.tensor([list(prompt)], device=model.device)
+        out = []
+        for s in seeds:
+            torch.manual_seed(s)
+            with torch.no_grad():
+                seq = model.generate(
+                    ids,
+                    attention_mask=torch.ones_like(ids),
+                    max_new_tokens=length,
+                    min_new_tokens=0,
+                    pad_token_id=0,
+                    eos_token_id=None,
+                    assistant_model=assistant,
+                    **kw,
+                )
+            out.append(seq[0, ids.shape[1] :].tolist())
+        return out, None
+
+    return sample_hf
+
+
+def _hf_sampling_kwargs(params: SamplingParams) -> dict:
+    if params.temperature == 0:
+        return dict(do_sample=False)
+    return dict(
+        do_sample=True,
+        temperature=params.temperature,
+        top_k=params.top_k or None,
+        top_p=params.top_p,
+        min_p=params.min_p or None,
+    )
+
+
+def eos_set(loaded) -> list[int]:
+    """The ids that end a sequence (the tokenizer's EOS first, then the generation config's), for endpoints that do
+    not say which one they stopped at."""
+    ids = [loaded.tokenizer.eos_token_id]
+    gen = getattr(getattr(loaded.model, "generation_config", None), "eos_token_id", None)
+    ids += gen if isinstance(gen, list) else [gen]
+    return list(dict.fromkeys(i for i in ids if isinstance(i, int)))
