@@ -70,7 +70,7 @@ from ..sampling.block import block_final_weights, block_residual_mass, block_ter
 from ..sampling.chain import ChainVerifyOutput, _normalise_args, draw_uniforms, verify_chain
 from ..sampling.coupling import onehot_winners
 from ..sampling.lossy import chain_interface, draft_q, finish_chain
-from ..sampling.tree import TreeVerifyOutput, tree_ancestors, verify_tree, verify_tree_with_uniforms
+from ..sampling.tree import TreeVerifyOutput, _TreeWalk, tree_ancestors, verify_tree
 
 __all__ = [
     "BLOCK_BUGS",
@@ -84,6 +84,7 @@ __all__ = [
     "broken_verifier",
     "fp32_exponential_race",
     "raw_q",
+    "verify_tree_with_uniforms_stale_residual",
 ]
 
 BUGS = (
@@ -270,12 +271,12 @@ def broken_tree_verifier(bug: str):
 
 
 def _stale_residual(target_probs, ids, parents, draft_probs, nn, generators, rule, sampled):
-    """The tree walk with r never updated after a rejection."""
+    """tree_stale_residual behind verify_tree's interface: the uniforms verify_tree would draw, then the broken walk."""
     N = ids.shape[1]
     accept_u, final_u = draw_uniforms(nn, N, generators, target_probs.device)
     if N == 0 or draft_probs is None:
         rule = "deterministic"
-    return verify_tree_with_uniforms(
+    return verify_tree_with_uniforms_stale_residual(
         target_probs,
         ids,
         parents,
@@ -285,8 +286,23 @@ def _stale_residual(target_probs, ids, parents, draft_probs, nn, generators, rul
         accept_u,
         final_u,
         sampled=sampled if rule == "mixed" else None,
-        _stale_residual=True,
     )
+
+
+def verify_tree_with_uniforms_stale_residual(
+    target_probs, draft_token_ids, parents, draft_probs, num_nodes, rule, accept_u, final_u, *, sampled=None
+) -> TreeVerifyOutput:
+    """verify_tree_with_uniforms (same arguments, same output) with the tree_stale_residual bug: after a sibling is
+    rejected, the next sibling is tested against the old residual (r is not updated to (r - q)+ / Z)."""
+    walk = _StaleResidualWalk(target_probs, draft_token_ids, parents, draft_probs, num_nodes, rule, accept_u, sampled)
+    return walk.run(final_u)
+
+
+class _StaleResidualWalk(_TreeWalk):
+    """The exact tree walk of sampling.tree but for its one step `reject`, which leaves r as it was."""
+
+    def reject(self, r, q, q_scale, sampled, x, rej) -> None:
+        return None  # the bug: no r <- normalise((r - q)+) after a rejection
 
 
 def _mixed_chosen_as_sampled(target_probs, ids, parents, draft_probs, nn, generators, sampled):

@@ -63,13 +63,7 @@ def probs_from_logits(
     `bad_depth` tokens. With `check=True` (default) NaN / +inf logits and rows with no finite logit raise
     ValueError instead of producing NaN probabilities.
     """
-    if not isinstance(logits, Tensor) or not logits.is_floating_point():
-        raise ValueError("logits must be a floating-point tensor")
-    squeeze = logits.dim() == 2
-    if squeeze:
-        logits = logits.unsqueeze(1)
-    if logits.dim() != 3:
-        raise ValueError(f"logits must have shape [B, V] or [B, T, V], got {tuple(logits.shape)}")
+    logits, squeeze = _with_positions(logits)  # [B, T, V]
     B, V = logits.shape[0], logits.shape[-1]
     meta = params
     if not isinstance(meta, SamplingMetadata):
@@ -99,14 +93,31 @@ def probs_from_logits(
     if meta.any_truncation:
         x = _truncate(x, meta)
     if meta.any_min_p:
-        probs = x.softmax(dim=-1)
-        threshold = meta.col("min_p", dtype) * probs.amax(dim=-1, keepdim=True)
-        x = x.masked_fill(probs < threshold, float("-inf"))
+        x = _min_p(x, meta)
 
     probs = x.softmax(dim=-1)
     if greedy_probs is not None:
         probs = torch.where(meta.greedy.view(B, 1, 1), greedy_probs, probs)
     return probs.squeeze(1) if squeeze else probs
+
+
+def _with_positions(logits) -> tuple[Tensor, bool]:  # ([B, T, V] logits, whether the input was [B, V])
+    """logits as [B, T, V] (a [B, V] input gains T = 1); ValueError for anything but a float tensor of those shapes."""
+    if not isinstance(logits, Tensor) or not logits.is_floating_point():
+        raise ValueError("logits must be a floating-point tensor")
+    squeeze = logits.dim() == 2
+    if squeeze:
+        logits = logits.unsqueeze(1)
+    if logits.dim() != 3:
+        raise ValueError(f"logits must have shape [B, V] or [B, T, V], got {tuple(logits.shape)}")
+    return logits, squeeze
+
+
+def _min_p(x: Tensor, meta: SamplingMetadata) -> Tensor:  # [B, T, V] -> [B, T, V]
+    """Step 5: -inf where a token's probability is below min_p times the position's largest."""
+    probs = x.softmax(dim=-1)
+    threshold = meta.col("min_p", x.dtype) * probs.amax(dim=-1, keepdim=True)
+    return x.masked_fill(probs < threshold, float("-inf"))
 
 
 def _token_options(x: Tensor, meta: SamplingMetadata, recent: Tensor | None) -> Tensor:

@@ -137,83 +137,120 @@ def verify_tree_with_uniforms(
     final_u: Tensor,  # [B] float64 in [0, 1): the final draw's uniform
     *,
     sampled: Tensor | None = None,  # [B, N] bool, rule "mixed": node drawn from its parent slot's q (else chosen)
-    _stale_residual: bool = False,  # a deliberate bug, for certify.bugs only: r is not updated after a rejection
 ) -> TreeVerifyOutput:
     """The tree walk with explicit randomness; inputs are assumed valid (see verify_tree)."""
-    B, N1, V = target_probs.shape
-    N = N1 - 1
-    dev = target_probs.device
-    rows = torch.arange(B, device=dev)
-    children, depth = tree_children(parents, num_nodes)  # [B, N + 1, W], [B, N]
-    W = children.shape[-1]
-    D = int(depth.max()) if N else 0
-    ids = draft_token_ids.clamp(0, V - 1)
-    path = torch.full((B, max(D, 1)), -1, dtype=torch.int64, device=dev)
-    num_accepted = torch.zeros(B, dtype=torch.int64, device=dev)
-    final_w = torch.empty((B, V), dtype=target_probs.dtype, device=dev)  # each row's final residual
-    cur = torch.zeros(B, dtype=torch.int64, device=dev)  # current slot (0 = root)
-    active = torch.ones(B, dtype=torch.bool, device=dev)
-    for _ in range(D + 1):
-        r = target_probs[rows, cur].clone()  # [B, V]: running residual, normalised
-        q_cur = None
-        if rule == "mixed":  # slots beyond draft_probs have only chosen children: their q is never read
-            q_cur = draft_probs[rows, cur.clamp(max=draft_probs.shape[1] - 1)].to(r.dtype)  # [B, V]
-        elif rule != "deterministic":
-            q_cur = draft_probs[rows, cur].to(r.dtype)  # [B, V]
-            if rule == "without_replacement":
-                q_cur = q_cur.clone()
-        q_scale = None  # [B, 1]: without_replacement's normalisation of q_cur
-        took = torch.full((B,), -1, dtype=torch.int64, device=dev)  # accepted child per row
-        searching = active.clone()
-        for i in range(W):
-            child = children[rows, cur, i]  # [B]
+    walk = _TreeWalk(target_probs, draft_token_ids, parents, draft_probs, num_nodes, rule, accept_u, sampled)
+    return walk.run(final_u)
+
+
+class _TreeWalk:
+    """One batched walk down the trees (the module docstring): per depth level, each active row tests the children
+    of its current slot in drafting order against a running residual r [B, V], then moves to the accepted child
+    or stops and keeps r for the final draw. Loops over levels and sibling ranks only; the host syncs are one per
+    sibling round (any row left to test?) and two per level (any row moved? any still active?).
+
+    `reject` is the one step a subclass may replace (certify.bugs' stale-residual walk does)."""
+
+    def __init__(self, target_probs, draft_token_ids, parents, draft_probs, num_nodes, rule, accept_u, sampled):
+        B, N1, V = target_probs.shape
+        dev = target_probs.device
+        self.p, self.q, self.rule, self.accept_u, self.sampled = target_probs, draft_probs, rule, accept_u, sampled
+        self.B, self.N, self.V = B, N1 - 1, V
+        self.rows = torch.arange(B, device=dev)
+        self.children, depth = tree_children(parents, num_nodes)  # [B, N + 1, W], [B, N]
+        self.depth = int(depth.max()) if self.N else 0  # D, the deepest node of the batch
+        self.ids = draft_token_ids.clamp(0, V - 1)  # [B, N]
+        self.path = torch.full((B, max(self.depth, 1)), -1, dtype=torch.int64, device=dev)  # [B, D]
+        self.num_accepted = torch.zeros(B, dtype=torch.int64, device=dev)  # [B]
+        self.final_w = torch.empty((B, V), dtype=target_probs.dtype, device=dev)  # [B, V]: each row's final r
+        self.cur = torch.zeros(B, dtype=torch.int64, device=dev)  # [B]: current slot (0 = root)
+        self.active = torch.ones(B, dtype=torch.bool, device=dev)  # [B]: still walking
+
+    def run(self, final_u: Tensor) -> TreeVerifyOutput:
+        for _ in range(self.depth + 1):
+            self._level()
+            if not bool(self.active.any()):
+                break
+        if bool(self.active.any()):  # unreachable: a row can descend at most D levels, and leaves stop it
+            raise RuntimeError("tree walk did not terminate")
+        return self._emit(final_u)
+
+    def _level(self) -> None:
+        """Test the current slot's children one after another; descend to the accepted one (or stop)."""
+        r = self.p[self.rows, self.cur].clone()  # [B, V]: running residual, normalised
+        q_cur = self._slot_q(r.dtype)  # [B, V] or None
+        took = torch.full((self.B,), -1, dtype=torch.int64, device=r.device)  # [B]: accepted child per row
+        searching = self.active.clone()  # [B]
+        for i in range(self.children.shape[-1]):
+            child = self.children[self.rows, self.cur, i]  # [B]
             test = searching & (child >= 0)
             if not bool(test.any()):
                 break
             c = child.clamp(min=0)
-            x = ids[rows, c]  # [B]
-            r_x = r.gather(1, x.unsqueeze(1)).squeeze(1).double()
-            s = None
-            if rule == "deterministic":
-                q_i = None
-                q_x = torch.ones_like(r_x)
-            elif rule == "mixed":
-                s = sampled[rows, c] & test  # [B]: this child was sampled from q_cur
-                q_i = q_cur
-                q_x = torch.where(s, q_cur.gather(1, x.unsqueeze(1)).squeeze(1).double(), 1.0)
-            else:
-                q_i = q_cur
-                q_x = q_cur.gather(1, x.unsqueeze(1)).squeeze(1).double()
-                if rule == "without_replacement":  # q_cur renormalised: the siblings drawn before x are gone
-                    q_scale = 1.0 / q_cur.sum(-1, keepdim=True).clamp_min(torch.finfo(q_cur.dtype).tiny)  # [B, 1]
-                    q_x = q_x * q_scale.squeeze(1).double()
-            acc = test & (accept_u[rows, c] * q_x < r_x)
+            acc = self._test_child(r, q_cur, c, test)
             took = torch.where(acc, c, took)
-            rej = test & ~acc
-            if not _stale_residual:
-                _reject(r, workspace("tree_residual", (B, V), r.dtype, dev), q_i, q_scale, s, x, rej)
-            if rule == "without_replacement":  # the next sibling was drawn with x removed
-                q_cur.scatter_(1, x.unsqueeze(1), torch.where(test.unsqueeze(1), 0.0, q_cur.gather(1, x.unsqueeze(1))))
             searching &= ~acc
+        self._descend(r, took)
+
+    def _slot_q(self, dtype: torch.dtype) -> Tensor | None:  # [B, V]: q at the current slots (None: one-hot)
+        if self.rule == "mixed":  # slots beyond draft_probs have only chosen children: their q is never read
+            return self.q[self.rows, self.cur.clamp(max=self.q.shape[1] - 1)].to(dtype)
+        if self.rule == "deterministic":
+            return None
+        q_cur = self.q[self.rows, self.cur].to(dtype)
+        return q_cur.clone() if self.rule == "without_replacement" else q_cur  # its siblings get removed in place
+
+    def _test_child(self, r: Tensor, q_cur: Tensor | None, c: Tensor, test: Tensor) -> Tensor:  # acc [B] bool
+        """One sibling round on the rows in `test` (child node c [B]): accept iff u_c * q_i(x) < r(x); the
+        rejected rows' r moves to the residual, and without replacement x leaves q_cur."""
+        x = self.ids[self.rows, c]  # [B]
+        r_x = r.gather(1, x.unsqueeze(1)).squeeze(1).double()  # [B]
+        q_i, q_scale, s, q_x = self._proposal(q_cur, c, x, test, r_x)
+        acc = test & (self.accept_u[self.rows, c] * q_x < r_x)
+        self.reject(r, q_i, q_scale, s, x, test & ~acc)
+        if self.rule == "without_replacement":  # the next sibling was drawn with x removed
+            q_cur.scatter_(1, x.unsqueeze(1), torch.where(test.unsqueeze(1), 0.0, q_cur.gather(1, x.unsqueeze(1))))
+        return acc
+
+    def _proposal(self, q_cur: Tensor | None, c: Tensor, x: Tensor, test: Tensor, r_x: Tensor) -> tuple:
+        """Child c's proposal q_i: (q_i [B, V] or None for one-hot, q_scale [B, 1] (without_replacement's
+        normalisation) or None, s [B] bool (rule "mixed": sampled, else chosen) or None, q_i(x) [B] float64)."""
+        if self.rule == "deterministic":
+            return None, None, None, torch.ones_like(r_x)
+        q_x = q_cur.gather(1, x.unsqueeze(1)).squeeze(1).double()  # [B]
+        if self.rule == "mixed":
+            s = self.sampled[self.rows, c] & test  # [B]: this child was sampled from q_cur
+            return q_cur, None, s, torch.where(s, q_x, 1.0)
+        if self.rule == "without_replacement":  # q_cur renormalised: the siblings drawn before x are gone
+            q_scale = 1.0 / q_cur.sum(-1, keepdim=True).clamp_min(torch.finfo(q_cur.dtype).tiny)  # [B, 1]
+            return q_cur, q_scale, None, q_x * q_scale.squeeze(1).double()
+        return q_cur, None, None, q_x
+
+    def reject(self, r: Tensor, q, q_scale, sampled, x: Tensor, rej: Tensor) -> None:
+        """r <- normalise((r - q_i)+) on the rejected rows `rej` [B], in place (_reject)."""
+        _reject(r, workspace("tree_residual", (self.B, self.V), r.dtype, r.device), q, q_scale, sampled, x, rej)
+
+    def _descend(self, r: Tensor, took: Tensor) -> None:
+        """Rows that accepted a child (took [B] >= 0) move to it; the others stop, keeping r for the final draw."""
         moved = took >= 0
-        stop = active & ~moved
-        final_w[stop] = r[stop]
+        stop = self.active & ~moved
+        self.final_w[stop] = r[stop]
         if bool(moved.any()):
-            path[rows[moved], num_accepted[moved]] = took[moved]
-        num_accepted += moved.long()
-        cur = torch.where(moved, took + 1, cur)
-        active = moved
-        if not bool(active.any()):
-            break
-    if bool(active.any()):  # unreachable: a row can descend at most D levels, and leaves stop it
-        raise RuntimeError("tree walk did not terminate")
-    final = sample_from_weights(final_w, final_u)  # [B]
-    Dp = path.shape[1]
-    on_path = torch.arange(Dp, device=dev) < num_accepted.unsqueeze(1)  # [B, D]
-    tok = torch.where(on_path, ids.gather(1, path.clamp(min=0)), -1) if N else torch.full_like(path, -1)
-    tok = torch.cat([tok, torch.full((B, 1), -1, dtype=torch.int64, device=dev)], 1)  # [B, D + 1]
-    tok.scatter_(1, num_accepted.unsqueeze(1), final.unsqueeze(1))
-    return TreeVerifyOutput(token_ids=tok, num_accepted=num_accepted, path=path)
+            self.path[self.rows[moved], self.num_accepted[moved]] = took[moved]
+        self.num_accepted += moved.long()
+        self.cur = torch.where(moved, took + 1, self.cur)
+        self.active = moved
+
+    def _emit(self, final_u: Tensor) -> TreeVerifyOutput:
+        """The accepted path's tokens, then one token drawn from each row's final residual with final_u [B]."""
+        B, dev = self.B, self.rows.device
+        final = sample_from_weights(self.final_w, final_u)  # [B]
+        path, num_accepted = self.path, self.num_accepted
+        on_path = torch.arange(path.shape[1], device=dev) < num_accepted.unsqueeze(1)  # [B, D]
+        tok = torch.where(on_path, self.ids.gather(1, path.clamp(min=0)), -1) if self.N else torch.full_like(path, -1)
+        tok = torch.cat([tok, torch.full((B, 1), -1, dtype=torch.int64, device=dev)], 1)  # [B, D + 1]
+        tok.scatter_(1, num_accepted.unsqueeze(1), final.unsqueeze(1))
+        return TreeVerifyOutput(token_ids=tok, num_accepted=num_accepted, path=path)
 
 
 def _reject(
@@ -246,20 +283,37 @@ def _reject(
 
 
 def _check_tree(
-    target_probs: Tensor,
-    draft_token_ids: Tensor,
-    parents: Tensor,
-    draft_probs: Tensor | None,
-    num_nodes: Tensor,
+    target_probs: Tensor,  # [B, N + 1, V]
+    draft_token_ids: Tensor,  # [B, N] int64
+    parents: Tensor,  # [B, N] int64
+    draft_probs: Tensor | None,  # [B, S, V] (S = N + 1, or S <= N + 1 for rule "mixed"); None: deterministic
+    num_nodes: Tensor,  # [B] int64
     rule: str,
-    sampled: Tensor | None = None,
+    sampled: Tensor | None = None,  # [B, N] bool, rule "mixed"
 ) -> None:
-    """Raise ValueError on input the walk cannot honour."""
+    """Raise ValueError on input the walk cannot honour (the first problem found, in the order of the checks)."""
     B, N1, V = target_probs.shape
     N = N1 - 1
     dev = target_probs.device
     valid = torch.arange(N, device=dev) < num_nodes.unsqueeze(1)  # [B, N]
-    node = torch.arange(N, device=dev).expand(B, N)
+    _check_links(draft_token_ids, parents, valid, V)
+    slots = torch.cat([torch.ones((B, 1), dtype=torch.bool, device=dev), valid], 1)  # [B, N + 1]
+    check_probability_rows("target_probs", target_probs, slots)
+    ids = draft_token_ids.clamp(0, V - 1)
+    same_parent = (parents.unsqueeze(2) == parents.unsqueeze(1)) & valid.unsqueeze(1) & valid.unsqueeze(2)  # [B, N, N]
+    earlier = torch.ones((N, N), dtype=torch.bool, device=dev).tril(-1)  # [n, n']: n' < n
+    _check_distinct_siblings(ids, same_parent & earlier, rule, sampled)
+    if rule == "deterministic":
+        return
+    _check_draft_q(draft_probs, ids, parents, valid & sampled if rule == "mixed" else valid)
+    if rule == "without_replacement":
+        _check_mass_left(draft_probs, ids, parents, valid, same_parent & earlier)
+
+
+def _check_links(draft_token_ids: Tensor, parents: Tensor, valid: Tensor, V: int) -> None:
+    """Every used node's parent is -1 or an earlier node, and its token lies in [0, V) (all [B, N])."""
+    B, N = parents.shape
+    node = torch.arange(N, device=parents.device).expand(B, N)
     bad_par = valid & ((parents < -1) | (parents >= node))
     if bool(bad_par.any()):
         b, n = (int(i) for i in bad_par.nonzero()[0])
@@ -270,50 +324,57 @@ def _check_tree(
     if bool(bad_id.any()):
         b, n = (int(i) for i in bad_id.nonzero()[0])
         raise ValueError(f"draft_token_ids[{b}, {n}] = {int(draft_token_ids[b, n])} is outside [0, {V})")
-    slots = torch.cat([torch.ones((B, 1), dtype=torch.bool, device=dev), valid], 1)  # [B, N + 1]
-    has_children = torch.zeros_like(slots)
-    has_children[torch.arange(B, device=dev).unsqueeze(1).expand(B, N)[valid], (parents + 1)[valid]] = True
 
-    check_probability_rows("target_probs", target_probs, slots)
-    ids = draft_token_ids.clamp(0, V - 1)
-    same_parent = (parents.unsqueeze(2) == parents.unsqueeze(1)) & valid.unsqueeze(1) & valid.unsqueeze(2)
-    dup = (
-        same_parent & (ids.unsqueeze(2) == ids.unsqueeze(1)) & torch.ones((N, N), dtype=torch.bool, device=dev).tril(-1)
-    )
+
+def _check_distinct_siblings(ids: Tensor, older_sibling: Tensor, rule: str, sampled: Tensor | None) -> None:
+    """Outside rule "iid", siblings carry distinct tokens (rule "mixed": the chosen ones). ids [B, N];
+    older_sibling [B, n, n']: n' is an earlier sibling of n (both used nodes)."""
+    dup = older_sibling & (ids.unsqueeze(2) == ids.unsqueeze(1))  # [B, N, N]
     if rule == "mixed":  # only chosen siblings must be distinct (a sampled child may repeat any sibling)
         dup &= ~sampled.unsqueeze(1) & ~sampled.unsqueeze(2)
-        drawn = valid & sampled
-        has_children = torch.zeros_like(slots)  # slots with a sampled child: their q must be a distribution
-        has_children[torch.arange(B, device=dev).unsqueeze(1).expand(B, N)[drawn], (parents + 1)[drawn]] = True
     if rule != "iid" and bool(dup.any()):
         b, n, m = (int(i) for i in dup.nonzero()[0])
         raise ValueError(
             f"row {b}: nodes {m} and {n} are siblings with the same token {int(ids[b, n])}; rule "
             f"{rule!r} needs distinct siblings (only 'iid' children can repeat)"
         )
-    if rule == "deterministic":
-        return
+
+
+def _check_draft_q(draft_probs: Tensor, ids: Tensor, parents: Tensor, drawn: Tensor) -> None:
+    """The q of every slot with a drawn child (drawn [B, N]: sampled, used nodes) is a distribution, and gives
+    each drawn child q > 0. draft_probs [B, S, V]; ids, parents [B, N]."""
+    B, N = ids.shape
     S = draft_probs.shape[1]
+    has_children = torch.zeros((B, N + 1), dtype=torch.bool, device=ids.device)  # [B, N + 1]
+    has_children[torch.arange(B, device=ids.device).unsqueeze(1).expand(B, N)[drawn], (parents + 1)[drawn]] = True
     check_probability_rows("draft_probs", draft_probs, has_children[:, :S])
-    q_par = draft_probs.gather(1, (parents + 1).clamp(0, S - 1).unsqueeze(-1).expand(B, N, V))  # [B, N, V]
-    q_x = q_par.gather(2, ids.unsqueeze(-1)).squeeze(-1)  # [B, N]
-    zero = valid & (q_x <= 0) & (sampled if rule == "mixed" else True)
+    zero = drawn & (_q_at_nodes(draft_probs, ids, parents) <= 0)
     if bool(zero.any()):
         b, n = (int(i) for i in zero.nonzero()[0])
         raise ValueError(
             f"node {n} of row {b} (token {int(ids[b, n])}) has q = 0 under its parent's draft_probs: "
             "draft_probs must be the distribution the children were drawn from"
         )
-    if rule == "without_replacement":  # the mass left for each sibling must be positive
-        before = same_parent & torch.ones((N, N), dtype=torch.bool, device=dev).tril(-1)  # [B, n, n'] n' < n
-        earlier_mass = torch.einsum("bnm,bm->bn", before.to(q_x.dtype), q_x)  # q mass of earlier siblings
-        left = 1.0 - earlier_mass
-        bad = valid & (left <= 1e-12)
-        if bool(bad.any()):
-            b, n = (int(i) for i in bad.nonzero()[0])
-            raise ValueError(
-                f"node {n} of row {b}: its earlier siblings exhaust q, so it cannot have been drawn without replacement"
-            )
+
+
+def _check_mass_left(draft_probs: Tensor, ids: Tensor, parents: Tensor, valid: Tensor, older_sibling: Tensor) -> None:
+    """Without replacement, the q mass left for each sibling (1 - its earlier siblings' q) is positive."""
+    q_x = _q_at_nodes(draft_probs, ids, parents)  # [B, N]
+    earlier_mass = torch.einsum("bnm,bm->bn", older_sibling.to(q_x.dtype), q_x)  # q mass of earlier siblings
+    bad = valid & (1.0 - earlier_mass <= 1e-12)
+    if bool(bad.any()):
+        b, n = (int(i) for i in bad.nonzero()[0])
+        raise ValueError(
+            f"node {n} of row {b}: its earlier siblings exhaust q, so it cannot have been drawn without replacement"
+        )
+
+
+def _q_at_nodes(draft_probs: Tensor, ids: Tensor, parents: Tensor) -> Tensor:  # [B, N]: q_parent(x_n)
+    """Each node's token under its parent slot's q (slots beyond draft_probs read its last slot)."""
+    B, N = ids.shape
+    S, V = draft_probs.shape[1], draft_probs.shape[2]
+    q_par = draft_probs.gather(1, (parents + 1).clamp(0, S - 1).unsqueeze(-1).expand(B, N, V))  # [B, N, V]
+    return q_par.gather(2, ids.unsqueeze(-1)).squeeze(-1)
 
 
 def verify_tree(
@@ -338,52 +399,14 @@ def verify_tree(
     """
     if rule not in VERIFY_RULES:
         raise ValueError(f"rule must be one of {', '.join(VERIFY_RULES)}, got {rule!r}")
-    if not isinstance(target_probs, Tensor) or target_probs.dim() != 3 or not target_probs.is_floating_point():
-        raise ValueError("target_probs must be a floating-point tensor of shape [B, N + 1, V]")
-    B, N1, V = target_probs.shape
-    N = N1 - 1
-    dev = target_probs.device
-    for name, t in (("draft_token_ids", draft_token_ids), ("parents", parents)):
-        if not isinstance(t, Tensor) or tuple(t.shape) != (B, N) or t.is_floating_point():
-            got = tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__
-            raise ValueError(f"{name} must be an integer tensor of shape [B, N] = [{B}, {N}], got {got}")
-        if t.device != dev:
-            raise ValueError(f"{name} is on {t.device}, target_probs on {dev}")
+    B, N1, V = _check_node_tensors(target_probs, draft_token_ids, parents)
+    N, dev = N1 - 1, target_probs.device
     draft_token_ids, parents = draft_token_ids.long(), parents.long()
-    if rule == "mixed":
-        sampled = _check_sampled(sampled, B, N, dev)
-        if not bool(sampled.any()):
-            rule = "deterministic"  # every child chosen (or no nodes)
-    elif sampled is not None:
-        raise ValueError(f"sampled is for rule 'mixed' only (rule {rule!r} says how every child was drawn)")
+    rule, sampled = _mixed_rule(rule, sampled, B, N, dev)
     if N == 0:  # no nodes: every row draws its token from p at the root
         rule, draft_probs = "deterministic", None
-    if rule == "deterministic":
-        draft_probs = None  # not needed: the children were chosen, q_i is one-hot
-    elif draft_probs is None:
-        raise ValueError(f"rule {rule!r} needs draft_probs (the distribution the children were drawn from)")
-    elif (
-        not isinstance(draft_probs, Tensor)
-        or draft_probs.dim() != 3
-        or (draft_probs.shape[0], draft_probs.shape[2]) != (B, V)
-        or not (draft_probs.shape[1] == N1 or (rule == "mixed" and 1 <= draft_probs.shape[1] <= N1))
-        or not draft_probs.is_floating_point()
-        or draft_probs.device != dev
-    ):
-        got = tuple(draft_probs.shape) if isinstance(draft_probs, Tensor) else type(draft_probs).__name__
-        slots = "S <= N + 1" if rule == "mixed" else "N + 1"
-        raise ValueError(
-            f"draft_probs must be a float tensor of shape [B, {slots}, V] on {dev} (N + 1 = {N1}), got {got}"
-        )
-    if num_nodes is None:
-        num_nodes = torch.full((B,), N, dtype=torch.int64, device=dev)
-    else:
-        num_nodes = torch.as_tensor(num_nodes, device=dev)
-        if tuple(num_nodes.shape) != (B,) or num_nodes.is_floating_point():
-            raise ValueError(f"num_nodes must be an integer tensor of shape [B] = [{B}]")
-        num_nodes = num_nodes.long()
-        if bool(((num_nodes < 0) | (num_nodes > N)).any()):
-            raise ValueError(f"num_nodes must lie in [0, N] = [0, {N}], got {num_nodes.tolist()}")
+    draft_probs = None if rule == "deterministic" else _check_draft_probs(draft_probs, rule, B, N1, V, dev)
+    num_nodes = _check_num_nodes(num_nodes, B, N, dev)
     if rule == "mixed":
         reach = torch.arange(N, device=dev) < num_nodes.unsqueeze(1)
         if bool((reach & sampled & (parents + 1 >= draft_probs.shape[1])).any()):
@@ -402,6 +425,63 @@ def verify_tree(
         final_u,
         sampled=sampled if rule == "mixed" else None,
     )
+
+
+def _check_node_tensors(target_probs, draft_token_ids, parents) -> tuple[int, int, int]:  # (B, N + 1, V)
+    """target_probs is a float [B, N + 1, V] tensor; draft_token_ids and parents integer [B, N] ones beside it."""
+    if not isinstance(target_probs, Tensor) or target_probs.dim() != 3 or not target_probs.is_floating_point():
+        raise ValueError("target_probs must be a floating-point tensor of shape [B, N + 1, V]")
+    B, N1, V = target_probs.shape
+    for name, t in (("draft_token_ids", draft_token_ids), ("parents", parents)):
+        if not isinstance(t, Tensor) or tuple(t.shape) != (B, N1 - 1) or t.is_floating_point():
+            got = tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__
+            raise ValueError(f"{name} must be an integer tensor of shape [B, N] = [{B}, {N1 - 1}], got {got}")
+        if t.device != target_probs.device:
+            raise ValueError(f"{name} is on {t.device}, target_probs on {target_probs.device}")
+    return B, N1, V
+
+
+def _mixed_rule(rule: str, sampled, B: int, N: int, dev) -> tuple[str, Tensor | None]:
+    """(rule, sampled): rule "mixed" needs sampled [B, N] bool, and is "deterministic" when no node was sampled;
+    the other rules take no sampled."""
+    if rule == "mixed":
+        sampled = _check_sampled(sampled, B, N, dev)
+        return ("mixed" if bool(sampled.any()) else "deterministic"), sampled  # deterministic: every child chosen
+    if sampled is not None:
+        raise ValueError(f"sampled is for rule 'mixed' only (rule {rule!r} says how every child was drawn)")
+    return rule, sampled
+
+
+def _check_draft_probs(draft_probs, rule: str, B: int, N1: int, V: int, dev) -> Tensor:
+    """A sampling rule's draft_probs: float [B, N + 1, V] on dev (rule "mixed": [B, S, V], 1 <= S <= N + 1)."""
+    if draft_probs is None:
+        raise ValueError(f"rule {rule!r} needs draft_probs (the distribution the children were drawn from)")
+    if (
+        not isinstance(draft_probs, Tensor)
+        or draft_probs.dim() != 3
+        or (draft_probs.shape[0], draft_probs.shape[2]) != (B, V)
+        or not (draft_probs.shape[1] == N1 or (rule == "mixed" and 1 <= draft_probs.shape[1] <= N1))
+        or not draft_probs.is_floating_point()
+        or draft_probs.device != dev
+    ):
+        got = tuple(draft_probs.shape) if isinstance(draft_probs, Tensor) else type(draft_probs).__name__
+        slots = "S <= N + 1" if rule == "mixed" else "N + 1"
+        raise ValueError(
+            f"draft_probs must be a float tensor of shape [B, {slots}, V] on {dev} (N + 1 = {N1}), got {got}"
+        )
+    return draft_probs
+
+
+def _check_num_nodes(num_nodes, B: int, N: int, dev) -> Tensor:  # [B] int64 on dev, in [0, N] (default: all N)
+    if num_nodes is None:
+        return torch.full((B,), N, dtype=torch.int64, device=dev)
+    num_nodes = torch.as_tensor(num_nodes, device=dev)
+    if tuple(num_nodes.shape) != (B,) or num_nodes.is_floating_point():
+        raise ValueError(f"num_nodes must be an integer tensor of shape [B] = [{B}]")
+    num_nodes = num_nodes.long()
+    if bool(((num_nodes < 0) | (num_nodes > N)).any()):
+        raise ValueError(f"num_nodes must lie in [0, N] = [0, {N}], got {num_nodes.tolist()}")
+    return num_nodes
 
 
 def _check_sampled(sampled, B: int, N: int, dev) -> Tensor:
