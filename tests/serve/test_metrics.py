@@ -10,6 +10,7 @@ import time
 import pytest
 
 from verispec.engine.generator import SpeculativeGenerator
+from verispec.engine.request import Request
 from verispec.sampling import SamplingParams
 from verispec.serve.engine import Closing, EngineThread, Job, Overloaded
 from verispec.serve.metrics import Metrics
@@ -77,11 +78,10 @@ def test_two_servers_keep_separate_registries():
 
 
 def _job(loop, n: int, max_new: int, seed: int = 0) -> Job:
-    choices = [
-        {"prompt": [5, 6, 7], "params": SamplingParams(seed=seed + i), "max_new_tokens": max_new, "ignore_eos": True}
-        for i in range(n)
+    requests = [
+        Request((5, 6, 7), SamplingParams(seed=seed + i), max_new_tokens=max_new, ignore_eos=True) for i in range(n)
     ]
-    return Job(id=f"job-{seed}-{n}-{max_new}", choices=choices, loop=loop)
+    return Job(id=f"job-{seed}-{n}-{max_new}", requests=requests, loop=loop)
 
 
 async def _idle(engine: EngineThread, timeout: float = 20) -> None:
@@ -116,7 +116,7 @@ def test_engine_counts_finished_aborted_and_failed_choices_once(tiny_target):
             done = _job(loop, 1, 3, seed=5)
             engine.submit(done)
             assert (await _last_event(done)).completion.finish_reason == "length"
-            engine.session.step = _broken
+            engine.session.run = _broken
             failed = _job(loop, 2, 5, seed=6)
             engine.submit(failed)
             assert isinstance(await _last_event(failed), RuntimeError)
@@ -224,20 +224,20 @@ def test_the_engine_expires_a_job_at_its_deadline_though_nobody_reads_its_events
         loop = asyncio.get_running_loop()
         m = Metrics("m")
         engine = EngineThread(SpeculativeGenerator(tiny_target, None), max_batch=2, max_queue=4, metrics=m)
-        step = engine.session.step
+        step = engine.session.run
 
         def slow():  # 200 tokens take more than 4 s
             time.sleep(0.02)
             return step()
 
-        engine.session.step = slow
+        engine.session.run = slow
         engine.start()
         try:
             running, waiting = _job(loop, 2, 200, seed=1), _job(loop, 1, 200, seed=2)
             running.deadline = waiting.deadline = time.perf_counter() + 0.3
             engine.submit(running)
             engine.submit(waiting)
-            await _idle(engine, timeout=2.5)  # not a single event read
+            await _idle(engine)  # not a single event read; that it ended by the deadline is checked below
         finally:
             engine.stop()
         return m, running

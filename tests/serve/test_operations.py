@@ -5,6 +5,7 @@ clients that leave, failed streams, and the 503s a shutdown answers (the SIGTERM
 from __future__ import annotations
 
 import json
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -19,8 +20,8 @@ from verispec.serve import create_app
 from verispec.serve.chat import load_chat_template
 from verispec.serve.jobs import Served
 
-from ..engine.tiny import make_tokenizer
-from .test_server import MODEL, LiveServer
+from ..helpers.server import HANG_GUARD_S, MODEL, LiveServer, wait_until
+from ..helpers.tiny import make_tokenizer
 
 CONTEXT = 128
 
@@ -36,14 +37,16 @@ def _post(s, body: dict, path: str = "/v1/completions") -> httpx.Response:
     return httpx.post(s.url + path, json={"model": MODEL} | body, timeout=60)
 
 
-def _stream(s, body: dict, path: str = "/v1/completions") -> list:
-    """The stream's chunks (dicts), then "[DONE]" if it came."""
+def _stream(s, body: dict, path: str = "/v1/completions", first: threading.Event | None = None) -> list:
+    """The stream's chunks (dicts), then "[DONE]" if it came; `first` is set once the first chunk has come."""
     out = []
     with httpx.stream("POST", s.url + path, json={"model": MODEL, "stream": True} | body, timeout=60) as r:
         assert r.status_code == 200
         for line in r.iter_lines():
             if line.startswith("data: "):
                 out.append("[DONE]" if line == "data: [DONE]" else json.loads(line[6:]))
+                if first is not None:
+                    first.set()
     return out
 
 
@@ -159,28 +162,30 @@ def test_max_model_len_limits_prompt_and_max_tokens(server, tiny_target):
 
 def _slowed(s, seconds: float = 0.005) -> None:
     """Each engine step takes at least `seconds` (a long request stays long on a fast machine)."""
-    step = s.engine.session.step
+    step = s.engine.session.run
 
     def slow():
         time.sleep(seconds)
         return step()
 
-    s.engine.session.step = slow
+    s.engine.session.run = slow
 
 
-def test_request_timeout_ends_running_and_waiting_requests_with_abort(tiny_target):
-    with LiveServer(SpeculativeGenerator(tiny_target, None), max_batch=1, max_queue=8, request_timeout=0.4) as s:
-        _slowed(s)
-        body = {"prompt": "a b", "max_tokens": 200, "ignore_eos": True}
+def test_request_timeout_ends_running_and_waiting_requests_with_abort(tiny_long_target):
+    gen = SpeculativeGenerator(tiny_long_target, None)
+    with LiveServer(gen, max_batch=1, max_queue=8, request_timeout=1.0) as s:
+        _slowed(s)  # 1000 tokens take over 5 s: both requests end by the timeout, never by their length
+        body = {"prompt": "a b", "max_tokens": 1000, "ignore_eos": True}
+        first = threading.Event()
         with ThreadPoolExecutor(2) as pool:
-            streamed = pool.submit(_stream, s, body | {"stream_options": {"include_usage": True}})
-            time.sleep(0.1)  # the stream takes the one row; the plain request waits behind it
+            streamed = pool.submit(_stream, s, body | {"stream_options": {"include_usage": True}}, first=first)
+            assert first.wait(HANG_GUARD_S)  # the stream has the one row; the plain request waits behind it
             waited = pool.submit(_post, s, body)
             chunks, plain = streamed.result(), waited.result().json()
         assert chunks[-1] == "[DONE]" and chunks[-3]["choices"][0]["finish_reason"] == "abort"
         got = chunks[-2]["usage"]["completion_tokens"]
-        assert 0 < got < 200 and 0 < len(_texts(chunks)[0].split()) <= got  # what it had (EOS has no text)
-        assert plain["choices"][0]["finish_reason"] == "abort" and plain["usage"]["completion_tokens"] < 200
+        assert 0 < got < 1000 and 0 < len(_texts(chunks)[0].split()) <= got  # what it had (EOS has no text)
+        assert plain["choices"][0]["finish_reason"] == "abort" and plain["usage"]["completion_tokens"] < 1000
         metrics = httpx.get(s.url + "/metrics").text
         assert 'verispec:request_success_total{finished_reason="abort",model_name="tiny"} 2.0' in metrics
         assert s.engine.num_running == 0 and s.engine.num_waiting == 0
@@ -253,16 +258,14 @@ def test_rl_generate_honours_max_model_len(server):
     assert httpx.post(server.url + "/generate/", json={"prompts": ["a b"], "max_tokens": 3}, timeout=60).is_success
 
 
-def test_a_plain_request_whose_client_leaves_stops_though_its_events_come_fast(tiny_target):
+def test_a_plain_request_whose_client_leaves_stops_though_its_events_come_fast(tiny_long_target):
     """Events every ~10 ms never let a 0.5 s wait time out: the client is watched on its own."""
-    with LiveServer(SpeculativeGenerator(tiny_target, None), max_batch=2, max_queue=4) as s:
-        _slowed(s, 0.01)  # 200 tokens take over 2 s
-        body = {"model": MODEL, "prompt": "a b", "max_tokens": 200, "ignore_eos": True}
+    with LiveServer(SpeculativeGenerator(tiny_long_target, None), max_batch=2, max_queue=4) as s:
+        _slowed(s, 0.01)  # 3000 tokens take over 30 s: it ends by the hang-up, on any machine
+        body = {"model": MODEL, "prompt": "a b", "max_tokens": 3000, "ignore_eos": True}
         with pytest.raises(httpx.ReadTimeout):  # the client gives up and hangs up
             httpx.post(s.url + "/v1/completions", json=body, timeout=0.3)
-        deadline = time.time() + 10
-        while time.time() < deadline and (s.engine.num_running or s.engine.session.num_active):
-            time.sleep(0.02)
+        wait_until(lambda: not (s.engine.num_running or s.engine.session.num_active), "the request to stop")
         ended = [ln for ln in httpx.get(s.url + "/metrics").text.splitlines() if ln.startswith("verispec:request_s")]
         assert ended == ['verispec:request_success_total{finished_reason="abort",model_name="tiny"} 1.0']
 
@@ -273,7 +276,7 @@ def test_a_failed_stream_ends_with_its_error_then_done_and_the_server_serves_on(
         def broken():
             raise RuntimeError("injected device error")
 
-        s.engine.session.step = broken  # this session's only: a failed step replaces it
+        s.engine.session.run = broken  # this session's only: a failed step replaces it
         chunks = _stream(s, {"prompt": "a b", "max_tokens": 5})
         assert chunks[-1] == "[DONE]" and "injected device error" in chunks[-2]["error"]["message"]  # as vLLM ends it
         assert _post(s, {"prompt": "a", "max_tokens": 2}).status_code == 200

@@ -13,14 +13,15 @@ import torch
 from safetensors.torch import save_file
 
 from verispec.engine.generator import SpeculativeGenerator
+from verispec.engine.request import Request
 from verispec.model.loading import LoadedModel
 from verispec.rollout import RolloutEngine
 from verispec.rollout.client import RolloutClient, RolloutServerError
 from verispec.sampling import SamplingParams
 from verispec.serve.engine import EngineThread, Job
 
-from ..engine.tiny import EOS, loaded, noisy_copy
-from .test_server import MODEL, LiveServer
+from ..helpers.server import HANG_GUARD_S, MODEL, LiveServer, metric, wait_for_metric, wait_until
+from ..helpers.tiny import EOS, LONG_CONTEXT, loaded, noisy_copy
 
 PROMPTS = [[3, 7, 7, 12, 3, 7], [5, 9, 11, 4]]
 
@@ -175,13 +176,13 @@ def test_trl_housekeeping_routes(served):
 
 def _slow_steps(engine: EngineThread, seconds: float = 0.005) -> None:
     """Every engine step (the OpenAI routes') takes at least `seconds` more."""
-    step = engine.session.step
+    step = engine.session.run
 
     def slow():
         time.sleep(seconds)
         return step()
 
-    engine.session.step = slow
+    engine.session.run = slow
 
 
 def test_an_update_waits_for_running_requests_and_they_keep_their_weights(served):
@@ -214,87 +215,96 @@ def test_an_update_waits_for_running_requests_and_they_keep_their_weights(served
     assert client.weight_version() == 1
 
 
-def test_abort_ends_a_running_generate(served):
-    _s, client, _ = served
+ENDLESS = LONG_CONTEXT - 16  # max_tokens of a rollout that ends only by an abort: many thousand steps, tens of seconds
+
+
+@pytest.fixture
+def served_long():
+    """As `served`, over a target with a 32k context: a rollout of ENDLESS tokens (ignore_eos) lasts far longer
+    than a client's timeout or the server's watch of its clients (0.5 s), on any machine, loaded or not."""
+    target = loaded(0, max_positions=LONG_CONTEXT)
+    with LiveServer(_generator(target), max_batch=8, max_queue=16) as s, RolloutClient(s.url) as c:
+        yield s, c, target
+
+
+def test_abort_ends_a_running_generate(served_long):
+    _s, client, _ = served_long
     result = {}
     t = threading.Thread(
-        target=lambda: result.setdefault("out", client.generate(PROMPTS, n=2, max_tokens=240, seed=0, ignore_eos=True))
+        target=lambda: result.setdefault(
+            "out", client.generate(PROMPTS, n=2, max_tokens=ENDLESS, seed=0, ignore_eos=True)
+        )
     )
     t.start()
-    while t.is_alive():  # an abort before the rollout starts is a no-op: repeat until it lands
+    while t.is_alive():  # an abort before the rollout starts is a no-op: repeat until one lands (it cannot end first)
         client.abort()
         t.join(timeout=0.05)
     out = result["out"]
     assert set(out["finish_reasons"]) == {"abort"}
-    assert all(len(ids) < 240 for ids in out["completion_ids"])
+    assert all(len(ids) < ENDLESS for ids in out["completion_ids"])
     assert all(len(ids) == len(lp) for ids, lp in zip(out["completion_ids"], out["logprobs"]))
     assert client.generate(PROMPTS, n=1, max_tokens=4, seed=0)["finish_reasons"] == ["length", "length"]
 
 
 def test_abort_reaches_a_generate_still_waiting_for_the_model(served):
+    """A /generate/ queued behind a request that fills the batch: /abort_request ends its samples before they start
+    (no tokens, finish_reason "abort")."""
     s, client, _ = served
-    _slow_steps(s.engine)
+    gate, expire, run = threading.Event(), s.engine.expire, s.engine.session.run
+
+    def expired(job):
+        expire(job)
+        gate.set()
+
+    s.engine.expire = expired  # /abort_request ends the rollout through it
+    s.engine.session.run = lambda: gate.wait(HANG_GUARD_S) and run()  # the busy request holds the batch until then
     busy = threading.Thread(
         target=lambda: s.client().completions.create(
-            model=MODEL, prompt=[3, 7], max_tokens=200, seed=0, extra_body={"ignore_eos": True}
+            model=MODEL, prompt=[3, 7], max_tokens=20, seed=0, n=8, extra_body={"ignore_eos": True}
         )
     )
     busy.start()
-    while s.engine.num_running == 0:
-        time.sleep(0.005)
+    wait_until(lambda: s.engine.num_running == 8, "the busy request to fill the batch")
     result = {}
     t = threading.Thread(target=lambda: result.setdefault("out", client.generate(PROMPTS, n=2, max_tokens=8, seed=0)))
     t.start()
-    while not s.app.state.rl_cancels:  # registered, waiting for the completion to finish
-        time.sleep(0.005)
-    assert s.engine.num_running == 1
+    wait_until(lambda: s.app.state.rl_jobs and s.engine.num_waiting == 4, "the rollout to wait for rows")
     client.abort()
-    t.join(timeout=60)
-    busy.join(timeout=60)
+    t.join(timeout=HANG_GUARD_S)
+    busy.join(timeout=HANG_GUARD_S)
     out = result["out"]
     assert out["finish_reasons"] == ["abort"] * 4 and out["completion_ids"] == [[]] * 4
 
 
-def test_a_generate_whose_client_goes_away_is_aborted(served):
-    s, client, _ = served
+def test_a_generate_whose_client_goes_away_is_aborted(served_long):
+    s, client, _ = served_long
     gone = RolloutClient(s.url, generate_timeout=0.5)
-    with pytest.raises(httpx.ReadTimeout):
-        gone.generate(PROMPTS, n=4, max_tokens=240, seed=0, ignore_eos=True)
-    deadline = time.time() + 30
-    while s.app.state.rl_cancels and time.time() < deadline:  # the server notices within ~0.5 s and stops
-        time.sleep(0.05)
-    assert not s.app.state.rl_cancels
-    aborted = f'verispec:request_success_total{{finished_reason="abort",model_name="{MODEL}"}} 8.0'
-    while aborted not in (metrics := httpx.get(s.url + "/metrics").text) and time.time() < deadline:
-        time.sleep(0.05)  # the handler counts its rollouts just after leaving rl_cancels
-    assert f'verispec:request_success_total{{finished_reason="abort",model_name="{MODEL}"}} 8.0' in metrics
+    with pytest.raises(httpx.ReadTimeout):  # ENDLESS tokens are never done in 0.5 s: the client gives up, hangs up
+        gone.generate(PROMPTS, n=4, max_tokens=ENDLESS, seed=0, ignore_eos=True)
+    # the server notices and stops the rollout: wait until its 8 samples are counted, then see how they ended (run
+    # to the end, ENDLESS tokens later, they would count as "length")
+    metrics = wait_for_metric(s.url, "verispec:request_success_total", 8)
+    assert metric(metrics, "verispec:request_success_total", finished_reason="abort") == 8
+    assert metric(metrics, "verispec:request_success_total") == 8
     assert client.generate(PROMPTS, n=1, max_tokens=4, seed=0)["finish_reasons"] == ["length"] * 2
 
 
-def test_exclusive_gives_up_when_the_server_stops(tiny_target, tiny_draft):
-    """A section waiting for running rows when the engine stops raises instead of waiting forever."""
+def test_an_update_waiting_for_a_job_fails_when_the_server_stops(tiny_target, tiny_draft):
+    """An update queued behind a running job when the engine stops gets an error instead of waiting forever."""
     engine = EngineThread(SpeculativeGenerator(tiny_target, tiny_draft, gamma=3), max_batch=2)
-    _slow_steps(engine, 0.02)
+    gate = threading.Event()
+    run = engine.session.run
+    engine.session.run = lambda: gate.wait(HANG_GUARD_S) and run()
     engine.start()
     loop = asyncio.new_event_loop()
-    choice = {"prompt": [3, 7], "params": SamplingParams(), "max_new_tokens": 200, "ignore_eos": True}
-    engine.submit(Job(id="long", choices=[choice], loop=loop))
-    while engine.num_running == 0:
-        time.sleep(0.005)
-    raised = []
-
-    def hold():
-        try:
-            with engine.exclusive():
-                pass
-        except RuntimeError as e:
-            raised.append(e)
-
-    waiter = threading.Thread(target=hold)
-    waiter.start()
-    time.sleep(0.1)
-    assert waiter.is_alive()  # waiting for the running request
-    engine.stop()
-    waiter.join(timeout=10)
+    engine.submit(Job(id="long", requests=[Request((3, 7), max_new_tokens=200, ignore_eos=True)], loop=loop))
+    wait_until(lambda: engine.num_running == 1, "the job to start")
+    update = engine.between_jobs(lambda: "never")
+    stopper = threading.Thread(target=engine.stop)
+    stopper.start()
+    wait_until(lambda: engine._stop, "the stop to be asked for")  # before the job's step may go on
+    gate.set()
+    stopper.join(HANG_GUARD_S)
     loop.close()
-    assert not waiter.is_alive() and raised and "shutting down" in str(raised[0])
+    with pytest.raises(RuntimeError, match="shutting down"):
+        update.wait(HANG_GUARD_S)

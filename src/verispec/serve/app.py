@@ -92,14 +92,12 @@ def create_app(
         engine.start()
         log.info("serving model id %r (context %s tokens)", model_id, served.context)
         yield
-        for cancel in list(app.state.rl_cancels):  # RL rollouts end at their next step
-            cancel.set()
         engine.stop()
         log.info("stopped; %s", metrics.summary())
 
     app = FastAPI(title="verispec", lifespan=lifespan)
     app.state.served, app.state.engine, app.state.metrics = served, engine, metrics
-    app.state.rl_cancels = set()  # the running and waiting /generate/ calls' cancel events (/abort_request)
+    app.state.rl_jobs = set()  # the running and waiting /generate/ jobs (/abort_request expires them)
     app.state.rollout = RolloutEngine.from_generator(gen, max_batch_size=max_batch, strict_on_policy=strict_on_policy)
     app.state.gate = GateState()  # requests in flight; 503 once a shutdown starts (`serve.shutdown`)
     install_error_handlers(app)

@@ -51,7 +51,9 @@ class _Reply:
         self.served, self.logprobs, self.prompt_tokens = served, req.logprobs, run.prompt_tokens
         self.as_ids = req.return_tokens_as_token_ids
         self.id, self.created = f"chatcmpl-{run.job.id}", int(run.job.created)
-        self.chunk = partial(ChatCompletionChunk, id=self.id, created=self.created, model=served.model_id)
+        envelope = partial(ChatCompletionChunk, id=self.id, created=self.created, model=served.model_id)
+        self.chunk = lambda **kw: envelope(weight_version=run.job.weight_version, **kw)  # known once the job starts
+        self.run = run
         self.first = [ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content="")) for i in range(run.n)]
 
     def answer(self, done: list[Completion]) -> ChatCompletionResponse:
@@ -72,6 +74,7 @@ class _Reply:
             model=self.served.model_id,
             choices=choices,
             usage=usage(self.prompt_tokens, done),
+            weight_version=self.run.job.weight_version,
         )
 
     def choice(self, ev: StreamEvent) -> ChatChunkChoice | None:

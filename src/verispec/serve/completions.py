@@ -14,99 +14,17 @@ from functools import partial
 from fastapi import APIRouter, Request
 
 from ..engine.generator import Completion, StreamEvent
-from ..engine.rows import MAX_PENDING
+from ..engine.rows import IncrementalDecoder
 from .engine import PromptLogprobs
 from .errors import APIError
 from .jobs import Run, Served, usage
 from .protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse
 
-__all__ = ["TextOffsets", "joiner", "prompt_list", "router", "text_offsets"]
+__all__ = ["LegacyLogprobs", "joiner", "prompt_list", "router"]
 
 router = APIRouter()
 _TAIL = 8  # echo: the prompt tokens decoded before a completion's first ones (its decoding context)
 _HEAD = 16  # echo: at most this many completion tokens are tried to find what joins it to the prompt
-
-
-class TextOffsets:
-    """Where each token of a growing token list starts in a text: the text decoded from the tokens, or as much of
-    it as the client has (cut at a stop string, or held back while a stop string may be starting).
-
-    Token i starts where the text of ids[:i] ends, as far as that text agrees with the client's. The text of the
-    prefixes grows as `engine.rows.IncrementalDecoder` streams a row's text: each new token is decoded after a
-    window of the tokens before it, tokens[prefix:read], and the text grows by what it adds. Decoding with the
-    window, not each token alone, gets SentencePiece's spaces, WordPiece's joins and characters split over several
-    tokens right (a split character belongs to the token that completes it: the window waits for it), and costs a
-    few tokens' decode per token: n tokens in O(n), where decoding every prefix was O(n^2). Monotone, from `low`
-    on, never past the client's text."""
-
-    def __init__(self, decode: Callable[[list[int]], str]):
-        self.decode = decode
-        self.ids: list[int] = []
-        self.prefix = self.read = 0  # ids[prefix:read]: the window decoded again before the next token
-        self.decoded = ""  # the text of ids[:read]
-        self.text = ""  # the client's text so far
-        self.agree = 0  # leading characters `decoded` and `text` share
-        self.parted = False  # they differ at `agree` (so it stays there, until a resynchronisation)
-        self.synced = 0  # `read` at the last resynchronisation on a whole decode
-        self.low = 0  # the last offset given
-
-    def add(self, ids: Sequence[int], text: str = "") -> list[int]:
-        """The offsets of `ids`, the next tokens, which brought `text` to the client's text."""
-        self.text += text
-        out = []
-        for t in ids:
-            self.low = max(self.low, self._agreeing())
-            out.append(self.low)
-            self._feed(t)
-        return out
-
-    def _agreeing(self) -> int:
-        """How many leading characters the text of the tokens so far shares with the client's (each character is
-        compared once over the whole list). Where the two part (a tokenizer that rewrites text across a window's
-        edge), the text is decoded whole again once the tokens have doubled since the last time: O(n) still."""
-        if self.parted and self.read >= 2 * max(self.synced, 1):
-            self.decoded, self.synced = self.decode(self.ids[: self.read]), self.read
-            self.agree, self.parted = 0, False
-        end = min(len(self.decoded), len(self.text))
-        if not self.parted and self.agree < end:
-            a = self.decoded[self.agree : end]
-            same = _agreeing(a, self.text[self.agree : end])
-            self.agree += same
-            self.parted = same < len(a)
-        return self.agree
-
-    def _feed(self, token: int) -> None:
-        self.ids.append(token)
-        before = self.decode(self.ids[self.prefix : self.read])
-        after = self.decode(self.ids[self.prefix :])
-        waiting = after.endswith("\ufffd") or len(after) <= len(before)  # incomplete character, or nothing visible
-        if waiting and len(self.ids) - self.read <= MAX_PENDING:
-            return  # the window waits (a bounded number of tokens: stray bytes or invisible tokens never complete)
-        if after.startswith(before):
-            self.decoded += after[len(before) :]
-        else:  # the tokenizer rewrote the window (space clean-up): resynchronise on the whole text
-            whole = self.decode(self.ids)
-            self.decoded = whole if whole.startswith(self.decoded) else self.decoded
-        self.prefix, self.read = self.read, len(self.ids)
-
-
-def text_offsets(
-    decode: Callable[[list[int]], str], ids: Sequence[int], text: str, first: int = 0, low: int = 0
-) -> list[int]:
-    """Where each token of ids[first:] starts in `text`, the text decoded from ids (or as much of it as the
-    client has); from `low` on (the previous offset when streaming). See `TextOffsets`."""
-    offsets = TextOffsets(decode)
-    offsets.add(ids[:first])
-    offsets.low = max(offsets.low, low)
-    return offsets.add(ids[first:], text)
-
-
-def _agreeing(a: str, b: str) -> int:
-    """How many leading characters a and b share."""
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:
-        return n
-    return next(i for i in range(n) if a[i] != b[i])
 
 
 def joiner(decode: Callable[[list[int]], str], tail: Sequence[int], ids: Sequence[int]) -> str:
@@ -128,13 +46,13 @@ def joiner(decode: Callable[[list[int]], str], tail: Sequence[int], ids: Sequenc
 
 
 class LegacyLogprobs:
-    """One request's legacy logprobs, choice by choice and (streamed) event by event: each choice's tokens and
-    text so far (`TextOffsets`), so that `text_offset` indexes the choice's whole text (after its echoed prompt and
-    what joins the two, if any)."""
+    """One request's legacy logprobs, choice by choice and (streamed) event by event. `text_offset` indexes the
+    choice's whole text: the engine's offsets of its tokens in its own text (`StreamEvent.text_offsets`,
+    `Completion.text_offsets`, from the engine's incremental decoder), after its echoed prompt and what joins the
+    two, if any; the echoed prompt's tokens are placed by the same decoder (`IncrementalDecoder.offsets_of`)."""
 
     def __init__(self, served: Served, n: int, top_n: int, as_ids: bool = False):
         self.served, self.top_n, self.piece = served, top_n, served.namer(as_ids)
-        self.offsets = [TextOffsets(served.decode) for _ in range(n)]
         self.shift = [0] * n  # characters before the completion's own text: the echoed prompt
         self.glue = [0] * n  # and what joins the two (`joiner`): before the completion's tokens but its first
         self._echoed: dict[tuple[int, bool], CompletionLogprobs] = {}  # the prompts' (the same for their choices)
@@ -144,9 +62,9 @@ class LegacyLogprobs:
             return None
         return [None if alts is None else {self.piece(a): b for a, b in alts} for alts in tops]
 
-    def add(self, index: int, ids: list[int], text: str, lps: list[float], tops) -> CompletionLogprobs | None:
-        """The logprobs of `ids`, new tokens of choice `index` that brought the new `text`; None without tokens."""
-        offsets = self.offsets[index].add(ids, text)
+    def add(self, index: int, ids: list[int], offsets: list[int], lps: list[float], tops) -> CompletionLogprobs | None:
+        """The logprobs of `ids`, new tokens of choice `index` starting at `offsets` in its own text (the engine's);
+        None without tokens."""
         if not ids:
             return None
         shift, glue = self.shift[index], self.glue[index]
@@ -162,7 +80,8 @@ class LegacyLogprobs:
     ) -> CompletionLogprobs:
         """The echoed logprobs of prompt `prompt` (`ids`, `text`) for choice `index`; computed once per prompt (the
         first token's are None; all are None when the prompt was never scored: a request cut short before it
-        ran). The choice's own offsets then follow `text`."""
+        ran). The choice's own offsets then follow `text`. The prompt's tokens are placed in one pass of the
+        engine's decoder over them (linear), as far as `text`, the prompt as sent, goes."""
         self.shift[index] = len(text)
         key = (prompt, scored is None)
         if key not in self._echoed:
@@ -172,7 +91,7 @@ class LegacyLogprobs:
                 tokens=[self.piece(t) for t in ids],
                 token_logprobs=lps,
                 top_logprobs=self._top(tops),
-                text_offset=TextOffsets(self.served.decode).add(ids, text),
+                text_offset=[min(o, len(text)) for o in IncrementalDecoder.offsets_of(self.served.gen.tokenizer, ids)],
             )
         return self._echoed[key]
 
@@ -197,12 +116,13 @@ class _Reply:
         self.echoed: set[int] = set()  # (streamed) choices whose prompt has been sent
         self.joined: set[int] = set()  # (echo) choices whose text has begun, after what joins it to the prompt
         self.seen: dict[int, list[int]] = {}  # (streamed echo) a choice's tokens before its first text
-        self.chunk = partial(
+        envelope = partial(
             CompletionResponse, id=f"cmpl-{run.job.id}", created=int(run.job.created), model=served.model_id
         )
+        self.chunk = lambda **kw: envelope(weight_version=run.job.weight_version, **kw)  # known once the job starts
 
-    def _lp(self, index: int, ids: list[int], text: str, lps: list[float], tops) -> CompletionLogprobs | None:
-        return None if self.logprobs is None else self.logprobs.add(index, ids, text, lps, tops)
+    def _lp(self, index: int, ids: list[int], offsets: list[int], lps: list[float], tops) -> CompletionLogprobs | None:
+        return None if self.logprobs is None else self.logprobs.add(index, ids, offsets, lps, tops)
 
     def _prefix(self, index: int) -> tuple[str, CompletionLogprobs | None]:
         """What choice `index` starts with: its echoed prompt's text and logprobs (once per choice)."""
@@ -237,7 +157,7 @@ class _Reply:
         for i, c in enumerate(done):
             text, head = self._prefix(i)
             text += self._glue(i, c.token_ids, c.text)
-            lp = self._lp(i, c.token_ids, c.text, c.raw_logprobs, c.top_logprobs)
+            lp = self._lp(i, c.token_ids, c.text_offsets, c.raw_logprobs, c.top_logprobs)
             choices.append(
                 CompletionChoice(index=i, text=text + c.text, finish_reason=c.finish_reason, logprobs=_join(head, lp))
             )
@@ -246,7 +166,7 @@ class _Reply:
     def choice(self, ev: StreamEvent) -> CompletionChoice | None:
         text, head = self._prefix(ev.index)
         text += self._glue(ev.index, ev.token_ids, ev.delta)
-        lp = _join(head, self._lp(ev.index, ev.token_ids, ev.delta, ev.raw_logprobs, ev.top_logprobs))
+        lp = _join(head, self._lp(ev.index, ev.token_ids, ev.text_offsets, ev.raw_logprobs, ev.top_logprobs))
         c = ev.completion
         if not (text or ev.delta or lp or c is not None):
             return None

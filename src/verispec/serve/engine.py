@@ -1,25 +1,27 @@
-"""The server's engine thread: one `GenerationSession` driven step by step, requests joining and leaving
-between steps (continuous batching), a bounded waiting queue, cancellation and early ends.
+"""The server's engine thread: one `GenerationSession` — the engine's one scheduler — driven step by step on this
+thread, requests joining and leaving between steps (continuous batching), a bounded waiting queue, cancellation,
+early ends, and weight updates between jobs.
 
-HTTP handlers run on the asyncio loop; the model runs on this one thread. A handler `submit`s a `Job`
-(one request: its prompts' choices, prompt-major) and reads its events from `job.events` (an asyncio.Queue fed
-with `call_soon_threadsafe`). Admission is bounded: at most `max_batch` rows run (a job's choices join as rows free
-up, so a request with more choices than that runs in parts), at most `max_queue` jobs wait that cannot join the
-batch now (0: none; a job joins if a row is free for it); past that `submit` raises `Overloaded` (the handler
-answers 429). After `expire_all` (a shutdown's cut) `submit` raises `Closing` (503).
+HTTP handlers run on the asyncio loop; the model runs on this one thread. A handler `submit`s a `Job` (one HTTP
+request: its typed `Request`s, prompt-major — an OpenAI request's choices, or a /generate/ rollout batch) and reads
+its events from `job.events` (an asyncio.Queue fed with `call_soon_threadsafe`). Admission is the session's: at most
+`max_batch` rows run (a job's choices join as rows free up, each prompt's choices together when they fit, so a
+request with more choices than that runs in parts), in submission order. At most `max_queue` jobs wait that cannot
+join the batch now (0: none; a job joins if a row is free for it); past that `submit` raises `Overloaded` (the
+handler answers 429). After `expire_all` (a shutdown's cut) `submit` raises `Closing` (503).
+
+Weight updates (`between_jobs`) are the session's barriers: an update runs once every job submitted before it has
+finished — all its choices, not only those already in the batch — and jobs submitted after it start under the new
+weights. No job's choices span two weight versions, and each completion says which version it was drawn under.
 
 A job ends early in two ways. `cancel` (its client went away): its rows leave the batch before the next step and
 nobody is told. `expire` (its `deadline`, --request-timeout, passed: the engine thread expires it itself, whether
-or not its handler reads its events; or a shutdown past --shutdown-timeout): its unfinished choices end at once
-with finish_reason "abort", each with the text and tokens it has so far, and the handler answers with them.
+or not its handler reads its events; or a shutdown past --shutdown-timeout; or /abort_request for rollouts): its
+unfinished choices end at once with finish_reason "abort", each with the text and tokens it has so far.
 
 A fault on the engine thread never stops it: a failed step fails the running jobs, a failure handing a step's
 output to a job (metrics, decoding) fails that job, and anything else fails every job; each gets an Exception
 event (the handler answers 500) and the thread serves on.
-
-`exclusive()` gives another thread the model between steps (the RL routes' rollouts and weight updates): admission
-stops, the running rows finish under the weights they started with, then the body runs alone; waiting requests
-join after it.
 
 Every choice is counted in the metrics exactly once, here where it ends: finished (`stop` / `length`, before
 its last event reaches the handler), cut short (`abort`: its client went away, it expired, while running or still
@@ -34,10 +36,12 @@ import logging
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from ..engine.generator import Completion, SpeculativeGenerator, StreamEvent
-from ..engine.stats import SpecStats
+from ..engine import request as engine_request
+from ..engine.generator import SpeculativeGenerator, StreamEvent
+from ..engine.request import Barrier, Request
+from ..engine.session import GenerationSession
 
 __all__ = ["Closing", "EngineThread", "Job", "Overloaded", "PromptLogprobs", "kv_cache_usage"]
 
@@ -63,13 +67,13 @@ class PromptLogprobs:
     top: list | None
 
 
-@dataclass
+@dataclass(eq=False)
 class Job:
-    """One HTTP request: `choices` holds the keyword arguments of GenerationSession.add per choice (plus
-    `stop_token_ids`), prompt-major: choice i is choice i % per_prompt of prompt i // per_prompt."""
+    """One HTTP request: its `requests` (typed, checked by `EngineCore.request`), prompt-major: request i is choice
+    i % per_prompt of prompt i // per_prompt; request i's key is (id, i)."""
 
     id: str
-    choices: list[dict]
+    requests: list[Request]
     loop: asyncio.AbstractEventLoop
     per_prompt: int = 1
     score_top: int | None = None  # echo with logprobs: score each prompt, with this many alternatives
@@ -79,13 +83,24 @@ class Job:
     deadline: float | None = None  # time.perf_counter() at which the engine expires the job (--request-timeout)
     cancelled: bool = False
     expired: bool = False
-    admitted: int = 0  # choices handed to the session so far (engine thread, under the lock)
+    admitted: int = 0  # choices that joined the batch so far (engine thread, under the lock)
+    ended: int = 0  # choices that ended (counted in the metrics) so far (engine thread, under the lock)
     finished: int = 0  # choices whose last event the handler has read
+    weight_version: int | None = None  # the weights every choice is drawn under (set when the job starts)
+
+    def __post_init__(self):
+        self.requests = [
+            r if r.key == (self.id, i) else _rekeyed(r, (self.id, i), i) for i, r in enumerate(self.requests)
+        ]
 
     def push(self, item) -> None:
         """From the engine thread: hand an event (StreamEvent, PromptLogprobs) or an Exception to the handler."""
         with contextlib.suppress(RuntimeError):  # the loop is closed (server shutting down)
             self.loop.call_soon_threadsafe(self.events.put_nowait, item)
+
+
+def _rekeyed(req: Request, key, index: int) -> Request:
+    return replace(req, key=key, index=index)
 
 
 def kv_cache_usage(runner, active: bool) -> tuple[float, int]:
@@ -99,25 +114,6 @@ def kv_cache_usage(runner, active: bool) -> tuple[float, int]:
     return (taken / cells if active and cells else 0.0), cells
 
 
-def aborted(job: Job, i: int) -> StreamEvent:
-    """The last event of choice i of a job that ends before the choice joined the batch."""
-    key = (job.id, i)
-    c = Completion(
-        index=i,
-        prompt_token_ids=list(job.choices[i]["prompt"]),
-        token_ids=[],
-        text="",
-        finish_reason="abort",
-        stop_reason=None,
-        logprobs=[],
-        raw_logprobs=[],
-        stats=SpecStats(),
-        top_logprobs=[] if job.choices[i].get("top_logprobs") else None,
-        key=key,
-    )
-    return StreamEvent(i, "", [], completion=c, key=key)
-
-
 class EngineThread:
     def __init__(
         self, gen: SpeculativeGenerator, *, max_batch: int = 8, max_queue: int = 64, metrics=None, scorer=None
@@ -129,9 +125,11 @@ class EngineThread:
         self.max_queue = max_queue
         self.metrics = metrics
         self.scorer = scorer  # prompt logprobs (serve.scoring.PromptScorer), for jobs with score_top
-        self.session = gen.session()
+        self.session = GenerationSession(gen.core, max_batch)
         self._cond = threading.Condition()  # (an RLock inside)
-        self._waiting: deque[Job] = deque()
+        self._inbox: deque[Job | Barrier] = deque()  # submitted, not yet handed to the session (engine thread)
+        self._waiting: deque[Job] = deque()  # jobs with choices not yet in the batch
+        self._barriers = 0  # updates submitted and not yet run: nothing joins the batch before them
         self._cancel: list[Job] = []
         self._expire: list[Job] = []
         self._score: list[tuple[Job, int, list[int]]] = []  # prompts to score before the next step
@@ -139,8 +137,6 @@ class EngineThread:
         self._last: dict[tuple[str, int], float | None] = {}  # running row key -> when its last tokens came
         self._stop = False
         self._closing = False  # expire_all ran (a shutdown's cut): no job is admitted any more
-        self._holds = 0  # exclusive() sections waiting or running: no admission meanwhile
-        self._busy = False  # a step is running (outside the lock)
         self._thread = threading.Thread(target=self._run, name="verispec-engine", daemon=True)
 
     # --- called from the asyncio side ----------------------------------------------------------------
@@ -152,29 +148,16 @@ class EngineThread:
             self._stop = True
             self._cond.notify_all()
         self._thread.join(timeout=30)
+        self._fail_barriers(RuntimeError("the server is shutting down"))
 
-    @contextlib.contextmanager
-    def exclusive(self):
-        """Run the body with the model to itself (from any thread but the engine's): no new request is admitted,
-        the running ones finish first, and waiting ones are admitted after the body."""
-        with self._cond:
-            self._holds += 1
-            while (self._busy or self.session.num_active) and not self._stop:
-                self._cond.wait()
-            if self._stop:
-                self._holds -= 1
-                raise RuntimeError("the server is shutting down")
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._holds -= 1
-                self._cond.notify_all()
+    @property
+    def weight_version(self) -> int:
+        return self.gen.core.weight_version
 
     @property
     def num_waiting(self) -> int:
         """Choices not yet in the batch."""
-        return sum(len(j.choices) - j.admitted for j in list(self._waiting))
+        return sum(len(j.requests) - j.admitted for j in list(self._waiting))
 
     @property
     def num_running(self) -> int:
@@ -184,34 +167,62 @@ class EngineThread:
     def submit(self, job: Job) -> None:
         """Queue the job: Closing after expire_all, Overloaded when it would wait behind max_queue waiting jobs."""
         with self._cond:
-            if self._closing:
+            if self._closing or self._stop:
                 raise Closing("the server is shutting down")
             blocked = self._blocked()
             if blocked is not None and blocked >= self.max_queue:
                 raise Overloaded(f"{blocked} requests are waiting for a batch slot (the queue holds {self.max_queue})")
+            self._inbox.append(job)
             self._waiting.append(job)
             self._cond.notify_all()
         self._gauges()
 
-    def cancel(self, job: Job) -> None:
-        """The client went away: drop the job (its waiting choices now, its running rows before the next step)."""
+    def between_jobs(self, fn, on_done=None) -> Barrier:
+        """Run fn() on the engine thread with the model to itself, once every job submitted before it has finished
+        (all its choices); jobs submitted after it wait for it. Returns the Barrier (its `done` event, result or
+        error; `on_done(barrier)` runs on the engine thread once it ran)."""
+        barrier = Barrier(fn, on_done)
         with self._cond:
-            if not job.cancelled:
+            if self._stop:
+                raise Closing("the server is shutting down")
+            self._inbox.append(barrier)
+            self._barriers += 1
+            self._cond.notify_all()
+        return barrier
+
+    async def run_between_jobs(self, fn):
+        """`between_jobs` from the asyncio side: awaits fn's result (its exception raised)."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+
+        def resolve(b: Barrier) -> None:
+            def settle():
+                if not future.done():
+                    future.set_exception(b.error) if b.error is not None else future.set_result(b.result)
+
+            with contextlib.suppress(RuntimeError):  # the loop is closed
+                loop.call_soon_threadsafe(settle)
+
+        self.between_jobs(fn, resolve)
+        return await future
+
+    def cancel(self, job: Job) -> None:
+        """The client went away: drop the job (its waiting choices and its running rows before the next step)."""
+        with self._cond:
+            if not (job.cancelled or job.expired):
                 job.cancelled = True
-                self._unqueue(job, "abort", answer=False)
-                if job.admitted:
-                    self._cancel.append(job)
+                self._cancel.append(job)
+                self._unwait(job)
                 self._cond.notify_all()
         self._gauges()
 
     def expire(self, job: Job) -> None:
-        """End the job now: every unfinished choice gets a last event with finish_reason "abort" and what it has."""
+        """End the job: every unfinished choice gets a last event with finish_reason "abort" and what it has."""
         with self._cond:
             if not (job.cancelled or job.expired):
                 job.expired = True
-                self._unqueue(job, "abort", answer=True)
-                if job.admitted:
-                    self._expire.append(job)
+                self._expire.append(job)
+                self._unwait(job)
                 self._cond.notify_all()
         self._gauges()
 
@@ -227,20 +238,24 @@ class EngineThread:
 
     # --- bookkeeping (under the lock, or on the engine thread) ---------------------------------------
     def _live(self) -> list[Job]:
-        """Under the lock: the waiting and running jobs, each once (a Job compares by fields, and is not hashable)."""
+        """Under the lock: the waiting and running jobs, each once."""
         return list({id(j): j for j in [*self._waiting, *self._jobs.values()]}.values())
 
     def _blocked(self) -> int | None:
         """Under the lock: how many waiting jobs cannot join the batch now (first come, first served: the rows free
-        go to the jobs ahead), or None when a job submitted now would join at once (a row is left for it)."""
-        free = 0 if self._holds else self.max_batch - len(self._jobs)
+        go to the jobs ahead; none while an update waits), or None when a job submitted now would join at once."""
+        free = 0 if self._barriers else self.max_batch - len(self._jobs)
         blocked = 0
         for job in self._waiting:
             if free > 0:
-                free -= len(job.choices) - job.admitted
+                free -= len(job.requests) - job.admitted
             else:
                 blocked += 1
         return None if free > 0 else blocked
+
+    def _unwait(self, job: Job) -> None:
+        """Under the lock: the job's choices no longer wait (it ended, or all of them joined the batch)."""
+        self._waiting = deque(j for j in self._waiting if j is not job)
 
     def _gauges(self) -> None:
         if self.metrics is not None:
@@ -257,89 +272,48 @@ class EngineThread:
         except Exception:
             log.exception("counting an ended request failed")
 
-    def _unqueue(self, job: Job, reason: str, answer: bool) -> None:
-        """Under the lock: take the job out of the queue; its choices not yet admitted end with `reason` (and, with
-        `answer`, a last event each)."""
-        rest = deque(j for j in self._waiting if j is not job)  # identity: a Job compares by fields
-        if len(rest) == len(self._waiting):
-            return
-        self._waiting = rest
-        self._ended(job, reason, len(job.choices) - job.admitted)
-        if answer:
-            for i in range(job.admitted, len(job.choices)):
-                job.push(aborted(job, i))
+    def _engine_job(self, job: Job) -> engine_request.Job:
+        return engine_request.Job(job.requests, key=job.id, group=job.per_prompt, on_admit=self._admitted(job))
 
-    def _rows(self, job: Job) -> list[tuple[str, int]]:
-        return [(job.id, i) for i in range(job.admitted) if (job.id, i) in self._jobs]
+    def _admitted(self, job: Job):
+        def on_admit(req: Request) -> None:  # engine thread, inside the session's scheduling
+            with self._cond:
+                i = req.index
+                self._jobs[req.key], self._last[req.key] = job, None
+                job.admitted += 1
+                job.weight_version = self.gen.core.weight_version
+                if job.admitted == len(job.requests):
+                    self._unwait(job)
+                first = i % job.per_prompt == 0  # the prompt's first choice: its tokens count once, whatever n is
+                if self.metrics is not None:
+                    self.metrics.observe_admitted(
+                        len(req.prompt_token_ids) if first else 0, time.perf_counter() - job.arrived
+                    )
+                if job.score_top is not None and first:
+                    self._score.append((job, i // job.per_prompt, list(req.prompt_token_ids)))
 
-    def _drop(self, key: tuple[str, int], reason: str) -> Job:
-        """A running row ends (counted once); its job."""
-        job = self._jobs.pop(key)
-        self._last.pop(key, None)
-        self._ended(job, reason)
-        return job
+        return on_admit
 
-    def _cut(self, job: Job, deliver: bool) -> None:
-        """Engine thread, under the lock: the job's running rows leave the session before the next step; with
-        `deliver`, each first ends "abort" with what it has and its last event goes to the handler."""
-        try:
-            by_key = {r.key: r for r in (*self.session.rows, *self.session.pending)} if deliver else {}
-            for key in self._rows(job):
-                self._drop(key, "abort")
-                self.session.abort(key)
-                row = by_key.get(key)
-                if row is not None:
-                    row.finish("abort", None)
-                    job.push(row.event(self.gen.tokenizer, len(row.tokens)))
-                elif deliver:
-                    job.push(aborted(job, key[1]))
-        except Exception as e:  # e.g. decoding its text: the job ends with an error rather than never
-            log.exception("cutting a request short failed")
-            self._fail(job, RuntimeError(f"ending the request failed: {e}"))
+    def _end(self, job: Job, reason: str, deliver: bool) -> None:
+        """Engine thread, under the lock: the job's unfinished choices end now (counted with `reason`); with `deliver`,
+        each one's last event ("abort", with what it has) goes to the handler."""
+        self._unwait(job)
+        events = self.session.abort(job.id)
+        for ev in events:
+            self._jobs.pop(ev.key, None)
+            self._last.pop(ev.key, None)
+            if deliver:
+                job.push(ev)
+        self._ended(job, reason, len(events))
+        job.ended += len(events)
 
     def _fail(self, job: Job, error: Exception) -> None:
-        """Under the lock: the job ends with an engine error (its running rows and its waiting choices); the
-        handler gets `error` whatever else fails."""
+        """Under the lock: the job ends with an engine error; the handler gets `error` whatever else fails."""
         try:
-            for key in self._rows(job):
-                self._drop(key, "error")
-                self.session.abort(key)
             job.cancelled = True
-            self._unqueue(job, "error", answer=False)
+            self._end(job, "error", deliver=False)
         finally:
             job.push(error)
-
-    def _add(self, job: Job, i: int) -> None:
-        """Under the lock: choice i of the job joins the session."""
-        kwargs = dict(job.choices[i])
-        stop_ids = kwargs.pop("stop_token_ids", ())
-        key = (job.id, i)
-        self.session.add(**kwargs, key=key, index=i)
-        if stop_ids:  # GenerationSession.add has no such option: the row it just queued takes them
-            self.session.pending[-1].stop_token_ids = frozenset(stop_ids)
-        self._jobs[key], self._last[key] = job, None
-        job.admitted = i + 1
-        first = i % job.per_prompt == 0  # the prompt's first choice: its tokens count once, whatever n is
-        if self.metrics is not None:
-            self.metrics.observe_admitted(len(kwargs["prompt"]) if first else 0, time.perf_counter() - job.arrived)
-        if job.score_top is not None and first:
-            self._score.append((job, i // job.per_prompt, list(kwargs["prompt"])))
-
-    def _admit(self) -> None:
-        """Under the lock: move waiting choices into the session while rows are free (first come, first served)."""
-        free = self.max_batch - self.session.num_active
-        while self._waiting and free > 0:
-            job = self._waiting[0]
-            take = min(free, len(job.choices) - job.admitted)
-            try:
-                for i in range(job.admitted, job.admitted + take):
-                    self._add(job, i)
-            except Exception as e:  # validated by the handler already; never let one request kill the loop
-                self._fail(job, e)
-                continue
-            free -= take
-            if job.admitted == len(job.choices):
-                self._waiting.popleft()
 
     def _expire_due(self) -> float | None:
         """Under the lock: expire the jobs whose deadline has passed (running or waiting, read by their handler or
@@ -357,8 +331,7 @@ class EngineThread:
 
     # --- the engine thread ---------------------------------------------------------------------------
     def _has_work(self) -> bool:
-        waiting = self._waiting and not self._holds
-        return bool(self._stop or waiting or self._cancel or self._expire or self.session.num_active)
+        return bool(self._stop or self._inbox or self._cancel or self._expire or not self.session.idle)
 
     def _run(self) -> None:
         while True:
@@ -368,64 +341,110 @@ class EngineThread:
             except Exception as e:  # a bug outside the step: every job fails (500), the thread serves on
                 log.exception("engine loop failed")
                 self._fail_all(RuntimeError(f"engine loop failed: {e}"))
-                time.sleep(0.05)  # no busy loop of failures if it recurs
 
     def _iteration(self) -> bool:
-        """Wait for work (expiring jobs at their deadlines meanwhile), cut, admit, score and step; False once
-        stopped."""
+        """Wait for work (expiring jobs at their deadlines meanwhile), hand new jobs and updates to the session, cut,
+        schedule, score and step; False once stopped."""
         with self._cond:
             self._await_work()
             if self._stop:
                 return False
+            self._take_inbox()
             for job in self._cancel:
-                self._cut(job, deliver=False)
+                self._end(job, "abort", deliver=False)
             for job in self._expire:
-                self._cut(job, deliver=True)
+                self._end(job, "abort", deliver=True)
             self._cancel.clear()
             self._expire.clear()
-            if not self._holds:
-                self._admit()
+        self._schedule()
+        with self._cond:
             score, self._score = self._score, []
-            self._busy = bool(self.session.num_active)
-            self._cond.notify_all()  # an exclusive() waiter sees a session emptied by cancellations
         self._gauges()
         self._prompt_logprobs(score)
-        if self._busy:
-            try:
-                self._step()
-            finally:
-                with self._cond:
-                    self._busy = False
-                    self._cond.notify_all()
+        if self.session.rows:
+            self._step()
         self._kv()
         return True
 
+    def _take_inbox(self) -> None:
+        """Under the lock: submitted jobs and updates into the session's queue, in submission order."""
+        while self._inbox:
+            item = self._inbox.popleft()
+            if isinstance(item, Barrier):
+                self.session.barrier(self._counted(item))
+            else:  # (a job cancelled or expired meanwhile too: its end is delivered from the session)
+                try:
+                    self.session.submit(self._engine_job(item))
+                except Exception as e:  # checked by the handler already; never let one request kill the loop
+                    self._fail(item, e)
+
+    def _counted(self, barrier: Barrier) -> Barrier:
+        inner = barrier.on_done
+
+        def on_done(b: Barrier) -> None:
+            with self._cond:
+                self._barriers -= 1
+                self._cond.notify_all()
+            if inner is not None:
+                inner(b)
+
+        barrier.on_done = on_done
+        return barrier
+
+    def _schedule(self) -> None:
+        """Admit what the session's queue allows (running updates that are due), outside the lock."""
+        try:
+            self.session.schedule()
+        except Exception as e:  # joining rows failed (a device error): the jobs in the batch fail
+            log.exception("admitting requests failed")
+            self._reset(RuntimeError(f"admitting the request failed: {e}"))
+
     def _await_work(self) -> None:
-        """Under the lock: wait until there is something to do, expiring jobs at their deadlines meanwhile (a job
-        waiting behind an exclusive() section too)."""
+        """Under the lock: wait until there is something to do, expiring jobs at their deadlines meanwhile."""
         while True:
             left = self._expire_due()
             if self._has_work():
                 return
             self._cond.wait(left)
 
+    def _reset(self, error: Exception, everything: bool = False) -> None:
+        """A fresh session after a failure: the jobs that had started fail with `error` (every job, with
+        `everything`); jobs that had not started and pending updates carry over to the new session in order."""
+        with self._cond:
+            old = self.session
+            self.session = GenerationSession(self.gen.core, self.max_batch)
+            for job in self._live():
+                if everything or job.admitted:
+                    job.cancelled = True
+                    self._ended(job, "error", len(job.requests) - job.ended)
+                    job.ended = len(job.requests)
+                    job.push(error)
+            self._jobs = {k: j for k, j in self._jobs.items() if not j.cancelled}
+            self._last = {k: t for k, t in self._last.items() if k in self._jobs}
+            self._waiting = deque(j for j in self._waiting if not j.cancelled)
+            waiting = {j.id for j in self._waiting}
+            for item in old.queue:
+                if isinstance(item, Barrier):
+                    self.session.barrier(item)
+                elif item.job.key in waiting:
+                    self.session.submit(item.job)
+            self._cond.notify_all()
+
     def _fail_all(self, error: Exception) -> None:
         """Every waiting and running job ends with `error`, on a fresh session."""
+        self._reset(error, everything=True)
         with self._cond:
-            for job in self._live():
-                try:
-                    self._fail(job, error)
-                except Exception:  # _fail has pushed the error to the job's handler
-                    log.exception("failing a request failed")
-            self._jobs.clear()
-            self._last.clear()
-            self._waiting.clear()
             self._cancel.clear()
             self._expire.clear()
             self._score.clear()
-            self.session = self.gen.session()
-            self._busy = False
-            self._cond.notify_all()
+
+    def _fail_barriers(self, error: Exception) -> None:
+        """Updates that never ran (the server stopped): their waiters get `error`."""
+        with self._cond:
+            pending = [b for b in [*self._inbox, *self.session.queue] if isinstance(b, Barrier) and not b.done.is_set()]
+        for b in pending:
+            b.fn = _raiser(error)
+            b.run()
 
     def _prompt_logprobs(self, todo: list[tuple[Job, int, list[int]]]) -> None:
         """Score the prompts of newly admitted echo-with-logprobs jobs (before their rows' first step)."""
@@ -453,14 +472,10 @@ class EngineThread:
     def _step(self) -> None:
         """One engine step; hands each event to its job (a finished choice is counted first)."""
         try:
-            events = self.session.step()
+            events = self.session.run()
         except Exception as e:  # a bug or a device error: fail the running requests, keep serving
             log.exception("engine step failed")
-            with self._cond:
-                for job in self._live():
-                    if self._rows(job):
-                        self._fail(job, RuntimeError(f"engine step failed: {e}"))
-                self.session = self.gen.session()
+            self._reset(RuntimeError(f"engine step failed: {e}"))
             return
         self._kv()  # before the finished rows are dropped: no moment shows nothing running with KV in use
         with self._cond:
@@ -474,9 +489,8 @@ class EngineThread:
                 self.metrics.observe_step(self.session.last_step)
         except Exception as e:
             log.exception("recording an engine step failed")
-            for job in self._live():
-                if self._rows(job):
-                    self._fail(job, RuntimeError(f"recording the engine step failed: {e}"))
+            for job in {id(j): j for j in self._jobs.values()}.values():
+                self._fail(job, RuntimeError(f"recording the engine step failed: {e}"))
             return
         now = time.perf_counter()
         for ev in events:
@@ -486,7 +500,10 @@ class EngineThread:
             try:
                 self._observe(ev, job, now)
                 if ev.completion is not None:
-                    self._drop(ev.key, ev.completion.finish_reason)
+                    self._jobs.pop(ev.key)
+                    self._last.pop(ev.key, None)
+                    self._ended(job, ev.completion.finish_reason)
+                    job.ended += 1
                 job.push(ev)
             except Exception as e:
                 log.exception("handing a step's output to its request failed")
@@ -498,3 +515,10 @@ class EngineThread:
         if self.metrics is not None and (last is None or ev.token_ids):
             self.metrics.observe_tokens(len(ev.token_ids), last is None, now - (job.arrived if last is None else last))
         self._last[ev.key] = now
+
+
+def _raiser(error: Exception):
+    def fn():
+        raise error
+
+    return fn

@@ -17,6 +17,7 @@ from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
 
 from ..engine.generator import Completion, SpeculativeGenerator, StreamEvent
+from ..engine.request import Request as EngineRequest
 from ..sampling import SamplingParams
 from .engine import Closing, EngineThread, Job, Overloaded, PromptLogprobs
 from .errors import APIError
@@ -129,10 +130,9 @@ class Served:
 
     def choices(
         self, req, prompts: list[list[int]], max_tokens: int | None, top_n: int, prompt_field: str
-    ) -> list[dict]:
-        """GenerationSession.add's keyword arguments (and stop_token_ids) for each of the request's choices,
-        prompt-major: prompt p's choice j is choice p * n + j and uses seed + j (a list of prompts samples as
-        the same requests sent one by one)."""
+    ) -> list[EngineRequest]:
+        """The request's choices as engine Requests, prompt-major: prompt p's choice j is choice p * n + j and uses
+        seed + j (a list of prompts samples as the same requests sent one by one)."""
         self.check_model(req.model)
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         if any(s == "" for s in stop):
@@ -144,18 +144,22 @@ class Served:
             field_ = prompt_field if len(prompts) == 1 else f"{prompt_field}[{p}]"
             max_new = self.max_new_tokens(len(ids), max_tokens, field_)
             for j in range(req.n):
-                out.append(
-                    {
-                        "prompt": ids,
-                        "params": params[j],
-                        "max_new_tokens": max_new,
-                        "stop": stop,
-                        "ignore_eos": req.ignore_eos,
-                        "gamma": req.num_speculative_tokens,
-                        "top_logprobs": top_n,
-                        "stop_token_ids": stop_ids,
-                    }
-                )
+                try:
+                    out.append(
+                        self.gen.core.request(
+                            ids,
+                            params[j],
+                            max_new_tokens=max_new,
+                            stop=stop,
+                            stop_token_ids=stop_ids,
+                            ignore_eos=req.ignore_eos,
+                            gamma=req.num_speculative_tokens,
+                            top_logprobs=top_n,
+                            index=len(out),
+                        )
+                    )
+                except ValueError as e:
+                    raise APIError.bad_value(e) from None
         return out
 
     def submit(
@@ -173,11 +177,19 @@ class Served:
         this many alternatives per token."""
         job = Job(
             id=uuid.uuid4().hex,
-            choices=self.choices(req, prompts, max_tokens, top_n, prompt_field),
+            requests=self.choices(req, prompts, max_tokens, top_n, prompt_field),
             loop=asyncio.get_running_loop(),
             per_prompt=req.n,
             score_top=score_top,
         )
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return self.enqueue(job, request, [len(p) for p in prompts], req.stream, include_usage)
+
+    def enqueue(
+        self, job: Job, request: Request, prompt_tokens: list[int], stream: bool = False, include_usage: bool = False
+    ) -> Run:
+        """Queue a job with the request's deadline (--request-timeout); 429 when the queue is full, 503 once a
+        shutdown has cut the requests short. Its Run."""
         if self.request_timeout is not None:
             job.deadline = job.arrived + self.request_timeout  # the engine thread expires the job there
         retry = {"Retry-After": str(self.retry_after_s)}
@@ -195,8 +207,7 @@ class Served:
                 kind="server_error",
                 headers=retry | {"Connection": "close"},
             ) from None
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return Run(self, job, request, [len(p) for p in prompts], req.stream, include_usage)
+        return Run(self, job, request, prompt_tokens, stream, include_usage)
 
 
 def usage(prompt_tokens: int | Sequence[int], done: Sequence[Completion]) -> Usage:
@@ -245,7 +256,7 @@ class Run:
 
     @property
     def n(self) -> int:
-        return len(self.job.choices)
+        return len(self.job.requests)
 
     async def _watch(self) -> None:
         """Until the handler is done: every 0.5 s, whether the client has gone away; if so the job is cancelled

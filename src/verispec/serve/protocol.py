@@ -153,13 +153,14 @@ class _Envelope(_OmitNone, Generic[C]):
     """What every completion response and stream chunk carries; `usage` is left out of the chunks before the
     last."""
 
-    omit_if_none: ClassVar[tuple[str, ...]] = ("usage",)
+    omit_if_none: ClassVar[tuple[str, ...]] = ("usage", "weight_version")
     id: str
     object: str
     created: int
     model: str
     choices: list[C]
     usage: Usage | None = None
+    weight_version: int | None = None  # (extension) the target's weights every choice was drawn under
 
 
 class CompletionLogprobs(BaseModel):

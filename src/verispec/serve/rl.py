@@ -1,5 +1,7 @@
 """The server's RL routes: TRL's rollout interface and weight updates over HTTP, backed by a `RolloutEngine` on the
-server's own generator (one model, shared with the OpenAI routes; `EngineThread.exclusive` keeps them apart).
+server's own generator (one model, shared with the OpenAI routes): a /generate/ call is a job of the engine thread
+like any OpenAI request (queued, batched, timed out at --request-timeout, aborted, counted in the metrics), and a
+weight update runs on the engine thread between jobs.
 
 TRL (`trl vllm-serve` before TRL 1.0; the shapes its `VLLMClient` and most RL stacks built on it speak):
     GET  /health/, /get_world_size/ (also without the slash)     -> {"status": "ok"}, {"world_size": 1}
@@ -23,25 +25,26 @@ Weight updates (SGLang's names, which verl and OpenRLHF call):
     POST /abort_request               ends the running and waiting /generate/ calls after their step: unfinished
                                       samples return what they have, finish_reason "abort" (so does a /generate/
                                       whose client goes away)
-An update waits for running requests to finish (every sample is drawn under one weight version) and holds new
-ones until it is written. Options under which the sampled law is not softmax(logits / T) (top-k, top-p, min-p,
+An update waits for every request submitted before it to finish — all of its samples or choices, not only those
+already running — and holds those submitted after it until it is written: every request is drawn under one weight
+version, which its reply reports (`weight_version`). Options under which the sampled law is not softmax(logits / T) (top-k, top-p, min-p,
 penalties, greedy) are refused (400): the trainer could not recompute its logprobs (`RolloutEngine`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import threading
-import time
+import uuid
 
 import torch
 from fastapi import APIRouter, Request
+from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
-from ..engine.session import check_limits
 from ..model.weights import WeightUpdateError
 from ..rollout import RolloutEngine, check_on_policy
 from ..sampling import SamplingParams
+from .engine import Closing, Job
 from .errors import APIError
 
 __all__ = ["router"]
@@ -111,28 +114,6 @@ class DiskUpdate(BaseModel):
 
 def _rollout(request: Request) -> RolloutEngine:
     return request.app.state.rollout
-
-
-async def _exclusive(request: Request, fn, *args, cancel: threading.Event | None = None):
-    """fn(*args) on a worker thread with the model to itself (running OpenAI requests finish first). With `cancel`:
-    set when the client goes away, so a rollout nobody will read stops at its next step."""
-    engine = request.app.state.engine
-
-    def run():
-        with engine.exclusive():
-            return fn(*args)
-
-    task = asyncio.ensure_future(asyncio.to_thread(run))
-    try:
-        while cancel is not None and not task.done():
-            await asyncio.wait({task}, timeout=0.5)
-            if not task.done() and await request.is_disconnected():
-                cancel.set()
-        return await task
-    except asyncio.CancelledError:  # the handler itself is cancelled (server shutdown): stop the rollout too
-        if cancel is not None:
-            cancel.set()
-        raise
 
 
 @router.get("/health/")
@@ -207,41 +188,37 @@ def _prompts(eng: RolloutEngine, req: GenerateRequest, context: int | None) -> l
 
 @router.post("/generate/")
 async def generate(req: GenerateRequest, request: Request) -> GenerateResponse:
-    eng = _rollout(request)
+    eng, served = _rollout(request), request.app.state.served
     if req.n > eng.max_batch_size:
         raise APIError(400, f"n = {req.n} exceeds the server's batch ({eng.max_batch_size}, --max-batch)", "n")
-    params, ids, kw = _params(req), _prompts(eng, req, request.app.state.served.context), req.generation_kwargs
-    try:  # every check before waiting for the model: a bad request never holds up the OpenAI routes
+    params, ids, kw = _params(req), _prompts(eng, req, served.context), req.generation_kwargs
+    try:  # every check before queueing
         if eng.strict_on_policy:
             check_on_policy(params)
-        check_limits(req.max_tokens, kw.stop or ())
-    except ValueError as e:
-        raise APIError.bad_value(e) from None
-    cancel = threading.Event()  # /abort_request or the client going away
-    running: set = request.app.state.rl_cancels
-    running.add(cancel)
-    t0 = time.perf_counter()
-    try:
-        outs = await _exclusive(
-            request,
-            lambda: eng.generate(
-                ids, req.n, params, max_new_tokens=req.max_tokens, seed=kw.seed, stop=kw.stop or (),
-                ignore_eos=kw.ignore_eos, cancel=cancel,
-            ),
-            cancel=cancel,
+        spec, seed = eng.job(
+            ids, req.n, params, max_new_tokens=req.max_tokens, seed=kw.seed, stop=kw.stop or (),
+            ignore_eos=kw.ignore_eos,
         )  # fmt: skip
     except ValueError as e:
         raise APIError.bad_value(e) from None
+    job = Job(id=uuid.uuid4().hex, requests=spec.requests, loop=asyncio.get_running_loop(), per_prompt=req.n)
+    run = served.enqueue(job, request, [len(p) for p in ids])
+    jobs: set = request.app.state.rl_jobs
+    jobs.add(job)  # /abort_request ends it
+    try:
+        done = await run.collect()
     finally:
-        running.discard(cancel)
-    request.app.state.metrics.observe_rollouts(outs, time.perf_counter() - t0)
+        jobs.discard(job)
+    if done is None:  # the client went away: its samples were aborted
+        return Response(status_code=499)
+    outs = [eng.rollout(c, seed, key=spec.requests[c.index].key) for c in done]
     seqs = [o.with_eos() for o in outs]
     return GenerateResponse(
         prompt_ids=ids,
         completion_ids=[t for t, _ in seqs],
         logprobs=[lp for _, lp in seqs],
         finish_reasons=[o.finish_reason for o in outs],
-        weight_version=max((o.weight_version for o in outs), default=eng.weight_version),
+        weight_version=job.weight_version if job.weight_version is not None else eng.weight_version,
         speculation=Speculation(
             draft_tokens=sum(o.stats.drafted for o in outs),
             accepted_tokens=sum(o.stats.accepted for o in outs),
@@ -252,9 +229,11 @@ async def generate(req: GenerateRequest, request: Request) -> GenerateResponse:
 
 async def _update(request: Request, fn) -> WeightUpdateResponse:
     try:
-        up = await _exclusive(request, fn)
+        up = await request.app.state.engine.run_between_jobs(fn)
     except WeightUpdateError as e:
         raise APIError(400, str(e)) from None
+    except Closing:
+        raise APIError(503, "the server is shutting down", kind="server_error") from None
     request.app.state.metrics.observe_weight_update(up.version)
     return WeightUpdateResponse(
         weight_version=up.version, tensors=up.tensors, seconds=up.seconds, requantize_seconds=up.requantize_seconds
@@ -313,7 +292,7 @@ async def weight_version(request: Request):
 
 @router.post("/abort_request")
 async def abort(request: Request):
-    for cancel in list(request.app.state.rl_cancels):  # waiting for the model or running
-        cancel.set()
+    for job in list(request.app.state.rl_jobs):  # waiting or running: unfinished samples end "abort"
+        request.app.state.engine.expire(job)
     _rollout(request).abort()  # a RolloutEngine.generate called by anyone else
     return {"success": True}

@@ -58,10 +58,8 @@ class Gate:
 
 
 def abort_everything(app) -> int:
-    """Cut every request short: OpenAI-route jobs end "abort" with what they have, RL rollouts stop at their next
-    step. Returns how many OpenAI-route requests there were."""
-    for cancel in list(app.state.rl_cancels):
-        cancel.set()
+    """Cut every request short: every job (OpenAI routes and /generate/) ends "abort" with what it has. Returns how
+    many requests there were."""
     app.state.rollout.abort()
     return app.state.engine.expire_all()
 
