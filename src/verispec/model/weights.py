@@ -10,7 +10,8 @@ with no rebuild. Quantized copies (an int4 / int8 self-draft) do not share stora
 whoever owns them.
 
 `load_safetensors_dir(path)` yields the `(name, tensor)` pairs of every `*.safetensors` file in a directory
-(a `save_pretrained` checkpoint, sharded or not).
+(a `save_pretrained` checkpoint, sharded or not). `update_items` / `is_named_pair` are the shape checks every
+reader of an update shares (`check_update` here, `verispec.model.payload` for the rollout replicas).
 """
 
 from __future__ import annotations
@@ -22,7 +23,14 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-__all__ = ["WeightUpdateError", "check_update", "load_safetensors_dir", "update_weights"]
+__all__ = [
+    "WeightUpdateError",
+    "check_update",
+    "is_named_pair",
+    "load_safetensors_dir",
+    "update_items",
+    "update_weights",
+]
 
 _MAX_LISTED = 8
 
@@ -36,6 +44,22 @@ def _targets(model: torch.nn.Module) -> dict[str, Tensor]:
     return dict(model.state_dict(keep_vars=True))
 
 
+def update_items(named_tensors: Iterable, error: type[Exception] = WeightUpdateError) -> list:
+    """An update's items, as a list; `error` when it is not iterable or is empty."""
+    try:
+        items = list(named_tensors)
+    except TypeError:
+        raise error("an update is an iterable of (name, tensor) pairs") from None
+    if not items:
+        raise error("the update is empty")
+    return items
+
+
+def is_named_pair(item) -> bool:
+    """Whether an update's item is a (name, value) tuple with a string name (the value is checked apart)."""
+    return isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)
+
+
 def check_update(model: torch.nn.Module, named_tensors: Iterable[tuple[str, Tensor]]) -> list[tuple[Tensor, Tensor]]:
     """Validate an update against the model: (destination, source) pairs, or WeightUpdateError listing every
     unknown name, duplicate, non-tensor, shape or dtype mismatch and non-finite value."""
@@ -43,14 +67,8 @@ def check_update(model: torch.nn.Module, named_tensors: Iterable[tuple[str, Tens
     problems: list[str] = []
     pairs: list[tuple[Tensor, Tensor]] = []
     seen: set[str] = set()
-    try:
-        items = list(named_tensors)
-    except TypeError:
-        raise WeightUpdateError("an update is an iterable of (name, tensor) pairs") from None
-    if not items:
-        raise WeightUpdateError("the update is empty")
-    for item in items:
-        if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
+    for item in update_items(named_tensors):
+        if not is_named_pair(item):
             problems.append(f"not a (name, tensor) pair: {type(item).__name__}")
             continue
         name, src = item
