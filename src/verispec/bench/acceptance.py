@@ -24,21 +24,18 @@ from ..engine.generator import SpeculativeGenerator
 from ..model.loading import LoadedModel
 from ..sampling import SamplingParams, verify_chain
 from ..sampling.block import block_stop_law
+from .config import ModelBenchConfig
 from .table import markdown_table
 
 __all__ = ["AcceptanceConfig", "run_acceptance", "to_markdown"]
 
 
 @dataclass(frozen=True)
-class AcceptanceConfig:
+class AcceptanceConfig(ModelBenchConfig):
     num_prompts: int = 2
     max_new_tokens: int = 64
     gamma: int = 4
     temperature: float = 1.0
-    seed: int = 0
-    chat: bool = True
-    runner: str = "auto"
-    draft_quant: str | None = None
 
     def __post_init__(self):
         if not self.temperature > 0:

@@ -23,9 +23,8 @@ import platform
 import time
 from dataclasses import asdict, dataclass
 
-from ..drafting import TreeSpec
 from ..sampling import SamplingParams
-from .rollout import METHODS, RolloutBenchConfig
+from .rollout import METHODS, RolloutBenchConfig, RolloutWorkloadConfig, engine_options, timed_generate
 
 __all__ = ["ReplicasBenchConfig", "engine_spec", "machine", "plot", "run_replicas_bench", "to_markdown"]
 
@@ -33,17 +32,10 @@ WARMUP_PROMPT = "Say hello."
 
 
 @dataclass(frozen=True)
-class ReplicasBenchConfig:
-    group: int = 4  # G samples per prompt
-    num_prompts: int = 2  # per category
+class ReplicasBenchConfig(RolloutWorkloadConfig):
+    group: int = 4
+    num_prompts: int = 2
     max_new_tokens: int = 64
-    temperature: float = 1.0
-    gamma: int = 4
-    seed: int = 0
-    chat: bool = True
-    runner: str = "auto"
-    draft_quant: str | None = None  # of the draft model
-    self_quant: str = "int4"  # of the self-draft
     methods: tuple[str, ...] = ("plain", "history")
     layouts: tuple[tuple[int, int], ...] = ((1, 1), (2, 1))  # (replicas, threads per replica)
     threads: int = 1  # threads per replica of the layouts given as a replica count alone (and of the baseline)
@@ -62,23 +54,9 @@ class ReplicasBenchConfig:
 
 def engine_spec(method: str, target: str, draft: str | None, cfg: ReplicasBenchConfig):
     """The `EngineSpec` of a method (as `verispec bench rollout` builds its engines)."""
-    from ..distributed import EngineSpec
+    from ..rollout.cluster import EngineSpec
 
-    which, history, pick = METHODS[method]
-    if which == "model" and draft is None:
-        raise ValueError(f"method {method!r} needs --draft")
-    rc = RolloutBenchConfig()  # the history trie's defaults
-    engine_kwargs = dict(
-        draft_quant=cfg.draft_quant if which == "model" else cfg.self_quant if which == "self" else None,
-        history=history,
-        history_tree=TreeSpec.parse(rc.history_tree),
-        history_min_share=rc.history_min_share,
-        choose_depth=rc.choose_depth if pick else None,
-        gamma=cfg.gamma,
-        max_batch_size=cfg.group * cfg.num_prompts,
-        runner=cfg.runner,
-    )
-    model = draft if which == "model" else which  # None, "self" or the draft's path
+    model, engine_kwargs = engine_options(method, draft, cfg, RolloutBenchConfig())  # the history trie's defaults
     return EngineSpec(target, model, engine_kwargs, dict(dtype=cfg.dtype, device=cfg.device))
 
 
@@ -112,10 +90,10 @@ def run_replicas_bench(
     log=print,
 ) -> dict:
     """Every method on every layout (Ray must be initialized, with CPUs for the largest layout)."""
-    from ..distributed import RolloutCluster
+    from ..rollout.cluster import RolloutCluster
 
     info = machine()
-    params = SamplingParams(temperature=cfg.temperature)
+    options = dict(params=SamplingParams(temperature=cfg.temperature), seed=cfg.seed, chat=cfg.chat, ignore_eos=True)
     cats = {c: ps[: cfg.num_prompts] for c, ps in prompts.items()}
     records, startups = [], []
     for method in cfg.methods:
@@ -124,17 +102,8 @@ def run_replicas_bench(
             t0 = time.perf_counter()
             with RolloutCluster(spec, replicas, threads, shards_per_replica=cfg.shards_per_replica) as cluster:
                 started = time.perf_counter() - t0
-                t0 = time.perf_counter()
-                cluster.generate(
-                    [WARMUP_PROMPT] * replicas,  # one shard per replica
-                    n=1,
-                    params=params,
-                    max_new_tokens=cfg.warmup_tokens,
-                    seed=cfg.seed,
-                    chat=cfg.chat,
-                    ignore_eos=True,
-                )
-                warm = time.perf_counter() - t0
+                warmup = [WARMUP_PROMPT] * replicas  # one shard per replica
+                warm = timed_generate(cluster, warmup, n=1, max_new_tokens=cfg.warmup_tokens, **options)[1]["seconds"]
                 startups.append(
                     dict(
                         method=method, replicas=replicas, threads=threads, startup_seconds=started, warmup_seconds=warm
@@ -142,7 +111,8 @@ def run_replicas_bench(
                 )
                 log(f"{method} {replicas}x{threads}: started in {started:.1f}s, warm-up {warm:.1f}s")
                 for cat, texts in cats.items():
-                    records.append(_measure(cluster, method, replicas, threads, cat, texts, params, cfg))
+                    key = dict(method=method, category=cat, replicas=replicas, threads=threads)
+                    records.append(_measure(cluster, key, texts, options, cfg))
                     r = records[-1]
                     log(
                         f"{method:14s} {cat:5s} {replicas}x{threads}: {r['tokens_per_s']:7.2f} tok/s  "
@@ -161,34 +131,12 @@ def run_replicas_bench(
     )
 
 
-def _measure(cluster, method: str, replicas: int, threads: int, cat: str, texts, params, cfg) -> dict:
-    t0 = time.perf_counter()
-    outs = cluster.generate(
-        texts,
-        n=cfg.group,
-        params=params,
-        max_new_tokens=cfg.max_new_tokens,
-        seed=cfg.seed,
-        chat=cfg.chat,
-        ignore_eos=True,
-    )
-    seconds = time.perf_counter() - t0
+def _measure(cluster, key: dict, texts, options: dict, cfg) -> dict:
+    """One category's record: `key` (method, category, replicas, threads), then the generate call's figures."""
+    outs, timed = timed_generate(cluster, texts, n=cfg.group, max_new_tokens=cfg.max_new_tokens, **options)
     st = cluster.last_stats
-    tokens = sum(len(o.completion_token_ids) for o in outs)
-    return dict(
-        method=method,
-        category=cat,
-        replicas=replicas,
-        threads=threads,
-        rows=len(outs),
-        tokens=tokens,
-        seconds=seconds,
-        tokens_per_s=tokens / seconds,
-        tau=tokens / max(st.target_passes, 1),
-        target_passes=st.target_passes,
-        accepted=st.accepted,
-        token_ids=[o.completion_token_ids for o in outs],
-    )
+    tokens = [o.completion_token_ids for o in outs]
+    return key | timed | dict(target_passes=st.target_passes, accepted=st.accepted, token_ids=tokens)
 
 
 def _baseline(records: list[dict], method: str, cat: str, threads: int) -> dict | None:

@@ -31,8 +31,19 @@ from ..drafting import TreeSpec
 from ..model.loading import LoadedModel
 from ..rollout import RolloutEngine
 from ..sampling import SamplingParams
+from .config import SelfDraftBenchConfig
 
-__all__ = ["METHODS", "RolloutBenchConfig", "perturbed", "plot", "run_rollout_bench", "to_markdown"]
+__all__ = [
+    "METHODS",
+    "RolloutBenchConfig",
+    "RolloutWorkloadConfig",
+    "engine_options",
+    "perturbed",
+    "plot",
+    "run_rollout_bench",
+    "timed_generate",
+    "to_markdown",
+]
 
 METHODS = {  # name -> (draft: None / "self" / "model", history, one part per row: CombinedProposer's choose_depth)
     "plain": (None, False, False),
@@ -47,19 +58,20 @@ METHODS = {  # name -> (draft: None / "self" / "model", history, one part per ro
 
 
 @dataclass(frozen=True)
-class RolloutBenchConfig:
+class RolloutWorkloadConfig(SelfDraftBenchConfig):
+    """The GRPO-shaped workload of the rollout benchmarks (bench rollout, bench replicas) and how their engines draft."""
+
     group: int = 8  # G samples per prompt
     num_prompts: int = 1  # per category
     max_new_tokens: int = 128
-    epochs: int = 3
     temperature: float = 1.0
-    noise: float = 1e-3  # per update: each matrix + N(0, (noise * its RMS)^2)
     gamma: int = 4
-    seed: int = 0
-    chat: bool = True
-    runner: str = "auto"
-    draft_quant: str | None = None  # of the draft model
-    self_quant: str = "int4"  # of the self-draft
+
+
+@dataclass(frozen=True)
+class RolloutBenchConfig(RolloutWorkloadConfig):
+    epochs: int = 3
+    noise: float = 1e-3  # per update: each matrix + N(0, (noise * its RMS)^2)
     history_tree: str = "dynamic-8-3-16"  # the history trie's shape: depth, children per node, node budget per row
     history_min_share: float = 0.0  # a trie node needs this share of the matched continuations
     choose_depth: int = 3  # history/draft, history/self: the trie alone where it is this deep, else the chain
@@ -89,24 +101,29 @@ def perturbed(model: torch.nn.Module, noise: float, seed: int) -> list[tuple[str
     return out
 
 
-def _engine(method: str, target: LoadedModel, draft: LoadedModel | None, cfg: RolloutBenchConfig) -> RolloutEngine:
+def engine_options(method: str, draft, cfg: RolloutWorkloadConfig, trie: RolloutBenchConfig | None = None):
+    """A method's draft (None, "self" or `draft`) and its RolloutEngine keyword arguments under `cfg`; the history
+    trie's options from `trie` (default: cfg itself)."""
     which, history, pick = METHODS[method]
     if which == "model" and draft is None:
         raise ValueError(f"method {method!r} needs --draft")
-    model = draft if which == "model" else which
-    quant = cfg.draft_quant if which == "model" else cfg.self_quant if which == "self" else None
-    return RolloutEngine(
-        target,
-        model,
-        draft_quant=quant,
+    trie = cfg if trie is None else trie
+    kwargs = dict(
+        draft_quant=cfg.draft_quant if which == "model" else cfg.self_quant if which == "self" else None,
         history=history,
-        history_tree=TreeSpec.parse(cfg.history_tree),
-        history_min_share=cfg.history_min_share,
-        choose_depth=cfg.choose_depth if pick else None,
+        history_tree=TreeSpec.parse(trie.history_tree),
+        history_min_share=trie.history_min_share,
+        choose_depth=trie.choose_depth if pick else None,
         gamma=cfg.gamma,
         max_batch_size=cfg.group * cfg.num_prompts,
         runner=cfg.runner,
     )
+    return (draft if which == "model" else which), kwargs
+
+
+def _engine(method: str, target: LoadedModel, draft: LoadedModel | None, cfg: RolloutBenchConfig) -> RolloutEngine:
+    model, kwargs = engine_options(method, draft, cfg)
+    return RolloutEngine(target, model, **kwargs)
 
 
 @torch.inference_mode()
@@ -168,15 +185,22 @@ def run_rollout_bench(
     )
 
 
+def timed_generate(engine, prompts, **kwargs) -> tuple[list, dict]:
+    """One `generate` call of a RolloutEngine or a RolloutCluster, timed: its rollouts, and their rows, tokens,
+    seconds, tokens_per_s and tau (tokens per verification pass of a row, pooled over the rows)."""
+    t0 = time.perf_counter()
+    outs = engine.generate(prompts, **kwargs)
+    seconds = time.perf_counter() - t0
+    tokens = sum(len(o.completion_token_ids) for o in outs)
+    tau = tokens / max(engine.last_stats.target_passes, 1)
+    return outs, dict(rows=len(outs), tokens=tokens, seconds=seconds, tokens_per_s=tokens / seconds, tau=tau)
+
+
 def _measure(eng: RolloutEngine, method: str, epoch: int, cat: str, ids, params, cfg) -> dict:
     before = dict(getattr(eng.gen.proposer, "accepted_by_source", {}))
-    t0 = time.perf_counter()
-    outs = eng.generate(
-        ids, n=cfg.group, params=params, max_new_tokens=cfg.max_new_tokens, seed=cfg.seed + epoch, ignore_eos=True
-    )
-    seconds = time.perf_counter() - t0
+    kwargs = dict(n=cfg.group, params=params, max_new_tokens=cfg.max_new_tokens, seed=cfg.seed + epoch)
+    outs, timed = timed_generate(eng, ids, **kwargs, ignore_eos=True)
     st = eng.last_stats
-    tokens = sum(len(o.completion_token_ids) for o in outs)
     after = getattr(eng.gen.proposer, "accepted_by_source", None)
     by_source = (
         {k: v - before.get(k, 0) for k, v in after.items()}
@@ -189,11 +213,7 @@ def _measure(eng: RolloutEngine, method: str, epoch: int, cat: str, ids, params,
         method=method,
         epoch=epoch,
         category=cat,
-        rows=len(outs),
-        tokens=tokens,
-        seconds=seconds,
-        tokens_per_s=tokens / seconds,
-        tau=tokens / max(st.target_passes, 1),
+        **timed,
         drafted_per_step=st.drafted / max(st.target_passes, 1),
         nodes_per_step=st.nodes / max(st.target_passes, 1),
         accepted=st.accepted,

@@ -4,19 +4,8 @@ same drafts, TV(p, q), and the Gumbel coupling's acceptance against its bound, p
 from __future__ import annotations
 
 import argparse
-import sys
 
-from .options import (
-    UsageError,
-    add_bench_inputs,
-    add_bench_model_args,
-    bench_model_options,
-    load,
-    model_errors,
-    pick,
-    read_bench_prompts,
-    write_bench_report,
-)
+from .options import UsageError, add_bench_inputs, add_bench_model_args, bench_config, run_model_bench
 
 
 def add_parser(sub) -> None:
@@ -46,18 +35,5 @@ def run(args: argparse.Namespace) -> int:
 
     if args.draft is None:
         raise UsageError("bench acceptance needs --draft PATH: a draft model")
-    try:
-        options = pick(args, "num_prompts", "max_new_tokens", "gamma", "temperature")
-        model = {k: v for k, v in bench_model_options(args).items() if k != "self_quant"}
-        cfg = acceptance.AcceptanceConfig(**options, **model)
-    except ValueError as e:
-        raise UsageError(str(e)) from None
-    prompts = read_bench_prompts(args.prompts)
-    with model_errors():
-        target = load(args.target, args)
-        draft = load(args.draft, args, threads=False)
-        result = acceptance.run_acceptance(
-            target, draft, prompts, cfg, log=lambda m: print(m, file=sys.stderr, flush=True)
-        )
-    write_bench_report(args.out, "acceptance", result, acceptance.to_markdown(result), acceptance.plot)
-    return 0
+    cfg = bench_config(acceptance.AcceptanceConfig, args, "num_prompts", "max_new_tokens", "gamma", "temperature")
+    return run_model_bench(args, "acceptance", cfg, acceptance.run_acceptance, acceptance)

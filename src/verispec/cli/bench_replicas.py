@@ -1,24 +1,14 @@
-"""`verispec bench replicas`: RL rollout tokens/s on 1, 2, ... replicas (Ray actors, `verispec.distributed`), the
-same workload side by side in one run."""
+"""`verispec bench replicas`: RL rollout tokens/s on 1, 2, ... replicas (Ray actors, `verispec.rollout.cluster`),
+the same workload side by side in one run."""
 
 from __future__ import annotations
 
 import argparse
 import os
-import sys
 from pathlib import Path
 
-from .bench_rollout import _methods
-from .options import (
-    UsageError,
-    add_bench_inputs,
-    add_bench_model_args,
-    bench_model_options,
-    model_errors,
-    pick,
-    read_bench_prompts,
-    write_bench_report,
-)
+from .bench_rollout import add_methods_arg, add_rollout_inputs, add_rollout_model_args, check_methods
+from .options import UsageError, bench_config, log_stderr, model_errors, read_bench_prompts, write_bench_report
 
 
 def _layouts(text: str) -> tuple[tuple[int, int | None], ...]:
@@ -43,19 +33,9 @@ def add_parser(sub) -> None:
 
     d = ReplicasBenchConfig()
     p = sub.add_parser("replicas", help="rollout tokens/s on 1, 2, ... Ray replicas, side by side")
-    add_bench_inputs(
-        p,
-        "the policy (default: the built-in default model); every replica loads it",
-        "draft model for the draft and history+draft methods",
-        ("--group", 1, d.group, "samples per prompt, G (default %(default)s)"),
-        ("--num-prompts", 1, d.num_prompts, "prompts per category (default %(default)s)"),
-        ("--max-new-tokens", 1, d.max_new_tokens, "per sample (default %(default)s)"),
-        ("--gamma", 1, d.gamma, "draft chain length (default %(default)s)"),
-        ("--shards-per-replica", 1, d.shards_per_replica, "shards per replica and request (default %(default)s)"),
-    )
-    p.add_argument(
-        "--methods", type=_methods, default=d.methods, help=f"comma-separated (default {','.join(d.methods)})"
-    )
+    target_help = "the policy (default: the built-in default model); every replica loads it"
+    add_rollout_inputs(p, d, target_help, "group", "num_prompts", "max_new_tokens", "gamma", "shards_per_replica")
+    add_methods_arg(p, d)
     p.add_argument(
         "--replicas",
         type=_layouts,
@@ -68,13 +48,7 @@ def add_parser(sub) -> None:
         help="a running Ray cluster ('auto', or HEAD:6379); default: start a local Ray instance with the CPUs the "
         "largest layout needs (at least this machine's)",
     )
-    add_bench_model_args(
-        p,
-        "replicas",
-        "quantize the draft model (default: not quantized)",
-        "quantization of the self-draft (default int4)",
-        torch_only=True,  # rollout engines over torch models
-    )
+    add_rollout_model_args(p, "replicas")
     for action in p._actions:
         if "--threads" in action.option_strings:
             action.help = "torch threads per replica of the layouts given without xTHREADS (default 1)"
@@ -96,19 +70,14 @@ def run(args: argparse.Namespace) -> int:
     from ..bench import replicas
     from ..model.loading import DEFAULT_MODEL_NAME, default_model_path
 
-    if args.draft is None and any(replicas.METHODS[m][0] == "model" for m in args.methods):
-        raise UsageError("methods draft, history+draft and history/draft need --draft PATH")
+    check_methods(args)
     if args.device != "cpu":
         raise UsageError("bench replicas runs CPU replicas (--device cpu)")
     threads = args.threads or 1
     layouts = tuple((r, t or threads) for r, t in args.replicas)
-    try:
-        options = pick(args, "group", "num_prompts", "max_new_tokens", "gamma", "shards_per_replica", "dtype")
-        cfg = replicas.ReplicasBenchConfig(
-            **options, methods=args.methods, layouts=layouts, threads=threads, **bench_model_options(args)
-        )
-    except ValueError as e:
-        raise UsageError(str(e)) from None
+    names = ("group", "num_prompts", "max_new_tokens", "gamma", "shards_per_replica", "dtype")
+    extra = dict(methods=args.methods, layouts=layouts, threads=threads)
+    cfg = bench_config(replicas.ReplicasBenchConfig, args, *names, **extra)
     _check_model(args.target, "--target")
     _check_model(args.draft, "--draft")
     prompts = read_bench_prompts(args.prompts)
@@ -130,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
                 args.draft,
                 prompts,
                 cfg,
-                log=lambda m: print(m, file=sys.stderr, flush=True),
+                log=log_stderr,
             )
     finally:
         if started:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .options import add_counts, add_level_arg, add_seed_arg, user_errors
+from .options import add_counts, add_level_arg, add_seed_arg, pick, user_errors
 
 HELP = "reproduce distribution bugs that public engines shipped: each must FAIL, verispec's own samplers PASS"
 
@@ -43,15 +43,8 @@ def run(args: argparse.Namespace) -> int:
     with user_errors():
         select_entries(args.only)  # unknown names are a usage error before anything runs
         with Console(stderr=True).status("known bugs") as status:
-            report = run_known_bugs(
-                samples=args.samples,
-                tail_draws=args.tail_draws,
-                level=args.level,
-                seed=args.seed,
-                only=args.only,
-                progress=lambda what: status.update(f"known bugs: {what}"),
-                full=args.full,
-            )
+            options = pick(args, "samples", "tail_draws", "level", "seed", "only", "full")
+            report = run_known_bugs(**options, progress=lambda what: status.update(f"known bugs: {what}"))
     md, js = write_report(report, args.out)
     _print_table(report)
     print(f"report: {md}, {js}", file=sys.stderr)
