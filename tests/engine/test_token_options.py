@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from verispec.drafting import Draft, Proposer
+from verispec.engine import verify
 from verispec.engine.generator import SpeculativeGenerator
 from verispec.engine.session import GenerationSession
 
@@ -122,10 +123,11 @@ def test_generator_with_token_options_samples_the_exact_distribution(kind, n, ti
         assert gen.last_stats.accepted > 0 and gen.last_stats.accepted < gen.last_stats.drafted
 
 
-def _score_without_draft_context(self, view, chunk, ids, par, parents=None):
+def _score_without_draft_context(batch, chunk, ids, par, parents=None):
     """Broken on purpose: every verification slot's p sees the bad-word context before the step (the drafts on
     the path to it left out), while penalties still count them."""
-    logits = self.core.runner.forward(chunk, parents=parents)[:, : ids.shape[1] + 1]
+    view = batch.view
+    logits = batch.runner.forward(chunk, parents=parents)[:, : ids.shape[1] + 1]
     counts, _ = view.node_context(ids, par)
     recent = view.recent.unsqueeze(1).expand(-1, ids.shape[1] + 1, -1)
     return logits, view.probs(logits, counts, recent)
@@ -133,7 +135,7 @@ def _score_without_draft_context(self, view, chunk, ids, par, parents=None):
 
 @pytest.mark.parametrize("n", [N, pytest.param(N_SLOW, marks=pytest.mark.slow, id="large")])
 def test_bad_word_context_without_the_drafts_is_rejected(n, tiny_target, tiny_noisy, exact, monkeypatch):
-    monkeypatch.setattr(GenerationSession, "_score", _score_without_draft_context)
+    monkeypatch.setattr(verify, "score", _score_without_draft_context)
     gen = _generator("chain", tiny_target, tiny_noisy)
     result = gof(sample(gen, n), exact)
     assert result.rejects(LEVEL), result

@@ -16,9 +16,6 @@ import time
 import torch
 
 from ..model.fast import make_runner
-from ..sampling import sample_from_weights
-from ..sampling.coupling import coupled_draws
-from ..sampling.positional import DRAFT, keyed_uniforms
 from ..sampling.tree import chain_parents
 from .base import BatchView, Draft, Proposer
 from .tree import TreeSpec, grow_tree
@@ -91,20 +88,14 @@ class DraftModelProposer(Proposer):
                 probs = torch.zeros((B, k + 1, q.shape[-1]), dtype=q.dtype, device=dev)
             probs[:, j] = q
             active = [g > j for g in gammas]
-            if view.coupling == "gumbel":  # the target's race at this output position: agrees often, stays exact
-                tok = coupled_draws(q, view.seeds, [pos + j for pos in view.positions], active).clamp(min=0)
-            elif view.seeding == "position":  # U(seed, position, DRAFT): the same draw whatever the step
-                u = keyed_uniforms(view.seeds, [[pos + j] for pos in view.positions], DRAFT, dev).squeeze(1)
-                tok = sample_from_weights(q, u)
-            else:
-                tok = sample_from_weights(q, _uniforms(view.generators, active).to(dev))  # [B]
+            tok = view.randomness.draw(q, view, j, active)  # [B]: the engine's randomness (engine.randomness)
             ids[:, j] = torch.where(torch.tensor(active, device=dev), tok, -1)
             if self.stop_below is not None:
-                # confidence from the draft's own unprocessed distribution (a greedy q is always one-hot); with
-                # seeding="position" the step's last draft is not fed to the target, so draft one more after it
+                # confidence from the draft's own unprocessed distribution (a greedy q is always one-hot); drafts the
+                # target is not fed (the randomness's lookahead) follow the last one kept
                 own = logits.gather(1, tok.unsqueeze(1)).squeeze(1) - logits.logsumexp(-1)  # [B]: log softmax at tok
                 unsure = (own < (math.log(self.stop_below) if self.stop_below > 0 else -math.inf)).tolist()
-                last = j + (2 if view.seeding == "position" else 1)
+                last = j + 1 + view.randomness.lookahead
                 gammas = [min(last, g) if (a and low) else g for g, a, low in zip(gammas, active, unsure)]
             if max(gammas) <= j + 1:
                 break
@@ -138,12 +129,3 @@ class DraftModelProposer(Proposer):
         vocab, runner, quant = self._runner_args
         self.runner = make_runner(self.model, vocab, runner=runner, quant=quant)
         return time.perf_counter() - t0
-
-
-def _uniforms(generators: list[torch.Generator], active: list[bool]) -> torch.Tensor:  # [B] float64
-    """One uniform per active row from its own generator (rows that do not draft here consume none)."""
-    u = torch.zeros(len(active), dtype=torch.float64)
-    for b, a in enumerate(active):
-        if a:
-            u[b] = torch.rand((), dtype=torch.float64, generator=generators[b])
-    return u

@@ -17,8 +17,11 @@ from ..sampling import (
     recent_at_nodes,
     recent_tokens,
 )
+from .randomness import RANDOMNESS, Randomness
 
 __all__ = ["BatchView"]
+
+STREAM = RANDOMNESS["stream"]
 
 
 @dataclass
@@ -38,10 +41,17 @@ class BatchView:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     seeds: list[int] | None = None  # per-row request seeds (the coupling noise's key)
     positions: list[int] | None = None  # per row: the output position of the next token (tokens emitted so far)
-    coupling: str | None = None  # "gumbel": draw drafts with the target's keyed noise (sampling.coupling)
-    seeding: str = "stream"  # "position": draw drafts with uniforms keyed by (seed, position) (sampling.positional)
+    randomness: Randomness = STREAM  # how drafts are drawn: the engine's setting (engine.randomness)
     sampling: SamplingMetadata | None = None  # params as tensors, built once per batch membership; None: per call
     recent: Tensor | None = None  # [B, M] int64: last context tokens, most recent first (multi-token bad words)
+
+    @property
+    def coupling(self) -> str | None:  # (the older name) "gumbel" or None
+        return "gumbel" if self.randomness.name == "gumbel" else None
+
+    @property
+    def seeding(self) -> str:  # (the older name) "position" or "stream"
+        return "position" if self.randomness.name == "position" else "stream"
 
     def __post_init__(self):
         depth = (

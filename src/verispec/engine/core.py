@@ -16,7 +16,9 @@ from ..model.protocol import Runner
 from ..model.weights import update_weights
 from ..sampling import SamplingParams
 from .adaptive import GammaController, check_gamma
+from .randomness import Randomness, randomness
 from .request import Request
+from .verify import make_verification
 
 __all__ = ["EngineCore", "WeightUpdate"]
 
@@ -48,10 +50,14 @@ class EngineCore:
     weight_version: int = 0
     device: torch.device = field(init=False)
     max_positions: int | None = field(init=False)
+    randomness: Randomness = field(init=False)  # how drafter and verifier draw (from seeding and coupling)
+    verification: Callable = field(init=False)  # the step's verification (engine.verify), chosen once here
 
     def __post_init__(self):
         self.device = self.runner.device
         self.max_positions = self.runner.max_positions
+        self.randomness = randomness(self.seeding, self.coupling)
+        self.verification = make_verification(self.verifier, self.tree_verifier, self.randomness)
 
     @property
     def tree(self):

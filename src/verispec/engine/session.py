@@ -27,30 +27,14 @@ from torch import Tensor
 
 from ..drafting import Draft
 from ..sampling import SamplingMetadata, SamplingParams
-from ..sampling.coupling import coupled_targets
-from ..sampling.positional import ACCEPT, FINAL, keyed_uniforms, verify_positional
-from ..sampling.tree import chain_parents
 from .batch import BatchView
 from .core import EngineCore
 from .request import Barrier, Job, Request, check_limits
-from .rows import Completion, Row, StreamEvent, TopLogprobs
+from .rows import Completion, Row, StreamEvent
 from .stats import SpecStats
+from .verify import Batch, StepOutput
 
 __all__ = ["GenerationSession", "StepOutput", "check_limits"]
-
-
-@dataclass(frozen=True)
-class StepOutput:
-    """What one verification step gives each row b of the batch."""
-
-    drafted: list[int]  # [B] draft depth: the most tokens the step could accept
-    nodes: list[int]  # [B] draft tokens the target checked
-    accepted: list[int]  # [B] accepted draft tokens
-    paths: list[list[int]]  # [B][accepted]: the accepted draft nodes, root's child first
-    tokens: list[list[int]]  # [B][accepted + 1]: accepted tokens, then the recovered / bonus token
-    logprobs: list[list[float]]  # [B][accepted + 1]: log p(x) under the processed target distribution
-    raw_logprobs: list[list[float]]  # [B][accepted + 1]: log softmax(target logits)(x)
-    top: list[list[TopLogprobs]] | None  # [B][accepted + 1]: best raw alternatives, when a row asked for them
 
 
 @dataclass(eq=False)
@@ -262,8 +246,7 @@ class GenerationSession:
             device=core.device,
             seeds=[r.seed for r in rows],
             positions=[len(r.tokens) for r in rows],
-            coupling=core.coupling,
-            seeding=core.seeding,
+            randomness=core.randomness,
             sampling=self.sampling if rows is self.rows else None,  # the batch's, built at its last membership change
         )
 
@@ -344,8 +327,8 @@ class GenerationSession:
         caps = self._caps()
         t0 = time.perf_counter()
         if core.proposer is not None:  # also with every cap 0: its state then follows the step (update)
-            if core.seeding == "position":  # one draft more than the target is fed: the last position is drafted
-                caps = [c + 1 for c in caps]
+            if core.randomness.lookahead:  # drafts past those the target is fed (positional seeding: one)
+                caps = [c + core.randomness.lookahead for c in caps]
             draft = core.proposer.propose(view, caps)
         else:
             draft = Draft.empty(len(self.rows), core.device)
@@ -357,123 +340,15 @@ class GenerationSession:
 
     # --- verify ---------------------------------------------------------------------------------------
     def _verify(self, view: BatchView, draft: Draft) -> StepOutput:
-        """One target forward over the pending tokens and the drafts, then exact verification."""
-        core, rows, dev = self.core, self.rows, self.core.device
-        t0 = time.perf_counter()
-        if core.seeding == "position":
-            return self._verify_positional(view, draft, t0)
-        nn = draft.num_nodes
-        N = max(nn)
-        ids, par = draft.token_ids[:, :N], draft.parents[:, :N]  # [B, N]
-        node_ids, node_par = ids.tolist(), par.tolist()
-        chunk = [[r.seq[-1]] + node_ids[b][: nn[b]] for b, r in enumerate(rows)]
-        parents = None if draft.chain else [[-1] + [p + 1 for p in node_par[b][: nn[b]]] for b in range(len(rows))]
-        logits, p = self._score(view, chunk, ids, par, parents)  # [B, N + 1, V]: root, then the nodes
-        num = torch.tensor(nn, device=dev)
-        p_v = p if core.coupling is None else coupled_targets(p, view.seeds, _slot_positions(view, draft, N))
-        if draft.chain:
-            q = draft.probs[:, :N] if draft.probs is not None else None  # [B, N, V]
-            out = core.verifier(p_v, ids, q, num, view.generators, check=False)
-            accepted = out.num_accepted.tolist()
-            paths = [list(range(a)) for a in accepted]
-        else:
-            q = draft.probs[:, : N + 1] if draft.probs is not None else None  # [B, N + 1, V]
-            sampled = draft.sampled[:, :N] if draft.sampled is not None else None
-            out = core.tree_verifier(
-                p_v, ids, par, q, num, view.generators, rule=draft.rule, check=False, sampled=sampled
-            )
-            accepted = out.num_accepted.tolist()
-            paths = [row[:a] for row, a in zip(out.path.tolist(), accepted)]
-        step = self._outputs(draft, logits, p, out.token_ids, paths, accepted)
+        """One target forward over the pending tokens and the drafts, then exact verification (the core's)."""
+        core, t0 = self.core, time.perf_counter()
+        batch = Batch(core.runner, self.rows, view, self.sampling.all_identity)
+        step, width = core.verification(batch, draft)
         seconds = time.perf_counter() - t0
         self.stats.verify_time += seconds
         if draft.chain:
-            core.controller.observe_verify(N + 1, seconds, len(rows))
+            core.controller.observe_verify(width, seconds, len(self.rows))
         return step
-
-    def _score(self, view: BatchView, chunk, ids: Tensor, par: Tensor, parents=None) -> tuple[Tensor, Tensor]:
-        """One target forward over each row's chunk (pending token + fed nodes `ids` [B, N] below `par`): the logits
-        and the processed p at the root and after every node, [B, N + 1, V] each."""
-        logits = self.core.runner.forward(chunk, parents=parents)[:, : ids.shape[1] + 1]
-        counts, recent = view.node_context(ids, par)  # each slot's own path: what the drafter's q saw there
-        return logits, view.probs(logits, counts, recent)
-
-    def _verify_positional(self, view: BatchView, draft: Draft, t0: float) -> StepOutput:
-        """seeding="position" (chains): the target is fed every draft but each row's last, which is verified
-        against the p after the fed ones like any draft (sampling.positional), every uniform keyed by position."""
-        core, dev = self.core, self.core.device
-        fed = [max(n - 1, 0) for n in draft.num_nodes]
-        F = max(fed)
-        B = len(fed)
-        ids = torch.full((B, F + 1), -1, dtype=torch.int64, device=dev)  # [B, F + 1]: drafts at every slot
-        width = min(draft.token_ids.shape[1], F + 1)
-        ids[:, :width] = draft.token_ids[:, :width]
-        node_ids = ids.tolist()
-        chunk = [[r.seq[-1]] + node_ids[b][: fed[b]] for b, r in enumerate(self.rows)]
-        fed_ids = torch.where(torch.arange(F, device=dev) < torch.tensor(fed, device=dev).unsqueeze(1), ids[:, :F], -1)
-        logits, p = self._score(view, chunk, fed_ids, chain_parents(B, F, dev))  # [B, F + 1, V]
-        q = torch.zeros_like(p) if draft.probs is None else draft.probs[:, : F + 1].to(p.dtype)
-        if q.shape[1] < F + 1:
-            q = torch.cat([q, torch.zeros_like(p[:, q.shape[1] :])], 1)
-        slots = [[n + j for j in range(F + 1)] for n in view.positions]
-        out = verify_positional(
-            p,
-            ids,
-            q,
-            torch.tensor(fed, device=dev),
-            keyed_uniforms(view.seeds, slots, ACCEPT, dev),
-            keyed_uniforms(view.seeds, slots, FINAL, dev),
-            has_last=torch.tensor([n > 0 for n in draft.num_nodes], device=dev),
-        )
-        accepted = out.num_accepted.tolist()
-        fed_draft = Draft.chain_of(fed_ids, None if draft.probs is None else q, fed)
-        step = self._outputs(fed_draft, logits, p, out.token_ids, [list(range(a)) for a in accepted], accepted)
-        seconds = time.perf_counter() - t0
-        self.stats.verify_time += seconds
-        core.controller.observe_verify(F + 1, seconds, B)
-        return step
-
-    def _outputs(
-        self, draft: Draft, logits: Tensor, p: Tensor, token_ids: Tensor, paths: list[list[int]], accepted: list[int]
-    ) -> StepOutput:
-        """Emitted tokens with their processed and raw target logprobs (and top alternatives) at their slots.
-        logits, p [B, N + 1, V]; token_ids [B, D + 1] (-1 padded)."""
-        B, D1 = token_ids.shape
-        tok = token_ids.clamp(min=0).unsqueeze(-1)  # [B, D + 1, 1] (padding -> 0, never read)
-        if draft.chain:  # the emitted token j sits at slot j
-            p_e, logits_e = p[:, :D1], logits[:, :D1]
-        else:  # slot 0 (the root), then the accepted path's nodes
-            slots = torch.zeros((B, D1), dtype=torch.int64)
-            for b, path in enumerate(paths):
-                slots[b, 1 : len(path) + 1] = torch.tensor([n + 1 for n in path], dtype=torch.int64)
-            sl = slots.to(logits.device).unsqueeze(-1).expand(-1, -1, logits.shape[-1])
-            p_e, logits_e = p.gather(1, sl), logits.gather(1, sl)  # [B, D + 1, V]
-        lp_t = p_e.gather(-1, tok).squeeze(-1).log()  # [B, D + 1]
-        lp = lp_t.tolist()
-        n_top = max(r.top_logprobs for r in self.rows)
-        if n_top or not self.sampling.all_identity:  # (the batch's metadata: computed once per membership)
-            log_z = logits_e.logsumexp(-1, keepdim=True)  # [B, D + 1, 1]
-            raw = (logits_e.gather(-1, tok) - log_z).squeeze(-1).tolist()
-        else:  # p is softmax(logits) itself (temperature 1, no processing): no second pass over [B, D + 1, V]
-            raw = lp
-        top = None
-        if n_top:
-            values, top_ids = logits_e.topk(n_top, dim=-1)  # [B, D + 1, n_top]
-            top = [
-                [list(zip(i, v)) for i, v in zip(ids_b, vals_b)]
-                for ids_b, vals_b in zip(top_ids.tolist(), (values - log_z).tolist())
-            ]
-        emitted = [row[: a + 1] for row, a in zip(token_ids.tolist(), accepted)]
-        return StepOutput(
-            drafted=list(draft.depth),
-            nodes=list(draft.num_nodes),
-            accepted=accepted,
-            paths=paths,
-            tokens=emitted,
-            logprobs=[row[: a + 1] for row, a in zip(lp, accepted)],
-            raw_logprobs=[row[: a + 1] for row, a in zip(raw, accepted)],
-            top=None if top is None else [row[: a + 1] for row, a in zip(top, accepted)],
-        )
 
     # --- commit and emit ------------------------------------------------------------------------------
     def _commit(self, view: BatchView, draft: Draft, out: StepOutput) -> None:
@@ -540,18 +415,3 @@ def _aborted(req: Request, weight_version: int | None) -> StreamEvent:
         weight_version=weight_version,
     )
     return StreamEvent(req.index, "", [], completion=c, key=req.key)
-
-
-def _slot_positions(view: BatchView, draft: Draft, N: int) -> list[list[int]]:
-    """[B][N + 1]: the output position each verification slot samples (slot 0: the next token; slot n + 1: the
-    token after node n, one deeper than n). Padding slots get a position too (never emitted)."""
-    out = []
-    for b, start in enumerate(view.positions):
-        if draft.chain:
-            out.append([start + t for t in range(N + 1)])
-            continue
-        depth: list[int] = []
-        for par in draft.parents[b, :N].tolist():
-            depth.append(depth[par] + 1 if par >= 0 else 0)
-        out.append([start] + [start + d + 1 for d in depth])
-    return out
