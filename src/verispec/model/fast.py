@@ -168,33 +168,13 @@ class FastRunner(HFRunner):
             if group_size is None:
                 raise ValueError(f"int4 needs layer input sizes {sorted(inputs)} divisible by 32")
         self.group_size = group_size
-        types = list(getattr(cfg, "layer_types", None) or [])
-        window = getattr(cfg, "sliding_window", None)
 
         def lin(weight, bias=None):
             return make_linear(weight, bias, quant=quant, act_dtype=self.dtype, group_size=group_size or 128)
 
-        share = quant is None  # dense: the model's parameters become views of the fused weights
-        self.layers: list[_Layer] = []
-        for i, layer in enumerate(base.layers):
-            att, mlp = layer.self_attn, layer.mlp
-            qkv_w, qkv_b = _fuse([att.q_proj, att.k_proj, att.v_proj], share)
-            gu_w, gu_b = _fuse([mlp.gate_proj, mlp.up_proj], share)
-            kind = types[i] if i < len(types) else ("sliding_attention" if window else "full_attention")
-            self.layers.append(
-                _Layer(
-                    ln_attn=self._cast(layer.input_layernorm.weight),
-                    ln_mlp=self._cast(layer.post_attention_layernorm.weight),
-                    qkv=lin(qkv_w, qkv_b),
-                    o=lin(att.o_proj.weight, att.o_proj.bias),
-                    gate_up=lin(gu_w, gu_b),
-                    down=lin(mlp.down_proj.weight, mlp.down_proj.bias),
-                    q_norm=self._cast(att.q_norm.weight) if hasattr(att, "q_norm") else None,
-                    k_norm=self._cast(att.k_norm.weight) if hasattr(att, "k_norm") else None,
-                    mask_key=kind,
-                )
-            )
-            del qkv_w, gu_w  # dense: still alive as the views; quantized: only the quantized copies remain
+        self.layers: list[_Layer] = [
+            self._layer(i, layer, lin, share=quant is None) for i, layer in enumerate(base.layers)
+        ]
         self.intermediate = cfg.intermediate_size
         self.final_norm = self._cast(base.norm.weight)
         self.embed = base.embed_tokens.weight  # [V_rows, H], gathered then cast (never copied)
@@ -206,6 +186,28 @@ class FastRunner(HFRunner):
 
     def _cast(self, t: Tensor) -> Tensor:
         return t.detach().to(self.dtype)
+
+    def _layer(self, i: int, layer, lin, share: bool) -> _Layer:
+        """Decoder layer i with fused q/k/v and gate/up weights (share: dense, the model's parameters become views of
+        the fused weights; quantized: only the quantized copies remain)."""
+        cfg = self.config
+        types = list(getattr(cfg, "layer_types", None) or [])
+        window = getattr(cfg, "sliding_window", None)
+        att, mlp = layer.self_attn, layer.mlp
+        qkv_w, qkv_b = _fuse([att.q_proj, att.k_proj, att.v_proj], share)
+        gu_w, gu_b = _fuse([mlp.gate_proj, mlp.up_proj], share)
+        kind = types[i] if i < len(types) else ("sliding_attention" if window else "full_attention")
+        return _Layer(
+            ln_attn=self._cast(layer.input_layernorm.weight),
+            ln_mlp=self._cast(layer.post_attention_layernorm.weight),
+            qkv=lin(qkv_w, qkv_b),
+            o=lin(att.o_proj.weight, att.o_proj.bias),
+            gate_up=lin(gu_w, gu_b),
+            down=lin(mlp.down_proj.weight, mlp.down_proj.bias),
+            q_norm=self._cast(att.q_norm.weight) if hasattr(att, "q_norm") else None,
+            k_norm=self._cast(att.k_norm.weight) if hasattr(att, "k_norm") else None,
+            mask_key=kind,
+        )
 
     @property
     def kernels(self) -> dict[str, int]:
