@@ -29,8 +29,8 @@ from ..drafting import DraftModelProposer, PromptLookupProposer, Proposer, TreeS
 from ..model.fast import make_runner
 from ..model.loading import LoadedModel, shared_vocab_size
 from ..sampling import CHAIN_RULES, SamplingParams, verify_tree
-from ..sampling.coupling import COUPLINGS
 from .adaptive import GammaController, measure_cost_curve
+from .config import UNSET, SpecConfig, config_from_keywords, keyword_items
 from .core import EngineCore
 from .request import Job, check_limits
 from .rows import Completion, StreamEvent
@@ -41,85 +41,81 @@ __all__ = ["Completion", "GenerationSession", "SpeculativeGenerator", "StreamEve
 
 
 class SpeculativeGenerator:
-    """Speculative decoding with a target model and a drafter.
+    """Speculative decoding with a target model and a drafter, as a `SpecConfig` says (`verispec.engine.config`:
+    drafter, gamma, tree, verification rule, randomness, runner; its docstring explains every key).
 
-    draft: a `LoadedModel` (draft model), "self" (the target's own weights, quantized: needs draft_quant),
-    "ngram" (prompt lookup), a `Proposer`, or None / "none" (plain decoding through the same loop: the
-    honest baseline). gamma: drafts per step (an upper bound when a draft model stops early), or "auto".
-    draft_stop_below: a draft model stops drafting for a row once its own probability of a drafted token
-    falls below this (None: always draft gamma tokens). runner: "auto" (verispec's fast forward where the
-    architecture is supported, else transformers'), "fast" or "hf", for target and draft model.
-    draft_quant: None, "int8" or "int4": weight-only quantized draft weights (lossless: q is what the
-    quantized draft sampled from).
-    tree: None (chains) or a token tree per step — a `TreeSpec` or its string form ("4-2-2-1": children per
-    node at each depth; "dynamic-D-K-M": EAGLE-2), drafted by the draft model (or, for "ngram", several prompt
-    matches as branches; a custom `Proposer` brings its own `tree`) and verified in one tree-masked target pass with verify_tree; tree_rule: how children
-    are drawn and verified ("deterministic" top-k, "iid", "without_replacement"). With a tree, gamma only
-    switches speculation on or off per request; the tree's shape sets the draft.
-    verify: how chains are verified — "token" (token-wise, Leviathan et al.) or "block" (block verification, Sun
-    et al. 2025: the same exactness, an accepted prefix at least as long in expectation; `sampling.block`).
-    coupling: None, or "gumbel": every output token is the exponential race of the target's p under noise keyed by
-    (request seed, output position), and a draft model draws with the same noise (`sampling.coupling`): a seeded
-    request then gives plain decoding's output under the same coupling, token for token, for every drafter, gamma,
-    tree and batch (per position it keeps a draft with probability between (1 - TV) / (1 + TV) and 1 - TV, the
-    optimal rules' acceptance).
-    seeding: "stream" (each request's uniforms come from its generator in draw order) or "position" (every uniform
-    keyed by (seed, output position, purpose) and the step's last position drafted too, `sampling.positional`): a
-    seeded request's tokens then do not depend on gamma (auto included), the batch or timing, with no loss of
-    acceptance, for one draft forward more per step; token-wise chains from a draft model (or plain decoding) only.
-    Its stats count the drafts fed to the target (the last draft of a step shows in tau, not in `accepted`), and
-    gamma auto prices a step's drafts without that last one.
+    draft: what the config's drafter drafts with — a `LoadedModel` for draft=model, a `Proposer` for draft=custom
+    (or a `RolloutEngine`'s history drafter), else None. config: the SpecConfig (default: SpecConfig(), prompt
+    lookup with gamma auto). verifier / tree_verifier: overrides of the verification functions (verify_chain's and
+    verify_tree's interfaces; `verispec certify --inject` and the lossy study swap them), not configuration.
+
+    The keyword arguments of earlier versions still build the config, each setting its keys: draft as a string
+    ("ngram", "self", "none" or None: plain decoding, the honest baseline) or an object, gamma, max_gamma,
+    ngram_sizes (ngram), draft_stop_below (stop_below), runner, draft_quant (quant), tree (a TreeSpec or its
+    string) with tree_rule, verify, and seeding ("stream" / "position") with coupling (None / "gumbel"), which are
+    the one key random. Given beside config, each must agree with it. Under random=position the stats count the
+    drafts fed to the target (the last draft of a step shows in tau, not in `accepted`), and gamma auto prices a
+    step's drafts without that last one.
     """
 
     def __init__(
         self,
         target: LoadedModel,
-        draft: LoadedModel | Proposer | str | None = "ngram",
+        draft: LoadedModel | Proposer | str | None = UNSET,
         *,
-        gamma: int | str = "auto",
-        max_gamma: int = 8,
-        ngram_sizes: Sequence[int] = (3, 2, 1),
-        draft_stop_below: float | None = 0.3,
-        runner: str = "auto",
-        draft_quant: str | None = None,
-        verify: str = "token",
-        coupling: str | None = None,
-        seeding: str = "stream",
+        config: SpecConfig | None = None,
+        gamma: int | str = UNSET,
+        max_gamma: int = UNSET,
+        ngram_sizes: Sequence[int] = UNSET,
+        draft_stop_below: float | None = UNSET,
+        runner: str = UNSET,
+        draft_quant: str | None = UNSET,
+        verify: str = UNSET,
+        coupling: str | None = UNSET,
+        seeding: str = UNSET,
         verifier=None,
-        tree: TreeSpec | str | None = None,
-        tree_rule: str | None = None,
+        tree: TreeSpec | str | None = UNSET,
+        tree_rule: str | None = UNSET,
         tree_verifier=verify_tree,
     ):
         self.target = target
         self.tokenizer = target.tokenizer
-        if verify not in CHAIN_RULES:
-            raise ValueError(f"verify must be one of {', '.join(CHAIN_RULES)}, got {verify!r}")
-        if verifier is not None and verify != "token":
-            raise ValueError(f"verify={verify!r} and a verifier override exclude each other")
-        if coupling is not None and coupling not in COUPLINGS:
-            raise ValueError(f"coupling must be None or one of {', '.join(COUPLINGS)}, got {coupling!r}")
-        if seeding not in SEEDINGS:
-            raise ValueError(f"seeding must be one of {', '.join(SEEDINGS)}, got {seeding!r}")
-        self.verify = verify
-        self.coupling = coupling
-        self.seeding = seeding
+        keywords = {
+            "draft": draft,
+            "gamma": gamma,
+            "max_gamma": max_gamma,
+            "ngram_sizes": ngram_sizes,
+            "draft_stop_below": draft_stop_below,
+            "runner": runner,
+            "draft_quant": draft_quant,
+            "verify": verify,
+            "coupling": coupling,
+            "seeding": seeding,
+            "tree": tree,
+            "tree_rule": tree_rule,
+        }
+        self.config, draft = _spec_config(config, {k: v for k, v in keywords.items() if v is not UNSET})
+        cfg = self.config
+        if verifier is not None and cfg.chain_rule != "token":
+            raise ValueError(f"verify={cfg.chain_rule!r} and a verifier override exclude each other")
+        self.verify = cfg.chain_rule  # "token" or "block" (chains); "token" where trees are drafted
+        self.coupling = cfg.coupling
+        self.seeding = cfg.seeding
         # the verification functions (verify_chain's and verify_tree's interfaces): `verispec certify --inject`
         # and the lossy variants of the study swap them, nothing else should
-        self.verifier = CHAIN_RULES[verify] if verifier is None else verifier
+        self.verifier = CHAIN_RULES[self.verify] if verifier is None else verifier
         self.tree_verifier = tree_verifier
-        tree = _tree_spec(tree, tree_rule)
-        self.proposer, self.vocab_size = self._proposer(
-            target, draft, tree, ngram_sizes, draft_stop_below, runner, draft_quant
-        )
+        self.proposer, self.vocab_size = self._proposer(target, draft, cfg)
         self.tree = self.proposer.tree if self.proposer is not None else None
-        if self.tree is not None and verify != "token":
+        if self.tree is not None and self.verify != "token":
             raise ValueError(
-                f"verify={verify!r} verifies chains; a tree is verified by its own rule (tree_rule), drop one of them"
+                f"verify={self.verify!r} verifies chains, and the {type(self.proposer).__name__} drafts trees "
+                "(verified by their own rule)"
             )
-        if seeding == "position":
-            _check_position_seeding(self.proposer, verify, coupling, verifier)
-        self.controller = GammaController(0 if self.proposer is None else gamma, max_gamma)
-        self.runner = make_runner(target.model, self.vocab_size, runner=runner)
+        if cfg.random == "position":
+            _check_position_seeding(self.proposer, verifier)
+        self.controller = GammaController(0 if self.proposer is None else cfg.gamma, cfg.max_gamma)
+        self.runner = make_runner(target.model, self.vocab_size, runner=cfg.runner)
         self.device = self.runner.device
         self.eos_ids = _eos_ids(self.tokenizer, target.model)
         self.max_positions = self.runner.max_positions
@@ -140,33 +136,23 @@ class SpeculativeGenerator:
         )
 
     @staticmethod
-    def _proposer(target, draft, tree, ngram_sizes, stop_below, runner, quant) -> tuple[Proposer | None, int]:
-        """The drafter for `draft` (see the class docstring) and the vocabulary size target and draft share."""
-        if quant is not None and not (isinstance(draft, LoadedModel) or draft == "self"):
-            raise ValueError(f"draft_quant={quant!r} applies to a draft model or draft='self', not to {draft!r}")
-        if draft == "self" and quant is None:
-            raise ValueError(
-                "draft='self' needs draft_quant ('int8' or 'int4'): an unquantized copy of the target "
-                "costs as much as the target"
-            )
-        if isinstance(draft, LoadedModel) or draft == "self":
-            model = target if draft == "self" else draft
+    def _proposer(target: LoadedModel, draft, config: SpecConfig) -> tuple[Proposer | None, int]:
+        """The drafter the config names (draft: the object it drafts with, if any; see `_spec_config`) and the
+        vocabulary size target and draft share."""
+        kind, tree = config.drafter, config.tree_spec
+        if kind.uses_model and kind.built_by_generator:
+            model = target if kind.target_weights else draft
             vocab = shared_vocab_size(target, model)
-            return DraftModelProposer(model.model, vocab, stop_below, tree=tree, runner=runner, quant=quant), vocab
+            proposer = DraftModelProposer(
+                model.model, vocab, config.stop_below, tree=tree, runner=config.runner, quant=config.quant
+            )
+            return proposer, vocab
         vocab = shared_vocab_size(target, None)
-        if draft is None or draft == "none":
-            if tree is not None:
-                raise ValueError("a tree needs a drafter (a draft model, 'self' or 'ngram')")
+        if config.draft == "none":
             return None, vocab
-        if isinstance(draft, str) and draft == "ngram":
-            return PromptLookupProposer(tuple(ngram_sizes), tree=tree), vocab
-        if isinstance(draft, Proposer):
-            if tree is not None:
-                raise ValueError(
-                    f"pass the tree to the {type(draft).__name__} itself (its `tree`), not to the generator"
-                )
-            return draft, vocab
-        raise ValueError(f"draft must be a loaded model, 'self', 'ngram', 'none' or a Proposer, got {draft!r}")
+        if config.draft == "ngram":
+            return PromptLookupProposer(config.ngram, tree=tree), vocab
+        return draft, vocab  # a Proposer given (draft=custom, or a RolloutEngine's history drafter)
 
     # --- input handling -------------------------------------------------------------------------------
     def encode(self, prompt: str | Sequence[int] | Sequence[dict], chat: bool = False) -> list[int]:
@@ -180,22 +166,11 @@ class SpeculativeGenerator:
 
     # --- public API -----------------------------------------------------------------------------------
     def generate(
-        self,
-        prompts,
-        params: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
-        *,
-        max_new_tokens: int = 128,
-        stop: str | Sequence[str] | None = (),
-        chat: bool = False,
-        ignore_eos: bool = False,
+        self, prompts, params: SamplingParams | Sequence[SamplingParams] = SamplingParams(), **options
     ) -> list[Completion]:
-        """Generate for one prompt (text, token ids or chat messages) or a list of them; one Completion each."""
-        done: list[Completion] = []
-        for event in self.stream(
-            prompts, params, max_new_tokens=max_new_tokens, stop=stop, chat=chat, ignore_eos=ignore_eos
-        ):
-            if event.completion is not None:
-                done.append(event.completion)
+        """Generate for one prompt (text, token ids or chat messages) or a list of them; one Completion each.
+        options: `stream`'s (max_new_tokens, stop, chat, ignore_eos)."""
+        done = [event.completion for event in self.stream(prompts, params, **options) if event.completion is not None]
         return sorted(done, key=lambda c: c.index)
 
     def stream(
@@ -208,7 +183,9 @@ class SpeculativeGenerator:
         chat: bool = False,
         ignore_eos: bool = False,
     ) -> Iterator[StreamEvent]:
-        """Like generate, but yields text deltas per request as steps are accepted."""
+        """Generate for one prompt or a list of them, yielding text deltas per request as steps are accepted (a
+        request's last event carries its Completion). max_new_tokens: each request's budget; stop: stop strings;
+        chat: apply the chat template to text prompts; ignore_eos: generate past EOS."""
         max_new_tokens, stop = check_limits(max_new_tokens, stop)
         prompts = _prompt_list(prompts)
         if isinstance(params, SamplingParams):
@@ -221,7 +198,9 @@ class SpeculativeGenerator:
         ):
             raise ValueError("params must be one SamplingParams, or one per prompt")
         requests = [  # every prompt is validated before any step
-            self.core.request(p, sp, max_new_tokens=max_new_tokens, stop=stop, chat=chat, ignore_eos=ignore_eos, index=i)
+            self.core.request(
+                p, sp, max_new_tokens=max_new_tokens, stop=stop, chat=chat, ignore_eos=ignore_eos, index=i
+            )
             for i, (p, sp) in enumerate(zip(prompts, params))
         ]
         sess = GenerationSession(self.core)
@@ -263,29 +242,48 @@ class SpeculativeGenerator:
         self.stats.merge(pooled)
 
 
-SEEDINGS = ("stream", "position")
+SEEDINGS = ("stream", "position")  # the seedings of `seeding` (SpecConfig's random: stream, position, gumbel)
 
 
-def _check_position_seeding(proposer, verify: str, coupling: str | None, verifier) -> None:
+def _spec_config(config: SpecConfig | None, keywords: dict) -> tuple[SpecConfig, LoadedModel | Proposer | None]:
+    """(the config, the object its drafter drafts with) of the constructor's config and the keyword arguments given
+    (see the class docstring); ValueError when they disagree or the object does not fit the config's drafter."""
+    given = "draft" in keywords
+    draft = keywords.pop("draft", None)
+    obj = draft if isinstance(draft, (LoadedModel, Proposer)) else None
+    if obj is not None and config is None:
+        keywords["draft"] = "model" if isinstance(obj, LoadedModel) else "custom"
+    elif obj is None and given and not (draft is None and config is not None):  # with a config, None: no object
+        keywords["draft"] = draft  # a spelling: "ngram", "self", "none" or None (plain decoding)
+    cfg = config_from_keywords(config, keyword_items(keywords), {})
+    kind = cfg.drafter
+    if isinstance(obj, LoadedModel) and not (kind.model and kind.built_by_generator):
+        raise ValueError(f"a draft model was given as draft, but the config drafts with draft={cfg.draft}")
+    if isinstance(obj, Proposer) and kind.built_by_generator:
+        raise ValueError(
+            f"a {type(obj).__name__} was given as draft, but draft={cfg.draft} builds its own drafter: a given "
+            "Proposer is draft=custom"
+        )
+    if obj is None and kind.model and kind.built_by_generator:
+        where = f" (load_model({cfg.model!r}))" if cfg.model else ""
+        raise ValueError(f"draft=model drafts with a draft model: pass it as draft, a LoadedModel{where}")
+    if obj is None and not kind.built_by_generator:
+        raise ValueError(
+            f"draft={cfg.draft} drafts with a Proposer given as draft (a RolloutEngine builds its history drafter)"
+        )
+    return cfg, obj
+
+
+def _check_position_seeding(proposer, verifier) -> None:
+    """random=position, beyond what the config checks: a Proposer given must draft a draft model's chains, and the
+    verification stays token-wise."""
     if proposer is not None and (not isinstance(proposer, DraftModelProposer) or proposer.tree is not None):
         raise ValueError(
             "seeding='position' needs a draft model drafting chains (its q at every position) or no drafter: "
             "prompt lookup's and history's proposals depend on where a step starts, trees on their shape"
         )
-    if verify != "token" or verifier is not None:
-        raise ValueError("seeding='position' verifies token-wise (block verification's decisions read later positions)")
-    if coupling is not None:
-        raise ValueError("coupling='gumbel' keys its noise by position already: drop seeding='position'")
-
-
-def _tree_spec(tree: TreeSpec | str | None, rule: str | None) -> TreeSpec | None:
-    if isinstance(tree, str):
-        return TreeSpec.parse(tree, rule)
-    if rule is not None and (tree is None or tree.rule != rule):
-        raise ValueError("tree_rule needs a tree (or matches the TreeSpec's rule)")
-    if tree is not None and not isinstance(tree, TreeSpec):
-        raise ValueError(f"tree must be a TreeSpec or a string such as '4-2-2-1', got {tree!r}")
-    return tree
+    if verifier is not None:
+        raise ValueError("seeding='position' verifies token-wise: a verifier override replaces that")
 
 
 def _eos_ids(tokenizer, model) -> set[int]:

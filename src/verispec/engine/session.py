@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -99,33 +98,10 @@ class GenerationSession:
         self.queue.append(live)
         return job.key
 
-    def add(
-        self,
-        prompt,
-        params: SamplingParams = SamplingParams(),
-        *,
-        max_new_tokens: int = 128,
-        stop: str | Sequence[str] | None = (),
-        chat: bool = False,
-        ignore_eos: bool = False,
-        gamma: int | None = None,
-        top_logprobs: int = 0,
-        key: object = None,
-        index: int = 0,
-    ) -> object:
-        """Queue one request as a job of its own (`EngineCore.request` checks it now); returns its key."""
-        req = self.core.request(
-            prompt,
-            params,
-            max_new_tokens=max_new_tokens,
-            stop=stop,
-            chat=chat,
-            ignore_eos=ignore_eos,
-            gamma=gamma,
-            top_logprobs=top_logprobs,
-            key=key,
-            index=index,
-        )
+    def add(self, prompt, params: SamplingParams = SamplingParams(), **options) -> object:
+        """Queue one request as a job of its own; returns its key. options: `EngineCore.request`'s (max_new_tokens,
+        stop, stop_token_ids, chat, ignore_eos, gamma, top_logprobs, key, index), checked now."""
+        req = self.core.request(prompt, params, **options)
         self.submit(Job([req], key=("request", req.key)))
         return req.key
 

@@ -37,6 +37,7 @@ from torch import Tensor
 from ..drafting import DraftModelProposer, Proposer, TreeSpec
 from ..drafting.combined import CombinedProposer
 from ..drafting.history import HistoryProposer, RolloutHistory
+from ..engine.config import DRAFTERS, UNSET, SpecConfig, config_from_keywords, keyword_items, tree_shape
 from ..engine.core import WeightUpdate
 from ..engine.generator import SpeculativeGenerator
 from ..engine.request import Job, check_limits
@@ -78,6 +79,59 @@ def sample_seed(seed: int, prompt_index: int, sample_index: int) -> int:
     """The seed of sample j of prompt i under one request seed (numpy's SeedSequence mixing)."""
     state = np.random.SeedSequence([seed, prompt_index, sample_index]).generate_state(2, np.uint32)
     return (int(state[0]) << 31) ^ int(state[1])  # < 2**63
+
+
+def _rollout_config(config: SpecConfig | None, draft, history, keywords: dict) -> SpecConfig:
+    """The engine's config from `config` and the keyword arguments given (see RolloutEngine's docstring)."""
+    items = keyword_items({k: v for k, v in keywords.items() if k not in _HISTORY_KEYWORDS})
+    if "history_tree" in keywords and keywords["history_tree"] is not None:
+        tree = keywords["history_tree"]
+        if not isinstance(tree, TreeSpec) or tree.rule != "deterministic":
+            raise ValueError("history tries are deterministic (one-hot q): give a TreeSpec with rule 'deterministic'")
+        items["tree"] = tree_shape(tree)
+    items |= {"min_share": keywords["history_min_share"]} if "history_min_share" in keywords else {}
+    items |= {"choose_depth": keywords["choose_depth"]} if "choose_depth" in keywords else {}
+    kind = _draft_kind(draft, history, config)
+    if kind is not None:
+        items["draft"] = kind
+    drafter = DRAFTERS.get(items.get("draft", config.draft if config is not None else RL_DEFAULTS["draft"]))
+    if drafter is not None:
+        if drafter.history and items.get("verify") == "token":
+            del items["verify"]  # "token", the chains' default, beside history's trees
+        if not drafter.history:  # history's keys do nothing without history (as before)
+            items = {k: v for k, v in items.items() if k not in ("min_share", "choose_depth")}
+            items = {k: v for k, v in items.items() if not (k == "tree" and "history_tree" in keywords)}
+        elif not drafter.uses_model:
+            items.pop("choose_depth", None)
+        if drafter.target_weights and config is None and items.get("quant") is None:
+            items["quant"] = "int4"  # the self-draft's default quantization
+    return config_from_keywords(config, items, RL_DEFAULTS)
+
+
+_HISTORY_KEYWORDS = ("history_tree", "history_min_share", "choose_depth")
+
+
+def _draft_kind(draft, history, config: SpecConfig | None) -> str | None:
+    """The draft key that the draft and history arguments spell; None where they only pass objects to a config."""
+    if config is not None and (draft is UNSET or isinstance(draft, (LoadedModel, Proposer))):
+        if history is not UNSET and (history is not False) != config.drafter.history:
+            raise ValueError(f"history={history!r} conflicts with config draft={config.draft}")
+        return None
+    if history is UNSET:  # history by default, except beside prompt lookup, no drafter or a custom Proposer
+        history = config.drafter.history if config is not None else draft not in ("ngram", "none")
+        history = history and not isinstance(draft, Proposer)
+    wants = history is not False
+    if isinstance(draft, Proposer) or draft in ("ngram", "none"):
+        if wants:
+            what = "a custom Proposer brings its own drafting" if isinstance(draft, Proposer) else f"draft={draft!r}"
+            raise ValueError(f"{what} does not draft from history: pass history=False")
+        return "custom" if isinstance(draft, Proposer) else draft
+    if isinstance(draft, LoadedModel) or draft == "self":
+        base = "model" if isinstance(draft, LoadedModel) else "self"
+        return f"{base}+history" if wants else base
+    if draft not in (UNSET, None):
+        raise ValueError(f"draft must be None, 'self', 'ngram', 'none', a LoadedModel or a Proposer, got {draft!r}")
+    return "history" if wants else "none"
 
 
 def _prompt_indices(indices: Sequence[int] | None, count: int) -> list[int]:
@@ -127,81 +181,78 @@ def check_on_policy(params: SamplingParams) -> None:
         )
 
 
-class RolloutEngine:
-    """Rollouts over a target and optional drafters.
+# RL's own defaults (the rest are SpecConfig's, the generator's): rollouts sample the same prompts again and again,
+# so earlier rollouts of a prompt are the drafter (history); a draft model beside them drafts a chain of fixed length
+# (gamma 4: CombinedProposer has no gamma auto), and draft chains run to that length (stop_below none: the last
+# version's behaviour, kept so that a seed gives the same rollouts as before).
+RL_DEFAULTS = {"draft": "history", "gamma": 4, "stop_below": None}
 
-    draft: None (no draft model), "self" (the target's own weights quantized with draft_quant, default "int4";
-    re-quantized after every weight update) or a `LoadedModel` (a separate draft; it keeps its weights unless
-    `update_draft_weights` is called) or any `Proposer`. history: draft from earlier rollouts of the same prompt
-    and from the running siblings of each group (`HistoryProposer`; True, a `RolloutHistory` to share, or
-    False). A draft model and history together draft one tree per step: the history's trie branches beside the
-    draft model's sampled chain (`CombinedProposer`, verified with rule "mixed"). gamma: the draft model's chain
-    length ("auto" without history). history_tree / history_min_share: the history trie's shape and the least
-    share of matched continuations a node needs (`HistoryProposer`). choose_depth (draft model + history): None
-    drafts both in one tree every step; d picks per row the history trie alone where it is at least d deep, else
-    the chain alone (`CombinedProposer`). max_batch_size: rows in the running batch. verify: "token" or "block"
-    verification of a draft model's chains (block needs history=False: history drafts trees). coupling: None or
-    "gumbel" — each sample is then plain decoding's under the same seed, token for token, whatever drafted
-    (`SpeculativeGenerator`), for rollouts that must match a non-speculative reference bit for bit. seeding:
-    "position" makes a seeded sample independent of gamma and batch, with no loss of acceptance (a draft model, no
-    history).
-    runner: see `make_runner`.
+
+class RolloutEngine:
+    """Rollouts over a target and optional drafters, as a `SpecConfig` says (`verispec.engine.config`; default:
+    RL_DEFAULTS over SpecConfig's defaults, i.e. draft=history,gamma=4,stop_below=none).
+
+    The drafters: history (draft from earlier rollouts of the same prompt and from the running siblings of each
+    group, `HistoryProposer`; the `tree` key is its trie's shape, min_share the least share of matched continuations
+    a node needs), a draft model (draft=model: a `LoadedModel` given as draft; it keeps its weights unless
+    `update_draft_weights` is called) or the target's own weights quantized (draft=self; re-quantized after every
+    weight update), both also beside history (model+history, self+history: one tree per step, the trie's branches
+    beside the sampled chain of gamma drafts, `CombinedProposer`, verified with rule "mixed"; choose_depth d picks
+    per row the trie alone where it is at least d deep, else the chain alone), prompt lookup (ngram), none, or any
+    `Proposer` given as draft (custom). history: a `RolloutHistory` to share (the engine makes one otherwise).
+    random=gumbel makes each sample plain decoding's under the same seed, token for token, whatever drafted;
+    random=position a seeded sample independent of gamma and batch (a draft model's chains). max_batch_size: rows in
+    the running batch.
+
+    The keyword arguments of earlier versions still build the config: draft (None: no draft model, "self", "ngram",
+    "none", a LoadedModel or a Proposer) with history (True, False or a RolloutHistory: the +history drafters),
+    draft_quant (quant; "int4" for "self" when not given), history_tree (tree), history_min_share (min_share),
+    choose_depth, gamma, runner, verify, coupling and seeding (random). Beside config, each must agree with it.
     """
 
     def __init__(
         self,
         target: LoadedModel,
-        draft: LoadedModel | Proposer | str | None = None,
+        draft: LoadedModel | Proposer | str | None = UNSET,
         *,
-        draft_quant: str | None = None,
-        history: bool | RolloutHistory = True,
-        history_tree: TreeSpec | None = None,
-        history_min_share: float = 0.0,
-        choose_depth: int | None = None,
-        gamma: int | str = 4,
+        config: SpecConfig | None = None,
+        draft_quant: str | None = UNSET,
+        history: bool | RolloutHistory = UNSET,
+        history_tree: TreeSpec | None = UNSET,
+        history_min_share: float = UNSET,
+        choose_depth: int | None = UNSET,
+        gamma: int | str = UNSET,
         max_batch_size: int = 64,
-        runner: str = "auto",
+        runner: str = UNSET,
         strict_on_policy: bool = True,
-        verify: str = "token",
-        coupling: str | None = None,
-        seeding: str = "stream",
+        verify: str = UNSET,
+        coupling: str | None = UNSET,
+        seeding: str = UNSET,
     ):
         if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise ValueError(f"max_batch_size must be an integer >= 1, got {max_batch_size!r}")
-        if draft == "self" and draft_quant is None:
-            draft_quant = "int4"
-        self.history = history if isinstance(history, RolloutHistory) else RolloutHistory() if history is True else None
-        if history not in (True, False) and not isinstance(history, RolloutHistory):
+        if history is not UNSET and history not in (True, False) and not isinstance(history, RolloutHistory):
             raise ValueError(f"history must be True, False or a RolloutHistory, got {history!r}")
-        history_args = dict(tree=history_tree, min_share=history_min_share)
-        self._choose_depth = choose_depth
-        proposer = self._proposer(target, draft, draft_quant, history_args, runner, gamma)
-        if verify != "token" and proposer is not None and proposer.tree is not None:
-            raise ValueError(
-                f"verify={verify!r} verifies chains, and history drafts trees: pass history=False to use it"
-            )
-        self.gen = SpeculativeGenerator(
-            target,
-            proposer,
-            gamma=gamma if proposer is not None else 0,
-            runner=runner,
-            max_gamma=max(8, gamma) if isinstance(gamma, int) else 8,
-            verify=verify,
-            coupling=coupling,
-            seeding=seeding,
-        )
-        self._init_state(target, draft, max_batch_size, strict_on_policy)
+        keywords = {"draft_quant": draft_quant, "gamma": gamma, "runner": runner, "verify": verify}
+        keywords |= {"coupling": coupling, "seeding": seeding, "history_tree": history_tree}
+        keywords |= {"history_min_share": history_min_share, "choose_depth": choose_depth}
+        keywords = {k: v for k, v in keywords.items() if v is not UNSET}
+        self.config = cfg = _rollout_config(config, draft, history, keywords)
+        shared = history if isinstance(history, RolloutHistory) else None
+        self.history = (shared or RolloutHistory()) if cfg.drafter.history else None
+        self.gen = SpeculativeGenerator(target, self._proposer(target, draft, cfg), config=cfg)
+        self._init_state(target, draft if draft is not UNSET else None, max_batch_size, strict_on_policy)
 
     @classmethod
     def from_generator(
         cls, gen: SpeculativeGenerator, *, max_batch_size: int = 64, strict_on_policy: bool = True
     ) -> RolloutEngine:
-        """Rollouts over an existing generator and its drafter (no history of its own): what `verispec serve`
-        runs its RL routes on, sharing the model with its OpenAI routes. Weight updates go to gen's target."""
+        """Rollouts over an existing generator, its config and its drafter (no history of its own): what `verispec
+        serve` runs its RL routes on, sharing the model with its OpenAI routes. Weight updates go to gen's target."""
         if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise ValueError(f"max_batch_size must be an integer >= 1, got {max_batch_size!r}")
         eng = cls.__new__(cls)
-        eng.history, eng._choose_depth, eng.gen = None, None, gen
+        eng.history, eng.gen, eng.config = None, gen, gen.config
         eng._init_state(gen.target, None, max_batch_size, strict_on_policy)
         return eng
 
@@ -214,27 +265,21 @@ class RolloutEngine:
         self._lock = threading.Lock()  # generate and weight updates never overlap
         self._aborting = threading.Event()
 
-    def _proposer(self, target, draft, quant, history_args, runner, gamma) -> Proposer | None:
-        if isinstance(draft, Proposer):
-            if quant is not None or self.history is not None:
-                raise ValueError("a custom Proposer brings its own drafting: pass draft_quant=None, history=False")
-            return draft
-        model = target if draft == "self" else draft if isinstance(draft, LoadedModel) else None
-        if draft not in (None, "self") and model is None:
-            raise ValueError(f"draft must be None, 'self', a LoadedModel or a Proposer, got {draft!r}")
-        if quant is not None and model is None:
-            raise ValueError("draft_quant needs draft='self' or a draft model")
-        history = HistoryProposer(self.history, **history_args) if self.history is not None else None
-        if model is None:
+    def _proposer(self, target: LoadedModel, draft, config: SpecConfig):
+        """What the generator drafts with: the history drafters built here (they read this engine's history), else
+        the draft model or Proposer given (the generator builds the rest from the config)."""
+        kind = config.drafter
+        if not kind.history:
+            return draft if isinstance(draft, (LoadedModel, Proposer)) else None
+        history = HistoryProposer(self.history, tree=config.tree_spec, min_share=config.min_share)
+        if not kind.uses_model:
             return history
-        sampler = DraftModelProposer(model.model, shared_vocab_size(target, model), None, runner=runner, quant=quant)
-        if history is None:
-            return sampler
-        if not isinstance(gamma, int) or isinstance(gamma, bool):
-            raise ValueError(
-                f"a draft model with history drafts a chain of fixed length: gamma must be an integer, got {gamma!r}"
-            )
-        return CombinedProposer(history, sampler, gamma, choose_depth=self._choose_depth)
+        model = target if kind.target_weights else draft
+        if not isinstance(model, LoadedModel):
+            raise ValueError(f"draft={config.draft} drafts with a draft model: pass it as draft, a LoadedModel")
+        vocab = shared_vocab_size(target, model)
+        sampler = DraftModelProposer(model.model, vocab, config.stop_below, runner=config.runner, quant=config.quant)
+        return CombinedProposer(history, sampler, config.gamma, choose_depth=config.choose_depth)
 
     @property
     def weight_version(self) -> int:
@@ -249,32 +294,18 @@ class RolloutEngine:
         n: int = 1,
         params: SamplingParams = SamplingParams(),
         *,
-        max_new_tokens: int = 256,
-        seed: int | None = None,
-        stop: str | Sequence[str] | None = (),
-        chat: bool = False,
-        ignore_eos: bool = False,
-        prompt_indices: Sequence[int] | None = None,
         cancel: threading.Event | None = None,
+        **options,
     ) -> list[Rollout]:
         """n samples of every prompt (token ids; text or chat messages are templated when chat=True), in prompt
-        order then sample order. seed: the request seed every sample's own seed derives from (None: drawn).
-        prompt_indices: each prompt's index i in `SeedSequence([seed, i, j])` and `Rollout.prompt_index` (default
-        0, 1, ...): a shard of a larger batch run elsewhere passes its prompts' global indices and gets the same
-        samples as the whole batch run here. `abort()` from another thread ends the call after the current step:
-        unfinished samples come back with the tokens they have and finish_reason "abort"; so does setting `cancel`
-        (this call's own event: set it before or during the call)."""
-        job, seed = self.job(
-            prompts,
-            n,
-            params,
-            max_new_tokens=max_new_tokens,
-            seed=seed,
-            stop=stop,
-            chat=chat,
-            ignore_eos=ignore_eos,
-            prompt_indices=prompt_indices,
-        )
+        order then sample order. options: `job`'s — max_new_tokens (256), seed (the request seed every sample's own
+        seed derives from; None: drawn), stop, chat, ignore_eos, prompt_indices (each prompt's index i in
+        `SeedSequence([seed, i, j])` and `Rollout.prompt_index`, default 0, 1, ...: a shard of a larger batch run
+        elsewhere passes its prompts' global indices and gets the same samples as the whole batch run here).
+        `abort()` from another thread ends the call after the current step: unfinished samples come back with the
+        tokens they have and finish_reason "abort"; so does setting `cancel` (this call's own event: set it before
+        or during the call)."""
+        job, seed = self.job(prompts, n, params, **options)
         with self._lock:
             self._aborting.clear()
             return self._run(job, seed, cancel if cancel is not None else threading.Event())
