@@ -11,7 +11,7 @@ from verispec.engine.generator import SpeculativeGenerator
 from verispec.model.loading import LoadedModel, ModelLoadError
 from verispec.sampling import SamplingParams
 
-from .tiny import EOS, greedy_reference, loaded, make_model, make_tokenizer
+from ..helpers.tiny import EOS, greedy_reference, loaded, make_model, make_tokenizer
 
 PROMPTS = [[3, 4, 5, 3, 4, 5, 3, 4], [9, 10], [20, 21, 22, 23, 24, 25, 20, 21, 22, 23, 24], [7]]
 GREEDY = SamplingParams(temperature=0)
@@ -198,27 +198,3 @@ def test_padded_embeddings_are_sliced_to_the_shared_vocabulary(tiny_target):
     assert gen.vocab_size == 32
     out = gen.generate(PROMPTS[0], GREEDY, max_new_tokens=8)[0]
     assert out.token_ids == greedy_reference(tiny_target.model, PROMPTS[0], 8)
-
-
-def test_draft_catches_up_a_backlog_after_plain_steps(tiny_draft):
-    """A row that decoded plainly for several steps (gamma 0) feeds its backlog to the draft in one chunk,
-    next to a row that drafted every step; the draft's q afterwards equals a fresh forward's."""
-    from verispec.drafting import BatchView, DraftModelProposer
-
-    prop = DraftModelProposer(tiny_draft.model, 32, stop_below=None)
-    seqs = [list(PROMPTS[2]), list(PROMPTS[2])]
-    gens = [torch.Generator().manual_seed(0), torch.Generator().manual_seed(1)]
-    view = BatchView(seqs=seqs, params=[GREEDY, GREEDY], generators=gens, vocab_size=32)
-    prop.start(view, capacity=len(PROMPTS[2]) + 40)
-    for step in range(9):
-        gammas = [2, 2 if step == 8 else 0]
-        out = prop.propose(view, gammas)
-        old = [len(s) for s in seqs]
-        seqs[0].extend(out.token_ids[0, :2].tolist() + [7])  # row 0: both drafts accepted, bonus 7
-        seqs[1].append(5 + step)  # row 1: one plainly decoded token
-        prop.update(view, old, out, [[0, 1], []])  # row 0 kept both drafts, row 1 had none
-        if step == 8:
-            with torch.no_grad():
-                fresh = tiny_draft.model(torch.tensor([seqs[1][: old[1]]])).logits[0, -1]
-            assert out.token_ids[1, 0].item() == int(fresh.argmax())
-    assert prop.runner.lengths[1] == len(seqs[1]) - 1  # backlog fed; the rejected draft rolled back

@@ -1,0 +1,51 @@
+"""Same seeds, fixed gamma -> the same tokens: run before and after a change to the engine and compare the digests.
+
+    python3 docs/bench/same_tokens.py [--max-new-tokens 32] > after.txt
+
+On the built-in default model (SmolLM2-135M), with the target's own int4 weights as the draft, n-gram drafting and
+plain decoding, chains (token-wise, block), a tree, positional seeding and Gumbel coupling, at T = 0 and T = 1, two
+prompts in one batch: prints one line per configuration with a SHA-256 of every token id it generated, and the
+tokens of the first prompt. Uses only the SpeculativeGenerator keywords that every version since the server landed
+takes, so the same script runs on an older checkout (PYTHONPATH=OLD/src)."""
+
+import argparse
+import hashlib
+
+import torch
+
+from verispec.engine import SpeculativeGenerator
+from verispec.model.loading import default_model_path, load_model
+from verispec.sampling import SamplingParams
+
+PROMPTS = ["Write a Python function that reverses a string.", "What is 17 * 23? Think step by step."]
+CONFIGS = {
+    "plain": dict(draft=None),
+    "ngram@3": dict(draft="ngram", gamma=3),
+    "self-int4@4": dict(draft="self", draft_quant="int4", gamma=4, draft_stop_below=None),
+    "self-int4@4/block": dict(draft="self", draft_quant="int4", gamma=4, draft_stop_below=None, verify="block"),
+    "self-int4@4/position": dict(draft="self", draft_quant="int4", gamma=4, draft_stop_below=None, seeding="position"),
+    "self-int4@4/gumbel": dict(draft="self", draft_quant="int4", gamma=4, draft_stop_below=None, coupling="gumbel"),
+    "self-int4-tree@2-2-1/iid": dict(draft="self", draft_quant="int4", tree="2-2-1", tree_rule="iid"),
+    "ngram-tree@2-2": dict(draft="ngram", tree="2-2"),
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--max-new-tokens", type=int, default=32)
+    args = ap.parse_args()
+    torch.set_num_threads(2)
+    target = load_model(str(default_model_path()))
+    for name, kw in CONFIGS.items():
+        kw = dict(kw)
+        gen = SpeculativeGenerator(target, kw.pop("draft"), **kw)
+        for t in (0.0, 1.0):
+            params = [SamplingParams(temperature=t, seed=11 + i) for i in range(len(PROMPTS))]
+            outs = gen.generate(PROMPTS, params, max_new_tokens=args.max_new_tokens, chat=True)
+            ids = [o.token_ids for o in outs]
+            digest = hashlib.sha256(repr(ids).encode()).hexdigest()[:16]
+            print(f"{name:28s} T={t:.0f} {digest} {ids[0][:12]}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
