@@ -1,0 +1,556 @@
+"""One speculation configuration for every entry point: `SpecConfig`, validated once, with one string form.
+
+    cfg = SpecConfig(draft="model", gamma=4, verify="block")
+    str(cfg)                                   # 'draft=model,gamma=4,verify=block,random=stream'
+    assert SpecConfig.parse(str(cfg)) == cfg   # and str(SpecConfig.parse(s)) == s for every printed s
+
+`SpeculativeGenerator`, `RolloutEngine`, the CLI (`--spec`, with its flags as shorthands), `verispec bench e2e`
+(methods `verispec:SPEC`), the certifier's `MethodSpec` and a `RolloutCluster`'s `EngineSpec` all build from it.
+
+The string form: comma-separated `key=value` items, in any order, each key at most once; whitespace around items
+is ignored and the empty string is the default configuration. Printed (`str(cfg)`, `cfg.spec()`), the keys come in
+the order below; draft, gamma, verify and random always, every other key only where it differs from its default.
+
+  key           values (default first where there is one)
+  draft         ngram | none | model | self | history | model+history | self+history | custom: the drafter —
+                prompt lookup, plain decoding, a draft model (a `model=` path, or a LoadedModel given separately),
+                the target's own weights quantized, earlier rollouts of the same prompt (a `RolloutEngine` builds
+                it), history branches beside a draft model's chain, or a `Proposer` given separately
+  model         the draft model's path or hub id (draft=model[+history]; absent: the model is given separately)
+  quant         none | int8 | int4: weight-only quantized draft weights (a draft model or self; self needs one)
+  ngram         3-2-1: prompt-lookup n-gram sizes, longest first
+  stop_below    0.3 | none | a number in [0, 1]: a draft model stops a chain once its own probability of a
+                drafted token falls below this (none: always draft gamma tokens)
+  min_share     0.0 | a number in [0, 1]: history tries keep nodes at least this share of matches pass through
+  choose_depth  none | an integer >= 1: model+history drafts the trie alone where it is this deep, else the chain
+  gamma         auto | 0..64: drafts per step (with a tree it only switches speculation on or off)
+  max_gamma     8 | 1..64: the most drafts per step gamma auto picks
+  tree          none | widths per depth (4-2-2-1) | dynamic-D-K-M (EAGLE-2): a token tree per step (with
+                history: the trie's shape, dynamic-D-K-M, default dynamic-8-3-16)
+  verify        the verification rule: token | block for chains (token-wise, block verification);
+                deterministic | iid | without_replacement for a tree (how children are drawn); mixed for
+                model+history. Default: the first its drafter allows (token for chains, deterministic for a
+                tree or history alone, mixed for model+history)
+  random        stream | position | gumbel: uniforms drawn from each request's stream in draw order; keyed by
+                (seed, output position) so that a seeded request's tokens do not depend on gamma, batch or
+                timing (a draft model's chains or none, verify=token); or Gumbel coupling, plain decoding's
+                tokens whatever drafted (`sampling.coupling`)
+  runner        auto | fast | hf | llamacpp: the model forward (`model.fast.make_runner`)
+
+ngram, stop_below and max_gamma are read only by the drafters they concern (a value that concerns none is kept and
+printed, never an error). Values: `none` where a key allows it; a model path may hold '=' but not ','.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from ..drafting.tree import TreeSpec
+from ..model.fast import RUNNER_KINDS
+from ..model.linear import QUANT_MODES
+from ..sampling.tree import TREE_RULES
+from .adaptive import MAX_GAMMA
+
+__all__ = [
+    "DRAFTERS",
+    "KEYS",
+    "RANDOMS",
+    "UNSET",
+    "Drafter",
+    "SpecConfig",
+    "SpecError",
+    "canonical",
+    "config_from_keywords",
+    "format_value",
+    "keyword_items",
+    "keyword_name",
+    "parse_items",
+    "spec_name",
+    "tree_shape",
+]
+
+CHAIN_VERIFY = ("token", "block")  # sampling.CHAIN_RULES' names
+TREE_VERIFY = ("deterministic", *(r for r in TREE_RULES if r != "deterministic"))  # default first
+VERIFIES = (*CHAIN_VERIFY, *TREE_VERIFY, "mixed")
+RANDOMS = ("stream", "position", "gumbel")
+HISTORY_TREE = "dynamic-8-3-16"  # HistoryProposer's default trie
+
+
+@dataclass(frozen=True)
+class Drafter:
+    """What one kind of drafter needs and drafts. Validation reads only this table: a new drafter (EAGLE heads, a
+    cross-vocabulary draft model) is one row here and one branch where proposers are built."""
+
+    chain_rules: tuple[str, ...]  # verification rules without a `tree` key (the first: the default)
+    tree_rules: tuple[str, ...] = ()  # rules with a tree (the first: the default); (): no trees
+    model: bool = False  # drafts with a separate draft model: a `model=` path or a LoadedModel given separately
+    target_weights: bool = False  # drafts with the target's own weights, quantized (needs `quant`)
+    history: bool = False  # drafts from earlier rollouts (always trees): a RolloutEngine builds it
+    given: bool = False  # a Proposer given separately drafts; the config only says so
+    position: bool = False  # random=position applies (q at every position; chains, not where a step starts)
+
+    @property
+    def uses_model(self) -> bool:
+        return self.model or self.target_weights
+
+    @property
+    def built_by_generator(self) -> bool:
+        """Whether `SpeculativeGenerator` builds this drafter from the config (and what it is given) alone."""
+        return not (self.history or self.given)
+
+
+DRAFTERS = {
+    "ngram": Drafter(CHAIN_VERIFY, ("deterministic",)),
+    "none": Drafter(CHAIN_VERIFY, position=True),
+    "model": Drafter(CHAIN_VERIFY, TREE_VERIFY, model=True, position=True),
+    "self": Drafter(CHAIN_VERIFY, TREE_VERIFY, target_weights=True, position=True),
+    "history": Drafter(("deterministic",), ("deterministic",), history=True),
+    "model+history": Drafter(("mixed",), ("mixed",), model=True, history=True),
+    "self+history": Drafter(("mixed",), ("mixed",), target_weights=True, history=True),
+    "custom": Drafter(CHAIN_VERIFY, given=True, position=True),  # the generator checks the Proposer itself
+}
+
+KEYS = (
+    "draft",
+    "model",
+    "quant",
+    "ngram",
+    "stop_below",
+    "min_share",
+    "choose_depth",
+    "gamma",
+    "max_gamma",
+    "tree",
+    "verify",
+    "random",
+    "runner",
+)
+ALWAYS_PRINTED = ("draft", "gamma", "verify", "random")
+_MENTION = re.compile(r"\[(" + "|".join(KEYS) + r")(?:=([^\]]*))?\]")
+
+
+def spec_name(key: str, value: str | None) -> str:
+    """How a message names a key (or a key's value) in the string form: `quant`, `draft=self`."""
+    return key if value is None else f"{key}={value}"
+
+
+class SpecError(ValueError):
+    """An invalid speculation configuration. `key` is the key to blame; `template` names keys as `[key]` or
+    `[key=value]`, which `render(name)` spells — `str(e)` in the string form (`draft=self needs quant`), the CLI as
+    its flags (`--draft self needs --draft-quant`), the generator's keywords as theirs (`draft_quant`)."""
+
+    def __init__(self, key: str | None, template: str):
+        self.key, self.template = key, template
+        super().__init__(self.render(spec_name))
+
+    def render(self, name: Callable[[str, str | None], str]) -> str:
+        return _MENTION.sub(lambda m: name(m[1], m[2]), self.template)
+
+    def __reduce__(self):
+        return SpecError, (self.key, self.template)
+
+
+@dataclass(frozen=True, repr=False)
+class SpecConfig:
+    """How to speculate: drafter, draft length, tree, verification rule, randomness and runner (see the module
+    docstring for every key's values and default). Validated at construction; `parse` reads the string form."""
+
+    draft: str = "ngram"  # the drafter (DRAFTERS)
+    model: str | None = None  # the draft model's path or hub id; None: given separately (or no draft model)
+    quant: str | None = None  # "int8" / "int4": quantized draft weights (draft=self needs one)
+    ngram: tuple[int, ...] = (3, 2, 1)  # prompt-lookup n-gram sizes, longest first
+    stop_below: float | None = 0.3  # a draft model's chain stops below this own probability (None: never)
+    min_share: float = 0.0  # history tries: the least share of matched continuations through a node
+    choose_depth: int | None = None  # model+history: the trie alone where it is this deep (None: both)
+    gamma: int | str = "auto"  # drafts per step, or "auto"
+    max_gamma: int = 8  # the most drafts gamma "auto" picks
+    tree: str | None = None  # None (chains) or a tree shape: "4-2-2-1", "dynamic-D-K-M"
+    verify: str | None = None  # the verification rule; None: the first the drafter allows (stored resolved)
+    random: str = "stream"  # "stream", "position" or "gumbel"
+    runner: str = "auto"  # "auto", "fast", "hf" or "llamacpp"
+
+    def __post_init__(self):
+        self._check_values()
+        self._check_drafter()
+        self._resolve_verify()
+        self._check_random()
+
+    # --- the string form ----------------------------------------------------------------------------------
+    @classmethod
+    def parse(cls, text: str) -> SpecConfig:
+        """The configuration of a string form (see the module docstring); SpecError names the key at fault."""
+        return cls(**parse_items(text))
+
+    def spec(self) -> str:
+        """The canonical string form: `SpecConfig.parse(cfg.spec()) == cfg`."""
+        default = _DEFAULTS
+        return ",".join(
+            f"{key}={format_value(getattr(self, key))}"
+            for key in KEYS
+            if key in ALWAYS_PRINTED or getattr(self, key) != getattr(default, key)
+        )
+
+    def __str__(self) -> str:
+        return self.spec()
+
+    def __repr__(self) -> str:
+        return f"SpecConfig.parse({self.spec()!r})"
+
+    # --- what the entry points read -------------------------------------------------------------------------
+    @property
+    def drafter(self) -> Drafter:
+        return DRAFTERS[self.draft]
+
+    @property
+    def seeding(self) -> str:
+        """The session's seeding: "position" or "stream" (gumbel coupling draws from the streams)."""
+        return "position" if self.random == "position" else "stream"
+
+    @property
+    def coupling(self) -> str | None:
+        return "gumbel" if self.random == "gumbel" else None
+
+    @property
+    def chain_rule(self) -> str:
+        """How chains are verified (`sampling.CHAIN_RULES`): token or block; "token" where trees are drafted."""
+        return self.verify if self.verify in CHAIN_VERIFY else "token"
+
+    @property
+    def tree_spec(self) -> TreeSpec | None:
+        """The TreeSpec of `tree` with its rule (history: the trie's, default dynamic-8-3-16), or None for chains."""
+        if self.drafter.history:
+            return TreeSpec.parse(self.tree or HISTORY_TREE, "deterministic")
+        if self.tree is None:
+            return None
+        return TreeSpec.parse(self.tree, self.verify if self.verify in TREE_VERIFY else "deterministic")
+
+    # --- validation -----------------------------------------------------------------------------------------
+    def _set(self, name: str, value) -> None:
+        object.__setattr__(self, name, value)
+
+    def _check_values(self) -> None:
+        """Each key's value alone (and its canonical form)."""
+        if self.draft not in DRAFTERS:
+            raise SpecError("draft", f"[draft] must be one of {', '.join(DRAFTERS)}, got {self.draft!r}")
+        if self.model is not None and (
+            not isinstance(self.model, str)
+            or not self.model.strip()
+            or "," in self.model
+            or self.model != self.model.strip()
+        ):
+            raise SpecError("model", f"[model] must be a path or hub id without commas, got {self.model!r}")
+        if self.quant is not None and self.quant not in QUANT_MODES:
+            raise SpecError("quant", f"[quant] must be {', '.join(QUANT_MODES)} or none, got {self.quant!r}")
+        self._set("ngram", _ngram_sizes(self.ngram))
+        self._set("stop_below", _fraction("stop_below", self.stop_below, none=True))
+        self._set("min_share", _fraction("min_share", self.min_share, none=False))
+        if self.choose_depth is not None and not _integer(self.choose_depth, 1):
+            raise SpecError(
+                "choose_depth", f"[choose_depth] must be an integer >= 1 or none, got {self.choose_depth!r}"
+            )
+        if self.gamma != "auto" and not _integer(self.gamma, 0, MAX_GAMMA):
+            raise SpecError("gamma", f"[gamma] must be auto or an integer from 0 to {MAX_GAMMA}, got {self.gamma!r}")
+        if not _integer(self.max_gamma, 1, MAX_GAMMA):
+            raise SpecError(
+                "max_gamma", f"[max_gamma] must be an integer from 1 to {MAX_GAMMA}, got {self.max_gamma!r}"
+            )
+        if self.verify is not None and self.verify not in VERIFIES:
+            raise SpecError("verify", f"[verify] must be one of {', '.join(VERIFIES)}, got {self.verify!r}")
+        if self.random not in RANDOMS:
+            raise SpecError("random", f"[random] must be one of {', '.join(RANDOMS)}, got {self.random!r}")
+        if self.runner not in RUNNER_KINDS:
+            raise SpecError("runner", f"[runner] must be one of {', '.join(RUNNER_KINDS)}, got {self.runner!r}")
+        if self.tree is not None:
+            self._set("tree", _tree_shape(self.tree, self.verify if self.verify in TREE_VERIFY else None))
+
+    def _check_drafter(self) -> None:
+        """What the drafter needs and takes: a model, a quantization, trees, history's keys."""
+        d, name = self.drafter, self.draft
+        if self.model is not None and not d.model:
+            raise SpecError(
+                "model",
+                f"[model] names a draft model: it needs [draft=model] or [draft=model+history], not [draft={name}]",
+            )
+        if self.quant is not None and not d.uses_model:
+            raise SpecError("quant", f"[quant] applies to a draft model or [draft=self], not to [draft={name}]")
+        if d.target_weights and self.quant is None:
+            raise SpecError(
+                "draft",
+                f"[draft={name}] needs [quant] ({' or '.join(QUANT_MODES)}): an unquantized copy of the target "
+                "costs as much as the target",
+            )
+        if self.tree is not None and not d.tree_rules:
+            if d.given:
+                raise SpecError(
+                    "tree", "pass the tree to the Proposer itself (its `tree`), not in the config ([draft=custom])"
+                )
+            raise SpecError("tree", "a [tree] needs a drafter ([draft=model], [draft=self] or [draft=ngram])")
+        if d.history and self.tree is not None and not TreeSpec.parse(self.tree).dynamic:
+            raise SpecError(
+                "tree",
+                f"[tree={self.tree}]: history tries are dynamic trees (dynamic-D-K-M: depth, children per node, node budget)",
+            )
+        if self.min_share != 0.0 and not d.history:
+            raise SpecError("min_share", f"[min_share] applies to history drafting, not to [draft={name}]")
+        if self.choose_depth is not None and not (d.history and d.uses_model):
+            raise SpecError(
+                "choose_depth",
+                f"[choose_depth] applies to a draft model with history ([draft=model+history], [draft=self+history]), not to [draft={name}]",
+            )
+        if d.history and d.uses_model and (self.gamma == "auto" or self.gamma < 1):
+            raise SpecError(
+                "gamma",
+                f"a draft model with history drafts a chain of fixed length: [gamma] must be an integer >= 1, got {self.gamma!r}",
+            )
+
+    def _resolve_verify(self) -> None:
+        """The verification rule: the first the drafter allows when not given, else one it allows."""
+        d, tree = self.drafter, self.tree is not None
+        rules = d.tree_rules if tree else d.chain_rules
+        if self.verify is None:
+            self._set("verify", rules[0])
+            return
+        if self.verify in rules:
+            return
+        v = self.verify
+        if v in CHAIN_VERIFY and (tree or d.history):
+            where = "a [tree]" if tree and not d.history else f"[draft={self.draft}] drafts trees: it"
+            raise SpecError(
+                "verify",
+                f"[verify={v}] verifies chains; {where} is verified by [verify={rules[0]}]"
+                + (f" (or {', '.join(rules[1:])})" if rules[1:] else ""),
+            )
+        if v in TREE_VERIFY and not tree and not d.history:
+            raise SpecError("verify", f"[verify={v}] is a tree rule: it needs [tree] (a tree shape such as 4-2-2-1)")
+        if self.draft == "ngram":
+            raise SpecError(
+                "verify",
+                f"prompt-lookup trees are deterministic (one-hot q): [verify={v}] does not apply, use [verify=deterministic]",
+            )
+        raise SpecError(
+            "verify",
+            f"[verify={v}] does not apply to [draft={self.draft}]"
+            + (" with a tree" if tree else "")
+            + f": use {' or '.join(rules)}",
+        )
+
+    def _check_random(self) -> None:
+        if self.random != "position":
+            return
+        if not self.drafter.position or self.tree is not None:
+            raise SpecError(
+                "random",
+                "[random=position] needs a draft model drafting chains ([draft=model] or [draft=self], no [tree]) or "
+                f"[draft=none], not [draft={self.draft}]"
+                + (" with a tree" if self.tree else "")
+                + ": prompt lookup's and history's proposals depend on where a step starts, trees on their shape",
+            )
+        if self.verify != "token":
+            raise SpecError(
+                "random",
+                "[random=position] verifies token-wise ([verify=token]): block verification's decisions read later positions",
+            )
+
+
+# --- values ---------------------------------------------------------------------------------------------------
+
+
+def _integer(value, low: int, high: int | None = None) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= low and (high is None or value <= high)
+
+
+def _fraction(key: str, value, none: bool) -> float | None:
+    if value is None and none:
+        return None
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and 0.0 <= value <= 1.0:
+        return float(value)
+    raise SpecError(key, f"[{key}] must be a number in [0, 1]{' or none' if none else ''}, got {value!r}")
+
+
+def _ngram_sizes(value) -> tuple[int, ...]:
+    ok = isinstance(value, (tuple, list)) and value and all(_integer(n, 1) for n in value)
+    if not ok:
+        raise SpecError("ngram", f"[ngram] must be integers >= 1, longest first (e.g. 3-2-1), got {value!r}")
+    return tuple(sorted(set(value), reverse=True))
+
+
+def _tree_shape(value, rule: str | None) -> str:
+    """A tree's canonical shape string ('4-2-2-1', 'dynamic-6-4-16'), checked by TreeSpec with its rule."""
+    if not isinstance(value, str):
+        raise SpecError("tree", f"[tree] must be a shape such as 4-2-2-1 or dynamic-D-K-M, or none, got {value!r}")
+    try:
+        spec = TreeSpec.parse(value, rule)
+    except ValueError as e:
+        raise SpecError("tree", f"[tree={value}]: {e}") from None
+    return tree_shape(spec)
+
+
+def tree_shape(spec: TreeSpec) -> str:
+    """A TreeSpec's shape in the string form (its rule aside): '4-2-2-1', 'dynamic-6-4-16'."""
+    return f"dynamic-{spec.depth}-{spec.topk}-{spec.budget}" if spec.dynamic else "-".join(map(str, spec.widths))
+
+
+def format_value(value) -> str:
+    """A value as the string form writes it."""
+    if value is None:
+        return "none"
+    if isinstance(value, tuple):
+        return "-".join(map(str, value))
+    return str(value)  # floats: repr, which float() reads back exactly
+
+
+def _read(key: str, text: str):
+    """A value of the string form as the Python value SpecConfig takes (checked there)."""
+    if text == "none" and key in ("model", "quant", "stop_below", "choose_depth", "tree"):
+        return None
+    if key in ("gamma", "max_gamma", "choose_depth") and re.fullmatch(r"[+-]?\d+", text):
+        return int(text)
+    if key in ("stop_below", "min_share"):
+        try:
+            return float(text)
+        except ValueError:
+            return text
+    if key == "ngram" and re.fullmatch(r"\d+(-\d+)*", text):
+        return tuple(int(n) for n in text.split("-"))
+    return text
+
+
+def parse_items(text: str) -> dict:
+    """The keys a string form names, with their values (not yet checked together: `SpecConfig(**items)` does)."""
+    if not isinstance(text, str):
+        raise SpecError(None, f"a speculation spec is a string such as 'draft=model,gamma=4', got {text!r}")
+    items: dict = {}
+    for part in text.split(","):
+        part = part.strip()
+        if not part and text.strip() == "":
+            continue
+        key, eq, value = part.partition("=")
+        key, value = key.strip(), value.strip()
+        if not eq or not key:
+            raise SpecError(
+                None, f"each item of a spec is key=value (keys: {', '.join(KEYS)}), got {part!r} in {text!r}"
+            )
+        if key not in KEYS:
+            raise SpecError(None, f"unknown key {key!r} in spec {text!r}; the keys are {', '.join(KEYS)}")
+        if key in items:
+            raise SpecError(key, f"[{key}] is given twice in spec {text!r}")
+        items[key] = _read(key, value)
+    return items
+
+
+# --- the generator's and the rollout engine's keyword arguments -----------------------------------------------
+
+
+class _Unset:
+    """The default of a keyword argument not given (None is a value some of them take)."""
+
+    def __repr__(self) -> str:
+        return "<not given>"
+
+
+UNSET = _Unset()
+_KEYWORDS = {"quant": "draft_quant", "ngram": "ngram_sizes", "stop_below": "draft_stop_below"}
+
+
+def keyword_name(key: str, value: str | None) -> str:
+    """How a message names a key in `SpeculativeGenerator`'s keyword arguments: draft_quant, seeding='position'."""
+    if key == "random":
+        name = "coupling" if value == "gumbel" else "seeding"
+    elif key == "verify":
+        name = "tree_rule" if value in TREE_VERIFY else "verify"
+    elif key == "draft" and value == "model":
+        return "a draft model"
+    elif key == "draft" and value == "custom":
+        return "a Proposer"
+    else:
+        name = _KEYWORDS.get(key, key)
+    return name if value is None else f"{name}={value!r}"
+
+
+def keyword_items(given: Mapping) -> dict:
+    """The keys that `SpeculativeGenerator`'s keyword arguments (those given: draft as a string, gamma, max_gamma,
+    ngram_sizes, draft_stop_below, runner, draft_quant, verify, tree, tree_rule, seeding, coupling) set."""
+    items = {key: given[name] for key, name in _KEYWORDS.items() if name in given}
+    items |= {key: given[key] for key in ("gamma", "max_gamma", "runner") if key in given}
+    if "draft" in given:
+        items["draft"] = "none" if given["draft"] is None else given["draft"]
+    if "ngram" in items and not isinstance(items["ngram"], str):
+        items["ngram"] = tuple(items["ngram"]) if isinstance(items["ngram"], (tuple, list)) else items["ngram"]
+    items |= _tree_items(given)
+    items |= _random_items(given)
+    return items
+
+
+def _tree_items(given: Mapping) -> dict:
+    tree, rule, verify = given.get("tree"), given.get("tree_rule"), given.get("verify")
+    items: dict = {}
+    if isinstance(tree, TreeSpec):
+        if rule is not None and rule != tree.rule:
+            raise ValueError("tree_rule needs a tree (or matches the TreeSpec's rule)")
+        tree, rule = tree_shape(tree), tree.rule
+    elif tree is not None and not isinstance(tree, str):
+        raise ValueError(f"tree must be a TreeSpec or a string such as '4-2-2-1', got {tree!r}")
+    if "tree" in given:
+        items["tree"] = tree
+    if rule is not None:
+        if verify not in (None, "token"):
+            raise ValueError(f"verify={verify!r} verifies chains; a tree is verified by its own rule (tree_rule)")
+        items["verify"] = rule
+    elif verify is not None and not (verify == "token" and tree is not None):  # token was the default beside trees
+        items["verify"] = verify
+    return items
+
+
+def _random_items(given: Mapping) -> dict:
+    from ..sampling.coupling import COUPLINGS
+
+    seeding, coupling = given.get("seeding", "stream"), given.get("coupling")
+    if seeding not in ("stream", "position"):
+        raise ValueError(f"seeding must be one of stream, position, got {seeding!r}")
+    if coupling is not None and coupling not in COUPLINGS:
+        raise ValueError(f"coupling must be None or one of {', '.join(COUPLINGS)}, got {coupling!r}")
+    if coupling is not None and seeding == "position":
+        raise ValueError("coupling='gumbel' keys its noise by position already: drop seeding='position'")
+    if "seeding" not in given and "coupling" not in given:
+        return {}
+    return {"random": coupling or seeding}
+
+
+def config_from_keywords(config: SpecConfig | None, items: Mapping, defaults: Mapping) -> SpecConfig:
+    """The configuration of an entry point given `config` (or None) and the keys its keyword arguments set: with no
+    config, the entry point's `defaults` (keys) under the keywords'; with one, the keywords must agree with it."""
+    if config is None:
+        try:
+            return SpecConfig(**(dict(defaults) | dict(items)))
+        except SpecError as e:
+            raise ValueError(e.render(keyword_name)) from None
+    if not isinstance(config, SpecConfig):
+        raise ValueError(f"config must be a SpecConfig, got {type(config).__name__}")
+    for key, value in items.items():
+        if canonical(key, value) != getattr(config, key):
+            name = _KEYWORDS.get(key, {"random": "seeding/coupling", "verify": "verify/tree_rule"}.get(key, key))
+            raise ValueError(
+                f"{name}={value!r} conflicts with config {key}={format_value(getattr(config, key))}: give it once "
+                "(in the config)"
+            )
+    return config
+
+
+def canonical(key: str, value):
+    """A key's value as a SpecConfig holds it (n-gram sizes sorted, numbers as floats, a tree's shape normalised):
+    what two spellings of one key are compared on. A value SpecConfig would refuse is returned as it is."""
+    try:
+        if key == "ngram":
+            return _ngram_sizes(value)
+        if key in ("stop_below", "min_share"):
+            return _fraction(key, value, none=key == "stop_below")
+        if key == "tree" and value is not None:
+            return _tree_shape(value, None)
+    except SpecError:
+        return value
+    return value
+
+
+_DEFAULTS = SpecConfig()  # what `spec()` leaves out
