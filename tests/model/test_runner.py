@@ -9,7 +9,7 @@ import torch
 from verispec.model.fast import FastRunner
 from verispec.model.runner import HFRunner
 
-from ..engine.tiny import make_model
+from ..helpers.tiny import make_model
 
 RUNNERS = {"hf": HFRunner, "fast": FastRunner}
 
@@ -180,3 +180,15 @@ def test_bad_trees():
     r.forward([[1, 2, 3]], parents=[[-1, 0, 0]])
     with pytest.raises(ValueError, match="increasing nodes"):
         r.keep_paths([0], [[2, 0]])
+
+
+def test_every_runner_implements_the_runner_protocol():
+    """The engine sees a model only through `model.Runner` (make_runner's return type)."""
+    from verispec.model import Runner, make_runner
+    from verispec.model.llamacpp import LlamaCppRunner
+
+    model = make_model(0)
+    for runner in (HFRunner(model), FastRunner(model), make_runner(model), make_runner(model, runner="hf")):
+        assert isinstance(runner, Runner)
+    methods = ("start", "fill", "add_rows", "lengths", "truncate", "select", "forward", "keep_paths", "prefill")
+    assert [m for m in methods if not hasattr(LlamaCppRunner, m)] == []  # (its model needs llama-cpp-python)

@@ -29,6 +29,7 @@ class Runner(Protocol):
     def add_rows(self, seqs: Sequence[Sequence[int]], capacity: int) -> None:
         """Append rows holding seqs[b] to the running batch."""
 
+    @property
     def lengths(self) -> list[int]:
         """[B] committed tokens per row."""
 

@@ -94,7 +94,7 @@ class HFRunner:
 
     @property
     def lengths(self) -> list[int]:
-        return self.cache.lengths
+        return self.cache.lengths if self.cache is not None else []  # (no batch started yet: no rows)
 
     def truncate(self, lengths: list[int]) -> None:
         self.cache.truncate(lengths)
