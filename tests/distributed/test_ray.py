@@ -3,6 +3,7 @@ with one engine, weight broadcasts, recovery from a killed replica, errors on th
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import shutil
@@ -13,15 +14,15 @@ import ray
 import torch
 from safetensors.torch import save_file
 
-from verispec import distributed
 from verispec.cli import main
-from verispec.distributed import RolloutCluster, from_payload, tensors_payload
-from verispec.rollout import sample_seed
+from verispec.model.payload import from_payload, tensors_payload
+from verispec.rollout import RolloutCluster, sample_seed
+from verispec.rollout import cluster as rollout_cluster
 from verispec.sampling import SamplingParams
 
-from ..bench.saved import read_strict_json, save_tiny_pair
-from ..engine.tiny import loaded
-from .engines import REFUSED_TOKENS, TinyEngine
+from ..helpers.ray_engines import REFUSED_TOKENS, TinyEngine
+from ..helpers.saved import read_strict_json, save_tiny_pair
+from ..helpers.tiny import loaded
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = [[3, 7, 7, 12, 3, 7], [5, 9, 11, 4], [8, 8, 9], [20, 21, 3, 4, 5], [6, 30, 6, 30], [11, 12]]
@@ -87,7 +88,7 @@ def test_results_come_back_in_request_order(cluster):
 
 def test_equal_to_one_engine_for_the_same_seed(cluster, reference, monkeypatch):
     drawn = []
-    monkeypatch.setattr(distributed, "_draw_seed", lambda: drawn.append(1234) or 1234)
+    monkeypatch.setattr(rollout_cluster, "_draw_seed", lambda: drawn.append(1234) or 1234)
     outs = cluster.generate(PROMPTS, n=3, params=T1, max_new_tokens=12, seed=11)
     ref = reference.generate(PROMPTS, n=3, params=T1, max_new_tokens=12, seed=11)
     _assert_same(outs, ref)
@@ -195,6 +196,18 @@ def test_payload_round_trip_keeps_dtypes_and_bits():
     for bad, match in [([], "empty"), ([("a", torch.zeros(1))] * 2, "given twice"), ([("a", [1.0])], "torch.Tensor")]:
         with pytest.raises(ValueError, match=match):
             tensors_payload(bad)
+
+
+def test_the_old_module_path_still_works():
+    import verispec.rollout
+
+    with pytest.warns(DeprecationWarning, match="verispec.distributed is deprecated"):
+        import verispec.distributed as old
+
+        importlib.reload(old)  # warns again if an earlier import already ran it
+    assert old.RolloutCluster is RolloutCluster and old.EngineSpec is verispec.rollout.EngineSpec
+    assert old.ReplicaLostError is verispec.rollout.ReplicaLostError
+    assert (old.tensors_payload, old.from_payload) == (tensors_payload, from_payload)
 
 
 def test_ray_must_be_initialized(monkeypatch):
