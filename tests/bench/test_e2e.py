@@ -19,7 +19,7 @@ def test_tree_methods_side_by_side(tmp_path, capsys):
     prompts.write_text(json.dumps({"prompt": "a b c a b", "category": "code"}) + "\n")
     methods = (
         "verispec-plain,verispec-draft@2,verispec-draft@2/block,verispec-tree@2-2/without_replacement,"
-        "verispec-tree@dynamic-2-2-4,verispec-ngram-tree@2-1"
+        "verispec-tree@dynamic-2-2-4,verispec-ngram-tree@2-1,verispec:draft=model,gamma=2,random=gumbel"
     )
     assert (
         main(
@@ -42,6 +42,8 @@ def test_tree_methods_side_by_side(tmp_path, capsys):
                 "1",
                 "--methods",
                 methods,
+                "--spec",
+                "max_gamma=4",
                 "--no-chat",
                 "--out",
                 str(tmp_path / "out"),
@@ -51,7 +53,10 @@ def test_tree_methods_side_by_side(tmp_path, capsys):
     )
     result = read_strict_json(tmp_path / "out" / "e2e.json")
     recs = {r["method"]: r for r in result["records"]}
-    assert set(recs) == set(methods.split(","))
+    assert set(recs) == {*methods.split(",")[:-3], "verispec:draft=model,gamma=2,random=gumbel"}
+    assert (
+        result["config"]["spec"] == "max_gamma=4" and recs["verispec:draft=model,gamma=2,random=gumbel"]["tokens"] == 8
+    )
     tree = recs["verispec-tree@2-2/without_replacement"]
     assert tree["tokens"] == 8 and tree["nodes"] > 0 and tree["drafted_per_step"] > 2
     assert len(result["cost_curve_s"]) == 7  # calibrated up to the widest verification (6 nodes + root)
@@ -64,3 +69,20 @@ def test_tree_methods_side_by_side(tmp_path, capsys):
 def test_bad_methods(bad):
     with pytest.raises(ValueError):
         e2e.check_method(bad)
+
+
+def test_verispec_spec_methods():
+    """verispec:SPEC is a method; in --methods its key=value items run up to the next method name."""
+    from verispec.cli.bench_e2e import _methods
+
+    listed = "verispec-plain,verispec:draft=model,gamma=2,verify=block,hf-plain,verispec:draft=ngram"
+    assert _methods(listed) == (
+        "verispec-plain",
+        "verispec:draft=model,gamma=2,verify=block",
+        "hf-plain",
+        "verispec:draft=ngram",
+    )
+    e2e.check_method("verispec:draft=model,gamma=2,verify=block")
+    for bad in ("verispec:draft=model,verify=iid", "verispec:gamma=x", "verispec:draft=custom"):
+        with pytest.raises(ValueError, match="method 'verispec:"):
+            e2e.check_method(bad)

@@ -41,7 +41,9 @@ def test_verispec_passes(models, tmp_path):
     """verispec with a draft model PASSES the whole certificate at its default size, N = 2000 continuations per
     prompt: each prompt's first-token law is checked to TV 0.1 at power 0.99 (asserted), at family-wise level 0.01."""
     target, draft = models
-    r = certify_generate(MethodSpec(target=target, draft=draft, gamma=4), PROMPTS, PARAMS, show_progress=False)
+    r = certify_generate(
+        MethodSpec(target=target, config=f"draft=model,model={draft},gamma=4"), PROMPTS, PARAMS, show_progress=False
+    )
     assert r.passed, r.to_markdown()
     assert r.samples == DEFAULT_SAMPLES and r.acceptance and 0.2 < r.acceptance_rate < 0.8
     kinds = {t.kind for t in r.tests}
@@ -73,7 +75,7 @@ def test_hf_assisted_runs(models, method):
     target, draft = models
     shared = [_load(path, "float32").model for path in (target, draft)]  # the objects build_method will reuse
     r = certify_generate(
-        MethodSpec(method=method, target=target, draft=draft, gamma=3),
+        MethodSpec(method=method, target=target, config=f"draft=model,model={draft},gamma=3"),
         PROMPTS[:1],
         PARAMS,
         samples=200,
@@ -122,7 +124,7 @@ def test_generate_report_verdicts_and_strict_json(models, tmp_path):
     JSON report writes the infinite detectable effect and NaN fields as null."""
     target, draft = models
     r = certify_generate(
-        MethodSpec(target=target, draft=draft, gamma=2),
+        MethodSpec(target=target, config=f"draft=model,model={draft},gamma=2"),
         PROMPTS[:1],
         PARAMS,
         samples=40,
@@ -168,7 +170,10 @@ def test_injected_bugs_fail_at_default_size(models, bug, prompts):
     TV 0.1 at power 0.99, see test_verispec_passes)."""
     target, draft = models
     r = certify_generate(
-        MethodSpec(target=target, draft=draft, gamma=4, verifier=bug), PROMPTS[:prompts], PARAMS, show_progress=False
+        MethodSpec(target=target, config=f"draft=model,model={draft},gamma=4", verifier=bug),
+        PROMPTS[:prompts],
+        PARAMS,
+        show_progress=False,
     )
     assert not r.passed, r.to_markdown()
 
@@ -220,7 +225,7 @@ def test_callable_method(models):
 
 def test_workers_do_not_change_the_result(models):
     target, draft = models
-    spec = MethodSpec(target=target, draft=draft, gamma=3)
+    spec = MethodSpec(target=target, config=f"draft=model,model={draft},gamma=3")
     one = certify_generate(spec, PROMPTS[:1], PARAMS, samples=64, two_sample_tokens=0, show_progress=False)
     two = certify_generate(spec, PROMPTS[:1], PARAMS, samples=64, two_sample_tokens=0, workers=2, show_progress=False)
     assert [t.statistic for t in one.tests] == [t.statistic for t in two.tests]
@@ -233,7 +238,7 @@ def test_bad_input(models):
     with pytest.raises(ValueError):
         MethodSpec(method="hf", verifier="swap_p_q")
     with pytest.raises(ValueError):
-        MethodSpec(method="hf-assisted", draft="ngram")
+        MethodSpec(method="hf-assisted", config="draft=ngram")
     with pytest.raises(ValueError):
         MethodSpec(verifier="not-a-bug")
     with pytest.raises(ValueError):
@@ -292,7 +297,7 @@ def test_verispec_trees_pass(models, tree, rule, prompts):
     every rule in the default tier)."""
     target, draft = models
     r = certify_generate(
-        MethodSpec(target=target, draft=draft, tree=tree, tree_rule=rule),
+        MethodSpec(target=target, config=f"draft=model,model={draft},tree={tree},verify={rule}"),
         PROMPTS[:prompts],
         PARAMS,
         show_progress=False,
@@ -318,7 +323,7 @@ def test_broken_tree_verifiers_fail_at_default_size(models, bug, tree, rule):
     it is covered by the kernel certificate, tests/certify/test_tree_kernel.py.)"""
     target, draft = models
     r = certify_generate(
-        MethodSpec(target=target, draft=draft, tree=tree, tree_rule=rule, verifier=bug),
+        MethodSpec(target=target, config=f"draft=model,model={draft},tree={tree},verify={rule}", verifier=bug),
         PROMPTS,
         PARAMS,
         show_progress=False,
@@ -363,7 +368,7 @@ def test_spec_rl_reuse_rule_fails(models, lenience):
     target, draft = models
     p, q = (_first_token_probs(m, PROMPTS[0]) for m in models)
     tv = _merged_tv(one_step_law_spec_rl(p, q, lenience), p, SPEC_RL_SAMPLES)
-    spec = MethodSpec(target=target, draft=draft, gamma=4, verifier=f"spec-rl:{lenience!r}")
+    spec = MethodSpec(target=target, config=f"draft=model,model={draft},gamma=4", verifier=f"spec-rl:{lenience!r}")
     r = certify_generate(spec, PROMPTS[:1], PARAMS, samples=SPEC_RL_SAMPLES, show_progress=False)
     first = next(t for t in r.tests if t.kind == "first-token")
     assert first.detectable < tv, (first.detectable, tv)
@@ -373,13 +378,13 @@ def test_spec_rl_reuse_rule_fails(models, lenience):
 def test_tree_options_are_checked(models):
     target, draft = models
     with pytest.raises(ValueError, match="tree bug"):
-        MethodSpec(target=target, draft=draft, tree="2-2", verifier="swap_p_q")
+        MethodSpec(target=target, config=f"draft=model,model={draft},tree=2-2", verifier="swap_p_q")
     with pytest.raises(ValueError, match="needs a tree"):
-        MethodSpec(target=target, draft=draft, verifier="tree_stale_residual")
+        MethodSpec(target=target, config=f"draft=model,model={draft}", verifier="tree_stale_residual")
     with pytest.raises(ValueError, match="rule 'mixed' only"):  # never used by these trees: it would surely PASS
-        MethodSpec(target=target, draft=draft, tree="2-2", verifier="tree_mixed_dedup")
+        MethodSpec(target=target, config=f"draft=model,model={draft},tree=2-2", verifier="tree_mixed_dedup")
     with pytest.raises(ValueError, match="method 'verispec'"):
-        MethodSpec(method="plain", target=target, tree="2-2")
+        MethodSpec(method="plain", target=target, config="tree=2-2")
 
 
 def test_study_measures_failure_modes(models):
@@ -440,14 +445,16 @@ def test_study_measures_and_certifies_failure_modes(models):
 @pytest.mark.statistical
 @pytest.mark.parametrize(
     "mode",
-    [dict(verify="block", gamma=4), dict(seeding="position", gamma=4), dict(coupling="gumbel", gamma=3)],
+    ["verify=block,gamma=4", "random=position,gamma=4", "random=gumbel,gamma=3"],
     ids=["block", "position", "gumbel"],
 )
 def test_verification_modes_pass(models, mode):
     """Block verification, position seeding and Gumbel coupling PASS the generator certificate at its
     default size (N = 2000 per prompt, first-token law to TV 0.1 at power 0.99, family-wise level 0.01)."""
     target, draft = models
-    r = certify_generate(MethodSpec(target=target, draft=draft, **mode), PROMPTS[:1], PARAMS, show_progress=False)
+    r = certify_generate(
+        MethodSpec(target=target, config=f"draft=model,model={draft},{mode}"), PROMPTS[:1], PARAMS, show_progress=False
+    )
     assert r.passed, r.to_markdown()
     assert r.acceptance and r.acceptance_rate > 0.1
 

@@ -9,8 +9,6 @@ import re
 import pytest
 
 from verispec.cli import main
-from verispec.cli.options import draft_label
-from verispec.drafting.tree import TreeSpec
 
 
 class ModelLoaded(Exception):
@@ -45,8 +43,9 @@ SPECULATION = [  # options of generate and serve
     (["--tree", "dynamic-x"], r"--tree dynamic-x: .*must look like"),
     (["--tree", "dynamic-2-2-4", "--tree-rule", "iid"], r"--tree dynamic-2-2-4: .*'deterministic'"),
     (["--tree", "64-64"], r"--tree 64-64: .*at most 256"),
-    (["--tree-rule", "iid"], r"--tree-rule needs --tree"),
+    (["--tree-rule", "iid"], r"--tree-rule iid is a tree rule: it needs --tree"),
     (["--tree", "2-1", "--verify", "block"], r"--verify block verifies chains"),
+    (["--tree", "2-1", "--verify", "block", "--tree-rule", "iid"], r"--verify block verifies chains and --tree-rule"),
     (["--seeding", "position"], r"--seeding position needs a draft model"),  # the default draft is ngram
     (["--seeding", "position", "--draft", "none", "--coupling", "gumbel"], r"--seeding position works with"),
     (["--seeding", "keyed"], r"--seeding: invalid choice"),
@@ -62,6 +61,16 @@ SPECULATION = [  # options of generate and serve
     (["--ngram-sizes", "3,x"], r"--ngram-sizes: must be comma-separated integers >= 1"),
     (["--ngram-sizes", "3,0"], r"--ngram-sizes: must be comma-separated integers >= 1"),
     (["--dtype", "int3"], r"--dtype: unknown dtype"),
+    (["--spec", "gamma=x"], r"--spec gamma=x: gamma must be auto or an integer from 0 to 64, got 'x'"),
+    (["--spec", "draft=ngram,speed=9"], r"--spec draft=ngram,speed=9: unknown key 'speed'"),
+    (["--spec", "gamma=2,gamma=3"], r"gamma is given twice"),
+    (["--spec", "draft=none", "--draft", "ngram"], r"--draft ngram disagrees with --spec draft=none: give it once"),
+    (["--spec", "tree=2-1", "--tree", "2-2"], r"--tree 2-2 disagrees with --spec tree=2-1"),
+    (["--spec", "random=gumbel", "--seeding", "stream"], r"--seeding stream disagrees with --spec random=gumbel"),
+    (["--spec", "draft=self"], r"--spec draft=self: draft=self needs --draft-quant \(int8 or int4\)"),
+    (["--spec", "draft=ngram,random=position"], r"--spec .*: random=position needs a draft model"),
+    (["--spec", "draft=history"], r"draft=history is drafted by objects the command line cannot give"),
+    (["--spec", "draft=model"], r"draft=model needs the draft model: --draft PATH, or model=PATH in --spec"),
 ] + [(["--gamma", g], rf"--gamma: must be auto or an integer from 1 to 64 .*got '{g}'") for g in GAMMA]
 
 SAMPLING = [
@@ -106,8 +115,10 @@ def test_serve_checks_options_before_loading(extra, msg, capsys):
     "extra,msg",
     [
         (["--tree", "0-1"], r"--tree 0-1:"),
-        (["--tree-rule", "iid"], r"--tree-rule needs --tree"),
+        (["--tree-rule", "iid"], r"--tree-rule iid is a tree rule: it needs --tree"),
         (["--method", "hf", "--tree", "2-1"], r"--tree applies to --method verispec"),
+        (["--method", "hf", "--spec", "draft=ngram,tree=2-1"], r"--tree applies to --method verispec"),
+        (["--spec", "gamma=auto", "--gamma", "3"], r"--gamma 3 disagrees with --spec gamma=auto"),
         (["--draft", "self"], r"--draft self needs --draft-quant"),
         (["--draft-quant", "int4"], r"--draft-quant applies to a draft model"),
         (["--method", "hf-assisted"], r"--method hf-assisted needs --draft"),
@@ -192,6 +203,7 @@ def test_bench_runner_checks_options_before_loading(extra, msg, capsys):
     [
         ["generate", "a b", "--draft", "self", "--draft-quant", "int4", "--tree", "dynamic-3-2-6", "--gamma", "64"],
         ["serve", "--draft", "some/draft", "--draft-quant", "int8", "--gamma", "auto", "--max-gamma", "16"],
+        ["generate", "a b", "--spec", "draft=model,model=some/draft,gamma=4,verify=block,random=gumbel"],
         ["certify", "generate", "--target", "some/target", "--method", "hf-assisted", "--draft", "some/draft"],
         ["certify", "study", "--target", "some/target", "--draft", "some/draft", "--certify-samples", "20"],
         ["bench", "runner", "--paths", "fast"],
@@ -205,14 +217,26 @@ def test_valid_options_reach_the_loader(argv, tmp_path):
         main(argv)
 
 
-def test_the_draft_is_described_as_the_user_named_it():
-    def label(draft, quant=None, tree=None):
-        return draft_label(argparse.Namespace(draft=draft, draft_quant=quant), tree)
+@pytest.mark.parametrize(
+    "argv, spec",
+    [
+        ([], "draft=ngram,gamma=auto,verify=token,random=stream"),
+        (["--draft", "self", "--draft-quant", "int4"], "draft=self,quant=int4,gamma=auto,verify=token,random=stream"),
+        (["--draft", "m/d", "--gamma", "3"], "draft=model,model=m/d,gamma=3,verify=token,random=stream"),
+        (["--tree", "2-1", "--verify", "token"], "draft=ngram,gamma=auto,tree=2-1,verify=deterministic,random=stream"),
+        (["--spec", "draft=model", "--draft", "m/d"], "draft=model,model=m/d,gamma=auto,verify=token,random=stream"),
+        (["--coupling", "gumbel", "--seeding", "stream"], "draft=ngram,gamma=auto,verify=token,random=gumbel"),
+        (
+            ["--spec", "gamma=4", "--gamma", "4", "--runner", "hf"],
+            "draft=ngram,gamma=4,verify=token,random=stream,runner=hf",
+        ),
+    ],
+)
+def test_flags_and_spec_fill_one_config(argv, spec):
+    from verispec.cli import build_parser
+    from verispec.cli.options import spec_config
 
-    assert label("self", "int4") == "self(int4)"
-    assert label("ngram") == "ngram" and label("none") == "none"
-    assert label("models/draft", "int8") == "models/draft(int8)"
-    assert label("ngram", tree=TreeSpec.parse("2-1")) == "ngram, tree=2-1 (deterministic)"
+    assert str(spec_config(build_parser().parse_args(["generate", "a b", *argv]))) == spec
 
 
 @pytest.mark.parametrize("command", [["bench", "e2e"], ["bench", "rollout"], ["certify", "generate"]])

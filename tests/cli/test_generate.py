@@ -141,7 +141,7 @@ def test_self_draft_summary_names_the_self_draft(model_dirs, capsys):
     ]
     assert main(argv) == 0
     summary = capsys.readouterr().err.strip().splitlines()[-1]
-    assert "draft=self(int8)," in summary and "draft-model" not in summary
+    assert "spec draft=self,quant=int8,gamma=2," in summary and "draft-model" not in summary
 
 
 def test_bench_runner_prints_the_cost_curves(model_dirs, tmp_path):

@@ -46,7 +46,7 @@ def test_certificate_after_two_updates_with_stale_history_and_draft():
     assert len(eng.history) == len(PROMPTS)
     updated = loaded(6)
     report = certify_generate(
-        MethodSpec(method="verispec", draft="history+stale draft"),
+        MethodSpec(method="verispec", config=eng.config),
         PROMPTS,
         T1,
         samples=2000,

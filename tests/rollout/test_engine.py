@@ -85,7 +85,7 @@ def test_bad_arguments_are_refused(tiny_target):
             eng.generate(**args)
     with pytest.raises(ValueError, match="gamma must be an integer"):
         RolloutEngine(tiny_target, draft="self", history=True, gamma="auto")
-    with pytest.raises(ValueError, match="draft_quant needs"):
+    with pytest.raises(ValueError, match="draft_quant applies to a draft model"):
         RolloutEngine(tiny_target, draft_quant="int4")
 
 

@@ -1,6 +1,9 @@
 """`verispec bench e2e`: end-to-end decoding speed, every method side by side in one process and one run.
 
-Methods (same target, prompts, max_new_tokens, temperature and seeds):
+Methods (same target, prompts, max_new_tokens, temperature and seeds) — every verispec method is a `SpecConfig`,
+named `verispec:SPEC` (its string form, e.g. verispec:draft=model,gamma=4,verify=block; keys it leaves out come from
+the run: `E2EConfig.spec`, gamma, runner, and draft_quant / self_quant for a draft model / the self-draft), or by one
+of the names below, kept as aliases of specs (`alias_spec`):
     verispec-plain    plain decoding through verispec's loop (the baseline speedups are relative to)
     verispec-draft    verispec with the draft model
     verispec-ngram    verispec with prompt lookup
@@ -35,15 +38,28 @@ from pathlib import Path
 
 import torch
 
-from ..drafting import TreeSpec
 from ..engine.adaptive import measure_cost_curve
+from ..engine.config import SpecConfig, SpecError, parse_items
 from ..engine.generator import SpeculativeGenerator
 from ..model.fast import fast_path_unsupported
 from ..model.loading import LoadedModel
 from ..sampling import SamplingParams
 from ..sampling.theory import expected_tokens_per_pass
 
-__all__ = ["E2EConfig", "load_prompts", "plot", "run_e2e", "to_markdown"]
+__all__ = [
+    "E2EConfig",
+    "alias_spec",
+    "build_methods",
+    "calibrate",
+    "check_method",
+    "compare",
+    "load_prompts",
+    "measure",
+    "method_config",
+    "plot",
+    "run_e2e",
+    "to_markdown",
+]
 
 
 @dataclass(frozen=True)
@@ -52,7 +68,9 @@ class E2EConfig:
     temperatures: tuple[float, ...] = (0.0, 1.0)
     num_prompts: int = 2  # per category at batch 1
     batch: tuple[int, ...] = (4,)  # batched verispec runs, each on the first `batch` prompts of each category
-    gamma: int | str = 4
+    # a benchmark fixes the draft length by default (generators default to "auto"): with a fixed gamma a seed gives
+    # the same tokens run after run, so methods and runs compare on one workload; "auto" follows timings
+    gamma: int | str = 4  # of every verispec method that does not name its own
     seed: int = 0
     chat: bool = True
     runner: str = "auto"  # verispec's model forward (see verispec.model.fast.make_runner)
@@ -66,6 +84,20 @@ class E2EConfig:
         "hf-plain",
         "hf-assisted",
     )
+    spec: str = ""  # keys every verispec method takes unless it names them, e.g. "random=gumbel,max_gamma=16"
+
+    def __post_init__(self):
+        fixed = [k for k in parse_items(self.spec) if k in SET_ELSEWHERE]
+        if fixed:
+            raise ValueError(
+                f"{', '.join(fixed)}: not keys of the run's spec: a method names its drafter (draft, tree), the run's "
+                "gamma, runner, draft_quant and self_quant are fields of their own"
+            )
+        for m in self.methods:
+            method_config(m, self)
+
+
+SET_ELSEWHERE = ("draft", "model", "quant", "tree", "gamma", "runner")  # keys E2EConfig.spec does not take
 
 
 def load_prompts(paths: list[str]) -> dict[str, list[str]]:
@@ -182,102 +214,161 @@ def _hf_generate(
     return tokens, seconds, calls
 
 
-BASE_METHODS = E2EConfig.methods + ("verispec-tree", "verispec-ngram-tree", "llamacpp-plain", "llamacpp-lookup")
 FOREIGN = ("hf-", "llamacpp-")  # other engines' methods: batch 1 only
+FOREIGN_METHODS = ("hf-plain", "hf-assisted", "llamacpp-plain", "llamacpp-lookup")
+MODES = {"block": {"verify": "block"}, "position": {"random": "position"}, "gumbel": {"random": "gumbel"}}
+KNOWN = (
+    f"{', '.join(E2EConfig.methods)}, verispec:SPEC (a SpecConfig string, e.g. verispec:draft=model,gamma=4), "
+    f"verispec-draft[@G][/{'|'.join(MODES)}], verispec-tree@SHAPE[/RULE], verispec-ngram-tree@SHAPE, llamacpp-plain, "
+    "llamacpp-lookup"
+)
 
 
-def check_method(name: str) -> None:
-    """Raise ValueError for a method name run_e2e does not know (see the module docstring)."""
-
-    base, at, arg = _strip_mode(name).partition("@")
-    if base not in BASE_METHODS or (at and base not in ("verispec-draft", "verispec-tree", "verispec-ngram-tree")):
-        raise ValueError(
-            f"unknown method {name!r}; choose from {', '.join(E2EConfig.methods)}, verispec-draft[@G][/{'|'.join(MODES)}], "
-            "verispec-tree@SHAPE[/RULE], verispec-ngram-tree@SHAPE"
-        )
+def alias_spec(name: str) -> dict | None:
+    """The spec keys of an old verispec method name (None for any other name): verispec-plain = draft=none,
+    verispec-ngram = draft=ngram, verispec-self = draft=self, verispec-draft[@G][/MODE] = draft=model[,gamma=G]
+    [,verify=block | random=position | random=gumbel], verispec-tree@SHAPE[/RULE] = draft=model,tree=SHAPE,
+    gamma=auto[,verify=RULE], verispec-ngram-tree@SHAPE = draft=ngram,tree=SHAPE,gamma=auto."""
+    simple = {"verispec-plain": "none", "verispec-ngram": "ngram", "verispec-self": "self"}
+    if name in simple:
+        return {"draft": simple[name]}
+    head, _, mode = name.rpartition("/")
+    if name.startswith("verispec-draft") and mode in MODES:  # verispec-draft[@G]/MODE
+        return _draft_alias(head, name) | MODES[mode]
+    if name == "verispec-draft" or name.startswith("verispec-draft@"):
+        return _draft_alias(name, name)
+    base, _, arg = name.partition("@")
     if base in ("verispec-tree", "verispec-ngram-tree"):
         if not arg:
             raise ValueError(f"{base} needs a shape: {base}@4-2-2-1")
         shape, _, rule = arg.partition("/")
-        TreeSpec.parse(shape, rule or None)
-    elif at and not arg.isdigit():
+        items = {"draft": "model" if base == "verispec-tree" else "ngram", "tree": shape, "gamma": "auto"}
+        return items | ({"verify": rule} if rule else {})
+    return None
+
+
+def _draft_alias(head: str, name: str) -> dict:
+    base, at, g = head.partition("@")
+    if base != "verispec-draft":
+        raise ValueError(f"unknown method {name!r}; choose from {KNOWN}")
+    if at and not g.isdigit():
         raise ValueError(f"verispec-draft@G needs an integer draft length, got {name!r}")
+    return {"draft": "model"} | ({"gamma": int(g)} if at else {})
 
 
-def _make(method: str, target: LoadedModel, draft: LoadedModel | None, cfg: E2EConfig) -> SpeculativeGenerator:
-    base, _, arg = method.partition("@")
-    if base.startswith("verispec-draft"):  # verispec-draft[@G][/MODE]
-        mode = method.rpartition("/")[2] if _strip_mode(method) != method else None
-        arg = _strip_mode(method).partition("@")[2]
-        return SpeculativeGenerator(
-            target,
-            draft,
-            gamma=int(arg) if arg else cfg.gamma,
-            runner=cfg.runner,
-            draft_quant=cfg.draft_quant,
-            **MODES.get(mode, {}),
+def method_config(name: str, cfg: E2EConfig) -> SpecConfig | None:
+    """The SpecConfig of a verispec method (None for another engine's): its own keys (`verispec:SPEC`, or an old
+    name's, `alias_spec`) over the run's — cfg.spec, then gamma and runner, and the quantization of its drafter
+    (draft_quant for the draft model, self_quant for the self-draft). ValueError for a name run_e2e does not know."""
+    if name in FOREIGN_METHODS:
+        return None
+    try:
+        items = parse_items(name.removeprefix("verispec:")) if name.startswith("verispec:") else alias_spec(name)
+    except SpecError as e:
+        raise ValueError(f"method {name!r}: {e}") from None
+    if items is None:
+        raise ValueError(f"unknown method {name!r}; choose from {KNOWN}")
+    draft = items.get("draft", SpecConfig.draft)
+    if draft not in ("none", "ngram", "model", "self") or "model" in items:
+        raise ValueError(
+            f"method {name!r}: bench e2e runs draft=none, ngram, model (the --draft model) or self, with no model= key"
         )
-    shape, _, rule = arg.partition("/")
-    if base == "verispec-tree":
-        return SpeculativeGenerator(
-            target, draft, tree=shape, tree_rule=rule or None, runner=cfg.runner, draft_quant=cfg.draft_quant
-        )
-    return SpeculativeGenerator(target, "ngram", tree=shape, runner=cfg.runner)  # verispec-ngram-tree
+    base = parse_items(cfg.spec) | {"runner": cfg.runner}
+    base |= {"gamma": cfg.gamma} if draft != "none" else {}
+    base |= {"quant": cfg.draft_quant} if draft == "model" else {"quant": cfg.self_quant} if draft == "self" else {}
+    try:
+        return SpecConfig(**(base | items))
+    except SpecError as e:
+        under = f" under the run's spec {cfg.spec!r}" if e.key not in items and cfg.spec else ""
+        raise ValueError(f"method {name!r}{under}: {e}") from None
 
 
-MODES = {"block": dict(verify="block"), "position": dict(seeding="position"), "gumbel": dict(coupling="gumbel")}
+def check_method(name: str, cfg: E2EConfig | None = None) -> None:
+    """Raise ValueError for a method name run_e2e does not know (see the module docstring)."""
+    method_config(name, cfg if cfg is not None else E2EConfig(methods=()))
 
 
-def _strip_mode(method: str) -> str:
-    """verispec-draft@4/block -> verispec-draft@4 (a draft-model chain's MODE suffix; other names unchanged)."""
-    head, _, mode = method.rpartition("/")
-    return head if method.startswith("verispec-draft") and mode in MODES else method
+def _needs_draft(method: str, config: SpecConfig | None) -> bool:
+    return method == "hf-assisted" or (config is not None and config.drafter.model)
 
 
-def _base(method: str) -> str:
-    """verispec-draft@4/block -> verispec-draft; verispec-tree@4-2/iid -> verispec-tree."""
-    return _strip_mode(method).partition("@")[0]
+def _generator(target: LoadedModel, draft: LoadedModel | None, config: SpecConfig) -> SpeculativeGenerator:
+    return SpeculativeGenerator(target, draft if config.drafter.model else None, config=config)
+
+
+def _batches(cfg: E2EConfig) -> list[int]:
+    return sorted({1, *cfg.batch})
 
 
 def run_e2e(
     target: LoadedModel, draft: LoadedModel | None, prompts: dict[str, list[str]], cfg: E2EConfig, log=print
 ) -> dict:
-    for m in cfg.methods:
-        check_method(m)
-    needs_draft = ("verispec-draft", "hf-assisted", "verispec-tree")
-    methods = [m for m in cfg.methods if draft is not None or _base(m) not in needs_draft]
+    """Every method of cfg at every temperature, category and batch size (see the module docstring): build the
+    generators, calibrate the cost curves, measure, compare with verispec-plain and the other engines."""
+    methods, gens = build_methods(target, draft, cfg, log)
+    curves, draft_steps = calibrate(gens, cfg, log)
+    records = measure(target, draft, gens, methods, prompts, cfg, curves, draft_steps, log)
+    compare(records)
+    return {
+        "config": cfg.__dict__ | {"temperatures": list(cfg.temperatures), "methods": list(cfg.methods)},
+        "target": target.name,
+        "draft": draft.name if draft else None,
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "cost_curve_s": curves[1],  # batch 1
+        "cost_curves_s": {str(b): c for b, c in curves.items()},  # batch size -> T(1..n)
+        "draft_step_s": draft_steps.get("verispec-draft", {}).get(1, 0.0),
+        "draft_steps_s": {m: {str(b): t for b, t in d.items()} for m, d in draft_steps.items()},
+        "runner": type(gens["verispec-plain"].runner).__name__,
+        "records": records,
+    }
+
+
+def build_methods(
+    target: LoadedModel, draft: LoadedModel | None, cfg: E2EConfig, log
+) -> tuple[list[str], dict[str, SpeculativeGenerator]]:
+    """The methods this run can run (cfg.methods' order, less those without their model or engine) and a generator
+    for each verispec one, plus "verispec-plain" always (the baseline: calibration and prompt encoding)."""
+    configs = {m: method_config(m, cfg) for m in cfg.methods}  # every name checked; None: another engine's
+    methods = [m for m in cfg.methods if draft is not None or not _needs_draft(m, configs[m])]
     methods = _runnable(methods, target, log)
-    if "verispec-self" in methods and (cfg.runner == "hf" or fast_path_unsupported(target.model)):
-        methods.remove("verispec-self")
-        log(
-            "verispec-self skipped: a quantized self-draft needs the fast runner, "
-            + ("and runner='hf' was asked for" if cfg.runner == "hf" else fast_path_unsupported(target.model))
-        )
-    gens = {"verispec-plain": SpeculativeGenerator(target, None, runner=cfg.runner)}
-    if "verispec-ngram" in methods:
-        gens["verispec-ngram"] = SpeculativeGenerator(target, "ngram", gamma=cfg.gamma, runner=cfg.runner)
-    for m in methods:
-        if _base(m) in ("verispec-draft", "verispec-tree", "verispec-ngram-tree"):
-            gens[m] = _make(m, target, draft, cfg)
-    if "verispec-self" in methods:
-        log(f"quantizing the target's weights ({cfg.self_quant}) for the self-draft ...")
-        gens["verispec-self"] = SpeculativeGenerator(
-            target, "self", gamma=cfg.gamma, runner=cfg.runner, draft_quant=cfg.self_quant
-        )
-    vocab = gens["verispec-plain"].vocab_size
-    max_gamma = cfg.gamma if isinstance(cfg.gamma, int) else 8
+    for m in [m for m in methods if configs[m] is not None and configs[m].drafter.target_weights]:
+        hf = configs[m].runner == "hf"
+        why = "and runner='hf' was asked for" if hf else fast_path_unsupported(target.model)
+        if why:
+            methods.remove(m)
+            log(f"{m} skipped: a quantized self-draft needs the fast runner, " + why)
+    gens = {"verispec-plain": _generator(target, draft, method_config("verispec-plain", cfg))}
+    ours = [m for m in methods if configs[m] is not None and m != "verispec-plain"]
+    for m in sorted(ours, key=lambda m: configs[m].drafter.target_weights):  # self-drafts last: they quantize
+        if configs[m].drafter.target_weights:
+            log(f"quantizing the target's weights ({configs[m].quant}) for the self-draft ...")
+        gens[m] = _generator(target, draft, configs[m])
+    return methods, gens
+
+
+def _draft_model_chains(gen: SpeculativeGenerator) -> bool:
+    """Whether a generator drafts chains with a draft model (or the self-draft): its draft step is calibrated."""
+    return gen.config.drafter.uses_model and gen.tree is None
+
+
+def calibrate(gens: dict[str, SpeculativeGenerator], cfg: E2EConfig, log) -> tuple[dict, dict]:
+    """The target's cost curves T_B(1..n) at every batch size B, up to the widest verification of any method, and
+    the draft step of every draft-model chain method at each B: ({B: curve}, {method: {B: seconds}}). Generators
+    with gamma auto start from them."""
+    plain = gens["verispec-plain"]
     widest = max(
-        [max_gamma]
-        + [int(_strip_mode(m).partition("@")[2]) for m in methods if m.startswith("verispec-draft@")]
+        [cfg.gamma if isinstance(cfg.gamma, int) else 8]
+        + [g.controller.max_gamma for g in gens.values() if g.proposer is not None and g.tree is None]
         + [g.tree.max_nodes for g in gens.values() if g.tree is not None]
     )
-    batches = sorted({1, *cfg.batch})
+    batches = _batches(cfg)
     log(f"calibrating the cost curves at batch {', '.join(map(str, batches))} ...")
-    curves = {b: measure_cost_curve(gens["verispec-plain"].runner, vocab, min(widest, 64) + 1, b) for b in batches}
+    curves = {b: measure_cost_curve(plain.runner, plain.vocab_size, min(widest, 64) + 1, b) for b in batches}
     draft_steps = {
-        m: {b: measure_cost_curve(gens[m].proposer.runner, vocab, 1, b)[0] for b in batches}
-        for m in gens
-        if m.startswith(("verispec-draft", "verispec-self"))
+        m: {b: measure_cost_curve(g.proposer.runner, plain.vocab_size, 1, b)[0] for b in batches}
+        for m, g in gens.items()
+        if _draft_model_chains(g)
     }
     for m, gen in gens.items():  # gamma auto starts from the measured costs at every batch size
         if gen.proposer is not None and gen.controller.fixed is None:
@@ -290,93 +381,100 @@ def run_e2e(
             + "; draft step "
             + ", ".join(f"{m} {t[b]:.3f}s" for m, t in draft_steps.items())
         )
+    return curves, draft_steps
 
+
+def measure(target, draft, gens, methods, prompts, cfg: E2EConfig, curves, draft_steps, log) -> list[dict]:
+    """One record per temperature, category, batch size and method (batch 1: the first num_prompts prompts of a
+    category; batch B: its first B, verispec methods only, skipped where a category has fewer)."""
     records = []
     encode = gens["verispec-plain"].encode
     for temp in cfg.temperatures:
         for cat, texts in prompts.items():
             ids = [encode(t, chat=cfg.chat) for t in texts]
-            for batch in batches:
+            for batch in _batches(cfg):
                 chosen = ids[: cfg.num_prompts] if batch == 1 else ids[:batch]
                 if batch > 1 and len(chosen) < batch:
                     continue
                 for method in methods:
                     if batch > 1 and method.startswith(FOREIGN):
                         continue
-                    rec = {
-                        "temperature": temp,
-                        "category": cat,
-                        "batch": batch,
-                        "method": method,
-                        "prompts": len(chosen),
-                    }
+                    rec = {"temperature": temp, "category": cat, "batch": batch, "method": method}
+                    rec["prompts"] = len(chosen)
                     if method.startswith("hf-"):
-                        tok, sec, calls = _hf_generate(
-                            target,
-                            draft if method == "hf-assisted" else None,
-                            chosen,
-                            temp,
-                            cfg.max_new_tokens,
-                            cfg.seed,
-                        )
+                        assistant = draft if method == "hf-assisted" else None
+                        tok, sec, calls = _hf_generate(target, assistant, chosen, temp, cfg.max_new_tokens, cfg.seed)
                         rec.update(tokens=tok, seconds=sec, tau=tok / calls if calls else None)
                     elif method.startswith("llamacpp-"):
-                        tok, sec, pre = _llamacpp_generate(
-                            _gguf_path(target), chosen, temp, cfg.max_new_tokens, cfg.seed, method == "llamacpp-lookup"
-                        )
+                        lookup = method == "llamacpp-lookup"
+                        args = (_gguf_path(target), chosen, temp, cfg.max_new_tokens, cfg.seed, lookup)
+                        tok, sec, pre = _llamacpp_generate(*args)
                         rec.update(tokens=tok, seconds=sec, prefill_s=pre)
                     else:
-                        gen = gens[method]
-                        params = [SamplingParams(temperature=temp, seed=cfg.seed + i) for i in range(len(chosen))]
-                        tok, sec = 0, 0.0
-                        stats = None
-                        for start in range(0, len(chosen), batch):
-                            gen.generate(
-                                chosen[start : start + batch],
-                                params[start : start + batch],
-                                max_new_tokens=cfg.max_new_tokens,
-                                ignore_eos=True,
-                            )
-                            s = gen.last_stats
-                            tok += s.output_tokens
-                            sec += s.wall_time
-                            if stats is None:
-                                stats = s
-                            else:
-                                stats.merge(s)
-                        rec["prefill_s"] = _prefill_seconds(gen, chosen, batch)
-                        tree = gen.tree is not None
-                        rec.update(
-                            tokens=tok,
-                            seconds=sec,
-                            tau=stats.tau,
-                            alpha=stats.acceptance_rate,
-                            per_position=stats.per_position_acceptance,
-                            drafted=stats.drafted,
-                            steps=stats.target_passes,
-                            draft_s=stats.draft_time,
-                            verify_s=stats.verify_time,
-                            nodes=stats.nodes,
-                            drafted_per_step=stats.nodes / max(stats.target_passes, 1),
-                        )
-                        if tree:  # alpha of a tree is not one number: per-depth acceptance is per_position
-                            rec["alpha"] = None
-                        if method != "verispec-plain" and stats.drafted and not tree:
-                            measured = draft_steps.get(method, {}).get(batch)
-                            step_draft = measured if measured is not None else stats.draft_time / max(stats.drafted, 1)
-                            rec["theory_speedup"] = theory_speedup(
-                                stats.acceptance_rate, stats.steps_by_drafted, step_draft, curves[batch]
-                            )
-                    rec["tokens_per_s"] = rec["tokens"] / rec["seconds"] if rec["seconds"] else None
-                    if rec.get("prefill_s") is not None and rec["seconds"] > rec["prefill_s"]:  # after the prefill
-                        first = len(chosen)  # the prefill's forward also gives each row its first token
-                        rec["decode_tokens_per_s"] = (rec["tokens"] - first) / (rec["seconds"] - rec["prefill_s"])
+                        costs = draft_steps.get(method, {}).get(batch), curves[batch]
+                        rec.update(_measure_verispec(gens[method], method, chosen, batch, temp, cfg, costs))
+                    _rates(rec, len(chosen))
                     records.append(rec)
                     log(
                         f"T={temp} {cat:5s} batch {batch} {method:15s} {rec['tokens_per_s']:.2f} tok/s"
                         + (f" tau {rec['tau']:.2f}" if rec.get("tau") else "")
                     )
-    for rec in records:  # speedups relative to verispec-plain at the same temperature, category, batch
+    return records
+
+
+def _measure_verispec(gen, method: str, chosen, batch: int, temp: float, cfg: E2EConfig, costs) -> dict:
+    """A verispec method's figures over the chosen prompts in chunks of `batch`; costs: (the measured draft step or
+    None, the target's cost curve) at this batch size, for the theory of chains that drafted."""
+    params = [SamplingParams(temperature=temp, seed=cfg.seed + i) for i in range(len(chosen))]
+    tok, sec = 0, 0.0
+    stats = None
+    for start in range(0, len(chosen), batch):
+        gen.generate(
+            chosen[start : start + batch],
+            params[start : start + batch],
+            max_new_tokens=cfg.max_new_tokens,
+            ignore_eos=True,
+        )
+        s = gen.last_stats
+        tok += s.output_tokens
+        sec += s.wall_time
+        if stats is None:
+            stats = s
+        else:
+            stats.merge(s)
+    tree = gen.tree is not None
+    out = {"prefill_s": _prefill_seconds(gen, chosen, batch)}
+    out.update(
+        tokens=tok,
+        seconds=sec,
+        tau=stats.tau,
+        alpha=None if tree else stats.acceptance_rate,  # a tree's alpha is not one number: per-depth is per_position
+        per_position=stats.per_position_acceptance,
+        drafted=stats.drafted,
+        steps=stats.target_passes,
+        draft_s=stats.draft_time,
+        verify_s=stats.verify_time,
+        nodes=stats.nodes,
+        drafted_per_step=stats.nodes / max(stats.target_passes, 1),
+    )
+    if method != "verispec-plain" and stats.drafted and not tree:
+        measured, curve = costs
+        draft_step = measured if measured is not None else stats.draft_time / max(stats.drafted, 1)
+        out["theory_speedup"] = theory_speedup(stats.acceptance_rate, stats.steps_by_drafted, draft_step, curve)
+    return out
+
+
+def _rates(rec: dict, prompts: int) -> None:
+    """tokens/s, and after the prefill where it was measured (the prefill's forward gives each row its first token)."""
+    rec["tokens_per_s"] = rec["tokens"] / rec["seconds"] if rec["seconds"] else None
+    if rec.get("prefill_s") is not None and rec["seconds"] > rec["prefill_s"]:
+        rec["decode_tokens_per_s"] = (rec["tokens"] - prompts) / (rec["seconds"] - rec["prefill_s"])
+
+
+def compare(records: list[dict]) -> None:
+    """Each record's speedups over verispec-plain at the same temperature, category and batch (with the prefill and
+    after it), measured over theory, and its ratios to HF assisted and llama.cpp plain at batch 1."""
+    for rec in records:
         base = next(
             (
                 r
@@ -400,19 +498,6 @@ def run_e2e(
         if lc and lc.get("decode_tokens_per_s") and rec.get("decode_tokens_per_s"):
             rec["vs_llamacpp_plain"] = rec["tokens_per_s"] / lc["tokens_per_s"]
             rec["vs_llamacpp_plain_decode"] = rec["decode_tokens_per_s"] / lc["decode_tokens_per_s"]
-    return {
-        "config": cfg.__dict__ | {"temperatures": list(cfg.temperatures), "methods": list(cfg.methods)},
-        "target": target.name,
-        "draft": draft.name if draft else None,
-        "threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "cost_curve_s": curves[1],  # batch 1
-        "cost_curves_s": {str(b): c for b, c in curves.items()},  # batch size -> T(1..n)
-        "draft_step_s": draft_steps.get("verispec-draft", {}).get(1, 0.0),
-        "draft_steps_s": {m: {str(b): t for b, t in d.items()} for m, d in draft_steps.items()},
-        "runner": type(gens["verispec-plain"].runner).__name__,
-        "records": records,
-    }
 
 
 def _find(records: list[dict], method: str, temperature: float, category: str) -> dict | None:

@@ -37,6 +37,7 @@ from dataclasses import asdict, replace
 
 import numpy as np
 
+from ..engine.config import SpecConfig
 from ..engine.stats import SpecStats
 from ..sampling import SamplingParams
 from .kernel import DEFAULT_LEVEL, POWER
@@ -303,7 +304,9 @@ def _acceptance(stats: SpecStats | None) -> dict:
 def _reference_samples(spec: MethodSpec, reference, reference_fn, prompts, params, n, m, seed, workers, show_progress):
     """The two-sample test's reference: n continuations of m tokens per prompt by plain decoding of `reference`
     (when given, unless reference_fn says otherwise), else of spec.target."""
-    ref_spec = MethodSpec(method="plain", target=spec.target, runner=spec.runner)
+    ref_spec = MethodSpec(
+        method="plain", target=spec.target, config=SpecConfig(draft="none", runner=spec.config.runner)
+    )
     if reference_fn is None and reference is not None:  # plain decoding of the model the scores come from
         reference_fn = _verispec_method(ref_spec, reference)
     ref_samples, _, _ = draw_samples(

@@ -10,11 +10,10 @@ from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
-from ..drafting import TreeSpec
+from ..engine.config import SpecConfig
 from ..engine.generator import SpeculativeGenerator
 from ..model import loading
-from ..sampling import CHAIN_RULES, SamplingParams
-from ..sampling.coupling import COUPLINGS
+from ..sampling import SamplingParams
 from ..sampling.lossy import lenient_verifier, spec_rl_verifier, typical_verifier
 from .bugs import (
     BLOCK_BUGS,
@@ -28,9 +27,15 @@ from .bugs import (
 from .endpoint import Endpoint, TokenMapper
 from .kernel import load_sampler
 
-__all__ = ["LOSSY_VERIFIERS", "METHODS", "MethodSpec", "SampleFn", "build_method", "eos_set"]
+__all__ = ["CERTIFY_DEFAULTS", "LOSSY_VERIFIERS", "METHODS", "MethodSpec", "SampleFn", "build_method", "eos_set"]
 
 METHODS = ("verispec", "plain", "hf", "hf-assisted", "hf-lookup", "callable", "openai")
+
+
+# a certificate's verispec runs a fixed gamma by default (SpecConfig's is "auto"): its seeded samples are then
+# reproducible, run after run (gamma auto follows timings; the distribution is the same either way)
+CERTIFY_DEFAULTS = {"gamma": 4}
+CERTIFY_SPEC = SpecConfig(**CERTIFY_DEFAULTS)
 
 
 @dataclass(frozen=True)
@@ -39,81 +44,72 @@ class MethodSpec:
 
     method: str = "verispec"  # one of METHODS
     target: str | None = None  # model path / hub id (None: verispec's default model)
-    draft: str = "ngram"  # verispec: draft model path, 'ngram', 'self' or 'none'; hf-assisted: the assistant model
-    draft_quant: str | None = None
-    gamma: int | str = 4
-    runner: str = "auto"
+    # verispec's speculation (a SpecConfig, or its string form): a draft model by its path (draft=model,model=PATH),
+    # gamma, tree, verification rule, randomness, runner; plain takes its random and runner, hf-assisted's
+    # assistant is its model, hf-lookup's prompt_lookup_num_tokens its gamma
+    config: SpecConfig = CERTIFY_SPEC
     dtype: str = "float32"  # the method's target precision (the reference score is always float32)
     draft_dtype: str = "float32"
     callable: str | None = None  # method 'callable': module:function mapping (prompt_ids, params, seed) -> tokens
     verifier: str | None = None  # a bug from verispec.certify.bugs, or a lossy rule: LOSSY_VERIFIERS
     threads: int | None = None
-    tree: str | None = None  # verispec: a tree shape ('4-2-2-1', 'dynamic-D-K-M'); None = chains
-    tree_rule: str | None = None  # 'deterministic' (default), 'iid', 'without_replacement'
-    verify: str = "token"  # verispec chains: 'token' or 'block' verification
-    coupling: str | None = None  # verispec / plain: 'gumbel' (sampling.coupling)
-    seeding: str = "stream"  # verispec / plain: 'position' (sampling.positional)
     base_url: str | None = None  # openai: the endpoint (http://host:port or .../v1)
     model_name: str | None = None  # openai: the model name the endpoint serves
     api_key: str | None = field(default=None, repr=False)  # openai: sent as a Bearer token
     max_in_flight: int = 8  # openai: concurrent requests
 
     def __post_init__(self):
+        if isinstance(self.config, str):
+            object.__setattr__(self, "config", SpecConfig.parse(self.config))
+        if not isinstance(self.config, SpecConfig):
+            raise ValueError(f"config must be a SpecConfig or its string form, got {self.config!r}")
         if self.method not in METHODS:
             raise ValueError(f"method must be one of {', '.join(METHODS)}, got {self.method!r}")
-        if self.method == "hf-lookup" and not (isinstance(self.gamma, int) and self.gamma >= 1):
-            raise ValueError(f"method 'hf-lookup' needs gamma >= 1 (prompt_lookup_num_tokens), got {self.gamma!r}")
+        self._check_method()
+        self._check_speculation()
+
+    def _check_method(self) -> None:
+        cfg = self.config
+        if self.method == "hf-lookup" and not (isinstance(cfg.gamma, int) and cfg.gamma >= 1):
+            raise ValueError(f"method 'hf-lookup' needs gamma >= 1 (prompt_lookup_num_tokens), got {cfg.gamma!r}")
         if self.method == "openai" and not (self.base_url and self.model_name):
             raise ValueError("method 'openai' needs base_url and model_name (the endpoint and the model it serves)")
         if self.method == "callable" and not self.callable:
             raise ValueError("method 'callable' needs callable='module:function'")
-        if self.method == "hf-assisted" and self.draft in ("ngram", "self", "none", None):
-            raise ValueError("method 'hf-assisted' needs a draft model (draft=PATH)")
+        if self.method == "hf-assisted" and not (cfg.draft == "model" and cfg.model):
+            raise ValueError("method 'hf-assisted' needs a draft model (draft=model,model=PATH)")
         if self.verifier is not None and self.method != "verispec":
             raise ValueError(f"a verifier override (--inject) applies to method 'verispec', not {self.method!r}")
-        if self.tree is not None and self.method != "verispec":
+
+    def _check_speculation(self) -> None:
+        """What of the config applies to the method (the config checked itself)."""
+        cfg = self.config
+        if cfg.tree is not None and self.method != "verispec":
             raise ValueError(f"a tree applies to method 'verispec', not {self.method!r}")
-        if self.tree is not None:
-            TreeSpec.parse(self.tree, self.tree_rule)  # validate early
-        elif self.tree_rule is not None:
-            raise ValueError("tree_rule needs a tree")
-        if self.verify not in CHAIN_RULES:
-            raise ValueError(f"verify must be one of {', '.join(CHAIN_RULES)}, got {self.verify!r}")
-        if self.verify != "token" and (self.method != "verispec" or self.tree is not None):
-            raise ValueError(f"verify={self.verify!r} applies to method 'verispec' with chains (no tree)")
+        if cfg.verify == "block" and self.method != "verispec":
+            raise ValueError(f"verify='block' applies to method 'verispec' with chains (no tree), not {self.method!r}")
         if self.verifier is not None:
-            _verifier(self.verifier, tree=self.tree is not None, block=self.verify == "block")  # validate early
-        if self.seeding not in ("stream", "position"):
-            raise ValueError(f"seeding must be 'stream' or 'position', got {self.seeding!r}")
-        if self.seeding == "position" and (
-            self.method not in ("verispec", "plain") or self.tree or self.draft == "ngram"
-        ):
+            _verifier(self.verifier, tree=cfg.tree is not None, block=cfg.verify == "block")  # validate early
+        if cfg.random == "position" and self.method not in ("verispec", "plain"):
             raise ValueError("seeding 'position' applies to verispec with a draft model's chains, or to plain")
-        if self.coupling is not None and self.verifier is not None:
+        if cfg.random == "gumbel" and self.verifier is not None:
             raise ValueError(
                 "an injected verifier under coupling sees one-hot targets, where most bugs verify exactly: "
                 "certify the coupled verifier with `certify kernel --coupling gumbel --inject ...`"
             )
-        if self.coupling is not None and (self.coupling not in COUPLINGS or self.method not in ("verispec", "plain")):
-            raise ValueError(f"coupling {self.coupling!r} applies to methods 'verispec' and 'plain' ({COUPLINGS})")
+        if cfg.random == "gumbel" and self.method not in ("verispec", "plain"):
+            raise ValueError(f"coupling 'gumbel' applies to methods 'verispec' and 'plain', not {self.method!r}")
+        if self.method == "verispec" and cfg.draft == "model" and cfg.model is None:
+            raise ValueError("method 'verispec' with draft=model needs the draft model's path (model=PATH)")
 
     def label(self) -> str:
         if self.method == "verispec":
-            d = self.draft + (f" ({self.draft_quant})" if self.draft_quant else "")
             extra = f", verifier {self.verifier}" if self.verifier else ""
-            extra += f", {self.verify} verification" if self.verify != "token" else ""
-            extra += f", {self.coupling} coupling" if self.coupling else ""
-            extra += ", seeding by position" if self.seeding == "position" else ""
-            if self.tree:
-                return (
-                    f"verispec (draft {d}, tree {self.tree} {self.tree_rule or 'deterministic'}, "
-                    f"target {self.dtype}{extra})"
-                )
-            return f"verispec (draft {d}, gamma {self.gamma}, target {self.dtype}{extra})"
+            return f"verispec ({self.config}, target {self.dtype}{extra})"
         if self.method == "hf-assisted":
-            return f"transformers generate(assistant_model={self.draft})"
+            return f"transformers generate(assistant_model={self.config.model})"
         if self.method == "hf-lookup":
-            return f"transformers generate(prompt_lookup_num_tokens={self.gamma})"
+            return f"transformers generate(prompt_lookup_num_tokens={self.config.gamma})"
         if self.method == "callable":
             return f"callable {self.callable}"
         if self.method == "openai":
@@ -207,30 +203,17 @@ def _callable_method(spec: MethodSpec) -> SampleFn:
 
 
 def _verispec_method(spec: MethodSpec, target) -> SampleFn:
-
-    draft = "none" if spec.method == "plain" else spec.draft
-    if draft not in ("ngram", "none", "self"):
-        draft = _load(draft, spec.draft_dtype)
-    kwargs = {}
+    plain = SpecConfig(draft="none", random=spec.config.random, runner=spec.config.runner)
+    cfg = spec.config if spec.method == "verispec" else plain
+    if not cfg.drafter.built_by_generator:
+        raise ValueError(f"draft={cfg.draft} drafts with objects a MethodSpec cannot name: give certify a sample_fn")
+    draft = _load(cfg.model, spec.draft_dtype) if cfg.drafter.model else None
+    overrides = {}
     if spec.verifier:  # the override replaces the rule's verifier (a block bug replaces verify_block)
-        override = _verifier(spec.verifier, tree=spec.tree is not None, block=spec.verify == "block")
-        kwargs["tree_verifier" if spec.tree else "verifier"] = override
-    elif spec.verify != "token":
-        kwargs["verify"] = spec.verify
-    if spec.coupling is not None:
-        kwargs["coupling"] = spec.coupling
-    if spec.seeding != "stream":
-        kwargs["seeding"] = spec.seeding
-    if spec.tree:
-        kwargs.update(tree=spec.tree, tree_rule=spec.tree_rule)
-    gen = SpeculativeGenerator(
-        target,
-        draft,
-        gamma=spec.gamma if draft != "none" else 0,
-        runner=spec.runner,
-        draft_quant=spec.draft_quant,
-        **kwargs,
-    )
+        override = _verifier(spec.verifier, tree=cfg.tree is not None, block=cfg.verify == "block")
+        overrides["tree_verifier" if cfg.tree else "verifier"] = override
+        cfg = replace(cfg, verify=None) if cfg.verify == "block" else cfg  # the verifier is the block rule's
+    gen = SpeculativeGenerator(target, draft, config=cfg, **overrides)
 
     def sample_verispec(prompt, params, seeds, length):
         outs = gen.generate(
@@ -269,8 +252,8 @@ def _hf_method(spec: MethodSpec, target) -> SampleFn:
     target's), so every sample has `length` tokens, like ignore_eos in verispec. The cached models'
     generation configs are left as they are."""
     model = target.model
-    assistant = _load(spec.draft, spec.draft_dtype).model if spec.method == "hf-assisted" else None
-    lookup = {"prompt_lookup_num_tokens": spec.gamma} if spec.method == "hf-lookup" else {}
+    assistant = _load(spec.config.model, spec.draft_dtype).model if spec.method == "hf-assisted" else None
+    lookup = {"prompt_lookup_num_tokens": spec.config.gamma} if spec.method == "hf-lookup" else {}
 
     def sample_hf(prompt, params, seeds, length):
         kw = _hf_sampling_kwargs(params) | lookup

@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from ..engine.config import SpecConfig
 from ..sampling import SamplingParams, probs_from_logits
 from ..sampling.lossy import (
     one_step_law_lenient,
@@ -173,7 +174,8 @@ def run_study(
         alpha = torch.minimum(p32 if not name.startswith("target") else law, q).sum(-1)
         verdict, det, min_p = "-", float("nan"), float("nan")
         if certify_samples > 0:
-            spec = replace(MethodSpec(target=target, draft=draft, gamma=gamma), **overrides)
+            speculation = SpecConfig(draft="model", model=draft, gamma=gamma)
+            spec = replace(MethodSpec(target=target, config=speculation), **overrides)
             verdict, det, min_p = _certificate(
                 spec,
                 prompts,

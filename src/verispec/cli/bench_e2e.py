@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 
 from .options import (
     UsageError,
@@ -20,8 +21,16 @@ from .options import (
 )
 
 METHODS_HELP = (
-    "comma-separated methods (default: the six standard ones); also verispec-draft@G, verispec-tree@SHAPE[/RULE], "
-    "verispec-ngram-tree@SHAPE, llamacpp-plain and llamacpp-lookup (llama-cpp-python's own decoding of a .gguf target)"
+    "comma-separated methods (default: the six standard ones); verispec:SPEC runs a speculation configuration in its "
+    "string form, e.g. verispec:draft=model,gamma=auto,random=position (its key=value items run up to the next "
+    "method name); the old names stay as aliases: verispec-draft@G[/block|position|gumbel], "
+    "verispec-tree@SHAPE[/RULE], verispec-ngram-tree@SHAPE; also llamacpp-plain and llamacpp-lookup "
+    "(llama-cpp-python's own decoding of a .gguf target)"
+)
+SPEC_HELP = (
+    "speculation keys every verispec method takes unless it names them (SpecConfig's string form), e.g. "
+    "random=gumbel,max_gamma=16; gamma and runner here are --gamma and --runner (a disagreement is an error); the "
+    "methods name their drafters and trees, --draft-quant and --self-quant their quantizations"
 )
 
 
@@ -45,6 +54,8 @@ def _batches(text: str) -> tuple[int, ...]:
 
 
 def add_parser(sub) -> None:
+    from ..bench import e2e
+
     p = sub.add_parser("e2e", help="end-to-end tokens/s: verispec (plain, draft, ngram) vs HF generate")
     add_bench_inputs(
         p,
@@ -60,14 +71,20 @@ def add_parser(sub) -> None:
         help="batch sizes of the batched verispec runs, comma-separated, e.g. 4,8,16 (default 4)",
     )
     p.add_argument("--temperatures", type=_temperatures, default="0,1", help="comma-separated (default 0,1)")
-    p.add_argument("--gamma", type=gamma_type(), default=4, help="drafts per step for verispec, or auto (default 4)")
+    p.add_argument(
+        "--gamma",
+        type=gamma_type(),
+        help=f"drafts per step of the verispec methods that name none, or auto (default {e2e.E2EConfig.gamma})",
+    )
     p.add_argument("--methods", help=METHODS_HELP)
+    p.add_argument("--spec", metavar="SPEC", help=SPEC_HELP)
     add_bench_model_args(
         p,
         "e2e",
         "quantize the draft model (verispec-draft)",
         "quantization of the self-draft (verispec-self; default int4)",
     )
+    p.set_defaults(runner=None)  # given or not: --spec's runner key may set it (E2EConfig's default: auto)
     p.set_defaults(func=run)
 
 
@@ -82,20 +99,58 @@ def _config(args: argparse.Namespace):
         )
     if args.draft_quant is not None and args.draft in (None, "none", "ngram"):
         raise UsageError("--draft-quant quantizes the --draft model: give --draft PATH")
-    methods = tuple(args.methods.split(",")) if args.methods else e2e.E2EConfig.methods
+    methods = _methods(args.methods) if args.methods else e2e.E2EConfig.methods
+    model = {k: v for k, v in bench_model_options(args).items() if k != "runner"}  # runner: in _spec_options
+    options = pick(args, "max_new_tokens", "temperatures", "num_prompts", "batch") | _spec_options(args)
+    base = dict(options, **model, methods=())
+    try:
+        cfg = e2e.E2EConfig(**base)  # the run's own keys first: --spec's errors are its own
+    except ValueError as e:
+        raise UsageError(f"--spec {args.spec}: {e}") from None
     try:
         for m in methods:
-            e2e.check_method(m)
+            e2e.check_method(m, cfg)
     except ValueError as e:
         raise UsageError(f"--methods: {e}") from None
-    options = pick(args, "max_new_tokens", "temperatures", "num_prompts", "batch", "gamma")
-    return e2e.E2EConfig(**options, methods=methods, **bench_model_options(args))
+    return replace(cfg, methods=methods)
+
+
+def _methods(text: str) -> tuple[str, ...]:
+    """--methods: comma-separated names, where a verispec:SPEC takes the key=value items after it (no method name
+    holds '='): verispec-plain,verispec:draft=model,gamma=2,hf-plain is three methods."""
+    methods: list[str] = []
+    for part in text.split(","):
+        if "=" in part and not part.startswith("verispec:") and methods and methods[-1].startswith("verispec:"):
+            methods[-1] += "," + part
+        else:
+            methods.append(part)
+    return tuple(methods)
+
+
+def _spec_options(args: argparse.Namespace) -> dict:
+    """E2EConfig's gamma, runner and spec from --spec, --gamma and --runner (the spec's gamma and runner keys are
+    the flags'; a flag and --spec that disagree is an error)."""
+    from ..engine.config import SpecError, canonical, format_value, parse_items
+
+    try:
+        items = parse_items(args.spec or "")
+    except SpecError as e:
+        raise UsageError(f"--spec {args.spec}: {e}") from None
+    out = {}
+    for key, value in (("gamma", args.gamma), ("runner", args.runner)):
+        if key in items and value is not None and canonical(key, items[key]) != value:
+            raise UsageError(f"--{key} {value} disagrees with --spec {key}={format_value(items[key])}: give it once")
+        given = items.pop(key, value)
+        out |= {key: given} if given is not None else {}
+    rest = ",".join(f"{k}={format_value(v)}" for k, v in items.items())
+    return out | ({"spec": rest} if rest else {})
 
 
 def run(args: argparse.Namespace) -> int:
     from ..bench import e2e
 
     cfg = _config(args)
+    args.runner = cfg.runner  # the run's runner (--runner, or --spec's runner key): what `load` picks a backend by
     prompts = read_bench_prompts(args.prompts)
     with model_errors():
         target = load(args.target, args)

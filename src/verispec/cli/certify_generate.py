@@ -17,16 +17,16 @@ from .options import (
     add_sampling_args,
     add_seed_arg,
     add_seeding_arg,
+    add_spec_arg,
     add_tree_args,
     add_verify_arg,
-    check_draft,
     dtype_name,
     gamma_type,
     model_errors,
     pick,
     read_prompts,
     sampling_params,
-    tree_spec,
+    spec_config,
 )
 
 MIN_SAMPLES = 20  # certify_generate's own minimum, checked here before the target loads
@@ -56,12 +56,17 @@ def _add_method_args(p: argparse.ArgumentParser) -> None:
         "prompt lookup, --gamma tokens), callable "
         "(--callable), openai (an OpenAI-compatible endpoint: --base-url, --model)",
     )
+    from ..certify.methods import CERTIFY_SPEC
+
+    add_spec_arg(p)
     p.add_argument(
-        "--draft", default="ngram", help="verispec: draft model, ngram, self or none; hf-assisted: the assistant model"
+        "--draft", help="verispec: draft model, ngram (default), self or none; hf-assisted: the assistant model"
     )
     add_quant_arg(p, "--draft-quant", "weight-only quantize verispec's draft model (or --draft self)")
-    p.add_argument("--gamma", type=gamma_type(), default=4, help="verispec drafts per step, or auto (default 4)")
-    add_runner_arg(p, "verispec's model forward (default auto)", torch_only=True)
+    p.add_argument(
+        "--gamma", type=gamma_type(), help=f"verispec drafts per step, or auto (default {CERTIFY_SPEC.gamma})"
+    )
+    add_runner_arg(p, "verispec's model forward (default auto)", torch_only=True, default=None)
     add_device_args(p, device=False, dtype_help="the method's target precision (scoring is float32)")
     p.add_argument(
         "--draft-dtype", type=dtype_name, default="float32", help="the draft model's precision (default float32)"
@@ -147,13 +152,12 @@ def _add_certificate_args(p: argparse.ArgumentParser) -> None:
 
 def _method_spec(args: argparse.Namespace):
     """The MethodSpec of the options, every combination checked (no model loaded yet)."""
-    from ..certify.methods import MethodSpec
+    from ..certify.methods import CERTIFY_DEFAULTS, MethodSpec
 
-    if args.method == "verispec":
-        check_draft(args)
-    elif tree_spec(args) is not None:
+    config = spec_config(args, CERTIFY_DEFAULTS)  # verispec's (plain: random and runner; hf-*: model, gamma)
+    if args.method != "verispec" and config.tree is not None:
         raise UsageError(f"--tree applies to --method verispec, not to --method {args.method}")
-    if args.method == "hf-assisted" and args.draft in ("ngram", "self", "none"):
+    if args.method == "hf-assisted" and config.draft != "model":
         raise UsageError("--method hf-assisted needs --draft PATH: the assistant model")
     if args.method == "callable" and not args.callable:
         raise UsageError("--method callable needs --callable module:function")
@@ -166,19 +170,11 @@ def _method_spec(args: argparse.Namespace):
         return MethodSpec(
             method=args.method,
             target=args.target,
-            draft=args.draft,
-            draft_quant=args.draft_quant,
-            gamma=args.gamma,
-            runner=args.runner,
+            config=config,
             dtype=args.dtype,
             draft_dtype=args.draft_dtype,
             callable=args.callable,
             verifier=args.inject,
-            tree=args.tree,
-            tree_rule=args.tree_rule,
-            verify=args.verify,
-            coupling=args.coupling,
-            seeding=args.seeding,
             **endpoint,
         )
     except ValueError as e:  # what MethodSpec still checks itself is the --inject name

@@ -11,12 +11,11 @@ from .options import (
     add_sampling_args,
     add_seed_arg,
     add_speculation_args,
-    check_draft,
-    draft_label,
     int_range,
     load,
     model_errors,
     sampling_params,
+    spec_config,
     user_errors,
 )
 
@@ -36,37 +35,26 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
-def build_generator(args: argparse.Namespace, tree=None):
-    """Load the models named on the command line (options already checked) and build a SpeculativeGenerator."""
+def build_generator(args: argparse.Namespace, config):
+    """Load the target and the draft model the SpecConfig names (`spec_config`: options already checked) and build
+    a SpeculativeGenerator from the config."""
     from ..engine.generator import SpeculativeGenerator
 
     with model_errors():
         target = load(args.target, args)
-        draft = args.draft if args.draft in ("ngram", "none", "self") else load(args.draft, args, threads=False)
-        return SpeculativeGenerator(
-            target,
-            draft,
-            gamma=args.gamma,
-            max_gamma=args.max_gamma,
-            ngram_sizes=args.ngram_sizes,
-            runner=args.runner,
-            draft_quant=args.draft_quant,
-            tree=tree,
-            verify=args.verify,
-            coupling=args.coupling,
-            seeding=args.seeding,
-        )
+        draft = load(config.model, args, threads=False) if config.drafter.model else None
+        return SpeculativeGenerator(target, draft, config=config)
 
 
 def run(args: argparse.Namespace) -> int:
     """Generate from the target model; every token follows the target's distribution exactly. With no --target, uses
     the built-in default model."""
     params = sampling_params(args, seed=args.seed)
-    tree = check_draft(args)
+    config = spec_config(args)
     prompt = args.prompt if args.prompt != "-" else sys.stdin.read()
     if not prompt:
         raise UsageError("the prompt is empty")
-    gen = build_generator(args, tree)
+    gen = build_generator(args, config)
     kwargs = dict(max_new_tokens=args.max_new_tokens, stop=args.stop or (), chat=args.chat)
     with user_errors():
         if args.json:
@@ -91,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
             sys.stdout.flush()
     s = gen.last_stats
     print(
-        f"\n[{s.output_tokens} tokens, {s.tokens_per_second:.1f} tok/s, draft={draft_label(args, tree)}, "
+        f"\n[{s.output_tokens} tokens, {s.tokens_per_second:.1f} tok/s, spec {config}, "
         f"acceptance={s.acceptance_rate:.2f}, tau={s.tau:.2f} tokens/pass, "
         f"draft {s.draft_time:.1f}s / verify {s.verify_time:.1f}s / other {s.other_time:.1f}s]",
         file=sys.stderr,

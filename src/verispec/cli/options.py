@@ -3,8 +3,9 @@
 Each group is added by one function and built from the library's own constants (runner kinds, quantization
 modes, tree rules, sampling defaults), so a subcommand's parser reads as the list of groups it takes.
 A value that a flag can check alone is checked by the flag's `type` (argparse reports it and exits with
-status 2); checks across flags and the sampling parameters run in `check_draft` / `tree_spec` /
-`sampling_params`, which every handler calls before it loads a model.
+status 2); checks across flags and the sampling parameters run in `spec_config` (the speculation options: --spec and
+the flags that are its shorthands, into one `SpecConfig`) and `sampling_params`, which every handler calls before it
+loads a model.
 
 The library's imports stay inside the functions: `import verispec.cli` itself loads no torch.
 """
@@ -26,10 +27,9 @@ __all__ = [
     "add_runner_arg",
     "add_sampling_args",
     "add_seed_arg",
+    "add_spec_arg",
     "add_speculation_args",
     "add_tree_args",
-    "check_draft",
-    "draft_label",
     "dtype_name",
     "flag",
     "gamma_type",
@@ -40,7 +40,7 @@ __all__ = [
     "pick",
     "read_prompts",
     "sampling_params",
-    "tree_spec",
+    "spec_config",
     "user_errors",
 ]
 
@@ -161,6 +161,11 @@ _HELP = {
     "'ngram' (prompt lookup, default) or 'none'",
     "draft_quant": "weight-only quantize the draft model's linear layers (lossless: q is what it sampled from)",
     "ngram_sizes": "prompt-lookup n-gram sizes, longest first (default 3,2,1)",
+    "spec": "the speculation configuration in one string, comma-separated key=value items, e.g. "
+    "draft=model,gamma=4,verify=block (keys: draft, model, quant, ngram, stop_below, min_share, choose_depth, gamma, "
+    "max_gamma, tree, verify, random, runner; see the README). --draft, --draft-quant, --gamma, --max-gamma, "
+    "--ngram-sizes, --tree, --tree-rule, --verify, --seeding, --coupling and --runner are shorthands for its keys; a "
+    "flag that disagrees with --spec is an error",
     "verify": "how drafted chains are verified: token-wise (default) or block verification (exact too, an accepted "
     "prefix at least as long in expectation; chains only)",
     "coupling": "gumbel: every token is the exponential race of p under noise keyed by (seed, position), drafts draw "
@@ -194,12 +199,15 @@ def add_seed_arg(p: argparse.ArgumentParser, default: int | None = 0, help: str 
     p.add_argument("--seed", type=int_range(0, 2**63 - 1), default=default, help=help)
 
 
-def add_runner_arg(p: argparse.ArgumentParser, help: str, torch_only: bool = False) -> None:
-    """--runner; torch_only: a command whose models must be torch models (no llamacpp choice)."""
+def add_runner_arg(
+    p: argparse.ArgumentParser, help: str, torch_only: bool = False, default: str | None = "auto"
+) -> None:
+    """--runner; torch_only: a command whose models must be torch models (no llamacpp choice); default None: a
+    shorthand of --spec runner=... (`spec_config` reads it)."""
     from ..model.fast import RUNNER_KINDS
 
     kinds = tuple(k for k in RUNNER_KINDS if not (torch_only and k == "llamacpp"))
-    p.add_argument("--runner", choices=kinds, default=kinds[0], help=help)
+    p.add_argument("--runner", choices=kinds, default=default, help=help)
     p.set_defaults(torch_only=torch_only)
 
 
@@ -217,7 +225,7 @@ def add_tree_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_verify_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--verify", choices=("token", "block"), default="token", help=_HELP["verify"])
+    p.add_argument("--verify", choices=("token", "block"), help=_HELP["verify"])
 
 
 def add_coupling_arg(p: argparse.ArgumentParser) -> None:
@@ -225,24 +233,35 @@ def add_coupling_arg(p: argparse.ArgumentParser) -> None:
 
 
 def add_seeding_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--seeding", choices=("stream", "position"), default="stream", help=_HELP["seeding"])
+    p.add_argument("--seeding", choices=("stream", "position"), help=_HELP["seeding"])
+
+
+def add_spec_arg(p: argparse.ArgumentParser) -> None:
+    """--spec: the whole speculation configuration in one string (`SpecConfig.parse`); read by `spec_config`."""
+    p.add_argument("--spec", metavar="SPEC", help=_HELP["spec"])
 
 
 def add_speculation_args(p: argparse.ArgumentParser) -> None:
-    """Target, draft and how the draft runs: the options of `generate` and `serve`."""
+    """Target, draft and how the draft runs: the options of `generate` and `serve`. The speculation flags default to
+    None: they are shorthands of --spec keys, and the defaults are SpecConfig's (`spec_config`)."""
+    from ..engine.config import SpecConfig
+
+    default = SpecConfig()
     p.add_argument("--target", help=_HELP["target"])
-    p.add_argument("--draft", default="ngram", help=_HELP["draft"])
+    add_spec_arg(p)
+    p.add_argument("--draft", help=_HELP["draft"])
     add_quant_arg(p, "--draft-quant", _HELP["draft_quant"])
     add_runner_arg(
         p,
         "model forward: auto (default: llama.cpp for a .gguf file when llama-cpp-python is installed, else verispec's "
         "fast runner where supported), fast, hf, or llamacpp (the GGUF file's own quantization, on llama.cpp's kernels)",
+        default=None,
     )
-    p.add_argument("--gamma", type=gamma_type(), default="auto", help="drafts per step, or 'auto' (default)")
+    p.add_argument("--gamma", type=gamma_type(), help=f"drafts per step, or 'auto' (default {default.gamma})")
     p.add_argument(
-        "--max-gamma", type=gamma_type(auto=False), default=8, help="upper bound for --gamma auto (default 8)"
+        "--max-gamma", type=gamma_type(auto=False), help=f"upper bound for --gamma auto (default {default.max_gamma})"
     )
-    p.add_argument("--ngram-sizes", type=_int_list, default="3,2,1", help=_HELP["ngram_sizes"])
+    p.add_argument("--ngram-sizes", type=_int_list, help=_HELP["ngram_sizes"])
     add_tree_args(p)
     add_verify_arg(p)
     add_coupling_arg(p)
@@ -292,51 +311,102 @@ def sampling_params(args: argparse.Namespace, **extra):
         raise UsageError(f"{flag(e.field)} {e.message}") from None
 
 
-def tree_spec(args: argparse.Namespace):
-    """The TreeSpec of --tree / --tree-rule, or None without --tree."""
-    if args.tree is None:
-        if args.tree_rule is not None:
-            raise UsageError("--tree-rule needs --tree (a tree shape such as 4-2-2-1)")
-        return None
-    from ..drafting.tree import TreeSpec
+_SPEC_FLAGS = {  # spec key -> its flag (verify, random and draft are spelled by value: see _flag_name)
+    "quant": "--draft-quant",
+    "ngram": "--ngram-sizes",
+    "gamma": "--gamma",
+    "max_gamma": "--max-gamma",
+    "runner": "--runner",
+    "tree": "--tree",
+}
 
+
+def spec_config(args: argparse.Namespace, defaults: dict | None = None):
+    """The one SpecConfig of --spec and the speculation flags that are its shorthands, checked before any model
+    loads: a flag and --spec that set one key differently is an error, keys neither sets take the command's own
+    `defaults` (keys), then SpecConfig's. Errors name what the user typed (flags, or --spec's keys). The config is
+    also kept as `args.config` (where `load` reads the runner and the drafter)."""
+    from ..engine.config import SpecConfig, SpecError, canonical, format_value, parse_items
+
+    text = getattr(args, "spec", None)
     try:
-        return TreeSpec.parse(args.tree, args.tree_rule)
-    except ValueError as e:
-        raise UsageError(f"--tree {args.tree}: {e}") from None
-
-
-def check_draft(args: argparse.Namespace):
-    """Check --draft with --draft-quant and --tree; return the tree spec (or None)."""
-    from ..model.linear import QUANT_MODES
-
-    if args.draft_quant is not None and args.draft in ("ngram", "none"):
-        raise UsageError(f"--draft-quant applies to a draft model or --draft self, not to --draft {args.draft}")
-    if args.draft == "self" and args.draft_quant is None:
+        given = parse_items(text) if text is not None else {}
+    except SpecError as e:
+        raise UsageError(f"--spec {text}: {e}") from None
+    flags = _flag_items(args, tree_given=getattr(args, "tree", None) is not None or given.get("tree") is not None)
+    for key, (shown, value) in flags.items():
+        if key in given and canonical(key, given[key]) != canonical(key, value):
+            raise UsageError(f"{shown} disagrees with --spec {key}={format_value(given[key])}: give it once")
+    try:
+        cfg = SpecConfig(**(dict(defaults or {}) | given | {key: value for key, (_, value) in flags.items()}))
+    except SpecError as e:
+        message = e.render(lambda key, value: _flag_name(key, value, given, flags))
+        raise UsageError(f"--spec {text}: {message}" if e.key in given else message) from None
+    if not cfg.drafter.built_by_generator:
         raise UsageError(
-            f"--draft self needs --draft-quant ({' or '.join(QUANT_MODES)}): an unquantized copy of "
-            "the target costs as much as the target"
+            f"--spec {text}: draft={cfg.draft} is drafted by objects the command line cannot give (a RolloutEngine's "
+            "history, a Proposer); use draft=ngram, none, model or self"
         )
-    tree = tree_spec(args)
-    if tree is not None and args.draft == "none":
-        raise UsageError("--tree needs a drafter: a draft model, --draft self or --draft ngram")
-    if tree is not None and getattr(args, "verify", "token") != "token":
-        raise UsageError(f"--verify {args.verify} verifies chains; a --tree is verified by its --tree-rule")
-    if getattr(args, "seeding", "stream") == "position":
-        if args.draft == "ngram" or tree is not None:
-            raise UsageError("--seeding position needs a draft model drafting chains (or --draft none)")
-        if args.verify != "token" or getattr(args, "coupling", None):
-            raise UsageError("--seeding position works with --verify token and without --coupling")
-    return tree
+    if cfg.drafter.model and cfg.model is None:
+        raise UsageError("draft=model needs the draft model: --draft PATH, or model=PATH in --spec")
+    args.config = cfg
+    return cfg
 
 
-def draft_label(args: argparse.Namespace, tree=None) -> str:
-    """The draft as the user named it: ngram, none, self(int4), path/to/draft(int8), with the tree if any."""
-    label = args.draft + (f"({args.draft_quant})" if args.draft_quant else "")
-    label += f", verify={args.verify}" if getattr(args, "verify", "token") != "token" else ""
-    label += f", coupling={args.coupling}" if getattr(args, "coupling", None) else ""
-    label += ", seeding=position" if getattr(args, "seeding", "stream") == "position" else ""
-    return label + (f", tree={tree}" if tree is not None else "")
+def _flag_items(args: argparse.Namespace, tree_given: bool) -> dict:
+    """The spec keys the speculation flags given set: key -> (the flag as typed, value)."""
+    out = {}
+    draft = getattr(args, "draft", None)
+    if draft in ("ngram", "none", "self"):
+        out["draft"] = (f"--draft {draft}", draft)
+    elif draft is not None:
+        out["draft"], out["model"] = (f"--draft {draft}", "model"), (f"--draft {draft}", draft)
+    for key, name in (("quant", "draft_quant"), ("gamma", "gamma"), ("max_gamma", "max_gamma"), ("runner", "runner")):
+        if getattr(args, name, None) is not None:
+            out[key] = (f"{flag(name)} {getattr(args, name)}", getattr(args, name))
+    if getattr(args, "ngram_sizes", None) is not None:
+        out["ngram"] = (f"--ngram-sizes {','.join(map(str, args.ngram_sizes))}", args.ngram_sizes)
+    if getattr(args, "tree", None) is not None:
+        out["tree"] = (f"--tree {args.tree}", args.tree)
+    verify, rule = getattr(args, "verify", None), getattr(args, "tree_rule", None)
+    verify = None if verify == "token" and tree_given else verify  # the chains' rule, beside a tree's own
+    if verify is not None and rule is not None:
+        raise UsageError(f"--verify {verify} verifies chains and --tree-rule {rule} a --tree's: give one of them")
+    if verify is not None or rule is not None:
+        out["verify"] = (f"--verify {verify}", verify) if verify is not None else (f"--tree-rule {rule}", rule)
+    seeding, coupling = getattr(args, "seeding", None), getattr(args, "coupling", None)
+    if seeding == "position" and coupling is not None:
+        raise UsageError(
+            f"--seeding position works without --coupling: --coupling {coupling} keys its noise by position already "
+            "(one setting, --spec random=stream|position|gumbel)"
+        )
+    if coupling is not None or seeding is not None:
+        out["random"] = (
+            (f"--coupling {coupling}", coupling) if coupling is not None else (f"--seeding {seeding}", seeding)
+        )
+    return out
+
+
+def _flag_name(key: str, value: str | None, given: dict, flags: dict) -> str:
+    """How an error names a spec key: as --spec does where --spec set it, else as its flag."""
+    from ..engine.config import spec_name
+    from ..sampling.tree import TREE_RULES
+
+    if key in given:
+        return spec_name(key, value)
+    if key in ("draft", "model") and (value == "model" or key == "model"):
+        return flags["model"][0] if "model" in flags else "--draft PATH"
+    if key == "draft":
+        return "--draft" if value is None else f"--draft {value}"
+    if key == "verify":
+        name = "--tree-rule" if value in TREE_RULES else "--verify"
+    elif key == "random":
+        name = "--coupling" if value == "gumbel" else "--seeding"
+    elif key in _SPEC_FLAGS:
+        name, value = _SPEC_FLAGS[key], value.replace("-", ",") if key == "ngram" and value else value
+    else:
+        return spec_name(key, value)  # no flag: only --spec sets it
+    return name if value is None else f"{name} {value}"
 
 
 def pick(args: argparse.Namespace, *names: str) -> dict:
@@ -363,13 +433,15 @@ def backend_for(spec: str | None, args: argparse.Namespace) -> str:
     """torch or llamacpp, for a model spec under --runner (see `load`)."""
     from ..model.llamacpp import INSTALL_HINT, llamacpp_available
 
-    runner = getattr(args, "runner", None)  # commands without --runner load torch models
+    config = getattr(args, "config", None)  # the SpecConfig of `spec_config`, where the command has one
+    runner = config.runner if config is not None else getattr(args, "runner", None)  # none: torch models
     if runner == "llamacpp":
         if not llamacpp_available():
             raise UsageError(f"--runner llamacpp: {INSTALL_HINT}")
         return "llamacpp"
     gguf = spec is None or str(spec).endswith(".gguf")
-    torch_needed = getattr(args, "torch_only", False) or getattr(args, "draft", None) == "self"  # quantizes torch
+    self_draft = config.drafter.target_weights if config is not None else getattr(args, "draft", None) == "self"
+    torch_needed = getattr(args, "torch_only", False) or self_draft  # a self-draft quantizes torch weights
     auto = runner == "auto" and gguf and not torch_needed and getattr(args, "device", "cpu") == "cpu"
     auto = auto and args.dtype == "float32"
     return "llamacpp" if auto and llamacpp_available() else "torch"

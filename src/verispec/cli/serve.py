@@ -12,9 +12,8 @@ from .options import (
     UsageError,
     add_counts,
     add_speculation_args,
-    check_draft,
-    draft_label,
     int_range,
+    spec_config,
     user_errors,
 )
 
@@ -118,8 +117,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--api-key must not be empty")
     with user_errors():
         template = None if args.chat_template is None else load_chat_template(args.chat_template)
-    tree = check_draft(args)
-    gen = build_generator(args, tree)
+    config = spec_config(args)
+    gen = build_generator(args, config)
     name = args.served_model_name or args.target or DEFAULT_MODEL_NAME
     with user_errors():
         app = create_app(
@@ -135,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
         )
     logging.basicConfig(level=logging.INFO)
     print(
-        f"serving {name!r} on http://{args.host}:{args.port}/v1 (draft={draft_label(args, tree)}, gamma={args.gamma})",
+        f"serving {name!r} on http://{args.host}:{args.port}/v1 (spec {config})",
         file=sys.stderr,
         flush=True,
     )

@@ -1,5 +1,5 @@
 """Speculative generation: the generator facade, the engine core and its session (the one scheduler that owns the
-step), the typed request, the gamma controller, stats.
+step), the typed request, the speculation configuration (`SpecConfig`), the gamma controller, stats.
 
 (Models — loading, KV cache, runners — live in `verispec.model`; `load_model` and `LoadedModel` are re-exported
 here for convenience.) The names that need the drafters are imported on first use (drafters import
@@ -19,6 +19,7 @@ _LAZY = {
     "Request": ".request",
     "Job": ".request",
     "SpeculativeGenerator": ".generator",
+    "SpecConfig": ".config",
 }
 
 __all__ = ["LoadedModel", "ModelLoadError", "SpecStats", "load_model", *_LAZY]

@@ -530,7 +530,7 @@ def config_from_keywords(config: SpecConfig | None, items: Mapping, defaults: Ma
         raise ValueError(f"config must be a SpecConfig, got {type(config).__name__}")
     for key, value in items.items():
         if canonical(key, value) != getattr(config, key):
-            name = _KEYWORDS.get(key, {"random": "seeding/coupling", "verify": "verify/tree_rule"}.get(key, key))
+            name = keyword_name(key, value if isinstance(value, str) else None).partition("=")[0]
             raise ValueError(
                 f"{name}={value!r} conflicts with config {key}={format_value(getattr(config, key))}: give it once "
                 "(in the config)"

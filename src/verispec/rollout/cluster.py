@@ -4,7 +4,7 @@
     from verispec.rollout.cluster import EngineSpec, RolloutCluster
 
     ray.init()                                   # or ray.init(address="auto") on a running Ray cluster
-    spec = EngineSpec("Qwen/Qwen2.5-1.5B-Instruct", engine_kwargs=dict(history=False, gamma=4))
+    spec = EngineSpec("Qwen/Qwen2.5-1.5B-Instruct", config="draft=self,quant=int4,gamma=4")  # or engine_kwargs=...
     with RolloutCluster(spec, num_replicas=4, threads_per_replica=8) as cluster:
         outs = cluster.generate(prompt_token_ids, n=8, params=SamplingParams(temperature=1.0), seed=0)
         ... trainer step ...
@@ -74,10 +74,12 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
+from ..drafting.history import RolloutHistory
+from ..engine.config import SpecConfig
 from ..engine.stats import SpecStats
 from ..model.payload import from_payload, tensors_payload
 from ..sampling import SamplingParams
-from .engine import Rollout, RolloutEngine, WeightUpdate, check_request
+from .engine import SPEC_KEYWORDS, Rollout, RolloutEngine, WeightUpdate, check_request, engine_config
 
 __all__ = ["EngineSpec", "ReplicaLostError", "RolloutCluster"]
 
@@ -126,26 +128,52 @@ def _reraise(e: BaseException):
 @dataclass(frozen=True)
 class EngineSpec:
     """A picklable factory: `EngineSpec(...)()` loads the models with `verispec.model.load_model` and returns
-    `RolloutEngine(target, draft, **engine_kwargs)`, inside each replica.
+    `RolloutEngine(target, draft model, config=config, **engine_kwargs)`, inside each replica.
 
     target: a hub id, local directory or .gguf file (as `load_model`; it must be reachable from every node).
-    draft: None, "self" (the target's weights quantized, `engine_kwargs["draft_quant"]`, default int4) or a draft
-    model spec, loaded like the target. load_kwargs go to both `load_model` calls (dtype, device, ...; on a GPU
-    replica — `actor_options={"num_gpus": 1}` — device="cuda" is the GPU Ray assigned it). Leave `threads` out
-    of load_kwargs: the cluster sets each replica's thread count.
+    config: the engines' SpecConfig (or its string form), a draft model named by its path
+    (draft=model[+history],model=PATH) and loaded like the target. Not given: built, as RolloutEngine builds it,
+    from the old spelling — draft (None, "self" or a draft model's path) and the speculation keywords among
+    engine_kwargs (`SPEC_KEYWORDS`: draft_quant, history, gamma, ...), which it then holds instead of them.
+    engine_kwargs: RolloutEngine's other arguments (max_batch_size, strict_on_policy). load_kwargs go to both
+    `load_model` calls (dtype, device, ...; on a GPU replica — `actor_options={"num_gpus": 1}` — device="cuda" is
+    the GPU Ray assigned it). Leave `threads` out of load_kwargs: the cluster sets each replica's thread count.
     """
 
     target: str
     draft: str | None = None
     engine_kwargs: dict = field(default_factory=dict)
     load_kwargs: dict = field(default_factory=dict)
+    config: SpecConfig | None = None
+
+    def __post_init__(self):
+        spelled = {k: v for k, v in self.engine_kwargs.items() if k in SPEC_KEYWORDS}
+        if self.config is None:
+            config = engine_config(self.draft, spelled)
+        elif self.draft is not None or spelled:
+            raise ValueError(
+                f"give the speculation once: config, or draft and {', '.join(spelled) or 'the keywords'} "
+                "(a draft model in the config is model=PATH)"
+            )
+        else:
+            config = SpecConfig.parse(self.config) if isinstance(self.config, str) else self.config
+        if not isinstance(config, SpecConfig):
+            raise ValueError(f"config must be a SpecConfig or its string form, got {config!r}")
+        if config.drafter.model and config.model is None:
+            raise ValueError(f"draft={config.draft}: every replica loads the draft model: name it (model=PATH)")
+        history = self.engine_kwargs.get("history")
+        rest = {k: v for k, v in self.engine_kwargs.items() if k not in SPEC_KEYWORDS}
+        rest |= {"history": history} if isinstance(history, RolloutHistory) else {}  # a history to start from
+        object.__setattr__(self, "config", config)
+        object.__setattr__(self, "draft", None)
+        object.__setattr__(self, "engine_kwargs", rest)
 
     def __call__(self) -> RolloutEngine:
         from ..model.loading import load_model
 
         target = load_model(self.target, **self.load_kwargs)
-        draft = self.draft if self.draft in (None, "self") else load_model(self.draft, **self.load_kwargs)
-        return RolloutEngine(target, draft, **self.engine_kwargs)
+        model = load_model(self.config.model, **self.load_kwargs) if self.config.drafter.model else None
+        return RolloutEngine(target, model, config=self.config, **self.engine_kwargs)
 
 
 # --- the actor --------------------------------------------------------------------------------------------------

@@ -48,7 +48,17 @@ from ..model.loading import LoadedModel, shared_vocab_size
 from ..model.weights import load_safetensors_dir
 from ..sampling import SamplingParams
 
-__all__ = ["Rollout", "RolloutEngine", "WeightUpdate", "check_on_policy", "check_request", "sample_seed"]
+__all__ = [
+    "RL_DEFAULTS",
+    "SPEC_KEYWORDS",
+    "Rollout",
+    "RolloutEngine",
+    "WeightUpdate",
+    "check_on_policy",
+    "check_request",
+    "engine_config",
+    "sample_seed",
+]
 
 
 @dataclass(frozen=True)
@@ -109,11 +119,23 @@ def _rollout_config(config: SpecConfig | None, draft, history, keywords: dict) -
 
 
 _HISTORY_KEYWORDS = ("history_tree", "history_min_share", "choose_depth")
+# RolloutEngine's keyword arguments that spell its SpecConfig (history too, when it is True or False)
+SPEC_KEYWORDS = ("draft_quant", "history", *_HISTORY_KEYWORDS, "gamma", "runner", "verify", "coupling", "seeding")
+
+
+def engine_config(draft: str | None, keywords: dict) -> SpecConfig:
+    """The SpecConfig a RolloutEngine builds from its old spelling, with the draft model named by its path: draft
+    None, "self" or a draft model's path, and the speculation keywords (SPEC_KEYWORDS) among `keywords` (what a
+    `RolloutCluster`'s EngineSpec reads; the rest of `keywords` is ignored here)."""
+    given = {k: v for k, v in keywords.items() if k in SPEC_KEYWORDS and k != "history"}
+    path = draft if draft not in (None, "self", "ngram", "none") else None
+    cfg = _rollout_config(None, "model" if path is not None else draft, keywords.get("history", UNSET), given)
+    return replace(cfg, model=path) if path is not None else cfg
 
 
 def _draft_kind(draft, history, config: SpecConfig | None) -> str | None:
     """The draft key that the draft and history arguments spell; None where they only pass objects to a config."""
-    if config is not None and (draft is UNSET or isinstance(draft, (LoadedModel, Proposer))):
+    if config is not None and (draft is UNSET or draft is None or isinstance(draft, (LoadedModel, Proposer))):
         if history is not UNSET and (history is not False) != config.drafter.history:
             raise ValueError(f"history={history!r} conflicts with config draft={config.draft}")
         return None
@@ -126,8 +148,8 @@ def _draft_kind(draft, history, config: SpecConfig | None) -> str | None:
             what = "a custom Proposer brings its own drafting" if isinstance(draft, Proposer) else f"draft={draft!r}"
             raise ValueError(f"{what} does not draft from history: pass history=False")
         return "custom" if isinstance(draft, Proposer) else draft
-    if isinstance(draft, LoadedModel) or draft == "self":
-        base = "model" if isinstance(draft, LoadedModel) else "self"
+    if isinstance(draft, LoadedModel) or draft in ("self", "model"):  # "model": one given by its path (EngineSpec)
+        base = "self" if draft == "self" else "model"
         return f"{base}+history" if wants else base
     if draft not in (UNSET, None):
         raise ValueError(f"draft must be None, 'self', 'ngram', 'none', a LoadedModel or a Proposer, got {draft!r}")
@@ -239,7 +261,7 @@ class RolloutEngine:
         keywords = {k: v for k, v in keywords.items() if v is not UNSET}
         self.config = cfg = _rollout_config(config, draft, history, keywords)
         shared = history if isinstance(history, RolloutHistory) else None
-        self.history = (shared or RolloutHistory()) if cfg.drafter.history else None
+        self.history = (shared if shared is not None else RolloutHistory()) if cfg.drafter.history else None
         self.gen = SpeculativeGenerator(target, self._proposer(target, draft, cfg), config=cfg)
         self._init_state(target, draft if draft is not UNSET else None, max_batch_size, strict_on_policy)
 
