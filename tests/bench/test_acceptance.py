@@ -7,7 +7,7 @@ import json
 
 from verispec.cli import main
 
-from .saved import read_strict_json, save_tiny_pair
+from ..helpers.saved import read_strict_json, save_tiny_pair
 
 
 def test_acceptance_report(tmp_path):

@@ -10,7 +10,7 @@ import pytest
 from verispec.bench import e2e
 from verispec.cli import main
 
-from .saved import read_strict_json, save_tiny_pair
+from ..helpers.saved import read_strict_json, save_tiny_pair
 
 
 def test_tree_methods_side_by_side(tmp_path, capsys):

@@ -10,8 +10,8 @@ import torch
 from verispec.bench.rollout import perturbed
 from verispec.cli import main
 
-from ..engine.tiny import make_model
-from .saved import read_strict_json, save_tiny_pair
+from ..helpers.saved import read_strict_json, save_tiny_pair
+from ..helpers.tiny import make_model
 
 
 def test_every_method_over_epochs_with_updates(tmp_path):

@@ -12,7 +12,7 @@ from verispec.bench import kernel, runner
 from verispec.bench.table import markdown_table
 from verispec.strict_json import dumps
 
-from ..engine.tiny import make_model
+from ..helpers.tiny import make_model
 
 
 def table_cell_counts(md: str) -> list[list[int]]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ..engine.tiny import make_model, make_tokenizer, noisy_copy
+from ..helpers.tiny import make_model, make_tokenizer, noisy_copy
 
 
 @pytest.fixture(scope="module")  # per module: each saves its own copy

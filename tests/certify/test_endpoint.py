@@ -27,7 +27,7 @@ from verispec.cli import main
 from verispec.engine.generator import SpeculativeGenerator
 from verispec.sampling import SamplingParams
 
-from ..serve.test_server import LiveServer
+from ..helpers.server import LiveServer
 
 PROMPT = [3, 7, 7, 12, 3, 7]
 PARAMS = SamplingParams(temperature=0.7, top_k=10)

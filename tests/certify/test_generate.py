@@ -30,7 +30,7 @@ from verispec.certify.report import write_report
 from verispec.cli import main
 from verispec.sampling import SamplingParams
 
-from ..engine.tiny import EOS
+from ..helpers.tiny import EOS
 
 PROMPTS = [[3, 7, 7, 12, 3, 7], [5, 6, 9]]
 PARAMS = SamplingParams(temperature=0.7, top_k=10)

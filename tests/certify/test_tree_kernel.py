@@ -24,7 +24,7 @@ from verispec.certify.tree_kernel import (
 from verispec.cli import main
 from verispec.sampling.tree import TREE_RULES, VERIFY_RULES
 
-from ..sampling.test_tree import MIX_P, mixed_root_law
+from ..helpers.mixed_root import MIX_P, mixed_root_law
 
 # the rules whose cases each broken verifier is certified on: the mixed bugs break only rule "mixed" (the other
 # rules' cases would only add cost); the older bugs on the three drafting rules, as before, the stale residual on

@@ -11,7 +11,7 @@ import pytest
 
 from verispec.cli import main
 
-from ..engine.tiny import greedy_reference, make_model, make_tokenizer
+from ..helpers.tiny import greedy_reference, make_model, make_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ from verispec.engine.generator import SpeculativeGenerator
 from verispec.sampling import SamplingParams, probs_from_logits
 from verispec.sampling.tree import verify_tree
 
-from ..engine.tiny import greedy_reference
+from ..helpers.tiny import greedy_reference
 
 V = 32
 PROMPT = [5, 6, 7]

@@ -9,7 +9,7 @@ from transformers import PreTrainedTokenizerFast
 
 from verispec.engine.rows import IncrementalDecoder
 
-from .tiny import make_tokenizer
+from ..helpers.tiny import make_tokenizer
 
 TEXT = [
     "def f(x):\n    return x * 2  # doubles",

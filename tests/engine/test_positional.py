@@ -11,7 +11,7 @@ import pytest
 from verispec.engine.generator import SpeculativeGenerator
 from verispec.sampling import SamplingParams
 
-from . import test_distribution as dist
+from ..helpers import sequences as dist
 
 PROMPT = [3, 7, 7, 12, 3, 7]
 OTHERS = [[5, 9, 3], [12, 12, 4, 8, 3], [7], [9, 3, 7, 7], [4, 4, 4, 4], [3, 12], [8, 8, 5, 9, 3, 7, 2]]

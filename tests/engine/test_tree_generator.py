@@ -12,7 +12,7 @@ from verispec.drafting import TreeSpec
 from verispec.engine.generator import SpeculativeGenerator
 from verispec.sampling import SamplingParams
 
-from .tiny import greedy_reference
+from ..helpers.tiny import greedy_reference
 
 PROMPTS = [[3, 4, 5, 3, 4, 5, 3, 4], [9, 10], [20, 21, 22, 23, 24, 25, 20, 21, 22, 23, 24], [7]]
 GREEDY = SamplingParams(temperature=0)

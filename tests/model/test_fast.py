@@ -19,7 +19,7 @@ from verispec.model.linear import (
 from verispec.model.runner import HFRunner
 from verispec.sampling import SamplingParams
 
-from ..engine.tiny import greedy_reference, make_model
+from ..helpers.tiny import greedy_reference, make_model
 
 GEN = torch.Generator().manual_seed(0)
 # the kernels each kind of linear may run, by machine (see verispec.model.linear)

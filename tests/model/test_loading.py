@@ -86,7 +86,7 @@ def test_resolution_of_specs(tmp_path):
 
 
 def test_a_saved_model_directory_loads(tmp_path):
-    from ..engine.tiny import make_model, make_tokenizer
+    from ..helpers.tiny import make_model, make_tokenizer
 
     make_model(0).save_pretrained(tmp_path / "m")
     make_tokenizer().save_pretrained(tmp_path / "m")

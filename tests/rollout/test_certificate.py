@@ -10,7 +10,7 @@ from verispec.certify.generate import MethodSpec, certify_generate
 from verispec.rollout import RolloutEngine
 from verispec.sampling import SamplingParams
 
-from ..engine.tiny import loaded
+from ..helpers.tiny import loaded
 
 pytestmark = pytest.mark.statistical
 

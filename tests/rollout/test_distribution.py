@@ -17,8 +17,8 @@ from verispec.engine import SpeculativeGenerator
 from verispec.rollout import RolloutEngine
 from verispec.sampling import SamplingParams
 
-from ..engine.test_distribution import LEVEL, PROMPT, exact_sequence_probs, gof
-from ..engine.tiny import loaded
+from ..helpers.sequences import LEVEL, PROMPT, exact_sequence_probs, gof
+from ..helpers.tiny import loaded
 
 pytestmark = pytest.mark.statistical
 
@@ -75,7 +75,7 @@ def test_spec_rl_reuse_rule_fails(tiny_draft):
     from verispec.sampling import verify_chain
     from verispec.sampling.lossy import spec_rl_verifier
 
-    from ..engine.test_distribution import sample_sequences
+    from ..helpers.sequences import sample_sequences
 
     updated = loaded(5)
     probs = exact_sequence_probs(updated.model, PROMPT, T1)

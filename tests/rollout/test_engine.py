@@ -10,7 +10,7 @@ from verispec.model.fast import make_runner
 from verispec.rollout import RolloutEngine, WeightUpdateError, sample_seed
 from verispec.sampling import SamplingParams
 
-from ..engine.tiny import greedy_reference, loaded
+from ..helpers.tiny import greedy_reference, loaded
 
 PROMPTS = [[3, 7, 7, 12, 3, 7], [5, 9, 11, 4]]
 T1 = SamplingParams(temperature=1.0)

@@ -16,8 +16,8 @@ from verispec.model import load_model
 from verispec.model.loading import LoadedModel
 from verispec.rollout.trl import OnPolicyCheck, verispec_rollout_func
 
-from ..engine.tiny import make_model, make_tokenizer, noisy_copy
-from ..serve.test_server import LiveServer
+from ..helpers.server import LiveServer
+from ..helpers.tiny import make_model, make_tokenizer, noisy_copy
 
 STEPS = 3
 

@@ -12,7 +12,7 @@ import torch
 
 from verispec.rollout.trl import verispec_rollout_func
 
-from ..engine.tiny import make_tokenizer
+from ..helpers.tiny import make_tokenizer
 
 G, PROCESSES = 4, 4
 LOCAL = [["a b", "a b"], ["a b", "a b"], ["c d e", "c d e"], ["c d e", "c d e"]]  # each group on 2 processes

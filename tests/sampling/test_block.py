@@ -4,7 +4,6 @@ reductions, and verify_chain's contracts (uniform consumption, batch invariance,
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 
 import numpy as np
@@ -15,30 +14,9 @@ from verispec.certify.stats import chisquare_gof
 from verispec.sampling import verify_chain
 from verispec.sampling.block import block_final_weights, block_stop_law, block_terms, verify_block
 
+from ..helpers.toy_lm import ToyLM, stable_seed
+
 LEVEL = 1e-3  # per statistical test below; each uses a fixed seed
-
-
-def stable_seed(*key) -> int:
-    """A seed from a key, the same in every process (Python's hash() of a str is salted per process)."""
-    return int.from_bytes(hashlib.blake2b(repr(key).encode(), digest_size=4).digest(), "little")
-
-
-class ToyLM:
-    """p(. | prefix) and q(. | prefix) that depend on the whole prefix (a fresh softmax per prefix), seeded."""
-
-    def __init__(self, vocab: int, seed: int, scale: float = 1.5, zeros: bool = False):
-        self.V, self.seed, self.scale, self.zeros, self.cache = vocab, seed, scale, zeros, {}
-
-    def dist(self, prefix: tuple, which: str) -> torch.Tensor:  # [V] float64
-        key = (prefix, which)
-        if key not in self.cache:
-            g = torch.Generator().manual_seed(stable_seed(self.seed, which, *prefix))
-            d = (self.scale * torch.randn(self.V, generator=g, dtype=torch.float64)).softmax(-1)
-            if self.zeros:  # some tokens impossible under p or q (never both everywhere)
-                d[int(torch.randint(self.V, (1,), generator=g))] = 0.0
-                d = d / d.sum()
-            self.cache[key] = d
-        return self.cache[key]
 
 
 def step_outcomes(lm: ToyLM, prefix: tuple, gamma: int, onehot: bool, rule):

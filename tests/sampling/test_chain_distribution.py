@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from verispec.certify.stats import chisquare_power
 from verispec.sampling import SamplingParams, probs_from_logits, verify_chain
 
-from .chain_harness import LEVEL, broken_verify, failing, position_tests, run_case
+from ..helpers.chain_harness import LEVEL, broken_verify, failing, position_tests, run_case
 
 V = 16
 N = 200_000

@@ -21,7 +21,7 @@ from verispec.sampling.positional import (
     verify_positional,
 )
 
-from .test_block import ToyLM
+from ..helpers.toy_lm import ToyLM
 
 
 def test_keyed_uniforms_are_functions_of_their_key():

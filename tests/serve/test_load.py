@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 import httpx
 import pytest
 
-from ..engine.tiny import make_model, make_tokenizer
-from .test_server import _free_port
+from ..helpers.server import HANG_GUARD_S, free_port
+from ..helpers.tiny import make_model, make_tokenizer
 
 MODEL = "m"
 CONTEXT = 4096  # the saved model's context: room for streams far longer than --shutdown-timeout
@@ -118,13 +118,13 @@ class Server:
 def _start(tmp_path, scale: Scale, shutdown_timeout: float) -> Server:
     make_model(0, max_positions=CONTEXT).save_pretrained(tmp_path / "model")
     make_tokenizer().save_pretrained(tmp_path / "model")
-    port = _free_port()
+    port = free_port()
     argv = [sys.executable, "-m", "verispec.cli", "serve", "--target", str(tmp_path / "model"), "--port", str(port),
             "--served-model-name", MODEL, "--draft", "ngram", "--gamma", "2", "--max-batch", str(scale.max_batch),
             "--max-queue", str(scale.max_queue), "--shutdown-timeout", str(shutdown_timeout)]  # fmt: skip
     log = open(tmp_path / "server.log", "w")  # noqa: SIM115 (closed by the test)
     server = Server(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT), f"http://127.0.0.1:{port}", log)
-    deadline = time.time() + 120
+    deadline = time.time() + HANG_GUARD_S  # a hang guard: the loop waits for /health, or for the process to fail
     while time.time() < deadline:
         assert server.proc.poll() is None, server.stderr()
         try:
@@ -157,8 +157,9 @@ async def _hangups(url: str, scale: Scale) -> tuple[list[Stream], list[Stream]]:
     return list(out[: scale.hangups]), list(out[scale.hangups :])
 
 
-async def _until_idle(url: str, seconds: float = 20) -> dict[str, float]:
-    """The metrics once nothing runs or waits and the KV gauge says so too (it follows the last step)."""
+async def _until_idle(url: str, seconds: float = HANG_GUARD_S) -> dict[str, float]:
+    """The metrics once nothing runs or waits and the KV gauge says so too (it follows the last step); after
+    `seconds` (a hang guard) the metrics as they are, for the checks to fail on."""
     deadline = time.time() + seconds
     while True:
         m = _metrics(url)

@@ -70,7 +70,7 @@ class Counting:
 
 
 def _tiny_decode():
-    from ..engine.tiny import make_tokenizer
+    from ..helpers.tiny import make_tokenizer
 
     tok = make_tokenizer()
     return tok, lambda ids: tok.decode(list(ids), skip_special_tokens=True)

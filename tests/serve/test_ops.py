@@ -11,8 +11,8 @@ import verispec
 from verispec.engine.generator import SpeculativeGenerator
 from verispec.rollout.client import RolloutClient, RolloutServerError
 
-from ..engine.tiny import EOS
-from .test_server import MODEL, LiveServer
+from ..helpers.server import MODEL, LiveServer
+from ..helpers.tiny import EOS
 
 KEY = "s3cret"
 ORIGIN = "https://dash.example"

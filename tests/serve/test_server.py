@@ -3,58 +3,17 @@
 from __future__ import annotations
 
 import json
-import socket
-import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
 import pytest
-import uvicorn
 
 from verispec.engine.generator import SpeculativeGenerator
 from verispec.sampling import SamplingParams
-from verispec.serve import create_app
 
-MODEL = "tiny"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class LiveServer:
-    def __init__(self, gen, **kw):
-        self.app = create_app(gen, MODEL, **kw)
-        self.port = _free_port()
-        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="error"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    def __enter__(self):
-        self.thread.start()
-        deadline = time.time() + 30
-        while time.time() < deadline:
-            try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                time.sleep(0.05)
-        raise RuntimeError("server did not start")
-
-    def __exit__(self, *exc):
-        self.server.should_exit = True
-        self.thread.join(timeout=30)
-
-    def client(self, **kw) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, **kw)
-
-    @property
-    def engine(self):
-        return self.app.state.engine
+from ..helpers.server import MODEL, LiveServer, free_port, wait_for_health, wait_until
+from ..helpers.tiny import LONG_CONTEXT
 
 
 @pytest.fixture(scope="module")
@@ -320,18 +279,16 @@ def test_overload_returns_429_with_retry_after(tiny_target, tiny_draft):
         assert busy.headers["retry-after"] == "1" and busy.json()["error"]["type"] == "rate_limit_error"
 
 
-def test_client_disconnect_mid_stream_stops_the_request(tiny_target):
-    with LiveServer(SpeculativeGenerator(tiny_target, None), max_batch=4, max_queue=8) as s:
-        body = {"model": MODEL, "prompt": "a b", "max_tokens": 240, "ignore_eos": True, "stream": True}
+def test_client_disconnect_mid_stream_stops_the_request(tiny_long_target):
+    with LiveServer(SpeculativeGenerator(tiny_long_target, None), max_batch=4, max_queue=8) as s:
+        endless = LONG_CONTEXT - 16  # thousands of steps: it ends only by the hang-up, on any machine
+        body = {"model": MODEL, "prompt": "a b", "max_tokens": endless, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=60) as r:
             for line in r.iter_lines():
                 if line.startswith("data: "):
                     json.loads(line[6:])
                     break  # one chunk, then hang up
-        deadline = time.time() + 10
-        while time.time() < deadline and (s.engine.num_running or s.engine.session.num_active):
-            time.sleep(0.02)
-        assert s.engine.session.num_active == 0
+        wait_until(lambda: not (s.engine.num_running or s.engine.session.num_active), "the request to stop")
         finished = [
             ln
             for ln in httpx.get(s.url + "/metrics").text.splitlines()
@@ -348,11 +305,11 @@ def test_cli_serve_starts_and_answers(tmp_path):
     import subprocess
     import sys
 
-    from ..engine.tiny import make_model, make_tokenizer
+    from ..helpers.tiny import make_model, make_tokenizer
 
     make_model(0).save_pretrained(tmp_path)
     make_tokenizer().save_pretrained(tmp_path)
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -376,14 +333,7 @@ def test_cli_serve_starts_and_answers(tmp_path):
     )
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.time() + 120
-        while time.time() < deadline:
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                assert proc.poll() is None, proc.stderr.read()
-                time.sleep(0.2)
+        wait_for_health(url, proc, "verispec serve")
         r = httpx.post(url + "/v1/completions", json={"model": "m", "prompt": "a b a b", "max_tokens": 5})
         assert r.status_code == 200 and r.json()["object"] == "text_completion"
     finally:

@@ -8,7 +8,7 @@ import pytest
 from verispec.engine.generator import SpeculativeGenerator
 from verispec.sampling import SamplingParams
 
-from .test_server import MODEL, LiveServer
+from ..helpers.server import MODEL, LiveServer
 
 # the tiny tokenizer: "a" .. "z" are ids 3 .. 28, one word per token; " b" tokenizes as "b"
 OPTIONS = dict(logit_bias={"5": 3.0, "6": -2.0}, allowed_token_ids=[3, 4, 5, 6, 7], bad_words=["b", "c d"])

@@ -1,11 +1,11 @@
-"""Tiny saved models and strict JSON reading shared by the benchmark smoke tests."""
+"""Tiny saved models (a target and its noisy draft on disk) and strict JSON reading."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from ..engine.tiny import make_model, make_tokenizer, noisy_copy
+from .tiny import make_model, make_tokenizer, noisy_copy
 
 
 def save_tiny_pair(folder: Path) -> tuple[Path, Path]:

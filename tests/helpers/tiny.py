@@ -19,6 +19,7 @@ from transformers import (
 from verispec.model.loading import LoadedModel
 
 V = 32
+LONG_CONTEXT = 1 << 15  # the context of the long tiny target (tests/conftest.py: tiny_long_target)
 WORDS = ["<unk>", "<s>", "</s>"] + [chr(97 + i) for i in range(26)] + ["x0", "x1", "x2"]  # 32 tokens
 EOS = 2
 

@@ -11,7 +11,7 @@ from verispec.model.loading import LoadedModel
 from verispec.rollout import RolloutEngine
 from verispec.sampling import SamplingParams
 
-from ..engine.tiny import loaded, noisy_copy
+from .tiny import loaded, noisy_copy
 
 REFUSED_TOKENS = 13  # generate(max_new_tokens=13) raises ValueError in a FaultyEngine
 
