@@ -13,6 +13,7 @@ from .options import (
     add_counts,
     add_speculation_args,
     int_range,
+    pick,
     spec_config,
     user_errors,
 )
@@ -121,17 +122,8 @@ def run(args: argparse.Namespace) -> int:
     gen = build_generator(args, config)
     name = args.served_model_name or args.target or DEFAULT_MODEL_NAME
     with user_errors():
-        app = create_app(
-            gen,
-            name,
-            max_batch=args.max_batch,
-            max_queue=args.max_queue,
-            api_key=args.api_key,
-            cors_origins=args.cors_origins,
-            max_model_len=args.max_model_len,
-            request_timeout=args.request_timeout,
-            chat_template=template,
-        )
+        limits = ("max_batch", "max_queue", "api_key", "cors_origins", "max_model_len", "request_timeout")
+        app = create_app(gen, name, **pick(args, *limits), chat_template=template)
     logging.basicConfig(level=logging.INFO)
     print(
         f"serving {name!r} on http://{args.host}:{args.port}/v1 (spec {config})",

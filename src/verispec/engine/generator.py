@@ -78,23 +78,27 @@ class SpeculativeGenerator:
         tree_rule: str | None = UNSET,
         tree_verifier=verify_tree,
     ):
+        keywords = dict(
+            draft=draft,
+            gamma=gamma,
+            max_gamma=max_gamma,
+            ngram_sizes=ngram_sizes,
+            draft_stop_below=draft_stop_below,
+            runner=runner,
+            draft_quant=draft_quant,
+            verify=verify,
+            coupling=coupling,
+            seeding=seeding,
+            tree=tree,
+            tree_rule=tree_rule,
+        )
+        self.config, draft = _spec_config(config, {k: v for k, v in keywords.items() if v is not UNSET})
+        self._build(target, draft, verifier, tree_verifier)
+
+    def _build(self, target: LoadedModel, draft, verifier, tree_verifier) -> None:
+        """Drafter, gamma controller, runner and core as self.config says (draft: the object it drafts with)."""
         self.target = target
         self.tokenizer = target.tokenizer
-        keywords = {
-            "draft": draft,
-            "gamma": gamma,
-            "max_gamma": max_gamma,
-            "ngram_sizes": ngram_sizes,
-            "draft_stop_below": draft_stop_below,
-            "runner": runner,
-            "draft_quant": draft_quant,
-            "verify": verify,
-            "coupling": coupling,
-            "seeding": seeding,
-            "tree": tree,
-            "tree_rule": tree_rule,
-        }
-        self.config, draft = _spec_config(config, {k: v for k, v in keywords.items() if v is not UNSET})
         cfg = self.config
         if verifier is not None and cfg.chain_rule != "token":
             raise ValueError(f"verify={cfg.chain_rule!r} and a verifier override exclude each other")
