@@ -51,6 +51,7 @@ def llama_server():
 
 
 @pytest.mark.slow
+@pytest.mark.llamacpp
 @pytest.mark.statistical
 def test_llamacpp_plain_server_passes_through_text_mapping(llama_server):
     model, url = llama_server
