@@ -4,13 +4,18 @@ by events: the engine's step is gated by the test, and the update is known to be
 
 from __future__ import annotations
 
+import asyncio
 import threading
+import uuid
 
 import pytest
 import torch
 
 from verispec.engine.generator import SpeculativeGenerator
 from verispec.rollout.client import RolloutClient
+from verispec.sampling import SamplingParams
+from verispec.serve.engine import EngineThread, Job, Overloaded
+from verispec.serve.metrics import Metrics
 
 from ..helpers.server import HANG_GUARD_S, MODEL, LiveServer
 from ..helpers.tiny import greedy_reference, loaded
@@ -125,3 +130,115 @@ def test_generate_runs_beside_openai_requests_and_honours_the_request_timeout():
         out = result["g"]
         assert out["finish_reasons"] == ["abort", "abort"]
         assert all(0 < len(ids) < long - 16 for ids in out["completion_ids"])
+
+
+# --- the engine thread's failure paths (driven directly; every wait is on an event or a job's own events) -----------
+
+
+def _engine(max_batch: int = 1, max_queue: int = 8):
+    gen = SpeculativeGenerator(loaded(0), "ngram", gamma=2)
+    metrics = Metrics("t")
+    return gen, EngineThread(gen, max_batch=max_batch, max_queue=max_queue, metrics=metrics), metrics
+
+
+def _job(gen, loop, n: int = 1, max_new: int = 8):
+    reqs = [
+        gen.core.request(PROMPT, SamplingParams(temperature=1.0, seed=i), max_new_tokens=max_new, ignore_eos=True)
+        for i in range(n)
+    ]
+    return Job(id=uuid.uuid4().hex, requests=reqs, loop=loop, per_prompt=n)
+
+
+async def _answer(job) -> list:
+    """The job's events until each choice has its last event (or the job its error)."""
+    out, ended = [], 0
+    while ended < len(job.requests):
+        ev = await asyncio.wait_for(job.events.get(), HANG_GUARD_S)
+        out.append(ev)
+        ended += len(job.requests) if isinstance(ev, Exception) else int(ev.completion is not None)
+    return out
+
+
+def _ends(metrics) -> dict:
+    return {r: metrics.value("request_success_total", finished_reason=r) for r in ("length", "abort", "error")}
+
+
+def test_a_job_expired_while_waiting_is_answered_though_the_running_step_fails():
+    async def main():
+        gen, engine, metrics = _engine(max_batch=1)
+        entered, go = threading.Event(), threading.Event()
+
+        def failing():
+            entered.set()
+            assert go.wait(HANG_GUARD_S)
+            raise RuntimeError("device fault")
+
+        engine.session.run = failing
+        engine.start()
+        loop = asyncio.get_running_loop()
+        running, waiting = _job(gen, loop, max_new=50), _job(gen, loop)
+        engine.submit(running)
+        engine.submit(waiting)  # the batch holds one: it waits
+        await asyncio.to_thread(entered.wait, HANG_GUARD_S)
+        engine.expire(waiting)  # /abort_request or a shutdown's cut, while the step runs
+        go.set()
+        a, b = await _answer(running), await _answer(waiting)
+        engine.stop()
+        return a, b, metrics
+
+    a, b, metrics = asyncio.run(main())
+    assert isinstance(a[-1], RuntimeError)
+    assert b[-1].completion.finish_reason == "abort" and b[-1].completion.token_ids == []
+    assert _ends(metrics) == {"length": 0.0, "abort": 1.0, "error": 1.0}
+
+
+def test_a_failed_hand_over_leaves_no_ghost_row():
+    """A fault handing over a choice's last event fails that job once and frees its row: the next request joins."""
+
+    async def main():
+        gen, engine, metrics = _engine(max_batch=1, max_queue=0)
+        observe, armed = engine._observe, [True]
+
+        def faulty(ev, job, now):
+            if ev.completion is not None and armed:
+                armed.clear()
+                raise RuntimeError("metrics backend hiccup")
+            return observe(ev, job, now)
+
+        engine._observe = faulty
+        engine.start()
+        loop = asyncio.get_running_loop()
+        first = _job(gen, loop, max_new=3)
+        engine.submit(first)
+        failed = await _answer(first)
+        second = _job(gen, loop, max_new=3)
+        engine.submit(second)  # max_queue 0: accepted only if the row was freed
+        done = await _answer(second)
+        engine.stop()
+        return failed, done, engine, metrics
+
+    failed, done, engine, metrics = asyncio.run(main())
+    assert isinstance(failed[-1], RuntimeError) and done[-1].completion.finish_reason == "length"
+    assert engine.num_running == 0 and _ends(metrics) == {"length": 1.0, "abort": 0.0, "error": 1.0}
+
+
+def test_max_queue_zero_refuses_a_group_that_cannot_join_whole():
+    async def main():
+        gen, engine, _ = _engine(max_batch=2, max_queue=0)
+        gate = Gate(engine)
+        engine.start()
+        loop = asyncio.get_running_loop()
+        engine.submit(_job(gen, loop, max_new=5))  # one row busy
+        await asyncio.to_thread(gate.entered.wait, HANG_GUARD_S)
+        try:
+            with pytest.raises(Overloaded):  # two choices of one prompt join together: they would wait
+                engine.submit(_job(gen, loop, n=2))
+            single = _job(gen, loop)
+            engine.submit(single)  # one choice fits the free row
+        finally:
+            gate.open.set()
+        done = await _answer(single)
+        engine.stop()
+        return done
+
+    assert asyncio.run(main())[-1].completion.finish_reason == "length"

@@ -74,7 +74,7 @@ class Job:
     key: object = field(default_factory=object)
     group: int = 1
     on_admit: Callable[[Request], None] | None = None
-    weight_version: int | None = None
+    weight_version: int | None = field(default=None, init=False)  # set when it starts (GenerationSession)
 
     def __post_init__(self):
         if not self.requests:
@@ -97,15 +97,35 @@ class Barrier:
     error: BaseException | None = None
     done: threading.Event = field(default_factory=threading.Event)
 
+    _started: bool = False
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def _start(self) -> bool:
+        """Claim the barrier: True for the first caller of run() or cancel(), False after."""
+        with self._lock:
+            started, self._started = self._started, True
+            return not started
+
     def run(self) -> None:
+        """Run fn (once: a barrier run or cancelled before does nothing)."""
+        if not self._start():
+            return
         try:
             self.result = self.fn()
         except Exception as e:  # handed to whoever waits for it; the session serves on
             self.error = e
-        finally:
-            self.done.set()
-            if self.on_done is not None:
-                self.on_done(self)
+        self._finish()
+
+    def cancel(self, error: BaseException) -> None:
+        """End it with `error` unless it has started (its fn then never runs)."""
+        if self._start():
+            self.error = error
+            self._finish()
+
+    def _finish(self) -> None:
+        self.done.set()
+        if self.on_done is not None:
+            self.on_done(self)
 
     def wait(self, timeout: float | None = None) -> object:
         """Block until it ran (from another thread than the session's); its result, or its exception raised."""

@@ -91,6 +91,7 @@ class GenerationSession:
             self.core.check(req)
             if req.key in self._owner:
                 raise ValueError(f"a request with key {req.key!r} is already in this session")
+        job.weight_version = None  # set when it starts in this session (a job submitted again starts anew)
         live = _Live(job, open=len(job.requests))
         self._live[job.key] = live
         for req in job.requests:

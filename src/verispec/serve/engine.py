@@ -129,6 +129,7 @@ class EngineThread:
         self._cond = threading.Condition()  # (an RLock inside)
         self._inbox: deque[Job | Barrier] = deque()  # submitted, not yet handed to the session (engine thread)
         self._waiting: deque[Job] = deque()  # jobs with choices not yet in the batch
+        self._open: dict[str, Job] = {}  # every job with a choice not yet ended (counted), by id
         self._barriers = 0  # updates submitted and not yet run: nothing joins the batch before them
         self._cancel: list[Job] = []
         self._expire: list[Job] = []
@@ -148,7 +149,7 @@ class EngineThread:
             self._stop = True
             self._cond.notify_all()
         self._thread.join(timeout=30)
-        self._fail_barriers(RuntimeError("the server is shutting down"))
+        self._fail_barriers(RuntimeError("the server is shutting down"))  # those not started: never run now
 
     @property
     def weight_version(self) -> int:
@@ -169,11 +170,12 @@ class EngineThread:
         with self._cond:
             if self._closing or self._stop:
                 raise Closing("the server is shutting down")
-            blocked = self._blocked()
+            blocked = self._blocked(job)
             if blocked is not None and blocked >= self.max_queue:
                 raise Overloaded(f"{blocked} requests are waiting for a batch slot (the queue holds {self.max_queue})")
             self._inbox.append(job)
             self._waiting.append(job)
+            self._open[job.id] = job
             self._cond.notify_all()
         self._gauges()
 
@@ -238,20 +240,23 @@ class EngineThread:
 
     # --- bookkeeping (under the lock, or on the engine thread) ---------------------------------------
     def _live(self) -> list[Job]:
-        """Under the lock: the waiting and running jobs, each once."""
-        return list({id(j): j for j in [*self._waiting, *self._jobs.values()]}.values())
+        """Under the lock: the jobs not yet ended (waiting, running, or cut short and not yet answered)."""
+        return list(self._open.values())
 
-    def _blocked(self) -> int | None:
-        """Under the lock: how many waiting jobs cannot join the batch now (first come, first served: the rows free
-        go to the jobs ahead; none while an update waits), or None when a job submitted now would join at once."""
+    def _blocked(self, new: Job) -> int | None:
+        """Under the lock: how many waiting jobs cannot join the batch now, as the session admits (first come, first
+        served; a prompt's choices together while rows are running, in parts only into an empty batch; nothing
+        while an update waits), or None when `new`, submitted now, would join at once."""
         free = 0 if self._barriers else self.max_batch - len(self._jobs)
-        blocked = 0
-        for job in self._waiting:
-            if free > 0:
-                free -= len(job.requests) - job.admitted
-            else:
+        running, blocked = bool(self._jobs), 0
+        for job in [*self._waiting, new]:
+            rest = len(job.requests) - job.admitted
+            group = min(job.per_prompt - job.admitted % job.per_prompt, rest)
+            if blocked or free <= 0 or (group > free and running):
                 blocked += 1
-        return None if free > 0 else blocked
+                continue
+            free, running = free - rest, True
+        return None if not blocked else blocked - 1
 
     def _unwait(self, job: Job) -> None:
         """Under the lock: the job's choices no longer wait (it ended, or all of them joined the batch)."""
@@ -265,6 +270,12 @@ class EngineThread:
                 log.exception("updating the queue gauges failed")
 
     def _ended(self, job: Job, reason: str, choices: int = 1) -> None:
+        """Under the lock: `choices` more of the job's choices ended (counted once each); the job leaves the books with
+        its last."""
+        choices = min(choices, len(job.requests) - job.ended)
+        job.ended += choices
+        if job.ended == len(job.requests):
+            self._open.pop(job.id, None)
         if self.metrics is None or not choices:
             return
         try:  # the choices end whatever the metrics do
@@ -305,14 +316,30 @@ class EngineThread:
             if deliver:
                 job.push(ev)
         self._ended(job, reason, len(events))
-        job.ended += len(events)
+
+    def _cut(self, job: Job, deliver: bool) -> None:
+        """Under the lock: a cancelled (deliver=False) or expired job ends "abort"; a failure doing so fails it."""
+        try:
+            self._end(job, "abort", deliver)
+        except Exception as e:  # e.g. decoding its text: the job ends with an error rather than never
+            log.exception("cutting a request short failed")
+            self._fail(job, RuntimeError(f"ending the request failed: {e}"))
 
     def _fail(self, job: Job, error: Exception) -> None:
-        """Under the lock: the job ends with an engine error; the handler gets `error` whatever else fails."""
+        """Under the lock: the job ends with an engine error — its rows leave the session, every choice not yet
+        ended is counted "error" — and the handler gets `error` whatever else fails."""
+        job.cancelled = True
         try:
-            job.cancelled = True
             self._end(job, "error", deliver=False)
+        except Exception:
+            log.exception("dropping a failed request's rows failed")
         finally:
+            for key in [k for k, j in self._jobs.items() if j is job]:
+                self._jobs.pop(key)
+                self._last.pop(key, None)
+            self._inbox = deque(x for x in self._inbox if x is not job)
+            self._unwait(job)
+            self._ended(job, "error", len(job.requests))
             job.push(error)
 
     def _expire_due(self) -> float | None:
@@ -341,6 +368,8 @@ class EngineThread:
             except Exception as e:  # a bug outside the step: every job fails (500), the thread serves on
                 log.exception("engine loop failed")
                 self._fail_all(RuntimeError(f"engine loop failed: {e}"))
+                with self._cond:  # no busy loop of failures if it recurs (a stop() wakes it)
+                    self._cond.wait(0.05)
 
     def _iteration(self) -> bool:
         """Wait for work (expiring jobs at their deadlines meanwhile), hand new jobs and updates to the session, cut,
@@ -351,9 +380,9 @@ class EngineThread:
                 return False
             self._take_inbox()
             for job in self._cancel:
-                self._end(job, "abort", deliver=False)
+                self._cut(job, deliver=False)
             for job in self._expire:
-                self._end(job, "abort", deliver=True)
+                self._cut(job, deliver=True)
             self._cancel.clear()
             self._expire.clear()
         self._schedule()
@@ -409,24 +438,18 @@ class EngineThread:
 
     def _reset(self, error: Exception, everything: bool = False) -> None:
         """A fresh session after a failure: the jobs that had started fail with `error` (every job, with
-        `everything`); jobs that had not started and pending updates carry over to the new session in order."""
+        `everything`); jobs that had not started (cut short meanwhile or not) and pending updates carry over to the
+        new session in order, so the next iteration ends or runs them."""
         with self._cond:
             old = self.session
             self.session = GenerationSession(self.gen.core, self.max_batch)
             for job in self._live():
                 if everything or job.admitted:
-                    job.cancelled = True
-                    self._ended(job, "error", len(job.requests) - job.ended)
-                    job.ended = len(job.requests)
-                    job.push(error)
-            self._jobs = {k: j for k, j in self._jobs.items() if not j.cancelled}
-            self._last = {k: t for k, t in self._last.items() if k in self._jobs}
-            self._waiting = deque(j for j in self._waiting if not j.cancelled)
-            waiting = {j.id for j in self._waiting}
+                    self._fail(job, error)
             for item in old.queue:
                 if isinstance(item, Barrier):
                     self.session.barrier(item)
-                elif item.job.key in waiting:
+                elif item.job.key in self._open:
                     self.session.submit(item.job)
             self._cond.notify_all()
 
@@ -439,12 +462,12 @@ class EngineThread:
             self._score.clear()
 
     def _fail_barriers(self, error: Exception) -> None:
-        """Updates that never ran (the server stopped): their waiters get `error`."""
+        """Updates that have not started (the server stopped): their waiters get `error` (one that is running, on an
+        engine thread that outlived stop()'s wait, finishes on its own)."""
         with self._cond:
-            pending = [b for b in [*self._inbox, *self.session.queue] if isinstance(b, Barrier) and not b.done.is_set()]
+            pending = [b for b in [*self._inbox, *self.session.queue] if isinstance(b, Barrier)]
         for b in pending:
-            b.fn = _raiser(error)
-            b.run()
+            b.cancel(error)
 
     def _prompt_logprobs(self, todo: list[tuple[Job, int, list[int]]]) -> None:
         """Score the prompts of newly admitted echo-with-logprobs jobs (before their rows' first step)."""
@@ -503,7 +526,6 @@ class EngineThread:
                     self._jobs.pop(ev.key)
                     self._last.pop(ev.key, None)
                     self._ended(job, ev.completion.finish_reason)
-                    job.ended += 1
                 job.push(ev)
             except Exception as e:
                 log.exception("handing a step's output to its request failed")
@@ -515,10 +537,3 @@ class EngineThread:
         if self.metrics is not None and (last is None or ev.token_ids):
             self.metrics.observe_tokens(len(ev.token_ids), last is None, now - (job.arrived if last is None else last))
         self._last[ev.key] = now
-
-
-def _raiser(error: Exception):
-    def fn():
-        raise error
-
-    return fn

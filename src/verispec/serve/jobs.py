@@ -320,10 +320,12 @@ class Run:
         first: Iterable[BaseModel],
     ) -> AsyncIterator[str]:
         done: list[Completion] = []
+        first = list(first)  # sent with the first event: the job has started, its weight version is known
         try:
-            for c in first:
-                yield _sse(chunk(choices=[c]))
             async for ev in self.events():
+                for c in first:
+                    yield _sse(chunk(choices=[c]))
+                first = []
                 if (c := choice_of(ev)) is not None:
                     yield _sse(chunk(choices=[c]))
                 if ev.completion is not None:

@@ -115,18 +115,6 @@ class Metrics:
         self.generation_tokens.inc(generated)
         self.observe_end(reason, seconds)
 
-    def observe_rollouts(self, rollouts, seconds: float) -> None:
-        """The samples of one RL-route call (`Rollout`s), which ran outside the engine thread."""
-        for r in rollouts:
-            st = r.stats
-            self.drafts.inc(sum(steps for drafted, steps in st.steps_by_drafted.items() if drafted > 0))
-            self.draft_tokens.inc(st.drafted)
-            self.accepted_tokens.inc(st.accepted)
-            for pos, n in enumerate(st.accepted_at):
-                if n:
-                    self.accepted_per_pos.labels(position=str(pos), **self._lbl).inc(n)
-            self.observe_request(len(r.prompt_token_ids), len(r.completion_token_ids), r.finish_reason, seconds)
-
     def observe_weight_update(self, version: int) -> None:
         self.weight_updates.inc()
         self.weight_version.set(version)
