@@ -174,8 +174,10 @@ def run_study(
         alpha = torch.minimum(p32 if not name.startswith("target") else law, q).sum(-1)
         verdict, det, min_p = "-", float("nan"), float("nan")
         if certify_samples > 0:
-            speculation = SpecConfig(draft="model", model=draft, gamma=gamma)
-            spec = replace(MethodSpec(target=target, config=speculation), **overrides)
+            runner = {"runner": overrides["runner"]} if "runner" in overrides else {}  # a SpecConfig key
+            speculation = SpecConfig(draft="model", model=draft, gamma=gamma, **runner)
+            rest = {k: v for k, v in overrides.items() if k != "runner"}
+            spec = replace(MethodSpec(target=target, config=speculation), **rest)
             verdict, det, min_p = _certificate(
                 spec,
                 prompts,
