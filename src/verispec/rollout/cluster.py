@@ -71,7 +71,6 @@ from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
-import numpy as np
 import torch
 
 from ..drafting.history import RolloutHistory
@@ -80,6 +79,7 @@ from ..engine.stats import SpecStats
 from ..model.payload import from_payload, tensors_payload
 from ..sampling import SamplingParams
 from .engine import SPEC_KEYWORDS, Rollout, RolloutEngine, WeightUpdate, check_request, engine_config
+from .engine import draw_seed as _draw_seed  # (module-level: tests replace it)
 
 __all__ = ["EngineSpec", "ReplicaLostError", "RolloutCluster"]
 
@@ -108,10 +108,6 @@ def _lost_errors() -> tuple[type[BaseException], ...]:
 def _check_init(e: BaseException) -> None:
     if getattr(e, "actor_init_failed", False):  # the factory raised: restarting cannot help
         raise RuntimeError(f"a replica failed to start: {e}") from e
-
-
-def _draw_seed() -> int:
-    return int(np.random.SeedSequence().generate_state(1, np.uint32)[0])
 
 
 def _reraise(e: BaseException):
@@ -673,7 +669,8 @@ class RolloutCluster(contextlib.AbstractContextManager):
         order (Rollout.prompt_index is the prompt's position in `prompts`). seed None: one is drawn here, shared
         by every shard. Sets `last_stats`."""
         self._replicas.check_open()
-        self._check_request(prompts, n, params, max_new_tokens, seed, stop)
+        info = self._replicas.slots[0].info
+        check_request(prompts, n, params, max_new_tokens, stop, info["max_batch_size"], info["strict_on_policy"], seed)
         if seed is None:
             seed = _draw_seed()
         ids = self._token_ids(list(prompts), chat)
@@ -694,15 +691,6 @@ class RolloutCluster(contextlib.AbstractContextManager):
         stats.wall_time = time.perf_counter() - t0
         self.last_stats = stats
         return outs
-
-    def _check_request(self, prompts, n, params, max_new_tokens, seed, stop) -> None:
-        info = self._replicas.slots[0].info
-        ok_stop = stop is None or isinstance(stop, str)
-        if not (ok_stop or (isinstance(stop, Sequence) and all(isinstance(s, str) for s in stop))):
-            raise ValueError(f"stop must be None, a string or a list of strings, got {stop!r}")
-        check_request(prompts, n, params, max_new_tokens, stop, info["max_batch_size"], info["strict_on_policy"])
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
-            raise ValueError(f"seed must be None or an integer >= 0, got {seed!r}")
 
     def _token_ids(self, prompts: list, chat: bool) -> list[list[int]]:
         """Every prompt as token ids, all checked before any shard runs: token ids here, against the vocabulary;

@@ -165,8 +165,21 @@ def _prompt_indices(indices: Sequence[int] | None, count: int) -> list[int]:
     return [int(i) for i in indices]
 
 
-def check_request(prompts, n, params, max_new_tokens, stop, max_batch_size: int, strict_on_policy: bool) -> None:
+def draw_seed() -> int:
+    """A fresh request seed (numpy's entropy), for a rollout request that names none."""
+    return int(np.random.SeedSequence().generate_state(1, np.uint32)[0])
+
+
+def check_request(
+    prompts, n, params, max_new_tokens, stop, max_batch_size: int, strict_on_policy: bool, seed: int | None = None
+) -> None:
     """A rollout request's checks that need no model (a `RolloutCluster` runs them on its driver): ValueError."""
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
+        raise ValueError(f"seed must be None or an integer >= 0, got {seed!r}")
+    if not (
+        stop is None or isinstance(stop, str) or (isinstance(stop, Sequence) and all(isinstance(x, str) for x in stop))
+    ):
+        raise ValueError(f"stop must be None, a string or a list of strings, got {stop!r}")
     if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= max_batch_size:
         raise ValueError(f"n must be an integer in [1, max_batch_size={max_batch_size}], got {n!r}")
     if not isinstance(params, SamplingParams):
@@ -349,12 +362,12 @@ class RolloutEngine:
         """The engine job of a rollout request (every check done, nothing run) and its request seed: sample j of
         prompt i is request (i, j) with seed `sample_seed(seed, i, j)`, the n samples of a prompt one group (they
         join the batch together: the prompt is prefilled once). `generate` runs it; the server queues it."""
-        check_request(prompts, n, params, max_new_tokens, stop, self.max_batch_size, self.strict_on_policy)
+        check_request(prompts, n, params, max_new_tokens, stop, self.max_batch_size, self.strict_on_policy, seed)
         core = self.gen.core
         ids = [core.encode(p, chat) for p in prompts]  # all validated before any compute
         indices = _prompt_indices(prompt_indices, len(ids))
         if seed is None:
-            seed = int(np.random.SeedSequence().generate_state(1, np.uint32)[0])
+            seed = draw_seed()
         requests = [
             core.request(
                 prompt,

@@ -90,17 +90,13 @@ class Job:
 
     def __post_init__(self):
         self.requests = [
-            r if r.key == (self.id, i) else _rekeyed(r, (self.id, i), i) for i, r in enumerate(self.requests)
+            r if r.key == (self.id, i) else replace(r, key=(self.id, i), index=i) for i, r in enumerate(self.requests)
         ]
 
     def push(self, item) -> None:
         """From the engine thread: hand an event (StreamEvent, PromptLogprobs) or an Exception to the handler."""
         with contextlib.suppress(RuntimeError):  # the loop is closed (server shutting down)
             self.loop.call_soon_threadsafe(self.events.put_nowait, item)
-
-
-def _rekeyed(req: Request, key, index: int) -> Request:
-    return replace(req, key=key, index=index)
 
 
 def kv_cache_usage(runner, active: bool) -> tuple[float, int]:
@@ -150,10 +146,6 @@ class EngineThread:
             self._cond.notify_all()
         self._thread.join(timeout=30)
         self._fail_barriers(RuntimeError("the server is shutting down"))  # those not started: never run now
-
-    @property
-    def weight_version(self) -> int:
-        return self.gen.core.weight_version
 
     @property
     def num_waiting(self) -> int:
