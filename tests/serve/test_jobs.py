@@ -53,7 +53,7 @@ def served_small_batch():
     """A server with a batch of 2 over a target of its own (its weights are replaced), plain greedy-able decoding
     through the speculative loop (n-gram drafts)."""
     gen = SpeculativeGenerator(loaded(0), "ngram", gamma=2)
-    with LiveServer(gen, max_batch=2, max_queue=8) as s, RolloutClient(s.url) as c:
+    with LiveServer(gen, max_batch=2, max_queue=8, enable_weight_updates=True) as s, RolloutClient(s.url) as c:
         yield s, c
 
 

@@ -38,7 +38,7 @@ def test_the_default_model_and_local_folders(tmp_path):
 
 def test_the_server_lists_the_plain_id_and_accepts_the_name_it_was_given(tiny_target):
     app = create_app(SpeculativeGenerator(tiny_target, None), "Tiny Llama (random weights)")
-    with TestClient(app) as client:
+    with TestClient(app, base_url="http://localhost") as client:
         assert [m["id"] for m in client.get("/v1/models").json()["data"]] == ["Tiny-Llama"]
         for model in ("Tiny-Llama", "Tiny Llama (random weights)"):
             r = client.post("/v1/completions", json={"model": model, "prompt": "a b", "max_tokens": 2})

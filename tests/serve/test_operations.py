@@ -5,6 +5,7 @@ clients that leave, failed streams, and the 503s a shutdown answers (the SIGTERM
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -270,7 +271,7 @@ def test_a_plain_request_whose_client_leaves_stops_though_its_events_come_fast(t
         assert ended == ['verispec:request_success_total{finished_reason="abort",model_name="tiny"} 1.0']
 
 
-def test_a_failed_stream_ends_with_its_error_then_done_and_the_server_serves_on(tiny_target):
+def test_a_failed_stream_ends_with_its_error_then_done_and_the_server_serves_on(tiny_target, caplog):
     with LiveServer(SpeculativeGenerator(tiny_target, None)) as s:
 
         def broken():
@@ -278,7 +279,12 @@ def test_a_failed_stream_ends_with_its_error_then_done_and_the_server_serves_on(
 
         s.engine.session.run = broken  # this session's only: a failed step replaces it
         chunks = _stream(s, {"prompt": "a b", "max_tokens": 5})
-        assert chunks[-1] == "[DONE]" and "injected device error" in chunks[-2]["error"]["message"]  # as vLLM ends it
+        assert chunks[-1] == "[DONE]"  # the error as a chunk, then [DONE], as vLLM ends it
+        message = chunks[-2]["error"]["message"]
+        rid = re.fullmatch(r"internal error \(request id (\w+)\): see the server's log", message).group(1)
+        assert "injected" not in message  # the reply names no internals; the log has them under the request id
+        logged = [r for r in caplog.records if rid in r.getMessage()]
+        assert logged and "injected device error" in str(logged[0].exc_info[1])
         assert _post(s, {"prompt": "a", "max_tokens": 2}).status_code == 200
 
 

@@ -36,10 +36,12 @@ def _generator(target: LoadedModel) -> SpeculativeGenerator:
 
 
 @pytest.fixture
-def served():
-    """A server over a target of its own (these tests replace its weights), and a client for it."""
+def served(tmp_path):
+    """A server over a target of its own (these tests replace its weights: from disk under tmp_path), and a client
+    for it."""
     target = loaded(0)
-    with LiveServer(_generator(target), max_batch=8, max_queue=16) as s, RolloutClient(s.url) as c:
+    updates = {"enable_weight_updates": True, "weight_dirs": [tmp_path]}
+    with LiveServer(_generator(target), max_batch=8, max_queue=16, **updates) as s, RolloutClient(s.url) as c:
         yield s, c, target
 
 
@@ -126,7 +128,7 @@ def test_a_bad_update_is_a_400_that_changes_nothing(served, tmp_path):
     assert e.value.status == 400
     with pytest.raises(RolloutServerError, match="shape"):
         client.update_weights([("model.norm.weight", torch.zeros(3))])
-    with pytest.raises(RolloutServerError, match="does not exist"):
+    with pytest.raises(RolloutServerError, match="no readable safetensors file or directory under"):
         client.update_weights_from_disk(tmp_path / "nowhere")
     octets = {"content-type": "application/octet-stream"}
     r = httpx.post(s.url + "/update_weights_from_tensor", content=b"not safetensors", headers=octets)

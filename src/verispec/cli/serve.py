@@ -51,12 +51,50 @@ def add_parser(sub) -> None:
         metavar="ORIGIN",
         help="allow browser requests from this origin (repeatable; '*' for any)",
     )
+    _add_exposure_args(p)
     _add_operator_args(p)
     levels = list(LOG_LEVELS)
     p.add_argument(
         "--log-level", choices=levels, default="warning", help="the HTTP server's log level (default warning)"
     )
     p.set_defaults(func=run)
+
+
+def _add_exposure_args(p: argparse.ArgumentParser) -> None:
+    from ..serve.access import DEFAULT_MAX_REQUEST_BYTES
+
+    p.add_argument(
+        "--enable-weight-updates",
+        action="store_true",
+        help="let clients replace the served model's weights (POST /update_weights_from_tensor, "
+        "/update_weights_from_disk: the RL routes; off: 403). Beyond loopback it needs --api-key",
+    )
+    p.add_argument(
+        "--weight-dir",
+        action="append",
+        dest="weight_dirs",
+        default=[],
+        metavar="DIR",
+        help="a directory /update_weights_from_disk may read under (repeatable; symlinks are resolved; none: "
+        "no update from disk)",
+    )
+    p.add_argument(
+        "--allowed-host",
+        action="append",
+        dest="allowed_hosts",
+        default=[],
+        metavar="NAME",
+        help="a Host header name the server answers (repeatable; '*.example.com' for subdomains, '*' for any). "
+        "Default: on a loopback --host only localhost, 127.0.0.1 and [::1] (no DNS rebinding); otherwise any",
+    )
+    p.add_argument(
+        "--max-request-bytes",
+        type=int_range(1024),
+        default=DEFAULT_MAX_REQUEST_BYTES,
+        metavar="N",
+        help="the largest request body, counted while it is read (413 beyond; a weight upload's cap is the "
+        "model's size) (default %(default)s)",
+    )
 
 
 def _add_operator_args(p: argparse.ArgumentParser) -> None:
@@ -111,11 +149,19 @@ def run(args: argparse.Namespace) -> int:
 
     from ..model.loading import DEFAULT_MODEL_NAME
     from ..serve import create_app
+    from ..serve.access import allowed_hosts, is_loopback
     from ..serve.chat import load_chat_template
     from ..serve.shutdown import serve
 
     if args.api_key == "":
         raise UsageError("--api-key must not be empty")
+    if args.enable_weight_updates and not is_loopback(args.host) and args.api_key is None:
+        raise UsageError(
+            f"--enable-weight-updates on --host {args.host} (beyond this machine) lets anyone who reaches the port "
+            "replace the model: give --api-key too (or $VERISPEC_API_KEY), or bind to 127.0.0.1"
+        )
+    if args.weight_dirs and not args.enable_weight_updates:
+        raise UsageError("--weight-dir is for updates from disk: give --enable-weight-updates too")
     with user_errors():
         template = None if args.chat_template is None else load_chat_template(args.chat_template)
     config = spec_config(args)
@@ -123,7 +169,9 @@ def run(args: argparse.Namespace) -> int:
     name = args.served_model_name or args.target or DEFAULT_MODEL_NAME
     with user_errors():
         limits = ("max_batch", "max_queue", "api_key", "cors_origins", "max_model_len", "request_timeout")
-        app = create_app(gen, name, **pick(args, *limits), chat_template=template)
+        exposure = ("enable_weight_updates", "weight_dirs", "max_request_bytes")
+        hosts = allowed_hosts(args.host, args.allowed_hosts)
+        app = create_app(gen, name, **pick(args, *limits, *exposure), allowed_hosts=hosts, chat_template=template)
     logging.basicConfig(level=logging.INFO)
     print(
         f"serving {name!r} on http://{args.host}:{args.port}/v1 (spec {config})",

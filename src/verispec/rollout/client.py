@@ -137,7 +137,7 @@ class RolloutClient:
 
     def abort(self) -> None:
         """End the server's running /generate/ after its current step."""
-        self._call("POST", "/abort_request")
+        self._call("POST", "/abort_request", json={})
 
     def reset_prefix_cache(self) -> None:
         self._call("POST", "/reset_prefix_cache/")

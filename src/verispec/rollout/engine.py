@@ -46,7 +46,7 @@ from ..engine.session import GenerationSession
 from ..engine.stats import SpecStats
 from ..model.loading import LoadedModel, shared_vocab_size
 from ..model.weights import load_safetensors_dir
-from ..sampling import SamplingParams
+from ..sampling import SamplingParams, check_seed
 
 __all__ = [
     "RL_DEFAULTS",
@@ -174,8 +174,7 @@ def check_request(
     prompts, n, params, max_new_tokens, stop, max_batch_size: int, strict_on_policy: bool, seed: int | None = None
 ) -> None:
     """A rollout request's checks that need no model (a `RolloutCluster` runs them on its driver): ValueError."""
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
-        raise ValueError(f"seed must be None or an integer >= 0, got {seed!r}")
+    check_seed(seed)  # the rule of SamplingParams' seed: [0, 2**63)
     if not (
         stop is None or isinstance(stop, str) or (isinstance(stop, Sequence) and all(isinstance(x, str) for x in stop))
     ):

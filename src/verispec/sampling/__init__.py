@@ -6,7 +6,7 @@ Nothing here knows about models or caches: tensors in, tensors out, explicit ran
 from .block import verify_block, verify_block_with_uniforms
 from .chain import ChainVerifyOutput, draw_uniforms, sample_from_weights, verify_chain, verify_chain_with_uniforms
 from .metadata import SamplingMetadata
-from .params import ParamError, SamplingParams, bad_words_from_text
+from .params import ParamError, SamplingParams, bad_words_from_text, check_seed
 from .processors import counts_at_nodes, probs_from_logits, recent_at_nodes, recent_tokens
 from .theory import (
     acceptance_rate,
@@ -31,6 +31,7 @@ __all__ = [
     "TreeVerifyOutput",
     "acceptance_rate",
     "bad_words_from_text",
+    "check_seed",
     "counts_at_nodes",
     "draw_uniforms",
     "expected_tokens_per_pass",

@@ -12,11 +12,27 @@ from dataclasses import dataclass
 from functools import cached_property
 from numbers import Integral, Real
 
-__all__ = ["MAX_BAD_WORDS", "MAX_BAD_WORD_TOKENS", "ParamError", "SamplingParams", "bad_words_from_text"]
+__all__ = [
+    "MAX_BAD_WORDS",
+    "MAX_BAD_WORD_TOKENS",
+    "ParamError",
+    "SamplingParams",
+    "bad_words_from_text",
+    "check_seed",
+]
 
 MAX_BAD_WORDS = 256  # token sequences per request (vLLM allows 128 words; a string gives up to two sequences)
 MAX_BAD_WORD_TOKENS = 1024  # tokens over all of a request's bad words (vLLM's limit)
 MAX_LOGIT_BIAS = 100.0  # |bias| bound (OpenAI's)
+
+
+def check_seed(seed, field: str = "seed") -> int | None:
+    """A request seed: None, or an integer in [0, 2**63) (ParamError naming `field` otherwise)."""
+    if seed is None:
+        return None
+    if isinstance(seed, bool) or not isinstance(seed, Integral) or not 0 <= seed < 2**63:
+        raise ParamError(field, f"must be None or an integer in [0, 2**63), got {seed!r}")
+    return int(seed)
 
 
 class ParamError(ValueError):
@@ -184,10 +200,7 @@ class SamplingParams:
             if not -2.0 <= v <= 2.0:
                 raise ParamError(name, f"must be in [-2, 2], got {v}")
             set_(self, name, v)
-        if self.seed is not None:
-            if isinstance(self.seed, bool) or not isinstance(self.seed, Integral) or not 0 <= self.seed < 2**63:
-                raise ParamError("seed", f"must be None or an integer in [0, 2**63), got {self.seed!r}")
-            set_(self, "seed", int(self.seed))
+        set_(self, "seed", check_seed(self.seed))
         set_(self, "logit_bias", _logit_bias(self.logit_bias))
         set_(self, "allowed_token_ids", _allowed(self.allowed_token_ids))
         set_(self, "bad_words", _bad_words(self.bad_words))

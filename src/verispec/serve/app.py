@@ -13,7 +13,9 @@ from __future__ import annotations
 import logging
 import os
 import re
+from collections.abc import Sequence
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
@@ -22,12 +24,14 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from ..engine.generator import SpeculativeGenerator
 from ..rollout import RolloutEngine
 from . import chat, completions, ops, rl
+from .access import DEFAULT_MAX_REQUEST_BYTES, LOOPBACK_HOSTS
 from .chat import check_chat_template
 from .engine import EngineThread
 from .errors import install_error_handlers
 from .jobs import Served
 from .metrics import Metrics
 from .protocol import ModelCard, ModelList
+from .rl import WeightRoutes
 from .scoring import PromptScorer
 from .shutdown import Gate, GateState
 
@@ -66,6 +70,10 @@ def create_app(
     max_model_len: int | None = None,
     request_timeout: float | None = None,
     chat_template: str | None = None,
+    enable_weight_updates: bool = False,
+    weight_dirs: Sequence[str | os.PathLike] = (),
+    allowed_hosts: Sequence[str] | None = LOOPBACK_HOSTS,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
 ) -> FastAPI:
     """The server over `gen`. `model_name` (a name, path or display string) becomes the plain id that clients
     send and /v1/models lists (`served_model_id`); a request naming `model_name` itself is accepted too. The RL
@@ -74,9 +82,15 @@ def create_app(
     completion (at most the model's context; None: the model's). request_timeout: seconds from a request's arrival
     after which its unfinished choices end with finish_reason "abort" (None: no limit). chat_template: a Jinja
     template (its text: `serve.chat.load_chat_template` reads --chat-template's file) that replaces the tokenizer's
-    (chat completions and /tokenize; set on gen's tokenizer). Run the app with
+    (chat completions and /tokenize; set on gen's tokenizer). enable_weight_updates: mount the weight routes' effect
+    (off: they answer 403); weight_dirs: the directories /update_weights_from_disk may read under. allowed_hosts:
+    the Host names answered (default: loopback's; None: any; `serve.access.allowed_hosts` computes them for a bind
+    address). max_request_bytes: every body's cap but a weight upload's (the model's size). Run the app with
     `serve.shutdown.serve` for a graceful shutdown."""
     _check_limits(gen, max_model_len, request_timeout)
+    if isinstance(max_request_bytes, bool) or not isinstance(max_request_bytes, int) or max_request_bytes < 1:
+        raise ValueError(f"max_request_bytes must be an integer >= 1, got {max_request_bytes!r}")
+    routes = WeightRoutes(enable_weight_updates, _weight_dirs(weight_dirs))
     if chat_template is not None:
         gen.tokenizer.chat_template = check_chat_template(chat_template)
     model_id = served_model_id(model_name)
@@ -98,11 +112,15 @@ def create_app(
     app = FastAPI(title="verispec", lifespan=lifespan)
     app.state.served, app.state.engine, app.state.metrics = served, engine, metrics
     app.state.rl_jobs = set()  # the running and waiting /generate/ jobs (/abort_request expires them)
-    app.state.rollout = RolloutEngine.from_generator(gen, max_batch_size=max_batch, strict_on_policy=strict_on_policy)
+    app.state.rollout = rollout = RolloutEngine.from_generator(
+        gen, max_batch_size=max_batch, strict_on_policy=strict_on_policy
+    )
+    app.state.weight_routes = routes
     app.state.gate = GateState()  # requests in flight; 503 once a shutdown starts (`serve.shutdown`)
     install_error_handlers(app)
+    upload = {"/update_weights_from_tensor": lambda: routes.upload_cap(rollout) or max_request_bytes}
+    ops.install_access(app, api_key, cors_origins, allowed_hosts, max_request_bytes, upload)
     app.add_middleware(Gate, state=app.state.gate, retry_after_s=retry_after_s)
-    ops.install_access(app, api_key, cors_origins)
     _routes(app)
     return app
 
@@ -113,6 +131,18 @@ def _routes(app: FastAPI) -> None:
     app.add_api_route("/metrics", prometheus, methods=["GET"])
     for module in (completions, chat, rl, ops):
         app.include_router(module.router)
+
+
+def _weight_dirs(dirs: Sequence[str | os.PathLike]) -> tuple[Path, ...]:
+    if isinstance(dirs, (str, os.PathLike)):
+        dirs = [dirs]
+    out = []
+    for d in dirs:
+        p = Path(d).expanduser().resolve()
+        if not p.is_dir():
+            raise ValueError(f"--weight-dir {d}: no such directory")
+        out.append(p)
+    return tuple(out)
 
 
 def _check_limits(gen: SpeculativeGenerator, max_model_len: int | None, request_timeout: float | None) -> None:

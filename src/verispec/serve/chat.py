@@ -3,6 +3,7 @@ streamed."""
 
 from __future__ import annotations
 
+import asyncio
 from functools import partial
 from pathlib import Path
 
@@ -145,11 +146,12 @@ def encode_messages(served: Served, messages: list[dict]) -> list[int]:
 @router.post("/v1/chat/completions")
 async def chat(req: ChatCompletionRequest, request: Request):
     served: Served = request.app.state.served
-    ids = encode_messages(served, [{"role": m.role, "content": m.text()} for m in req.messages])
+    messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+    ids = await asyncio.to_thread(encode_messages, served, messages)  # the template and tokenizer: off the loop
     if req.top_logprobs and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
     top_n = (req.top_logprobs or 0) if req.logprobs else 0
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    run = served.submit(req, request, [ids], max_tokens, top_n, "messages")
+    run = await served.submit(req, request, [ids], max_tokens, top_n, "messages")
     reply = _Reply(served, req, run)
     return await run.respond(reply.answer, reply.choice, reply.chunk, reply.first)

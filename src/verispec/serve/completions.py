@@ -8,6 +8,7 @@ with the prompt's tokens (the first one's null), scored by one target forward (`
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Sequence
 from functools import partial
 
@@ -18,7 +19,7 @@ from ..engine.rows import IncrementalDecoder
 from .engine import PromptLogprobs
 from .errors import APIError
 from .jobs import Run, Served, usage
-from .protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse
+from .protocol import MAX_PROMPTS, CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse
 
 __all__ = ["LegacyLogprobs", "joiner", "prompt_list", "router"]
 
@@ -186,6 +187,8 @@ def prompt_list(prompt: str | list) -> list[str | list[int]]:
     if not prompt:
         raise APIError(400, "prompt must not be empty", "prompt")
     kind = type(prompt[0])
+    if kind is not int and len(prompt) > MAX_PROMPTS:
+        raise APIError(400, f"prompt holds {len(prompt)} prompts; a request may send at most {MAX_PROMPTS}", "prompt")
     for i, p in enumerate(prompt):
         if type(p) is not kind:
             raise APIError(
@@ -194,6 +197,14 @@ def prompt_list(prompt: str | list) -> list[str | list[int]]:
                 f"prompt[{i}]",
             )
     return [list(prompt)] if kind is int else list(prompt)
+
+
+def _prepare(served: Served, prompts: list[str | list[int]], echo: bool) -> tuple[list[list[int]], list | None]:
+    """The prompts' token ids, and with echo each prompt's (ids, text as sent; token ids decoded)."""
+    ids = _encode(served, prompts)
+    if not echo:
+        return ids, None
+    return ids, [(t, p if isinstance(p, str) else served.decode(t)) for p, t in zip(prompts, ids)]
 
 
 def _encode(served: Served, prompts: list[str | list[int]]) -> list[list[int]]:
@@ -211,13 +222,12 @@ def _encode(served: Served, prompts: list[str | list[int]]) -> list[list[int]]:
 async def completions(req: CompletionRequest, request: Request):
     served: Served = request.app.state.served
     prompts = prompt_list(req.prompt)
-    ids = _encode(served, prompts)
+    ids, echo = await asyncio.to_thread(_prepare, served, prompts, req.echo)  # tokenizing: off the event loop
     score_top = None
     if req.echo and req.logprobs is not None:
         if (why := served.scorer.unavailable) is not None:
             raise APIError(400, f"echo with logprobs: {why}", "echo")
         score_top = req.logprobs
-    run = served.submit(req, request, ids, req.max_tokens, req.logprobs or 0, "prompt", score_top)
-    echo = [(t, p if isinstance(p, str) else served.decode(t)) for p, t in zip(prompts, ids)] if req.echo else None
+    run = await served.submit(req, request, ids, req.max_tokens, req.logprobs or 0, "prompt", score_top)
     reply = _Reply(served, req, run, echo)
     return await run.respond(reply.answer, reply.choice, reply.chunk)

@@ -4,6 +4,9 @@ an unknown model or route (404), a full queue (429), a server fault (500)."""
 
 from __future__ import annotations
 
+import logging
+import uuid
+
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -12,7 +15,9 @@ from starlette.exceptions import HTTPException
 from ..sampling import ParamError
 from .protocol import ErrorInfo, ErrorResponse
 
-__all__ = ["APIError", "error_body", "install_error_handlers"]
+__all__ = ["APIError", "error_body", "install_error_handlers", "internal_error"]
+
+log = logging.getLogger("verispec.serve")
 
 
 class APIError(Exception):
@@ -117,4 +122,16 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, e: Exception):  # the server never dies from a request
-        return APIError(500, f"internal error: {type(e).__name__}: {e}", kind="server_error").response()
+        return internal_error(e, f"{request.method} {request.url.path}").response()
+
+
+def internal_error(e: BaseException, where: str) -> APIError:
+    """A 500 that says only "internal error" and a request id; the log has the id, where, and the traceback."""
+    rid = uuid.uuid4().hex[:16]
+    log.error("internal error %s in %s", rid, where, exc_info=(type(e), e, e.__traceback__))
+    return APIError(
+        500,
+        f"internal error (request id {rid}): see the server's log",
+        kind="server_error",
+        headers={"X-Request-Id": rid},
+    )

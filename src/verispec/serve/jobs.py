@@ -10,7 +10,7 @@ import asyncio
 import json
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
@@ -20,7 +20,7 @@ from ..engine.generator import Completion, SpeculativeGenerator, StreamEvent
 from ..engine.request import Request as EngineRequest
 from ..sampling import SamplingParams
 from .engine import Closing, EngineThread, Job, Overloaded, PromptLogprobs
-from .errors import APIError
+from .errors import APIError, internal_error
 from .metrics import Metrics
 from .protocol import Speculation, Usage
 from .scoring import PromptScorer
@@ -109,7 +109,8 @@ class Served:
             )
         return ids
 
-    def params(self, req, seed: int | None) -> SamplingParams:
+    def params(self, req) -> SamplingParams:
+        """The request's SamplingParams (seed: none; `choices` gives each choice its own)."""
         options = token_options(req, self.gen.tokenizer)  # logit_bias, allowed_token_ids, bad_words (tokenized)
         try:
             params = SamplingParams(
@@ -120,7 +121,7 @@ class Served:
                 repetition_penalty=req.repetition_penalty,
                 presence_penalty=req.presence_penalty,
                 frequency_penalty=req.frequency_penalty,
-                seed=seed,
+                seed=req.seed,
                 **options,
             )
         except ValueError as e:
@@ -138,7 +139,8 @@ class Served:
         if any(s == "" for s in stop):
             raise APIError(400, "stop strings must be non-empty", "stop")
         stop_ids = self.stop_token_ids(req)
-        params = [self.params(req, None if req.seed is None else req.seed + j) for j in range(req.n)]
+        base = self.params(req)  # bad words tokenized once, whatever n is
+        params = [base if req.seed is None else replace(base, seed=req.seed + j) for j in range(req.n)]
         out = []
         for p, ids in enumerate(prompts):
             field_ = prompt_field if len(prompts) == 1 else f"{prompt_field}[{p}]"
@@ -162,7 +164,7 @@ class Served:
                     raise APIError.bad_value(e) from None
         return out
 
-    def submit(
+    async def submit(
         self,
         req,
         request: Request,
@@ -174,10 +176,12 @@ class Served:
     ) -> Run:
         """Validate the request against the model, queue it (429 when the queue is full, 503 once a shutdown has
         cut the requests short) and return its Run. score_top: score the prompts too (echo with logprobs), with
-        this many alternatives per token."""
+        this many alternatives per token. The checks (bad words are tokenized) run in a worker thread, never on
+        the event loop."""
+        requests = await asyncio.to_thread(self.choices, req, prompts, max_tokens, top_n, prompt_field)
         job = Job(
             id=uuid.uuid4().hex,
-            requests=self.choices(req, prompts, max_tokens, top_n, prompt_field),
+            requests=requests,
             loop=asyncio.get_running_loop(),
             per_prompt=req.n,
             score_top=score_top,
@@ -275,7 +279,7 @@ class Run:
         if isinstance(item, ValueError):
             raise APIError.bad_value(item)
         if isinstance(item, Exception):
-            raise APIError(500, str(item), kind="server_error")
+            raise internal_error(item, f"the engine, running request {self.job.id}")
         return item
 
     async def events(self) -> AsyncIterator[StreamEvent]:
@@ -354,4 +358,4 @@ class Run:
         if self.streaming:
             return StreamingResponse(self._sse(choice_of, chunk, first), media_type="text/event-stream")
         done = await self.collect()
-        return Response(status_code=499) if done is None else answer(done)
+        return Response(status_code=499) if done is None else await asyncio.to_thread(answer, done)  # decodes

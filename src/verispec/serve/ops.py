@@ -1,9 +1,7 @@
 """What operators need around the model routes: an API key, CORS, tokenizer routes, the version, one model's card.
 
---api-key K (or VERISPEC_API_KEY): every route but GET /health, /health/, /version and /metrics needs
-`Authorization: Bearer K`; otherwise 401 with an OpenAI-style error (code "invalid_api_key"). The RL routes are
-covered too: a weight update replaces the served model. --cors-origin O (repeatable, "*" for any): CORS headers and
-preflight answers for those origins (CORS is checked before the key, so preflights need none).
+--api-key, --allowed-host, --max-request-bytes: `serve.access`. --cors-origin O (repeatable, "*" for any): CORS
+headers and preflight answers for those origins (CORS is checked before the key, so preflights need none).
 
 POST /tokenize   {model?, prompt | messages, add_special_tokens = true, add_generation_prompt = true}
                  -> {count, max_model_len, tokens}          (vLLM's shapes)
@@ -14,63 +12,59 @@ GET  /v1/models/{id} the model's card, 404 for another id
 
 from __future__ import annotations
 
-import hmac
+import asyncio
+from typing import Annotated
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from jinja2 import TemplateError
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from .. import __version__
+from .access import BodyLimit, HostCheck, KeyCheck
 from .errors import APIError
 from .jobs import Served
-from .protocol import Message, ModelCard
+from .protocol import MAX_MESSAGES, MAX_TOKEN_LIST, Message, ModelCard, Text
 
 __all__ = ["install_access", "router"]
 
 router = APIRouter()
-_OPEN = frozenset({"/health", "/health/", "/version", "/metrics"})
 
 
-class _KeyCheck:
-    """ASGI middleware: `Authorization: Bearer <key>` on every HTTP route but the open ones (and preflights)."""
-
-    def __init__(self, app, expected: bytes):
-        self.app, self.expected = app, expected
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["method"] != "OPTIONS" and scope["path"] not in _OPEN:
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
-                message = "Incorrect API key provided: send it as 'Authorization: Bearer <key>'"
-                await APIError(401, message, code="invalid_api_key").response()(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-
-def install_access(app: FastAPI, api_key: str | None, cors_origins: list[str] | None) -> None:
-    """The key check, then CORS outside it (a browser's preflight carries no key)."""
+def install_access(
+    app: FastAPI,
+    api_key: str | None,
+    cors_origins: list[str] | None,
+    hosts: tuple[str, ...] | None,
+    max_request_bytes: int,
+    streamed: dict,
+) -> None:
+    """Outermost first: the Host check, CORS (a browser's preflight carries no key), the key, the body caps
+    (`serve.access`; bodies are read only for requests that passed the key)."""
+    app.add_middleware(BodyLimit, limit=max_request_bytes, streamed=streamed)
     if api_key is not None:
         if not api_key:
             raise ValueError("the API key must not be empty")
-        app.add_middleware(_KeyCheck, expected=f"Bearer {api_key}".encode())
+        app.add_middleware(KeyCheck, key=api_key)
     if cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["*"], allow_headers=["*"])
+    if hosts is not None:
+        app.add_middleware(HostCheck, hosts=hosts)
 
 
 class TokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    model: str | None = None
-    prompt: str | None = None
-    messages: list[Message] | None = None
+    model: Text | None = None
+    prompt: Text | None = None
+    messages: Annotated[list[Message], Field(max_length=MAX_MESSAGES)] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 
 
 class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    model: str | None = None
-    tokens: list[int]
+    model: Text | None = None
+    tokens: Annotated[list[int], Field(max_length=MAX_TOKEN_LIST)]
 
 
 def _served(request: Request, model: str | None) -> Served:
@@ -83,6 +77,10 @@ def _served(request: Request, model: str | None) -> Served:
 @router.post("/tokenize")
 async def tokenize(req: TokenizeRequest, request: Request):
     served = _served(request, req.model)
+    return await asyncio.to_thread(_tokenize, served, req)  # off the event loop
+
+
+def _tokenize(served: Served, req: TokenizeRequest) -> dict:
     tok = served.gen.tokenizer
     if (req.prompt is None) == (req.messages is None):
         raise APIError(400, "send exactly one of prompt and messages", "prompt")
@@ -107,7 +105,7 @@ async def detokenize(req: DetokenizeRequest, request: Request):
     bad = [t for t in req.tokens if not 0 <= t < vocab]
     if bad:
         raise APIError(400, f"token ids must lie in [0, {vocab}), got {bad[:3]}", "tokens")
-    return {"prompt": served.gen.tokenizer.decode(req.tokens)}
+    return {"prompt": await asyncio.to_thread(served.gen.tokenizer.decode, req.tokens)}
 
 
 @router.get("/version")

@@ -7,11 +7,36 @@ a delta's unset `role` / `content`)."""
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Generic, Literal, TypeVar
+from typing import Annotated, Any, ClassVar, Generic, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_serializer
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictInt, model_serializer
 
 MAX_SPECULATIVE_TOKENS = 64  # a per-request draft length above this is refused (as `--gamma` above 64 is)
+# Caps checked when the body is validated, before any tokenizing (the body itself: --max-request-bytes)
+MAX_PROMPTS = 1024  # prompts in one request (completions' list, /generate/'s)
+MAX_STOP = 16384  # stop strings (matched by one automaton: the cost per step does not grow with their number)
+MAX_STOP_CHARS = 1024  # characters in one stop string (the text a stream holds back is shorter)
+MAX_BAD_WORDS = 128  # bad_words strings (vLLM's limit; each gives up to two token sequences)
+MAX_WORD_CHARS = 1024  # characters in one bad word
+MAX_TOKEN_LIST = 1 << 18  # allowed_token_ids / stop_token_ids entries (more than any vocabulary)
+MAX_LOGIT_BIAS = 1024  # logit_bias entries
+MAX_MESSAGES = 4096  # chat messages in one request
+
+
+def _unicode(text: str) -> str:
+    """A string that UTF-8 can encode: JSON's \\ud800 escapes decode to lone surrogates, which no tokenizer takes."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(
+            f"not valid Unicode: a lone surrogate U+{ord(text[e.start]):04X} at character {e.start}"
+        ) from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_unicode)]  # every string a request sends
+Stop = Annotated[str, Field(max_length=MAX_STOP_CHARS), AfterValidator(_unicode)]
+StopList = Text | Annotated[list[Stop], Field(max_length=MAX_STOP)] | None
 
 # --- requests ----------------------------------------------------------------------------------------------
 
@@ -24,37 +49,43 @@ class StreamOptions(BaseModel):
 class _Common(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    model: str
+    model: Text
     temperature: float = 1.0
     top_p: float = 1.0
     n: int = Field(1, ge=1, le=16)
-    stop: str | list[str] | None = None
+    stop: StopList = None
     seed: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None  # {"token id": bias in [-100, 100]}, added to the logits
-    user: str | None = None  # metadata only
+    logit_bias: Annotated[dict[Text, float], Field(max_length=MAX_LOGIT_BIAS)] | None = (
+        None  # {"token id": bias in [-100, 100]}, added to the logits
+    )
+    user: Text | None = None  # metadata only
     # extra fields (send with the openai client's extra_body=)
     top_k: int = 0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
-    allowed_token_ids: list[StrictInt] | None = None  # vLLM's: only these tokens may be sampled
-    bad_words: list[str] | None = None  # vLLM's: never produced (tokenized with and without a leading space)
+    allowed_token_ids: Annotated[list[StrictInt], Field(max_length=MAX_TOKEN_LIST)] | None = (
+        None  # vLLM's: only these tokens may be sampled
+    )
+    bad_words: (
+        Annotated[list[Annotated[Text, Field(max_length=MAX_WORD_CHARS)]], Field(max_length=MAX_BAD_WORDS)] | None
+    ) = None  # vLLM's: never produced (tokenized with and without a leading space)
     # this request's draft length; 0 turns speculation off; the server caps it at its own maximum
     num_speculative_tokens: StrictInt | None = Field(None, ge=0, le=MAX_SPECULATIVE_TOKENS)
     ignore_eos: bool = False
     # vLLM's: token ids that end a choice like EOS (finish_reason "stop", the token not in the text), even with
     # ignore_eos
-    stop_token_ids: list[StrictInt] | None = None
+    stop_token_ids: Annotated[list[StrictInt], Field(max_length=MAX_TOKEN_LIST)] | None = None
     # vLLM's extension: logprobs' `token` fields as "token_id:N" (exact ids, for RL trainers and certifiers)
     return_tokens_as_token_ids: bool = False
 
 
 class CompletionRequest(_Common):
     # a string, a list of strings, token ids, or a list of lists of token ids (a mix is refused by the handler)
-    prompt: str | list[str | StrictInt | list[StrictInt]]
+    prompt: Text | Annotated[list[Text | StrictInt | list[StrictInt]], Field(max_length=MAX_TOKEN_LIST)]
     max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
@@ -63,21 +94,21 @@ class CompletionRequest(_Common):
 class TextContent(BaseModel):
     model_config = ConfigDict(extra="forbid")
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class Message(BaseModel):
     model_config = ConfigDict(extra="forbid")
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextContent]
-    name: str | None = None
+    content: Text | list[TextContent]
+    name: Text | None = None
 
     def text(self) -> str:
         return self.content if isinstance(self.content, str) else "".join(c.text for c in self.content)
 
 
 class ChatCompletionRequest(_Common):
-    messages: list[Message] = Field(min_length=1)
+    messages: list[Message] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
@@ -171,7 +202,7 @@ class CompletionLogprobs(BaseModel):
 
 
 class CompletionChoice(_Choice):
-    text: str
+    text: Text
     logprobs: CompletionLogprobs | None = None
 
 

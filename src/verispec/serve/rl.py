@@ -16,15 +16,17 @@ TRL (`trl vllm-serve` before TRL 1.0; the shapes its `VLLMClient` and most RL st
     POST /close_communicator/   {}: nothing to close
     POST /init_communicator/, /update_named_param/, /batch_update_named_params/, /init_weight_transfer_engine,
          /update_weights -> 501: NCCL weight sync is not offered (CPU machines have no NCCL); use:
-Weight updates (SGLang's names, which verl and OpenRLHF call):
+Weight updates (SGLang's names, which verl and OpenRLHF call) — off unless the server runs with
+--enable-weight-updates (403 otherwise; see `WeightRoutes`), from disk only under --weight-dir:
     POST /update_weights_from_tensor  body: a safetensors file's bytes (`safetensors.torch.save(named tensors)`),
                                       content-type application/octet-stream
     POST /update_weights_from_disk    {"model_path": a *.safetensors file or save_pretrained directory on the server}
          -> {weight_version, tensors, seconds, requantize_seconds}; a bad update is a 400 that changed nothing.
     GET  /get_weight_version          {"weight_version": n}
-    POST /abort_request               ends the running and waiting /generate/ calls after their step: unfinished
-                                      samples return what they have, finish_reason "abort" (so does a /generate/
-                                      whose client goes away)
+    POST /abort_request               {} or {"abort_all": true} (a JSON body: no cross-site form can send it): ends
+                                      the running and waiting /generate/ calls after their step; unfinished samples
+                                      return what they have, finish_reason "abort" (so does a /generate/ whose
+                                      client goes away)
 An update waits for every request submitted before it to finish — all of its samples or choices, not only those
 already running — and holds those submitted after it until it is written: every request is drawn under one weight
 version, which its reply reports (`weight_version`). Options under which the sampled law is not softmax(logits / T) (top-k, top-p, min-p,
@@ -34,20 +36,27 @@ penalties, greedy) are refused (400): the trainer could not recompute its logpro
 from __future__ import annotations
 
 import asyncio
+import os
+import tempfile
 import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Literal
 
 import torch
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from starlette.requests import ClientDisconnect
 
 from ..model.weights import WeightUpdateError
 from ..rollout import RolloutEngine, check_on_policy
-from ..sampling import SamplingParams
+from ..sampling import ParamError, SamplingParams, check_seed
 from .engine import Closing, Job
 from .errors import APIError
+from .protocol import MAX_PROMPTS, MAX_TOKEN_LIST, StopList, Text
 
-__all__ = ["router"]
+__all__ = ["WeightRoutes", "router"]
 
 router = APIRouter()
 _NCCL_ROUTES = (
@@ -64,13 +73,19 @@ class GenerationKwargs(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     seed: StrictInt | None = None
-    stop: str | list[str] | None = None
+    stop: StopList = None
     ignore_eos: bool = False
+
+
+_Prompts = Annotated[list[Text], Field(min_length=1, max_length=MAX_PROMPTS)]
+_TokenPrompts = Annotated[
+    list[Annotated[list[StrictInt], Field(max_length=MAX_TOKEN_LIST)]], Field(min_length=1, max_length=MAX_PROMPTS)
+]
 
 
 class GenerateRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    prompts: list[str] | list[list[int]] = Field(min_length=1)
+    prompts: _Prompts | _TokenPrompts
     images: None = None  # text models only
     n: int = Field(1, ge=1)
     repetition_penalty: float = 1.0
@@ -109,7 +124,14 @@ class WeightUpdateResponse(BaseModel):
 
 class DiskUpdate(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    model_path: str
+    model_path: Text
+
+
+class AbortRequest(BaseModel):
+    """SGLang's body (`{"abort_all": true}`; `{}` says the same): every /generate/ call is aborted."""
+
+    model_config = ConfigDict(extra="forbid")
+    abort_all: Literal[True] = True
 
 
 def _rollout(request: Request) -> RolloutEngine:
@@ -191,7 +213,13 @@ async def generate(req: GenerateRequest, request: Request) -> GenerateResponse:
     eng, served = _rollout(request), request.app.state.served
     if req.n > eng.max_batch_size:
         raise APIError(400, f"n = {req.n} exceeds the server's batch ({eng.max_batch_size}, --max-batch)", "n")
-    params, ids, kw = _params(req), _prompts(eng, req, served.context), req.generation_kwargs
+    kw = req.generation_kwargs
+    try:
+        check_seed(kw.seed, "generation_kwargs.seed")  # /v1's rule
+    except ParamError as e:
+        raise APIError.bad_value(e) from None
+    params = _params(req)
+    ids = await asyncio.to_thread(_prompts, eng, req, served.context)  # tokenizing: off the event loop
     try:  # every check before queueing
         if eng.strict_on_policy:
             check_on_policy(params)
@@ -202,7 +230,7 @@ async def generate(req: GenerateRequest, request: Request) -> GenerateResponse:
     except ValueError as e:
         raise APIError.bad_value(e) from None
     job = Job(id=uuid.uuid4().hex, requests=spec.requests, loop=asyncio.get_running_loop(), per_prompt=req.n)
-    run = served.enqueue(job, request, [len(p) for p in ids])
+    run = served.enqueue(job, request, [len(p) for p in ids])  # --request-timeout and the queue's limits, as /v1
     jobs: set = request.app.state.rl_jobs
     jobs.add(job)  # /abort_request ends it
     try:
@@ -211,6 +239,10 @@ async def generate(req: GenerateRequest, request: Request) -> GenerateResponse:
         jobs.discard(job)
     if done is None:  # the client went away: its samples were aborted
         return Response(status_code=499)
+    return _generated(eng, spec, seed, ids, done, job)
+
+
+def _generated(eng: RolloutEngine, spec, seed: int, ids: list[list[int]], done: list, job: Job) -> GenerateResponse:
     outs = [eng.rollout(c, seed, key=spec.requests[c.index].key) for c in done]
     seqs = [o.with_eos() for o in outs]
     return GenerateResponse(
@@ -227,6 +259,62 @@ async def generate(req: GenerateRequest, request: Request) -> GenerateResponse:
     )
 
 
+@dataclass
+class WeightRoutes:
+    """Who may replace the served model over HTTP: nobody unless `enabled` (--enable-weight-updates); from disk,
+    only files under `dirs` (--weight-dir, resolved: symlinks followed). Uploads are taken one at a time (`lock`),
+    each written to a temporary file as it arrives, so memory holds one update and the model."""
+
+    enabled: bool = False
+    dirs: tuple[Path, ...] = ()
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    _cap: list = field(default_factory=list)  # the upload cap, computed once
+
+    def check(self) -> None:
+        if not self.enabled:
+            raise APIError(
+                403,
+                "weight updates are off on this server: start it with --enable-weight-updates (and --api-key)",
+                code="weight_updates_disabled",
+            )
+
+    def upload_cap(self, eng: RolloutEngine) -> int | None:
+        """The largest body an update may be: every tensor of the target once, plus room for the safetensors
+        header (None: the target is no torch model, and takes no updates)."""
+        if not self._cap:
+            model = eng.target.model
+            ok = isinstance(model, torch.nn.Module)
+            self._cap.append(
+                sum(t.numel() * t.element_size() for t in model.state_dict().values()) + (64 << 20) if ok else None
+            )
+        return self._cap[0]
+
+    def files(self, path: str) -> list[Path]:
+        """The safetensors files of `path` (a file, or a directory's *.safetensors), each resolved and under one
+        of `dirs`; one 400 for a path outside them, missing or unreadable (nothing said about which)."""
+        if not self.dirs:
+            raise APIError(400, "this server reads no weights from disk: start it with --weight-dir DIR", "model_path")
+        refused = APIError(
+            400,
+            f"model_path {path!r} is no readable safetensors file or directory under the server's --weight-dir",
+            "model_path",
+        )
+        try:
+            p = Path(path).expanduser().resolve(strict=True)
+            files = sorted(p.glob("*.safetensors")) if p.is_dir() else [p]
+            files = [f.resolve(strict=True) for f in files]
+        except (OSError, RuntimeError, ValueError):
+            raise refused from None
+        inside = all(any(f.is_relative_to(d) for d in self.dirs) for f in [p, *files])
+        if not files or not inside or not all(f.is_file() and os.access(f, os.R_OK) for f in files):
+            raise refused
+        return files
+
+
+def _weights(request: Request) -> WeightRoutes:
+    return request.app.state.weight_routes
+
+
 async def _update(request: Request, fn) -> WeightUpdateResponse:
     try:
         up = await request.app.state.engine.run_between_jobs(fn)
@@ -240,49 +328,56 @@ async def _update(request: Request, fn) -> WeightUpdateResponse:
     )
 
 
-def _max_update_bytes(eng: RolloutEngine) -> int | None:
-    """The largest body an update may be: every tensor of the target once, plus room for the safetensors header
-    (None: the target is no torch model, and takes no updates)."""
-    model = eng.target.model
-    if not isinstance(model, torch.nn.Module):
-        return None
-    return sum(t.numel() * t.element_size() for t in model.state_dict().values()) + (64 << 20)
+def _load(files: list[Path], what: str | None = None):
+    """The (name, tensor) pairs of safetensors files, read on the engine thread when the update runs;
+    WeightUpdateError for a foreign or truncated file (`what` names it in the message: default, the file)."""
+    from safetensors.torch import load_file  # a transformers dependency
+
+    for f in files:
+        try:
+            tensors = load_file(str(f))
+        except Exception as e:  # a truncated or foreign file: say which
+            raise WeightUpdateError(f"{what or f} is not a safetensors file: {e}") from None
+        yield from tensors.items()
 
 
-def _parse_update(body: bytes) -> list:
-    from safetensors.torch import load  # a transformers dependency
-
-    try:
-        return list(load(body).items())
-    except Exception as e:  # a foreign or truncated body
-        raise WeightUpdateError(f"the body is not a safetensors file: {e}") from None
+async def _receive_to(request: Request, path: Path) -> int:
+    """Write the request's body to `path` as it arrives (counted against its cap by `serve.access.BodyLimit`)."""
+    size = 0
+    with path.open("wb") as f:
+        async for chunk in request.stream():
+            size += len(chunk)
+            f.write(chunk)
+    return size
 
 
 @router.post("/update_weights_from_tensor")
 async def update_weights_from_tensor(request: Request) -> WeightUpdateResponse:
-    eng = _rollout(request)
+    eng, routes = _rollout(request), _weights(request)
+    routes.check()
     kind = request.headers.get("content-type", "").split(";")[0].strip()
     if kind != "application/octet-stream":
         raise APIError(415, f"send the safetensors bytes as content-type application/octet-stream, not {kind!r}")
-    limit, size = _max_update_bytes(eng), request.headers.get("content-length")
-    if limit is None:  # say why (a llama.cpp model's weights come from its file) before reading the body
+    if routes.upload_cap(eng) is None:  # say why (a llama.cpp model's weights come from its file) before reading
         return await _update(request, lambda: eng.update_weights([]))
-    if size is not None and size.isdigit() and int(size) > limit:
-        raise APIError(413, f"the update has {int(size)} bytes; the served model's tensors take at most {limit}")
-    body = await request.body()
-    if not body or len(body) > limit:
-        raise APIError(400 if not body else 413, "the body must be a safetensors file's bytes of the model's tensors")
-    try:
-        tensors = await asyncio.to_thread(_parse_update, body)  # before holding the model
-    except WeightUpdateError as e:
-        raise APIError(400, str(e)) from None
-    return await _update(request, lambda: eng.update_weights(tensors))
+    async with routes.lock:  # one upload in memory at a time; the others wait unread
+        with tempfile.TemporaryDirectory(prefix="verispec-upload-") as tmp:
+            path = Path(tmp) / "update.safetensors"
+            try:
+                size = await _receive_to(request, path)
+            except ClientDisconnect:  # the client went away mid-body
+                return Response(status_code=499)
+            if not size:
+                raise APIError(400, "the body must be a safetensors file's bytes of the model's tensors")
+            return await _update(request, lambda: eng.update_weights(_load([path], "the body")))
 
 
 @router.post("/update_weights_from_disk")
 async def update_weights_from_disk(req: DiskUpdate, request: Request) -> WeightUpdateResponse:
-    eng = _rollout(request)
-    return await _update(request, lambda: eng.update_weights_from_path(req.model_path))
+    eng, routes = _rollout(request), _weights(request)
+    routes.check()
+    files = await asyncio.to_thread(routes.files, req.model_path)
+    return await _update(request, lambda: eng.update_weights(_load(files)))
 
 
 @router.get("/get_weight_version")
@@ -291,7 +386,7 @@ async def weight_version(request: Request):
 
 
 @router.post("/abort_request")
-async def abort(request: Request):
+async def abort(body: AbortRequest, request: Request):
     for job in list(request.app.state.rl_jobs):  # waiting or running: unfinished samples end "abort"
         request.app.state.engine.expire(job)
     _rollout(request).abort()  # a RolloutEngine.generate called by anyone else
