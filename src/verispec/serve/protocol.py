@@ -54,7 +54,7 @@ class _Common(BaseModel):
     top_p: float = 1.0
     n: int = Field(1, ge=1, le=16)
     stop: StopList = None
-    seed: int | None = None
+    seed: StrictInt | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float = 0.0
