@@ -56,7 +56,7 @@ class TokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     model: Text | None = None
     prompt: Text | None = None
-    messages: Annotated[list[Message], Field(max_length=MAX_MESSAGES)] | None = None
+    messages: Annotated[list[Message], Field(min_length=1, max_length=MAX_MESSAGES)] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 
@@ -92,7 +92,7 @@ def _tokenize(served: Served, req: TokenizeRequest) -> dict:
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
         try:
             enc = tok.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt, tokenize=True)
-        except TemplateError as e:  # the template's raise_exception(...): the request's fault
+        except (TemplateError, ValueError) as e:  # the template's raise_exception(...): the request's fault
             raise APIError(400, str(e), "messages") from None
         ids = list(enc["input_ids"] if hasattr(enc, "keys") else enc)
     return {"count": len(ids), "max_model_len": served.context, "tokens": [int(t) for t in ids]}
