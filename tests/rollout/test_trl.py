@@ -71,7 +71,7 @@ def test_grpo_trainer_on_verispec_rollouts_is_on_policy(tmp_path):
 
     model = AutoModelForCausalLM.from_pretrained(policy_dir, dtype=torch.float32)
     start = {k: v.clone() for k, v in model.state_dict().items()}
-    with LiveServer(gen, max_batch=8) as s:
+    with LiveServer(gen, max_batch=8, enable_weight_updates=True) as s:
         rollout = verispec_rollout_func(s.url)
         trainer = CheckedGRPOTrainer(
             model=model, reward_funcs=_reward, args=args, train_dataset=ds, processing_class=tok, rollout_func=rollout

@@ -41,7 +41,8 @@ def verispec_rollout_func(
     client: RolloutClient | str, *, sync_weights: bool = True, weight_dtype: torch.dtype = torch.float32
 ) -> Callable[[list, object], dict]:
     """TRL's rollout_func over a verispec server (a `RolloutClient` or its base URL). The returned function keeps
-    the last server reply in `.last` (speculation figures, weight_version) and counts syncs in `.syncs`.
+    the last server reply in `.last` (speculation figures, weight_version) and counts syncs in `.syncs`. With
+    sync_weights the server must run with --enable-weight-updates (its weight routes answer 403 otherwise).
 
     With several training processes each one calls it with its own prompts (a group may straddle processes): the
     main process gathers them all, syncs the weights, sends one request and hands every process its slice, as
