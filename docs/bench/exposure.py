@@ -24,6 +24,7 @@ import torch
 from safetensors.torch import save
 
 URL = "http://127.0.0.1:{port}"
+MODEL = {"id": "x"}  # the served model's id, read from /v1/models
 
 
 def _short(r: httpx.Response) -> str:
@@ -72,7 +73,7 @@ def _bodies(url: str, pid: int) -> list[tuple[str, str]]:
     before = _peak_mb(pid)
 
     def chunks():
-        yield b'{"model": "x", "prompt": "'
+        yield b'{"model": "%s", "prompt": "' % MODEL["id"].encode()
         for _ in range(256):
             yield b"a" * (256 << 10)  # 64 MiB in all, chunked: no Content-Length
 
@@ -85,13 +86,38 @@ def _bodies(url: str, pid: int) -> list[tuple[str, str]]:
     ]
 
 
+def _uploads(url: str, pid: int) -> list[tuple[str, str]]:
+    """8 concurrent 64 MiB weight uploads (valid safetensors, names the model lacks: refused after parsing)."""
+    body = save({"not.a.weight": torch.zeros(16 << 20)})  # 64 MiB of float32
+    octets = {"content-type": "application/octet-stream"}
+    before, answers = _peak_mb(pid), []
+
+    def one():
+        answers.append(httpx.post(url + "/update_weights_from_tensor", content=body, headers=octets, timeout=600))
+
+    threads = [threading.Thread(target=one) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    codes = sorted({r.status_code for r in answers})
+    return [
+        (
+            "8 concurrent 64 MiB POST /update_weights_from_tensor",
+            f"{codes}; server peak memory +{_peak_mb(pid) - before:.0f} MB",
+        )
+    ]
+
+
 def _loop(url: str) -> list[tuple[str, str]]:
     prompt = "hello world, this is a test of things. " * 50_000  # 1.9 MB
     out = {}
     busy = threading.Thread(
         target=lambda: out.setdefault(
             "r",
-            httpx.post(url + "/v1/completions", json={"model": "x", "prompt": prompt, "max_tokens": 1}, timeout=600),
+            httpx.post(
+                url + "/v1/completions", json={"model": MODEL["id"], "prompt": prompt, "max_tokens": 1}, timeout=600
+            ),
         )
     )
     worst = _health_worst(url, busy)
@@ -104,7 +130,7 @@ def _surrogates(url: str) -> list[tuple[str, str]]:
     h = {"content-type": "application/json"}
     return [
         ('POST /v1/completions {"prompt": "\\ud800"}',
-         _short(httpx.post(url + "/v1/completions", content='{"model": "x", "prompt": "\\ud800"}', headers=h))),
+         _short(httpx.post(url + "/v1/completions", content='{{"model": "{}", "prompt": "\\ud800"}}'.format(MODEL["id"]), headers=h))),
         ('POST /tokenize {"prompt": "\\ud800"}',
          _short(httpx.post(url + "/tokenize", content='{"prompt": "\\ud800"}', headers=h))),
         ("POST /generate/ {generation_kwargs: {seed: 2**64}}",
@@ -113,7 +139,13 @@ def _surrogates(url: str) -> list[tuple[str, str]]:
 
 
 def _stops(url: str) -> list[tuple[str, str]]:
-    body = {"model": "x", "prompt": "Count from 1 to 100:", "max_tokens": 64, "temperature": 0, "ignore_eos": True}
+    body = {
+        "model": MODEL["id"],
+        "prompt": "Count from 1 to 100:",
+        "max_tokens": 64,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
     stops = [f"never-{i}-zz" for i in range(10_000)]
     times = {}
     for name, extra in (("none", {}), ("10k", {"stop": stops}), ("none ", {}), ("10k ", {"stop": stops})):
@@ -126,8 +158,8 @@ def _stops(url: str) -> list[tuple[str, str]]:
 
 
 def _seeded(url: str) -> list[tuple[str, str]]:
-    body = {"model": "x", "prompt": "a b c a b c a b c a b", "max_tokens": 48, "temperature": 1.0, "seed": 7}
-    load = {"model": "x", "prompt": "Tell me a story.", "max_tokens": 64, "temperature": 1.0, "n": 2}
+    body = {"model": MODEL["id"], "prompt": "a b c a b c a b c a b", "max_tokens": 48, "temperature": 1.0, "seed": 7}
+    load = {"model": MODEL["id"], "prompt": "Tell me a story.", "max_tokens": 64, "temperature": 1.0, "n": 2}
     texts, errors = set(), []
 
     def one(extra):
@@ -150,11 +182,13 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--pythonpath", help="run the server from this source tree (e.g. an old checkout's src)")
     ap.add_argument("--port", type=int, default=8731)
+    ap.add_argument("--serve-args", default="", help="more `verispec serve` flags, e.g. --enable-weight-updates")
     args = ap.parse_args()
     env = dict(os.environ)
     if args.pythonpath:
         env["PYTHONPATH"] = args.pythonpath
     cmd = [sys.executable, "-m", "verispec.cli", "serve", "--port", str(args.port), "--runner", "fast"]
+    cmd += args.serve_args.split()
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     url = URL.format(port=args.port)
     try:
@@ -164,7 +198,16 @@ def main() -> None:
                     break
             except httpx.HTTPError:
                 time.sleep(0.5)
-        rows = _weights(url) + _bodies(url, proc.pid) + _loop(url) + _surrogates(url) + _stops(url) + _seeded(url)
+        MODEL["id"] = httpx.get(url + "/v1/models").json()["data"][0]["id"]
+        rows = (
+            _weights(url)
+            + _bodies(url, proc.pid)
+            + _uploads(url, proc.pid)
+            + _loop(url)
+            + _surrogates(url)
+            + _stops(url)
+            + _seeded(url)
+        )
     finally:
         proc.send_signal(signal.SIGTERM)
         err = proc.communicate(timeout=120)[1]
