@@ -5,8 +5,15 @@ On SIGTERM (or Ctrl-C) the server stops admitting requests: every route but /met
 rotation) while the requests in flight go on. Once they have all been answered, or after --shutdown-timeout seconds,
 whichever comes first, the rest are cut short: their unfinished choices end with finish_reason "abort" and what
 they have so far (streams get their last chunks and [DONE]), the RL routes' rollouts end as /abort_request ends
-them, and a request that passed the gate before the drain but reaches the engine after the cut gets 503. Then the listening socket closes and the process exits; the log's last line says how every choice ended. A
-second Ctrl-C exits at once.
+them, a request whose body is still arriving gets an OpenAI-style 503 (`serve.transport.BodyReads.cut`), and a
+request that passed the gate before the drain but reaches the engine after the cut gets 503. Then the listening
+socket closes and the process exits; the log's last line says how every choice ended. A second Ctrl-C exits at
+once.
+
+Whatever the clients do, the process exits within --shutdown-timeout + 2 s of the signal: after the cut the
+requests get up to 1 s to send their last answers (`_STRAGGLERS_S`), and uvicorn's own shutdown (closing the
+connections, then cancelling what is left) has the rest of a `_AFTER_CUT_S` budget (at least `_CLOSE_MIN_S`).
+`serve()` also pins the read timeouts of `serve.transport` (--read-timeout).
 """
 
 from __future__ import annotations
@@ -21,12 +28,16 @@ from dataclasses import dataclass
 import uvicorn
 
 from .errors import APIError
+from .transport import DEFAULT_READ_TIMEOUT_S, check_read_timeout, header_deadline_protocol, install_transport
 
-__all__ = ["Gate", "GateState", "GracefulServer", "abort_everything", "drain", "serve"]
+__all__ = ["Gate", "GateState", "GracefulServer", "abort_everything", "drain", "make_server", "serve"]
 
 log = logging.getLogger("verispec.serve")
 _ALWAYS_OPEN = frozenset({"/metrics"})
-_STRAGGLERS_S = 10  # after the cut: how long the cut requests get to send their last answers
+_STRAGGLERS_S = 1.0  # after the cut: how long the cut requests get to send their last answers
+_AFTER_CUT_S = 1.5  # after --shutdown-timeout: the stragglers, then uvicorn closing the connections
+_CLOSE_MIN_S = 0.25  # uvicorn's wait for the connections to close, at least (then it cancels what is left)
+_UVICORN_PAUSE_S = 0.1  # uvicorn's shutdown sleeps this long before it waits for the connections
 
 
 @dataclass
@@ -83,27 +94,77 @@ async def drain(app, timeout: float, forced: Callable[[], bool] = lambda: False)
     if await _settled(gate, timeout, forced) or forced():
         return
     jobs = abort_everything(app)
-    log.warning("--shutdown-timeout %gs passed: cut %d request(s) short (finish_reason abort)", timeout, jobs)
+    reads = getattr(app.state, "body_reads", None)
+    bodies = reads.cut() if reads is not None else 0
+    log.warning(
+        "--shutdown-timeout %gs passed: cut %d request(s) short (finish_reason abort), %d still sending a body (503)",
+        timeout,
+        jobs,
+        bodies,
+    )
     if not await _settled(gate, _STRAGGLERS_S, forced):
         log.error("%d request(s) still unanswered; closing their connections", gate.in_flight)
 
 
 class GracefulServer(uvicorn.Server):
-    """uvicorn's server with `drain` before its own shutdown (which closes the sockets and connections)."""
+    """uvicorn's server with `drain` before its own shutdown (which closes the sockets and connections); the whole
+    shutdown takes at most `shutdown_timeout` + `_AFTER_CUT_S` seconds, and uvicorn's wait for the connections
+    gets what the drain left of that."""
 
     def __init__(self, config: uvicorn.Config, shutdown_timeout: float):
         super().__init__(config)
         self.shutdown_timeout = shutdown_timeout
 
     async def shutdown(self, sockets=None) -> None:
+        deadline = time.monotonic() + self.shutdown_timeout + _AFTER_CUT_S
         await drain(self.config.app, self.shutdown_timeout, lambda: self.force_exit)
+        left = deadline - time.monotonic() - _UVICORN_PAUSE_S
+        self.config.timeout_graceful_shutdown = max(_CLOSE_MIN_S, left)
         await super().shutdown(sockets)
 
 
-def serve(app, *, host: str, port: int, log_level: str = "warning", shutdown_timeout: float = 30.0) -> None:
-    """Run `app` (from `create_app`) until SIGTERM / Ctrl-C, then shut down gracefully (see the module docstring)."""
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=_STRAGGLERS_S)
-    server = GracefulServer(config, shutdown_timeout)
+def make_server(
+    app,
+    *,
+    host: str,
+    port: int,
+    log_level: str = "warning",
+    shutdown_timeout: float = 30.0,
+    read_timeout: float | None = None,
+) -> GracefulServer:
+    """The server `serve` runs (`.run()`; tests run it in a thread and set `should_exit`). read_timeout: the
+    seconds a request's headers may take and a body may go without bytes (`serve.transport`); None: the app's own
+    (`install_transport`, which create_app calls), else DEFAULT_READ_TIMEOUT_S. Given, it rules both."""
+    reads = getattr(app.state, "body_reads", None)
+    if reads is None:  # an app without BodyTimeout yet: install it here, before the app starts
+        reads = install_transport(app, DEFAULT_READ_TIMEOUT_S if read_timeout is None else read_timeout)
+    elif read_timeout is not None:
+        reads.read_timeout = check_read_timeout(read_timeout)
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        http=header_deadline_protocol(reads.read_timeout),
+        timeout_graceful_shutdown=_CLOSE_MIN_S,  # GracefulServer.shutdown sets it to what the drain left
+    )
+    return GracefulServer(config, shutdown_timeout)
+
+
+def serve(
+    app,
+    *,
+    host: str,
+    port: int,
+    log_level: str = "warning",
+    shutdown_timeout: float = 30.0,
+    read_timeout: float | None = None,
+) -> None:
+    """Run `app` (from `create_app`) until SIGTERM / Ctrl-C, then shut down gracefully (see the module docstring).
+    read_timeout: see `make_server`."""
+    server = make_server(
+        app, host=host, port=port, log_level=log_level, shutdown_timeout=shutdown_timeout, read_timeout=read_timeout
+    )
     server.run()
     if not server.started:
         sys.exit(3)  # uvicorn's status for a server that could not start (e.g. the port is taken)
