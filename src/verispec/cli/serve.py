@@ -98,6 +98,8 @@ def _add_exposure_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_operator_args(p: argparse.ArgumentParser) -> None:
+    from ..serve.transport import DEFAULT_READ_TIMEOUT_S
+
     p.add_argument(
         "--max-model-len",
         type=int_range(2),
@@ -119,6 +121,14 @@ def _add_operator_args(p: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="on SIGTERM / Ctrl-C: new requests get 503, running ones get this long to finish, then end with "
         "finish_reason 'abort' (default %(default)s)",
+    )
+    p.add_argument(
+        "--read-timeout",
+        type=_seconds(0, inclusive=False),
+        default=DEFAULT_READ_TIMEOUT_S,
+        metavar="SECONDS",
+        help="a request's headers must arrive within this long, and its body may not go this long without bytes "
+        "(then: the connection closed / 408) (default %(default)s)",
     )
     p.add_argument(
         "--chat-template",
@@ -169,7 +179,7 @@ def run(args: argparse.Namespace) -> int:
     name = args.served_model_name or args.target or DEFAULT_MODEL_NAME
     with user_errors():
         limits = ("max_batch", "max_queue", "api_key", "cors_origins", "max_model_len", "request_timeout")
-        exposure = ("enable_weight_updates", "weight_dirs", "max_request_bytes")
+        exposure = ("enable_weight_updates", "weight_dirs", "max_request_bytes", "read_timeout")
         hosts = allowed_hosts(args.host, args.allowed_hosts)
         app = create_app(gen, name, **pick(args, *limits, *exposure), allowed_hosts=hosts, chat_template=template)
     logging.basicConfig(level=logging.INFO)
@@ -179,4 +189,5 @@ def run(args: argparse.Namespace) -> int:
         flush=True,
     )
     serve(app, host=args.host, port=args.port, log_level=args.log_level, shutdown_timeout=args.shutdown_timeout)
+    # (serve reads the read timeout from the app: create_app installed it)
     return 0

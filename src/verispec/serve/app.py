@@ -34,6 +34,7 @@ from .protocol import ModelCard, ModelList
 from .rl import WeightRoutes
 from .scoring import PromptScorer
 from .shutdown import Gate, GateState
+from .transport import DEFAULT_READ_TIMEOUT_S, install_transport
 
 __all__ = ["create_app", "served_model_id"]
 
@@ -74,6 +75,7 @@ def create_app(
     weight_dirs: Sequence[str | os.PathLike] = (),
     allowed_hosts: Sequence[str] | None = LOOPBACK_HOSTS,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    read_timeout: float = DEFAULT_READ_TIMEOUT_S,
 ) -> FastAPI:
     """The server over `gen`. `model_name` (a name, path or display string) becomes the plain id that clients
     send and /v1/models lists (`served_model_id`); a request naming `model_name` itself is accepted too. The RL
@@ -85,7 +87,8 @@ def create_app(
     (chat completions and /tokenize; set on gen's tokenizer). enable_weight_updates: mount the weight routes' effect
     (off: they answer 403); weight_dirs: the directories /update_weights_from_disk may read under. allowed_hosts:
     the Host names answered (default: loopback's; None: any; `serve.access.allowed_hosts` computes them for a bind
-    address). max_request_bytes: every body's cap but a weight upload's (the model's size). Run the app with
+    address). max_request_bytes: every body's cap but a weight upload's (the model's size). read_timeout: the
+    seconds a body may go without bytes (408), and (`serve.shutdown.serve`) headers may take. Run the app with
     `serve.shutdown.serve` for a graceful shutdown."""
     _check_limits(gen, max_model_len, request_timeout)
     if isinstance(max_request_bytes, bool) or not isinstance(max_request_bytes, int) or max_request_bytes < 1:
@@ -120,6 +123,7 @@ def create_app(
     install_error_handlers(app)
     upload = {"/update_weights_from_tensor": lambda: routes.upload_cap(rollout) or max_request_bytes}
     ops.install_access(app, api_key, cors_origins, allowed_hosts, max_request_bytes, upload)
+    install_transport(app, read_timeout)  # outside the body cap: a stalled body ends 408, a shutdown's cut 503
     app.add_middleware(Gate, state=app.state.gate, retry_after_s=retry_after_s)
     _routes(app)
     return app
