@@ -19,6 +19,7 @@ from . import (
     bench_replicas,
     bench_rollout,
     bench_runner,
+    bench_stops,
     certify_generate,
     certify_kernel,
     certify_known_bugs,
@@ -39,7 +40,15 @@ def build_parser() -> argparse.ArgumentParser:
         command.add_parser(sub)
     bench = sub.add_parser("bench", help="benchmarks, side by side in one run")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCH")
-    for command in (bench_kernel, bench_e2e, bench_runner, bench_rollout, bench_replicas, bench_acceptance):
+    for command in (
+        bench_kernel,
+        bench_e2e,
+        bench_runner,
+        bench_rollout,
+        bench_replicas,
+        bench_acceptance,
+        bench_stops,
+    ):
         command.add_parser(bench_sub)
     certify = sub.add_parser("certify", help="statistical certificate that a sampler / generator is lossless")
     certify_sub = certify.add_subparsers(dest="certify_command", required=True, metavar="CERTIFY")

@@ -13,6 +13,7 @@ import torch
 
 from ..sampling import SamplingParams
 from .stats import SpecStats
+from .stops import StopMatcher, matcher_of
 
 __all__ = ["Completion", "IncrementalDecoder", "Row", "StreamEvent"]
 
@@ -166,6 +167,10 @@ class Row:
     stats: SpecStats = field(default_factory=SpecStats)
     done: Completion | None = None
     detok: IncrementalDecoder = field(default_factory=IncrementalDecoder)  # the streamed text, incrementally
+    stops: StopMatcher | None = field(init=False, repr=False, compare=False)  # `stop`'s matcher (None: no stop)
+
+    def __post_init__(self) -> None:
+        self.stops = matcher_of(self.stop)  # built once (shared by rows with the same stops): no per-step loop
 
     @classmethod
     def of(cls, req, weight_version: int | None, gamma: int | None) -> Row:
@@ -248,10 +253,10 @@ class Row:
         text = self.detok.update(tokenizer, self.tokens)
         if self.detok.whole:  # a whole decode may rewrite text before the previous end: look at all of it
             old = 0
-        span = max(map(len, self.stop), default=1) - 1  # a stop string may straddle the previous text's end
-        if self.done is not None or any(s in text[max(old - span, 0) :] for s in self.stop):
+        stops = self.stops  # a stop string may straddle the previous text's end: look from stops.window(old) on
+        if self.done is not None or (stops is not None and stops.found(text, stops.window(old))):
             text = tokenizer.decode(self.tokens, skip_special_tokens=True)
-            hit = min(((text.find(s), s) for s in self.stop if s in text), default=None)
+            hit = stops.first(text) if stops is not None else None
             if hit is not None:
                 text = self._cut_at_stop(tokenizer, text, *hit, before)
         if self.done is not None:
@@ -291,11 +296,8 @@ class Row:
 
     def _safe_delta(self, text: str) -> str:
         safe = text.rstrip("\ufffd")  # an incomplete multi-byte character waits for its next token
-        for s in self.stop:  # hold back a suffix that may be the start of a stop string
-            for m in range(min(len(s) - 1, len(safe)), 0, -1):
-                if safe.endswith(s[:m]):
-                    safe = safe[: len(safe) - m]
-                    break
+        if self.stops is not None:  # hold back the longest suffix that may be the start of a stop string
+            safe = safe[: len(safe) - self.stops.held(safe)]
         if safe.startswith(self.sent) and len(safe) > len(self.sent):
             delta, self.sent = safe[len(self.sent) :], safe
             return delta
