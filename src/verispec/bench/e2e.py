@@ -273,7 +273,8 @@ def method_config(name: str, cfg: E2EConfig) -> SpecConfig | None:
         raise ValueError(
             f"method {name!r}: bench e2e runs draft=none, ngram, model (the --draft model) or self, with no model= key"
         )
-    base = parse_items(cfg.spec) | {"runner": cfg.runner}
+    # random=stream unless named: every request is seeded, and auto (SpecConfig's default) would couple them all
+    base = {"random": "stream"} | parse_items(cfg.spec) | {"runner": cfg.runner}
     base |= {"gamma": cfg.gamma} if draft != "none" else {}
     base |= {"quant": cfg.draft_quant} if draft == "model" else {"quant": cfg.self_quant} if draft == "self" else {}
     try:

@@ -33,8 +33,10 @@ METHODS = ("verispec", "plain", "hf", "hf-assisted", "hf-lookup", "callable", "o
 
 
 # a certificate's verispec runs a fixed gamma by default (SpecConfig's is "auto"): its seeded samples are then
-# reproducible, run after run (gamma auto follows timings; the distribution is the same either way)
-CERTIFY_DEFAULTS = {"gamma": 4}
+# reproducible, run after run (gamma auto follows timings; the distribution is the same either way); and the stream
+# (SpecConfig's random is auto, which Gumbel-couples every seeded sample: the rule under test would see one-hot
+# targets; random=auto or gumbel certifies the coupling)
+CERTIFY_DEFAULTS = {"gamma": 4, "random": "stream"}
 CERTIFY_SPEC = SpecConfig(**CERTIFY_DEFAULTS)
 
 
@@ -92,7 +94,7 @@ class MethodSpec:
             _verifier(self.verifier, tree=cfg.tree is not None, block=cfg.verify == "block")  # validate early
         if cfg.random == "position" and self.method not in ("verispec", "plain"):
             raise ValueError("seeding 'position' applies to verispec with a draft model's chains, or to plain")
-        if cfg.random == "gumbel" and self.verifier is not None:
+        if cfg.random == "gumbel" and self.verifier is not None:  # (auto runs the stream under an injected verifier)
             raise ValueError(
                 "an injected verifier under coupling sees one-hot targets, where most bugs verify exactly: "
                 "certify the coupled verifier with `certify kernel --coupling gumbel --inject ...`"

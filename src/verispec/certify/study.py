@@ -175,7 +175,8 @@ def run_study(
         verdict, det, min_p = "-", float("nan"), float("nan")
         if certify_samples > 0:
             runner = {"runner": overrides["runner"]} if "runner" in overrides else {}  # a SpecConfig key
-            speculation = SpecConfig(draft="model", model=draft, gamma=gamma, **runner)
+            # random=stream: the variants' verifiers see p itself (auto would couple the seeded samples: one-hot)
+            speculation = SpecConfig(draft="model", model=draft, gamma=gamma, random="stream", **runner)
             rest = {k: v for k, v in overrides.items() if k != "runner"}
             spec = replace(MethodSpec(target=target, config=speculation), **rest)
             verdict, det, min_p = _certificate(

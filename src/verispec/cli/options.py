@@ -172,7 +172,9 @@ _HELP = {
     "with the same noise: a seeded request then gives plain decoding's tokens for any drafter, gamma and batch",
     "seeding": "position: key every random number by (seed, output position) and draft each step's last position "
     "too, so a seeded request's tokens do not depend on --gamma (auto included), the batch or timing; one draft "
-    "forward more per step; a draft model's chains (or --draft none) with --verify token (default stream)",
+    "forward more per step; a draft model's chains (or --draft none) with --verify token; stream: every request on "
+    "its own stream in draw order (default: neither, --spec random=auto: a request with a seed Gumbel-coupled as "
+    "--coupling gumbel, one without on its stream)",
 }
 
 
@@ -378,7 +380,7 @@ def _flag_items(args: argparse.Namespace, tree_given: bool) -> dict:
     if seeding == "position" and coupling is not None:
         raise UsageError(
             f"--seeding position works without --coupling: --coupling {coupling} keys its noise by position already "
-            "(one setting, --spec random=stream|position|gumbel)"
+            "(one setting, --spec random=auto|stream|position|gumbel)"
         )
     if coupling is not None or seeding is not None:
         out["random"] = (

@@ -218,13 +218,16 @@ def check_on_policy(params: SamplingParams) -> None:
 # RL's own defaults (the rest are SpecConfig's, the generator's): rollouts sample the same prompts again and again,
 # so earlier rollouts of a prompt are the drafter (history); a draft model beside them drafts a chain of fixed length
 # (gamma 4: CombinedProposer has no gamma auto), and draft chains run to that length (stop_below none: the last
-# version's behaviour, kept so that a seed gives the same rollouts as before).
-RL_DEFAULTS = {"draft": "history", "gamma": 4, "stop_below": None}
+# version's behaviour, kept so that a seed gives the same rollouts as before). random stream (SpecConfig's default is
+# auto): every rollout carries a seed, so auto would Gumbel-couple them all — other rollouts than before for a seed,
+# a keyed race per row and slot each step, and fewer of a draft model's drafts kept; with gamma fixed a seed already
+# gives the same rollouts in any batch (random=gumbel where they must not depend on the history drafted from).
+RL_DEFAULTS = {"draft": "history", "gamma": 4, "stop_below": None, "random": "stream"}
 
 
 class RolloutEngine:
     """Rollouts over a target and optional drafters, as a `SpecConfig` says (`verispec.engine.config`; default:
-    RL_DEFAULTS over SpecConfig's defaults, i.e. draft=history,gamma=4,stop_below=none).
+    RL_DEFAULTS over SpecConfig's defaults, i.e. draft=history,gamma=4,stop_below=none,random=stream).
 
     The drafters: history (draft from earlier rollouts of the same prompt and from the running siblings of each
     group, `HistoryProposer`; the `tree` key is its trie's shape, min_share the least share of matched continuations
