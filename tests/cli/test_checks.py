@@ -220,15 +220,16 @@ def test_valid_options_reach_the_loader(argv, tmp_path):
 @pytest.mark.parametrize(
     "argv, spec",
     [
-        ([], "draft=ngram,gamma=auto,verify=token,random=stream"),
-        (["--draft", "self", "--draft-quant", "int4"], "draft=self,quant=int4,gamma=auto,verify=token,random=stream"),
-        (["--draft", "m/d", "--gamma", "3"], "draft=model,model=m/d,gamma=3,verify=token,random=stream"),
-        (["--tree", "2-1", "--verify", "token"], "draft=ngram,gamma=auto,tree=2-1,verify=deterministic,random=stream"),
-        (["--spec", "draft=model", "--draft", "m/d"], "draft=model,model=m/d,gamma=auto,verify=token,random=stream"),
+        ([], "draft=ngram,gamma=auto,verify=token,random=auto"),
+        (["--draft", "self", "--draft-quant", "int4"], "draft=self,quant=int4,gamma=auto,verify=token,random=auto"),
+        (["--draft", "m/d", "--gamma", "3"], "draft=model,model=m/d,gamma=3,verify=token,random=auto"),
+        (["--tree", "2-1", "--verify", "token"], "draft=ngram,gamma=auto,tree=2-1,verify=deterministic,random=auto"),
+        (["--spec", "draft=model", "--draft", "m/d"], "draft=model,model=m/d,gamma=auto,verify=token,random=auto"),
         (["--coupling", "gumbel", "--seeding", "stream"], "draft=ngram,gamma=auto,verify=token,random=gumbel"),
+        (["--seeding", "stream"], "draft=ngram,gamma=auto,verify=token,random=stream"),
         (
             ["--spec", "gamma=4", "--gamma", "4", "--runner", "hf"],
-            "draft=ngram,gamma=4,verify=token,random=stream,runner=hf",
+            "draft=ngram,gamma=4,verify=token,random=auto,runner=hf",
         ),
     ],
 )

@@ -29,7 +29,7 @@ CONFIGS = st.builds(
     max_gamma=st.integers(1, 64),
     tree=st.sampled_from([None, "4-2-2-1", "2-2", "8", "dynamic-6-4-16", "dynamic-3-2-6"]),
     verify=st.sampled_from([None, "token", "block", "deterministic", "iid", "without_replacement", "mixed"]),
-    random=st.sampled_from(["stream", "position", "gumbel"]),
+    random=st.sampled_from(["auto", "stream", "position", "gumbel"]),
     runner=st.sampled_from(["auto", "fast", "hf", "llamacpp"]),
 )
 
@@ -56,7 +56,7 @@ def coherent_configs(draw) -> SpecConfig:
         max_gamma=draw(st.integers(1, 64)),
         tree=tree,
         verify=draw(st.sampled_from([None, *rules])),
-        random=draw(st.sampled_from(["stream", "position", "gumbel"])),
+        random=draw(st.sampled_from(["auto", "stream", "position", "gumbel"])),
         runner=draw(st.sampled_from(["auto", "fast", "hf", "llamacpp"])),
     )
 
@@ -98,7 +98,8 @@ def test_most_coherent_draws_are_valid():
     "text, expected",
     [
         ("", SpecConfig()),
-        ("draft=ngram,gamma=auto,verify=token,random=stream", SpecConfig()),
+        ("draft=ngram,gamma=auto,verify=token,random=auto", SpecConfig()),
+        ("random=stream", SpecConfig(random="stream")),
         (" gamma = 4 , draft = model ", SpecConfig(draft="model", gamma=4)),
         ("random=gumbel,draft=model,model=org/d,quant=int8", SpecConfig("model", "org/d", "int8", random="gumbel")),
         ("ngram=1-2-3", SpecConfig(ngram=(3, 2, 1))),
@@ -115,10 +116,10 @@ def test_parse(text, expected):
 
 
 def test_printed_form_is_canonical():
-    assert str(SpecConfig()) == "draft=ngram,gamma=auto,verify=token,random=stream"
+    assert str(SpecConfig()) == "draft=ngram,gamma=auto,verify=token,random=auto"
     cfg = SpecConfig(draft="self", quant="int4", ngram=(1, 2), tree="4-2", verify="iid", runner="fast")
-    assert str(cfg) == "draft=self,quant=int4,ngram=2-1,gamma=auto,tree=4-2,verify=iid,random=stream,runner=fast"
-    assert str(SpecConfig(draft="history")) == "draft=history,gamma=auto,verify=deterministic,random=stream"
+    assert str(cfg) == "draft=self,quant=int4,ngram=2-1,gamma=auto,tree=4-2,verify=iid,random=auto,runner=fast"
+    assert str(SpecConfig(draft="history")) == "draft=history,gamma=auto,verify=deterministic,random=auto"
     assert list(SpecConfig.__dataclass_fields__) == list(KEYS)
 
 
@@ -132,6 +133,7 @@ def test_defaults_resolve_the_verification_rule():
     assert SpecConfig(draft="history").tree_spec == TreeSpec(dynamic=True, depth=8, topk=3, budget=16)
     assert (SpecConfig(random="gumbel").coupling, SpecConfig(random="gumbel").seeding) == ("gumbel", "stream")
     assert SpecConfig(draft="none", random="position").seeding == "position"
+    assert SpecConfig().random == "auto" and (SpecConfig().seeding, SpecConfig().coupling) == ("stream", None)
 
 
 # --- every validation error -----------------------------------------------------------------------------------
@@ -154,7 +156,7 @@ ERRORS = [
     ("gamma=x", "gamma", r"gamma must be auto or an integer from 0 to 64, got 'x'"),
     ("max_gamma=0", "max_gamma", r"max_gamma must be an integer from 1 to 64"),
     ("verify=greedy", "verify", r"verify must be one of token, block, deterministic, iid, without_replacement, mixed"),
-    ("random=keyed", "random", r"random must be one of stream, position, gumbel"),
+    ("random=keyed", "random", r"random must be one of auto, stream, position, gumbel"),
     ("runner=turbo", "runner", r"runner must be one of auto, fast, hf, llamacpp"),
     ("tree=4-x", "tree", r"tree=4-x: tree spec must look like"),
     ("tree=0-1", "tree", r"tree=0-1: a static tree needs widths >= 1"),
@@ -243,12 +245,15 @@ def test_defaults_are_one_set_across_entry_points(tiny_target):
     assert spec_config(build_parser().parse_args(["generate", "a b"])) == default
     assert spec_config(build_parser().parse_args(["serve"])) == default
     assert RolloutEngine(tiny_target).config == SpecConfig(**RL_DEFAULTS)
-    assert set(RL_DEFAULTS) == {"draft", "gamma", "stop_below"}
+    assert set(RL_DEFAULTS) == {"draft", "gamma", "stop_below", "random"} and RL_DEFAULTS["random"] == "stream"
     bench = e2e.E2EConfig()
-    assert e2e.method_config("verispec:", bench) == SpecConfig(gamma=bench.gamma)
-    assert e2e.method_config("verispec-ngram", bench) == SpecConfig(gamma=bench.gamma)
-    assert e2e.method_config("verispec:draft=ngram,gamma=auto", bench) == default
-    assert MethodSpec().config == SpecConfig(**CERTIFY_DEFAULTS) and set(CERTIFY_DEFAULTS) == {"gamma"}
+    # benchmarks and certificates seed every request: they run the stream unless they name random (auto would
+    # couple every one of them)
+    assert e2e.method_config("verispec:", bench) == SpecConfig(gamma=bench.gamma, random="stream")
+    assert e2e.method_config("verispec-ngram", bench) == SpecConfig(gamma=bench.gamma, random="stream")
+    assert e2e.method_config("verispec:draft=ngram,gamma=auto,random=auto", bench) == default
+    assert MethodSpec().config == SpecConfig(**CERTIFY_DEFAULTS)
+    assert CERTIFY_DEFAULTS == {"gamma": 4, "random": "stream"}
     certify = build_parser().parse_args(["certify", "generate"])
     assert spec_config(certify, CERTIFY_DEFAULTS) == MethodSpec().config
 
@@ -348,8 +353,8 @@ def test_old_keywords_equal_their_config(draft, keywords, spec, tiny_target, tin
     "keywords, message",
     [
         (dict(gamma=3), r"gamma=3 conflicts with config gamma=4"),
-        (dict(seeding="position"), r"seeding='position' conflicts with config random=stream"),
-        (dict(coupling="gumbel"), r"coupling='gumbel' conflicts with config random=stream"),
+        (dict(seeding="position"), r"seeding='position' conflicts with config random=auto"),
+        (dict(coupling="gumbel"), r"coupling='gumbel' conflicts with config random=auto"),
         (dict(draft_quant="int8"), r"draft_quant='int8' conflicts with config quant=none"),
         (dict(tree="2-2"), r"tree='2-2' conflicts with config tree=none"),
     ],
@@ -383,16 +388,16 @@ def test_the_drafter_object_must_fit_the_config(tiny_target, tiny_noisy):
 @pytest.mark.parametrize(
     "draft, keywords, spec",
     [
-        (None, dict(), "draft=history,stop_below=none,gamma=4"),
-        (None, dict(history=False), "draft=none,stop_below=none,gamma=4"),
-        ("noisy", dict(gamma=3), "draft=model+history,stop_below=none,gamma=3"),
+        (None, dict(), "draft=history,stop_below=none,gamma=4,random=stream"),
+        (None, dict(history=False), "draft=none,stop_below=none,gamma=4,random=stream"),
+        ("noisy", dict(gamma=3), "draft=model+history,stop_below=none,gamma=3,random=stream"),
         ("noisy", dict(history=False, gamma=3, coupling="gumbel"), "draft=model,stop_below=none,gamma=3,random=gumbel"),
-        ("self", dict(history=False, gamma=2), "draft=self,quant=int4,stop_below=none,gamma=2"),
-        ("ngram", dict(gamma=2), "draft=ngram,stop_below=none,gamma=2"),
+        ("self", dict(history=False, gamma=2), "draft=self,quant=int4,stop_below=none,gamma=2,random=stream"),
+        ("ngram", dict(gamma=2), "draft=ngram,stop_below=none,gamma=2,random=stream"),
         (
             "noisy",
             dict(choose_depth=2, history_tree=TreeSpec.parse("dynamic-4-2-8")),
-            "draft=model+history,stop_below=none,choose_depth=2,gamma=4,tree=dynamic-4-2-8",
+            "draft=model+history,stop_below=none,choose_depth=2,gamma=4,tree=dynamic-4-2-8,random=stream",
         ),
     ],
 )

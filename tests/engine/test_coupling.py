@@ -91,13 +91,15 @@ def test_alone_as_in_a_batch_of_eight(drafter, tiny_target, tiny_noisy, plain_ou
     assert _run(gen, _requests("t1-top-p")[:n], 1) == plain_outputs["t1-top-p"][:n]
 
 
-def test_coupling_differs_from_the_default_sampler_but_is_seeded(tiny_target):
-    """Not a different name for the same draw: coupled plain decoding is its own seeded stream."""
+def test_coupling_differs_from_the_stream_sampler_but_is_seeded(tiny_target):
+    """Not a different name for the same draw: coupled plain decoding is its own seeded stream (and what the
+    default, random=auto, gives a seeded request)."""
     a = SpeculativeGenerator(tiny_target, None, coupling="gumbel")
-    b = SpeculativeGenerator(tiny_target, None)
+    b = SpeculativeGenerator(tiny_target, None, seeding="stream")
     reqs = _requests("t1-top-p")[:16]
     assert _run(a, reqs, 8) == _run(a, reqs, 4)
     assert _run(a, reqs, 8) != _run(b, reqs, 8)
+    assert _run(SpeculativeGenerator(tiny_target, None), reqs, 8) == _run(a, reqs, 8)
 
 
 def test_rollout_engine_with_coupling_matches_plain_rollouts(tiny_target, tiny_noisy):

@@ -4,6 +4,9 @@ target's exact sequence distribution (all V^3 = 32768 sequences enumerated from 
 Significance level LEVEL = 1e-4 per chi-square test (bins merged to expected counts >= 5); seeds fixed.
 Power: the deliberately broken engine (q reported before temperature, while drafts are sampled after it)
 fails the same test at the same sample size.
+
+The verification rules run on the stream (random=stream): every sample here is seeded, and the default, auto,
+would Gumbel-couple them all (one-hot targets: tests/engine/test_auto_randomness.py tests auto itself).
 """
 
 from __future__ import annotations
@@ -66,10 +69,10 @@ def test_engine_matches_target_sequence_distribution(drafter, setting, tiny_targ
     drafter, block, _ = drafter.partition("-block")
     verify = "block" if block else "token"
     if drafter == "self-int4":
-        gen = SpeculativeGenerator(tiny_target, "self", draft_quant="int4", gamma=2)
+        gen = SpeculativeGenerator(tiny_target, "self", draft_quant="int4", gamma=2, seeding="stream")
     else:
         draft = tiny_draft if drafter == "draft-model" else "ngram"
-        gen = SpeculativeGenerator(tiny_target, draft, gamma=2, verify=verify)
+        gen = SpeculativeGenerator(tiny_target, draft, gamma=2, verify=verify, seeding="stream")
     seqs = sample_sequences(gen, params)
     result = gof(seqs, exact_sequence_probs(tiny_target.model, PROMPT, params))
     assert not result.rejects(LEVEL), result
@@ -88,7 +91,8 @@ def test_plain_decoding_matches_target_sequence_distribution(tiny_target):
 
 def test_broken_engine_fails(tiny_target, tiny_draft):
     params = SETTINGS["temperature"]
-    gen = SpeculativeGenerator(tiny_target, QBeforeTemperature(DraftModelProposer(tiny_draft.model, V)), gamma=2)
+    broken = QBeforeTemperature(DraftModelProposer(tiny_draft.model, V))
+    gen = SpeculativeGenerator(tiny_target, broken, gamma=2, seeding="stream")
     result = gof(sample_sequences(gen, params), exact_sequence_probs(tiny_target.model, PROMPT, params))
     assert result.rejects(LEVEL), result
 
@@ -101,6 +105,8 @@ def test_broken_block_engine_fails(tiny_target, tiny_draft):
 
     params = SETTINGS["top_k_top_p"]
     broken = broken_block_verifier("block_first_rejection")
-    gen = SpeculativeGenerator(tiny_target, tiny_draft, gamma=2, verifier=broken, draft_stop_below=None)
+    gen = SpeculativeGenerator(
+        tiny_target, tiny_draft, gamma=2, verifier=broken, draft_stop_below=None, seeding="stream"
+    )
     result = gof(sample_sequences(gen, params), exact_sequence_probs(tiny_target.model, PROMPT, params))
     assert result.rejects(LEVEL), result

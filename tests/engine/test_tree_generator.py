@@ -47,7 +47,7 @@ def test_greedy_ngram_tree_equals_plain_greedy(tiny_target):
 
 @pytest.mark.parametrize("rule", ["deterministic", "without_replacement"])
 def test_seeded_rows_are_batch_invariant_with_trees(rule, tiny_target, tiny_noisy):
-    gen = SpeculativeGenerator(tiny_target, tiny_noisy, tree="3-2-1", tree_rule=rule)
+    gen = SpeculativeGenerator(tiny_target, tiny_noisy, tree="3-2-1", tree_rule=rule, seeding="stream")
     params = [SamplingParams(temperature=1.0, top_p=0.95, seed=s) for s in (11, 12, 13, 14)]
     batch = gen.generate(PROMPTS, params, max_new_tokens=16, ignore_eos=True)
     alone = [gen.generate([p], [sp], max_new_tokens=16, ignore_eos=True)[0] for p, sp in zip(PROMPTS, params)]
@@ -121,8 +121,9 @@ def test_single_branch_tree_is_the_chain_token_for_token(rule, tiny_target, tiny
     level, then num_nodes + 1 for verification), so seeded sampling gives the chain's tokens exactly: the tree
     drafter's cache, masks and positions reproduce the chain's draft distributions, not only losslessness."""
     params = [SamplingParams(temperature=1.0, seed=s) for s in (1, 2)]
-    chain = SpeculativeGenerator(tiny_target, tiny_noisy, gamma=6, draft_stop_below=None)
-    tree = SpeculativeGenerator(tiny_target, tiny_noisy, tree="1-1-1-1-1-1", tree_rule=rule)
+    stream = dict(seeding="stream")  # the uniforms in draw order (auto would couple these seeded rows)
+    chain = SpeculativeGenerator(tiny_target, tiny_noisy, gamma=6, draft_stop_below=None, **stream)
+    tree = SpeculativeGenerator(tiny_target, tiny_noisy, tree="1-1-1-1-1-1", tree_rule=rule, **stream)
     a = chain.generate(PROMPTS[:2], params, max_new_tokens=40, ignore_eos=True)
     b = tree.generate(PROMPTS[:2], params, max_new_tokens=40, ignore_eos=True)
     assert [o.token_ids for o in a] == [o.token_ids for o in b]

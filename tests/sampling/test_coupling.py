@@ -12,6 +12,7 @@ from verispec.certify.bugs import broken_coupled_verifier
 from verispec.certify.kernel import certify_kernel
 from verispec.certify.stats import chisquare_gof
 from verispec.sampling.coupling import (
+    coupled_children,
     coupled_draws,
     coupled_targets,
     gumbel_verifier,
@@ -88,6 +89,24 @@ def test_coupled_targets_are_one_hot_and_share_noise_by_position():
     assert torch.equal(same[0, 0], same[0, 1])
     win = race_winner(p[0, 0], keyed_exponentials(9, 4, V))
     assert int(same[0, 0].argmax()) == int(win)
+
+
+def test_coupled_children_are_the_top_of_q_over_the_targets_noise():
+    """The first child is q's race winner under the noise of the children's position (the coupled draw); the
+    others the runners-up, distinct; tokens with q = 0 are no children; more children than tokens are invalid."""
+    V = 12
+    q = torch.stack([_dist(s, V, zeros=z) for s, z in ((1, 0), (2, 9), (3, 0))]).float()  # row 1: 3 tokens with mass
+    kids, ok = coupled_children(q, [9, 9, 4], [4, 4, 7], 4)
+    for m, (seed, pos) in enumerate(((9, 4), (9, 4), (4, 7))):
+        exps = keyed_exponentials(seed, pos, V)
+        assert int(kids[m, 0]) == int(race_winner(q[m], exps))
+        score = (q[m].double() / exps).tolist()
+        valid = kids[m][ok[m]].tolist()
+        assert valid == sorted((x for x in range(V) if q[m, x] > 0), key=lambda x: -score[x])[:4]
+    assert ok.tolist()[1] == [True, True, True, False]  # row 1: three tokens with mass
+    assert int(coupled_draws(q, [9, 9, 4], [4, 4, 7], [True] * 3)[2]) == int(kids[2, 0])
+    wide, ok_wide = coupled_children(q, [9, 9, 4], [4, 4, 7], V + 2)
+    assert wide.shape == (3, V + 2) and not ok_wide[:, V:].any()
 
 
 @pytest.mark.statistical

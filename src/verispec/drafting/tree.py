@@ -7,7 +7,9 @@ Shapes of tree (`TreeSpec`):
     nodes of everything drafted are kept. Its children are the top-K of q: deterministic (rule "deterministic");
     re-ranking sampled nodes by their own probability would bias them (see verispec.sampling.tree).
 and how children are drawn (the verification rule): "iid" (i.i.d. from q), "without_replacement" (from q, without
-replacement; a node stops getting children when q has no mass left) or "deterministic" (top-w of q).
+replacement; a node stops getting children when q has no mass left) or "deterministic" (top-w of q). Rows under
+Gumbel coupling (random=gumbel; a seeded request under the default, auto) get the top-w of q / E instead, E the
+target's noise at the children's position (`sampling.coupling.coupled_children`), whatever the rule.
 
 The draft's KV cache holds the tree as it grows (RowKVCache + tree attention): each level is one forward over the
 newly expanded nodes, which see the prefix and their own ancestors, so shared prefixes are computed once. After
@@ -22,6 +24,7 @@ import torch
 from torch import Tensor
 
 from ..sampling import sample_from_weights
+from ..sampling.coupling import coupled_children
 from ..sampling.tree import TREE_RULES
 from .base import BatchView, Draft
 
@@ -249,7 +252,7 @@ def grow_tree(runner, spec: TreeSpec, view: BatchView, caps: list[int]) -> tuple
     q_expand = q[[b for b, _ in expand]]  # [M, V]
     for d in range(1, spec.max_depth + 1):
         width = spec.topk if spec.dynamic else spec.widths[d - 1]
-        kids, ok = draw_children(q_expand, [b for b, _ in expand], width, spec.rule, view.generators)
+        kids, ok = _children(q_expand, [b for b, _ in expand], width, spec.rule, view, d)
         logq = q_expand.gather(1, kids).clamp_min(1e-30).log()
         new = grown.add_children(expand, kids, ok, logq, d)
         expand = grown.to_expand(new, d, caps) if d < spec.max_depth else []
@@ -265,6 +268,27 @@ def grow_tree(runner, spec: TreeSpec, view: BatchView, caps: list[int]) -> tuple
     if spec.dynamic:
         grown.prune()
     return Draft.tree_of(grown.tokens, grown.parents, probs, spec.rule, dev), start, grown.fed
+
+
+def _children(
+    q: Tensor, owners: list[int], width: int, rule: str, view: BatchView, depth: int
+) -> tuple[Tensor, Tensor]:
+    """The children of M nodes at depth - 1 (q [M, V], owners: their rows): `draw_children` for every row but those
+    the randomness couples, whose children are the top of q / E under the target's noise at their output position
+    (`coupled_children`; verification keeps the one equal to the target's race winner, whatever the rule)."""
+    coupled = set(view.randomness.coupled_rows(view))
+    if not coupled.intersection(owners):
+        return draw_children(q, owners, width, rule, view.generators)
+    mine = [m for m, b in enumerate(owners) if b in coupled]
+    rest = [m for m, b in enumerate(owners) if b not in coupled]
+    kids = torch.zeros((len(owners), width), dtype=torch.int64, device=q.device)
+    ok = torch.zeros((len(owners), width), dtype=torch.bool, device=q.device)
+    if rest:  # the stream's rows draw what they would draw alone (each row's uniforms in its node order)
+        kids[rest], ok[rest] = draw_children(q[rest], [owners[m] for m in rest], width, rule, view.generators)
+    seeds = [view.seeds[owners[m]] for m in mine]
+    positions = [view.positions[owners[m]] + depth - 1 for m in mine]  # the children's output position
+    kids[mine], ok[mine] = coupled_children(q[mine], seeds, positions, width)
+    return kids, ok
 
 
 def _chunk_rows(q: Tensor, nodes: list[tuple[int, int]]) -> Tensor:

@@ -42,11 +42,12 @@ class BatchView:
     seeds: list[int] | None = None  # per-row request seeds (the coupling noise's key)
     positions: list[int] | None = None  # per row: the output position of the next token (tokens emitted so far)
     randomness: Randomness = STREAM  # how drafts are drawn: the engine's setting (engine.randomness)
+    keyed: list[bool] | None = None  # per row: random=auto couples it (its request carries a seed); None: no row
     sampling: SamplingMetadata | None = None  # params as tensors, built once per batch membership; None: per call
     recent: Tensor | None = None  # [B, M] int64: last context tokens, most recent first (multi-token bad words)
 
     @property
-    def coupling(self) -> str | None:  # (the older name) "gumbel" or None
+    def coupling(self) -> str | None:  # (the older name) "gumbel" or None (auto: per row, see `keyed`)
         return "gumbel" if self.randomness.name == "gumbel" else None
 
     @property

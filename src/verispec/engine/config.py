@@ -1,7 +1,7 @@
 """One speculation configuration for every entry point: `SpecConfig`, validated once, with one string form.
 
     cfg = SpecConfig(draft="model", gamma=4, verify="block")
-    str(cfg)                                   # 'draft=model,gamma=4,verify=block,random=stream'
+    str(cfg)                                   # 'draft=model,gamma=4,verify=block,random=auto'
     assert SpecConfig.parse(str(cfg)) == cfg   # and str(SpecConfig.parse(s)) == s for every printed s
 
 `SpeculativeGenerator`, `RolloutEngine`, the CLI (`--spec`, with its flags as shorthands), `verispec bench e2e`
@@ -31,10 +31,14 @@ the order below; draft, gamma, verify and random always, every other key only wh
                 deterministic | iid | without_replacement for a tree (how children are drawn); mixed for
                 model+history. Default: the first its drafter allows (token for chains, deterministic for a
                 tree or history alone, mixed for model+history)
-  random        stream | position | gumbel: uniforms drawn from each request's stream in draw order; keyed by
-                (seed, output position) so that a seeded request's tokens do not depend on gamma, batch or
-                timing (a draft model's chains or none, verify=token); or Gumbel coupling, plain decoding's
-                tokens whatever drafted (`sampling.coupling`)
+  random        auto | stream | position | gumbel: per request — a request with its own seed Gumbel-coupled (its
+                tokens plain decoding's under the coupling whatever gamma, batch or load), one without it drawing
+                from its stream; uniforms drawn from each request's stream in draw order (every request); keyed
+                by (seed, output position) so that a seeded request's tokens do not depend on gamma, batch or
+                timing (a draft model's chains or none, verify=token); or Gumbel coupling for every request,
+                plain decoding's tokens whatever drafted (`sampling.coupling`, `engine.randomness`); auto
+                runs the stream for every request where the verification functions are overridden (certify's
+                injected bugs, the lossy study: they then see p, not one-hot targets)
   runner        auto | fast | hf | llamacpp: the model forward (`model.fast.make_runner`)
 
 ngram, stop_below and max_gamma are read only by the drafters they concern (a value that concerns none is kept and
@@ -74,7 +78,7 @@ __all__ = [
 CHAIN_VERIFY = ("token", "block")  # sampling.CHAIN_RULES' names
 TREE_VERIFY = ("deterministic", *(r for r in TREE_RULES if r != "deterministic"))  # default first
 VERIFIES = (*CHAIN_VERIFY, *TREE_VERIFY, "mixed")
-RANDOMS = ("stream", "position", "gumbel")
+RANDOMS = ("auto", "stream", "position", "gumbel")  # the default first
 HISTORY_TREE = "dynamic-8-3-16"  # HistoryProposer's default trie
 
 
@@ -168,7 +172,7 @@ class SpecConfig:
     max_gamma: int = 8  # the most drafts gamma "auto" picks
     tree: str | None = None  # None (chains) or a tree shape: "4-2-2-1", "dynamic-D-K-M"
     verify: str | None = None  # the verification rule; None: the first the drafter allows (stored resolved)
-    random: str = "stream"  # "stream", "position" or "gumbel"
+    random: str = "auto"  # "auto", "stream", "position" or "gumbel"
     runner: str = "auto"  # "auto", "fast", "hf" or "llamacpp"
 
     def __post_init__(self):
@@ -205,7 +209,8 @@ class SpecConfig:
 
     @property
     def seeding(self) -> str:
-        """The session's seeding: "position" or "stream" (gumbel coupling draws from the streams)."""
+        """The older seeding name: "position" or "stream" (gumbel coupling and auto's unseeded rows draw from the
+        streams)."""
         return "position" if self.random == "position" else "stream"
 
     @property
@@ -506,7 +511,7 @@ def _tree_items(given: Mapping) -> dict:
 def _random_items(given: Mapping) -> dict:
     from ..sampling.coupling import COUPLINGS
 
-    seeding, coupling = given.get("seeding", "stream"), given.get("coupling")
+    seeding, coupling = given.get("seeding", "stream"), given.get("coupling")  # neither given: SpecConfig's auto
     if seeding not in ("stream", "position"):
         raise ValueError(f"seeding must be one of stream, position, got {seeding!r}")
     if coupling is not None and coupling not in COUPLINGS:

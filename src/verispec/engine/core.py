@@ -16,7 +16,7 @@ from ..model.protocol import Runner
 from ..model.weights import update_weights
 from ..sampling import SamplingParams
 from .adaptive import GammaController, check_gamma
-from .randomness import Randomness, randomness
+from .randomness import RANDOMNESS, Randomness
 from .request import Request
 from .verify import make_verification
 
@@ -45,18 +45,19 @@ class EngineCore:
     eos_ids: set[int]
     verifier: Callable  # verify_chain's interface (token-wise or block)
     tree_verifier: Callable  # verify_tree's interface
-    coupling: str | None = None  # None or "gumbel" (sampling.coupling)
-    seeding: str = "stream"  # "stream" or "position" (sampling.positional)
+    random: str = "auto"  # SpecConfig's random: auto, stream, position or gumbel (engine.randomness)
     weight_version: int = 0
     device: torch.device = field(init=False)
     max_positions: int | None = field(init=False)
-    randomness: Randomness = field(init=False)  # how drafter and verifier draw (from seeding and coupling)
+    randomness: Randomness = field(init=False)  # how drafter and verifier draw (from `random`)
     verification: Callable = field(init=False)  # the step's verification (engine.verify), chosen once here
 
     def __post_init__(self):
         self.device = self.runner.device
         self.max_positions = self.runner.max_positions
-        self.randomness = randomness(self.seeding, self.coupling)
+        if self.random not in RANDOMNESS:
+            raise ValueError(f"random must be one of {', '.join(RANDOMNESS)}, got {self.random!r}")
+        self.randomness = RANDOMNESS[self.random]
         self.verification = make_verification(self.verifier, self.tree_verifier, self.randomness)
 
     @property

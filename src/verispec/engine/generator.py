@@ -7,10 +7,12 @@
 
 Every emitted token follows the target's distribution exactly (verify_chain or verify_block); the target's cache is
 rolled back to the accepted prefix after each step, the draft's too. Rows finish independently (EOS,
-stop strings, max_new_tokens, the context end) and leave the batch. Each request draws its randomness
-from its own generator (SamplingParams.seed, or a seed drawn from torch's global RNG), so with a fixed
-gamma a seeded request gives the same tokens alone or in any batch — bit for bit as far as the kernels
-are batch-invariant: padding changes summation order in the last bits, which can flip a token only at a
+stop strings, max_new_tokens, the context end) and leave the batch. Under random=auto (the default) a request
+with its own seed (SamplingParams.seed) is Gumbel-coupled, keyed by that seed and its output positions: the same
+request, seed and weights give the same tokens whatever gamma (auto included), the batch or the load; a request
+without one draws from its own generator (seeded from torch's global RNG), as under random=stream, where with a
+fixed gamma a seeded request gives the same tokens alone or in any batch. Either way bit for bit as far as the
+kernels are batch-invariant: padding changes summation order in the last bits, which can flip a token only at a
 near-exact tie (the distribution is unaffected).
 
 Logprobs convention (both under the target, at each returned token):
@@ -53,9 +55,10 @@ class SpeculativeGenerator:
     ("ngram", "self", "none" or None: plain decoding, the honest baseline) or an object, gamma, max_gamma,
     ngram_sizes (ngram), draft_stop_below (stop_below), runner, draft_quant (quant), tree (a TreeSpec or its
     string) with tree_rule, verify, and seeding ("stream" / "position") with coupling (None / "gumbel"), which are
-    the one key random. Given beside config, each must agree with it. Under random=position the stats count the
-    drafts fed to the target (the last draft of a step shows in tau, not in `accepted`), and gamma auto prices a
-    step's drafts without that last one.
+    the one key random (neither given: its default, auto; auto with a verifier or tree_verifier override runs the
+    stream for every request, so the override sees p, not coupled one-hot targets). Given beside config, each must
+    agree with it. Under random=position the stats count the drafts fed to the target (the last draft of a step
+    shows in tau, not in `accepted`), and gamma auto prices a step's drafts without that last one.
     """
 
     def __init__(
@@ -105,6 +108,11 @@ class SpeculativeGenerator:
         self.verify = cfg.chain_rule  # "token" or "block" (chains); "token" where trees are drafted
         self.coupling = cfg.coupling
         self.seeding = cfg.seeding
+        # the randomness the core runs: the config's, but auto with overridden verification functions (certify's
+        # injected bugs, the lossy study) runs the stream: coupled rows would hand them one-hot targets, where most
+        # bugs verify exactly
+        overridden = verifier is not None or tree_verifier is not verify_tree
+        self.random = "stream" if cfg.random == "auto" and overridden else cfg.random
         # the verification functions (verify_chain's and verify_tree's interfaces): `verispec certify --inject`
         # and the lossy variants of the study swap them, nothing else should
         self.verifier = CHAIN_RULES[self.verify] if verifier is None else verifier
@@ -135,8 +143,7 @@ class SpeculativeGenerator:
             eos_ids=self.eos_ids,
             verifier=self.verifier,
             tree_verifier=self.tree_verifier,
-            coupling=self.coupling,
-            seeding=self.seeding,
+            random=self.random,
         )
 
     @staticmethod
@@ -246,7 +253,7 @@ class SpeculativeGenerator:
         self.stats.merge(pooled)
 
 
-SEEDINGS = ("stream", "position")  # the seedings of `seeding` (SpecConfig's random: stream, position, gumbel)
+SEEDINGS = ("stream", "position")  # the seedings of `seeding` (SpecConfig's random: auto, stream, position, gumbel)
 
 
 def _spec_config(config: SpecConfig | None, keywords: dict) -> tuple[SpecConfig, LoadedModel | Proposer | None]:

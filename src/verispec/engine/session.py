@@ -10,7 +10,9 @@ is drawn under one weight version, which its completions report.
     emit   -> each row takes its tokens (EOS, budget, stop strings) and yields a `StreamEvent`
 
 A request's randomness is its own generator, and with a fixed draft length its tokens do not depend on which
-other requests share the batch (as far as the kernels are batch-invariant; see `verispec.engine.generator`).
+other requests share the batch (as far as the kernels are batch-invariant; see `verispec.engine.generator`); under
+random=auto (the default) a request that carries a seed is Gumbel-coupled instead (`engine.randomness`): its tokens
+depend on neither gamma (auto included), the batch nor the load.
 Not thread-safe: drive it from one thread (the server's engine thread does); `Barrier.wait` is the one call meant
 for other threads.
 """
@@ -224,6 +226,7 @@ class GenerationSession:
             seeds=[r.seed for r in rows],
             positions=[len(r.tokens) for r in rows],
             randomness=core.randomness,
+            keyed=[r.params.seed is not None and not r.params.greedy for r in rows],  # random=auto couples these
             sampling=self.sampling if rows is self.rows else None,  # the batch's, built at its last membership change
         )
 

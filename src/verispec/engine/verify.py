@@ -2,7 +2,8 @@
 draft nodes, p from the same processing as plain sampling, then exact verification of the draft against it.
 
     Verification            chains with a chain rule (verify_chain: token-wise; verify_block), trees with
-                            verify_tree (each tree rule); the randomness's `targets` transform p (Gumbel coupling)
+                            verify_tree (each tree rule); the randomness's `targets` transform p (Gumbel coupling:
+                            every row under gumbel, the seeded requests' rows under auto)
     PositionalVerification  seeding "position" (chains): every uniform keyed by (seed, position, purpose), the
                             step's last draft verified without being fed (`sampling.positional`)
 
@@ -78,8 +79,7 @@ class Verification:
         parents = None if draft.chain else [[-1] + [p + 1 for p in node_par[b][: nn[b]]] for b in range(len(rows))]
         logits, p = score(batch, chunk, ids, par, parents)  # [B, N + 1, V]: root, then the nodes
         num = torch.tensor(nn, device=dev)
-        slots = _slot_positions(view, draft, N) if self.randomness.needs_positions else None
-        p_v = self.randomness.targets(p, view.seeds, slots)
+        p_v = self.randomness.targets(p, view, draft)  # p itself, or its coupled one-hot targets (gumbel, auto)
         if draft.chain:
             q = draft.probs[:, :N] if draft.probs is not None else None  # [B, N, V]
             out = self.chain(p_v, ids, q, num, view.generators, check=False)
@@ -183,18 +183,3 @@ def _top(logits_e: Tensor, log_z: Tensor, n_top: int) -> list[list[TopLogprobs]]
         [list(zip(i, v)) for i, v in zip(ids_b, vals_b)]
         for ids_b, vals_b in zip(top_ids.tolist(), (values - log_z).tolist())
     ]
-
-
-def _slot_positions(view: BatchView, draft: Draft, N: int) -> list[list[int]]:
-    """[B][N + 1]: the output position each verification slot samples (slot 0: the next token; slot n + 1: the
-    token after node n, one deeper than n). Padding slots get a position too (never emitted)."""
-    out = []
-    for b, start in enumerate(view.positions):
-        if draft.chain:
-            out.append([start + t for t in range(N + 1)])
-            continue
-        depth: list[int] = []
-        for par in draft.parents[b, :N].tolist():
-            depth.append(depth[par] + 1 if par >= 0 else 0)
-        out.append([start] + [start + d + 1 for d in depth])
-    return out

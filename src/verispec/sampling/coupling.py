@@ -16,7 +16,8 @@ Exactness needs only that E_i does not depend on anything the drafter or the ste
 hash of (seed, i, token), never a stream whose position depends on gamma, and the same on every device. Numerics:
 the race runs in float64 over the target's probabilities; E = -log(1 - U) with U a 53-bit uniform in [0, 1), so no
 token with p > 0 is starved (an fp32 race loses the tail: vLLM #43150). Cost: one [V] hash and log per row and
-output position, for the target's slots and again for the draft's draws (about 2 ms at V = 151 936 on CPU).
+output position, for the target's slots and again for the draft's draws (about 2 ms at V = 151 936 on CPU). A tree
+drafter's children under the coupling are the top of q / E at their position (`coupled_children`).
 """
 
 from __future__ import annotations
@@ -26,7 +27,15 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["COUPLINGS", "coupled_draws", "coupled_targets", "keyed_exponentials", "onehot_winners", "race_winner"]
+__all__ = [
+    "COUPLINGS",
+    "coupled_children",
+    "coupled_draws",
+    "coupled_targets",
+    "keyed_exponentials",
+    "onehot_winners",
+    "race_winner",
+]
 
 COUPLINGS = ("gumbel",)  # SamplingParams-independent ways to couple drafter and target (None: independent draws)
 
@@ -117,6 +126,33 @@ def coupled_draws(
         if active[b]:
             tok[b] = race_winner(probs[b], keyed_exponentials(seeds[b], positions[b], V, probs.device))
     return tok
+
+
+def coupled_children(
+    probs: Tensor,  # [M, V] float: the draft's q at M tree nodes that get children
+    seeds: Sequence[int],  # [M] their requests' seeds
+    positions: Sequence[int],  # [M] the output position their children sample
+    width: int,
+) -> tuple[Tensor, Tensor]:  # children [M, width] int64, validity [M, width] bool
+    """A tree drafter's children under the coupling: the `width` best of q / E under the target's noise E at the
+    children's position — the first is q's race winner (the coupled draw), the rest the runners-up (Gumbel-top-k: a
+    draw without replacement from q). The target keeps the child equal to its own race winner at that position,
+    so this is what makes a tree's children agree with it (children drawn independently of E agree with probability
+    sum_x p(x) q(x) only). Children of probability 0 under q are not valid (never worth a node)."""
+    M, V = probs.shape
+    exps = torch.empty((M, V), dtype=torch.float64, device=probs.device)
+    cache: dict[tuple[int, int], Tensor] = {}
+    for m, key in enumerate(zip(seeds, positions)):
+        if key not in cache:
+            cache[key] = keyed_exponentials(key[0], key[1], V, probs.device)
+        exps[m] = cache[key]
+    score = torch.where(probs > 0, probs.double() / exps, -1.0)  # exps = 0 gives inf: that token first
+    val, kids = score.topk(min(width, V), dim=-1)
+    ok = val > 0
+    if width > V:  # more children than tokens: the extra ones do not exist
+        pad = torch.zeros((M, width - V), dtype=kids.dtype, device=kids.device)
+        kids, ok = torch.cat([kids, pad], 1), torch.cat([ok, pad.bool()], 1)
+    return kids, ok
 
 
 def gumbel_verifier(
