@@ -334,3 +334,42 @@ def test_generate_and_v1_refuse_the_same_seeds_alike(server, seed):
 def test_the_rollout_client_aborts_with_a_json_body(server):
     with RolloutClient(server.url) as c:
         c.abort()  # a 400 would raise
+
+
+# --- 8. a seeded request repeats on a default server, whatever the load and gamma ---------------------------------
+
+
+def _seeded_texts(s: LiveServer, body: dict, load: dict) -> set[str]:
+    """One seeded request five times — gamma auto, 1, 3, 6, auto — each beside concurrent unseeded load."""
+    texts = set()
+    for gamma in (None, 1, 3, 6, None):
+        noise = [threading.Thread(target=lambda: httpx.post(s.url + "/v1/completions", json=load, timeout=None))
+                 for _ in range(3)]  # fmt: skip
+        for t in noise:
+            t.start()
+        extra = {} if gamma is None else {"num_speculative_tokens": gamma}
+        r = httpx.post(s.url + "/v1/completions", json=body | extra, timeout=None)
+        assert r.status_code == 200, r.text
+        texts.add(r.json()["choices"][0]["text"])
+        for t in noise:
+            t.join(HANG_GUARD_S)
+    return texts
+
+
+SEEDED = {"model": MODEL, "prompt": "a b c a b c a b c a b", "max_tokens": 40, "temperature": 1.0, "ignore_eos": True}
+LOAD = {"model": MODEL, "prompt": "x0 d e", "max_tokens": 30, "temperature": 1.0, "n": 2, "ignore_eos": True}
+
+
+@pytest.mark.parametrize("draft", ["ngram", "model"])
+def test_a_seeded_request_repeats_on_a_default_server_under_load_and_any_gamma(tiny_target, tiny_noisy, draft):
+    gen = SpeculativeGenerator(tiny_target, tiny_noisy if draft == "model" else "ngram")  # default config otherwise
+    with LiveServer(gen, max_batch=8) as s:
+        for seed in (1, 2, 3):
+            assert len(_seeded_texts(s, SEEDED | {"seed": seed}, LOAD)) == 1, seed
+
+
+def test_the_stream_rule_does_not_repeat_so_the_test_above_bites(tiny_target, tiny_noisy):
+    """Negative control: random=stream (the old default) gives a seeded request different texts under gamma 1/3/6."""
+    gen = SpeculativeGenerator(tiny_target, tiny_noisy, seeding="stream")
+    with LiveServer(gen, max_batch=8) as s:
+        assert max(len(_seeded_texts(s, SEEDED | {"seed": seed}, LOAD)) for seed in (1, 2, 3)) > 1
