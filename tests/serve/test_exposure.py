@@ -364,7 +364,7 @@ LOAD = {"model": MODEL, "prompt": "x0 d e", "max_tokens": 30, "temperature": 1.0
 def test_a_seeded_request_repeats_on_a_default_server_under_load_and_any_gamma(tiny_target, tiny_noisy, draft):
     gen = SpeculativeGenerator(tiny_target, tiny_noisy if draft == "model" else "ngram")  # default config otherwise
     with LiveServer(gen, max_batch=8) as s:
-        for seed in (1, 2, 3):
+        for seed in (1, 2):
             assert len(_seeded_texts(s, SEEDED | {"seed": seed}, LOAD)) == 1, seed
 
 

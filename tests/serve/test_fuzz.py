@@ -17,7 +17,7 @@ from verispec.serve.rl import _NCCL_ROUTES
 
 from ..helpers.server import LiveServer
 
-EXAMPLES = int(os.environ.get("VERISPEC_FUZZ_EXAMPLES", "15"))  # per route (the default tier's short run)
+EXAMPLES = int(os.environ.get("VERISPEC_FUZZ_EXAMPLES", "10"))  # per route (the default tier's short run)
 LONG = 300  # per route, the slow tier's run (3,520 cases when last counted: 140 answered 2xx, 3,380 4xx, no 5xx)
 
 

@@ -41,7 +41,7 @@ def _paths(value, prefix: str = "") -> set[str]:
 
 
 @pytest.mark.parametrize("model", MODELS, ids=lambda m: m.__name__)
-@settings(max_examples=300, deadline=None, derandomize=True)
+@settings(max_examples=150, deadline=None, derandomize=True)
 @given(body=bodies)
 def test_any_body_is_accepted_or_one_400_naming_a_field_it_holds(model, body):
     try:
@@ -77,7 +77,7 @@ def test_a_string_is_refused_exactly_when_utf8_cannot_encode_it(text):
 prompt_items = st.one_of(st.text(max_size=3), st.integers(0, 50), st.lists(st.integers(0, 50), max_size=3))
 
 
-@settings(max_examples=500, deadline=None, derandomize=True)
+@settings(max_examples=250, deadline=None, derandomize=True)
 @given(prompt=st.text(max_size=3) | st.lists(prompt_items, max_size=5))
 def test_prompt_lists_are_refused_exactly_when_empty_or_mixed(prompt):
     mixed = isinstance(prompt, list) and len({type(p) for p in prompt}) > 1
