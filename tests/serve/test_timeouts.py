@@ -149,7 +149,7 @@ def test_a_slow_client_within_the_read_timeout_is_served_and_the_next_header_blo
         head, body = request_head("/echo", 11), b'{"a": "bc"}'
         for piece in (head[:10], head[10:30], head[30:], body[:4], body[4:]):
             c.sendall(piece)
-            time.sleep(0.1)
+            time.sleep(0.1)  # a slow client, not an ordering: 0.3 s of header pauses against a 2 s deadline
         raw = b""
         while b'"bytes"' not in raw:
             chunk = c.recv(65536)

@@ -111,7 +111,6 @@ def update_weights(model: torch.nn.Module, named_tensors: Iterable[tuple[str, Te
 
 def load_safetensors_dir(path: str | os.PathLike) -> Iterator[tuple[str, Tensor]]:
     """The (name, tensor) pairs of every *.safetensors file in a directory (or of one file)."""
-    from safetensors.torch import load_file  # a transformers dependency
 
     p = Path(path)
     if p.is_file():
@@ -122,9 +121,17 @@ def load_safetensors_dir(path: str | os.PathLike) -> Iterator[tuple[str, Tensor]
             raise WeightUpdateError(f"{p} has no *.safetensors files")
     else:
         raise WeightUpdateError(f"{p} does not exist")
+    yield from load_safetensors_files(files)
+
+
+def load_safetensors_files(files, what: str | None = None) -> Iterator[tuple[str, Tensor]]:
+    """The (name, tensor) pairs of these safetensors files, read one file at a time; WeightUpdateError for a
+    truncated or foreign file (`what` names it in the message; default: the file's path)."""
+    from safetensors.torch import load_file  # a transformers dependency
+
     for f in files:
         try:
             tensors = load_file(str(f))
         except Exception as e:  # a truncated or foreign file: say which
-            raise WeightUpdateError(f"{f} is not a readable safetensors file: {e}") from None
+            raise WeightUpdateError(f"{what or f} is not a readable safetensors file: {e}") from None
         yield from tensors.items()

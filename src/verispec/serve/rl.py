@@ -49,7 +49,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 from starlette.requests import ClientDisconnect
 
-from ..model.weights import WeightUpdateError
+from ..model.weights import WeightUpdateError, load_safetensors_files
 from ..rollout import RolloutEngine, check_on_policy
 from ..sampling import ParamError, SamplingParams, check_seed
 from .engine import Closing, Job
@@ -328,19 +328,6 @@ async def _update(request: Request, fn) -> WeightUpdateResponse:
     )
 
 
-def _load(files: list[Path], what: str | None = None):
-    """The (name, tensor) pairs of safetensors files, read on the engine thread when the update runs;
-    WeightUpdateError for a foreign or truncated file (`what` names it in the message: default, the file)."""
-    from safetensors.torch import load_file  # a transformers dependency
-
-    for f in files:
-        try:
-            tensors = load_file(str(f))
-        except Exception as e:  # a truncated or foreign file: say which
-            raise WeightUpdateError(f"{what or f} is not a safetensors file: {e}") from None
-        yield from tensors.items()
-
-
 async def _receive_to(request: Request, path: Path) -> int:
     """Write the request's body to `path` as it arrives (counted against its cap by `serve.access.BodyLimit`)."""
     size = 0
@@ -369,7 +356,7 @@ async def update_weights_from_tensor(request: Request) -> WeightUpdateResponse:
                 return Response(status_code=499)
             if not size:
                 raise APIError(400, "the body must be a safetensors file's bytes of the model's tensors")
-            return await _update(request, lambda: eng.update_weights(_load([path], "the body")))
+            return await _update(request, lambda: eng.update_weights(load_safetensors_files([path], "the body")))
 
 
 @router.post("/update_weights_from_disk")
@@ -377,7 +364,7 @@ async def update_weights_from_disk(req: DiskUpdate, request: Request) -> WeightU
     eng, routes = _rollout(request), _weights(request)
     routes.check()
     files = await asyncio.to_thread(routes.files, req.model_path)
-    return await _update(request, lambda: eng.update_weights(_load(files)))
+    return await _update(request, lambda: eng.update_weights(load_safetensors_files(files)))
 
 
 @router.get("/get_weight_version")
