@@ -80,10 +80,8 @@ class DraftModelProposer(Proposer):
             logits = self.runner.forward(feed, logits_at="last")  # [B, V]
             if j == 0:
                 self._start = list(self.runner.lengths)
-            counts, recent = view.node_context(ids[:, :j], chain_parents(B, j, dev))  # the context after draft j - 1
-            q = view.probs(  # [B, V]: penalties and bad words see the drafts before j
-                logits, None if counts is None else counts[:, j], None if recent is None else recent[:, j]
-            )
+            ctx = view.node_context(ids[:, :j], chain_parents(B, j, dev)).at(j)  # the context after draft j - 1
+            q = view.probs(logits, *ctx)  # [B, V]: penalties, bad words and the grammar see the drafts before j
             if probs is None:
                 probs = torch.zeros((B, k + 1, q.shape[-1]), dtype=q.dtype, device=dev)
             probs[:, j] = q

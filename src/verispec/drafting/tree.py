@@ -204,10 +204,10 @@ class TreeGrowth:
 
     def path_context(self, view: BatchView, nodes: list[tuple[int, int]], T: int) -> tuple[Tensor | None, ...]:
         """The context after each node of a fed chunk (the node's path included, `BatchView.node_context`):
-        penalty counts [B, T, V] and bad-word context [B, T, M], None where unused."""
+        penalty counts [B, T, V], bad-word context [B, T, M] and grammar masks [B, T, V], None where unused."""
         B = len(self.tokens)
-        if view.output_counts is None and view.recent is None:
-            return None, None
+        if view.output_counts is None and view.recent is None and view.grammars is None:
+            return None, None, None
         built = Draft.tree_of(self.tokens, self.parents, None, "deterministic", view.device)
         slot = torch.zeros((B, T), dtype=torch.int64)
         pos = [0] * B
@@ -260,8 +260,7 @@ def grow_tree(runner, spec: TreeSpec, view: BatchView, caps: list[int]) -> tuple
             break
         chunk = grown.feed(expand)  # one draft forward over them: they see the prefix and their ancestors
         logits = runner.forward(chunk, parents=grown.fed_parents, tree_start=start)  # [B, T, V]
-        counts, recent = grown.path_context(view, expand, logits.shape[1])  # each fed node's own path
-        q = view.probs(logits, counts, recent)  # [B, T, V]
+        q = view.probs(logits, *grown.path_context(view, expand, logits.shape[1]))  # [B, T, V]: each node's path
         q_expand = _chunk_rows(q, expand)
         if probs is not None:
             probs[[b for b, _ in expand], [n + 1 for _, n in expand]] = q_expand

@@ -5,6 +5,7 @@ that p and q come from the same processing."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -17,11 +18,24 @@ from ..sampling import (
     recent_at_nodes,
     recent_tokens,
 )
+from ..structured.masks import allowed_at_nodes, root_allowed
 from .randomness import RANDOMNESS, Randomness
 
-__all__ = ["BatchView"]
+__all__ = ["BatchView", "NodeContext"]
 
 STREAM = RANDOMNESS["stream"]
+
+
+class NodeContext(NamedTuple):
+    """What the processing sees at each slot of a draft (the root, then after every node): None where unused."""
+
+    counts: Tensor | None  # [B, N + 1, V]: penalty counts (the output so far and the path's drafts)
+    recent: Tensor | None  # [B, N + 1, M] int64: the last context tokens, for multi-token bad words
+    allowed: Tensor | None  # [B, N + 1, V] bool: the grammar's mask after the path (structured outputs)
+
+    def at(self, slot: int) -> NodeContext:
+        """The context of one slot ([B, V], [B, M], [B, V])."""
+        return NodeContext(*(None if x is None else x[:, slot] for x in self))
 
 
 @dataclass
@@ -45,6 +59,7 @@ class BatchView:
     keyed: list[bool] | None = None  # per row: random=auto couples it (its request carries a seed); None: no row
     sampling: SamplingMetadata | None = None  # params as tensors, built once per batch membership; None: per call
     recent: Tensor | None = None  # [B, M] int64: last context tokens, most recent first (multi-token bad words)
+    grammars: list | None = None  # per row: its structured-output GrammarState, or None; None: no row has one
 
     @property
     def coupling(self) -> str | None:  # (the older name) "gumbel" or None (auto: per row, see `keyed`)
@@ -64,22 +79,32 @@ class BatchView:
             self.recent = recent_tokens(self.seqs, depth, self.device)
 
     def probs(
-        self, logits: Tensor, output_counts: Tensor | None = None, recent: Tensor | None = None
+        self,
+        logits: Tensor,
+        output_counts: Tensor | None = None,
+        recent: Tensor | None = None,
+        allowed: Tensor | None = None,
     ) -> Tensor:  # logits' shape ([B, V] or [B, T, V]), rows summing to 1
-        """The processed distribution of these logits under the rows' params (`probs_from_logits`); output_counts
-        and recent default to the root's (the position after the pending token)."""
+        """The processed distribution of these logits under the rows' params (`probs_from_logits`); output_counts,
+        recent and the grammar's mask `allowed` default to the root's (the position after the pending token)."""
+        if allowed is None and self.grammars is not None:
+            allowed = root_allowed(self.grammars, logits.shape[-1], logits.device)
         return probs_from_logits(
             logits,
             self.sampling if self.sampling is not None else self.params,
             prompt_mask=self.prompt_mask,
             output_counts=self.output_counts if output_counts is None else output_counts,
             recent_tokens=self.recent if recent is None else recent,
+            allowed=allowed,
         )
 
-    def node_context(self, token_ids: Tensor, parents: Tensor) -> tuple[Tensor | None, Tensor | None]:
+    def node_context(self, token_ids: Tensor, parents: Tensor) -> NodeContext:
         """The context at the root (slot 0) and after every node n (slot n + 1) of a draft (token_ids, parents
-        [B, N]): penalty counts [B, N + 1, V] (None without penalties) and bad-word context [B, N + 1, M] (None
-        without multi-token bad words)."""
+        [B, N]): penalty counts [B, N + 1, V] (None without penalties), bad-word context [B, N + 1, M] (None
+        without multi-token bad words) and the grammar's mask [B, N + 1, V] (None without a constrained row)."""
         counts = None if self.output_counts is None else counts_at_nodes(self.output_counts, token_ids, parents)
         recent = None if self.recent is None else recent_at_nodes(self.recent, token_ids, parents)
-        return counts, recent
+        allowed = None
+        if self.grammars is not None:
+            allowed = allowed_at_nodes(self.grammars, token_ids, parents, self.vocab_size)
+        return NodeContext(counts, recent, allowed)

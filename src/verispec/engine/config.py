@@ -27,6 +27,8 @@ the order below; draft, gamma, verify and random always, every other key only wh
   max_gamma     8 | 1..64: the most drafts per step gamma auto picks
   tree          none | widths per depth (4-2-2-1) | dynamic-D-K-M (EAGLE-2): a token tree per step (with
                 history: the trie's shape, dynamic-D-K-M, default dynamic-8-3-16)
+  jump          16 | 0..256: structured outputs: the most tokens the grammar forces that are appended to a row's
+                chain per step (jump-forward, verified like any chosen draft; 0: off; needs a drafter)
   verify        the verification rule: token | block for chains (token-wise, block verification);
                 deterministic | iid | without_replacement for a tree (how children are drawn); mixed for
                 model+history. Default: the first its drafter allows (token for chains, deterministic for a
@@ -80,6 +82,7 @@ TREE_VERIFY = ("deterministic", *(r for r in TREE_RULES if r != "deterministic")
 VERIFIES = (*CHAIN_VERIFY, *TREE_VERIFY, "mixed")
 RANDOMS = ("auto", "stream", "position", "gumbel")  # the default first
 HISTORY_TREE = "dynamic-8-3-16"  # HistoryProposer's default trie
+MAX_JUMP = 256  # jump-forward tokens per step
 
 
 @dataclass(frozen=True)
@@ -127,6 +130,7 @@ KEYS = (
     "gamma",
     "max_gamma",
     "tree",
+    "jump",
     "verify",
     "random",
     "runner",
@@ -171,6 +175,7 @@ class SpecConfig:
     gamma: int | str = "auto"  # drafts per step, or "auto"
     max_gamma: int = 8  # the most drafts gamma "auto" picks
     tree: str | None = None  # None (chains) or a tree shape: "4-2-2-1", "dynamic-D-K-M"
+    jump: int = 16  # structured outputs: grammar-forced tokens appended to a chain per step (0: off)
     verify: str | None = None  # the verification rule; None: the first the drafter allows (stored resolved)
     random: str = "auto"  # "auto", "stream", "position" or "gumbel"
     runner: str = "auto"  # "auto", "fast", "hf" or "llamacpp"
@@ -261,6 +266,8 @@ class SpecConfig:
             raise SpecError(
                 "max_gamma", f"[max_gamma] must be an integer from 1 to {MAX_GAMMA}, got {self.max_gamma!r}"
             )
+        if not _integer(self.jump, 0, MAX_JUMP):
+            raise SpecError("jump", f"[jump] must be an integer from 0 to {MAX_JUMP}, got {self.jump!r}")
         if self.verify is not None and self.verify not in VERIFIES:
             raise SpecError("verify", f"[verify] must be one of {', '.join(VERIFIES)}, got {self.verify!r}")
         if self.random not in RANDOMS:
@@ -410,7 +417,7 @@ def _read(key: str, text: str):
     """A value of the string form as the Python value SpecConfig takes (checked there)."""
     if text == "none" and key in ("model", "quant", "stop_below", "choose_depth", "tree"):
         return None
-    if key in ("gamma", "max_gamma", "choose_depth") and re.fullmatch(r"[+-]?\d+", text):
+    if key in ("gamma", "max_gamma", "choose_depth", "jump") and re.fullmatch(r"[+-]?\d+", text):
         return int(text)
     if key in ("stop_below", "min_share"):
         try:

@@ -15,6 +15,7 @@ from torch import Tensor
 from ..model.protocol import Runner
 from ..model.weights import update_weights
 from ..sampling import SamplingParams
+from ..structured import Grammars, GrammarState
 from .adaptive import GammaController, check_gamma
 from .randomness import RANDOMNESS, Randomness
 from .request import Request
@@ -46,11 +47,13 @@ class EngineCore:
     verifier: Callable  # verify_chain's interface (token-wise or block)
     tree_verifier: Callable  # verify_tree's interface
     random: str = "auto"  # SpecConfig's random: auto, stream, position or gumbel (engine.randomness)
+    jump: int = 16  # SpecConfig's jump: the most grammar-forced tokens appended to a chain per step (0: off)
     weight_version: int = 0
     device: torch.device = field(init=False)
     max_positions: int | None = field(init=False)
     randomness: Randomness = field(init=False)  # how drafter and verifier draw (from `random`)
     verification: Callable = field(init=False)  # the step's verification (engine.verify), chosen once here
+    _grammars: Grammars | None = field(default=None, init=False, repr=False)  # built on the first constraint
 
     def __post_init__(self):
         self.device = self.runner.device
@@ -136,6 +139,8 @@ class EngineCore:
         req.params.check_vocab(self.vocab_size)  # token options' ids: refused here, not when the batch is built
         self._token_ids(req.prompt_token_ids, "prompt token ids")
         self._token_ids(req.stop_token_ids, "stop_token_ids")
+        if req.params.constraint is not None:
+            self.grammars.compile(req.params.constraint)  # ConstraintError (a ValueError) naming the problem
         if self.max_positions is not None and len(req.prompt_token_ids) >= self.max_positions:
             raise ValueError(
                 f"prompt {req.index} has {len(req.prompt_token_ids)} tokens; the model's context is {self.max_positions}"
@@ -146,6 +151,19 @@ class EngineCore:
         if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size for t in ids):
             raise ValueError(f"{name} must be integers in [0, {self.vocab_size})")
         return ids
+
+    # --- structured outputs -----------------------------------------------------------------------------
+    @property
+    def grammars(self) -> Grammars:
+        """Constraints compiled for this tokenizer (built on first use: the tokenizer's vocabulary is read once)."""
+        if self._grammars is None:
+            self._grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_ids)
+        return self._grammars
+
+    def grammar_state(self, req: Request) -> GrammarState | None:
+        """A request's grammar matcher at the start of its output (None: no constraint)."""
+        c = req.params.constraint
+        return None if c is None else self.grammars.state(c, req.stop_token_ids)
 
     # --- weights ------------------------------------------------------------------------------------------
     def update_weights(self, named_tensors: Iterable[tuple[str, Tensor]], model=None) -> WeightUpdate:

@@ -144,6 +144,7 @@ class SpeculativeGenerator:
             verifier=self.verifier,
             tree_verifier=self.tree_verifier,
             random=self.random,
+            jump=cfg.jump,
         )
 
     @staticmethod

@@ -60,6 +60,12 @@ class Request:
         k = self.top_logprobs
         if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= 20:
             raise ValueError(f"top_logprobs must be an integer in [0, 20], got {k!r}")
+        if self.params.constraint is not None and (self.stop or self.ignore_eos):
+            raise ValueError(
+                f"a structured-output constraint ends the output where its grammar does: "
+                f"{'stop strings' if self.stop else 'ignore_eos'} cannot be combined with it (a stop string could "
+                "cut the structure short, ignore_eos would run past its end)"
+            )
 
 
 @dataclass(eq=False)

@@ -167,6 +167,7 @@ class Row:
     stats: SpecStats = field(default_factory=SpecStats)
     done: Completion | None = None
     detok: IncrementalDecoder = field(default_factory=IncrementalDecoder)  # the streamed text, incrementally
+    grammar: object = None  # its structured-output GrammarState (verispec.structured), following its output
     stops: StopMatcher | None = field(init=False, repr=False, compare=False)  # `stop`'s matcher (None: no stop)
 
     def __post_init__(self) -> None:

@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from ..drafting import Draft
+from ..drafting.grammar import fit_draft
 from ..sampling import SamplingMetadata, SamplingParams
 from .batch import BatchView
 from .core import EngineCore
@@ -192,7 +193,9 @@ class GenerationSession:
                 live.admitted += 1
                 if req.key not in self._owner:  # aborted before it joined
                     continue
-                joining.append(Row.of(req, job.weight_version, 0 if self.core.proposer is None else req.gamma))
+                row = Row.of(req, job.weight_version, 0 if self.core.proposer is None else req.gamma)
+                row.grammar = self.core.grammar_state(req)
+                joining.append(row)
                 if job.on_admit is not None:
                     job.on_admit(req)
         return True
@@ -228,6 +231,7 @@ class GenerationSession:
             randomness=core.randomness,
             keyed=[r.params.seed is not None and not r.params.greedy for r in rows],  # random=auto couples these
             sampling=self.sampling if rows is self.rows else None,  # the batch's, built at its last membership change
+            grammars=[r.grammar for r in rows] if any(r.grammar is not None for r in rows) else None,
         )
 
     def _capacity(self, rows: list[Row]) -> int:
@@ -284,10 +288,14 @@ class GenerationSession:
         self.sampling = self.sampling.select(keep)
 
     # --- draft ----------------------------------------------------------------------------------------
-    def _caps(self) -> list[int]:
+    def _room(self) -> list[int]:
         """Per row, the most draft tokens its budget and the context leave room for (the step adds one more)."""
         end = self.core.max_positions or 1 << 30
-        caps = [min(r.max_new - len(r.tokens), end - len(r.seq)) - 1 for r in self.rows]
+        return [min(r.max_new - len(r.tokens), end - len(r.seq)) - 1 for r in self.rows]
+
+    def _caps(self) -> list[int]:
+        """Per row, the most draft tokens to draft: its room, and its gamma (or the controller's choice)."""
+        caps = self._room()
         core = self.core
         if core.proposer is not None and core.proposer.tree is not None:  # the tree's shape sets the draft
             return [0 if r.gamma == 0 else c for r, c in zip(self.rows, caps)]
@@ -316,6 +324,9 @@ class GenerationSession:
         self.stats.draft_time += seconds
         if draft.chain and max(draft.num_nodes) > 0:
             core.controller.observe_draft(seconds / max(draft.num_nodes), len(self.rows))
+        if view.grammars is not None and core.proposer is not None:  # cut before refused tokens, jump forward
+            room = [0 if r.gamma == 0 else c for r, c in zip(self.rows, self._room())]
+            draft = fit_draft(draft, view.grammars, room, core.jump)
         return draft
 
     # --- verify ---------------------------------------------------------------------------------------
@@ -339,6 +350,8 @@ class GenerationSession:
         core.runner.keep_paths([n - 1 for n in old_lengths], [[0] + [n + 1 for n in path] for path in out.paths])
         for b, r in enumerate(self.rows):
             r.seq.extend(out.tokens[b])  # view.seqs are these lists: the proposer sees the committed tokens
+            if r.grammar is not None:
+                r.grammar.advance(out.tokens[b])
             r.observe(out.drafted[b], out.accepted[b], out.nodes[b])
             self.stats.observe(out.drafted[b], out.accepted[b], out.nodes[b])
             if draft.chain:

@@ -58,8 +58,8 @@ def score(batch: Batch, chunk, ids: Tensor, par: Tensor, parents=None) -> tuple[
     """One target forward over each row's chunk (pending token + fed nodes `ids` [B, N] below `par`): the logits
     and the processed p at the root and after every node, [B, N + 1, V] each."""
     logits = batch.runner.forward(chunk, parents=parents)[:, : ids.shape[1] + 1]
-    counts, recent = batch.view.node_context(ids, par)  # each slot's own path: what the drafter's q saw there
-    return logits, batch.view.probs(logits, counts, recent)
+    ctx = batch.view.node_context(ids, par)  # each slot's own path: what the drafter's q saw there
+    return logits, batch.view.probs(logits, *ctx)
 
 
 class Verification:

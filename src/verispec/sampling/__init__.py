@@ -5,6 +5,7 @@ Nothing here knows about models or caches: tensors in, tensors out, explicit ran
 
 from .block import verify_block, verify_block_with_uniforms
 from .chain import ChainVerifyOutput, draw_uniforms, sample_from_weights, verify_chain, verify_chain_with_uniforms
+from .constraint import CONSTRAINT_KINDS, Constraint, ConstraintError
 from .metadata import SamplingMetadata
 from .params import ParamError, SamplingParams, bad_words_from_text, check_seed
 from .processors import counts_at_nodes, probs_from_logits, recent_at_nodes, recent_tokens
@@ -22,9 +23,12 @@ CHAIN_RULES = {"token": verify_chain, "block": verify_block}  # how a drafted ch
 
 __all__ = [
     "CHAIN_RULES",
+    "CONSTRAINT_KINDS",
     "TREE_RULES",
     "VERIFY_RULES",
     "ChainVerifyOutput",
+    "Constraint",
+    "ConstraintError",
     "ParamError",
     "SamplingMetadata",
     "SamplingParams",

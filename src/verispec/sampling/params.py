@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from functools import cached_property
 from numbers import Integral, Real
 
+from .constraint import Constraint
+
 __all__ = [
     "MAX_BAD_WORDS",
     "MAX_BAD_WORD_TOKENS",
@@ -159,6 +161,9 @@ class SamplingParams:
             context before the position (prompt + output, and inside a speculative step the drafts on the
             path to it) ends with the word's other tokens (vLLM's rule). Where those context bans would leave
             no token at all, that position keeps only the static bans (allowed_token_ids, one-token words).
+        constraint: a structured-output `Constraint` (JSON schema, JSON object, regex, choice, grammar) the
+            output must match, or None. Its mask is applied before everything above (vLLM's order): a token the
+            grammar forbids at a position has probability 0 there, for p and q alike.
         Token ids are checked against the vocabulary where it is known (`check_vocab`).
     """
 
@@ -173,6 +178,7 @@ class SamplingParams:
     logit_bias: Mapping[int, float] | tuple[tuple[int, float], ...] | None = ()
     allowed_token_ids: Sequence[int] | None = None
     bad_words: Sequence[Sequence[int]] = ()
+    constraint: Constraint | None = None
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: normalise the validated values in place, once
@@ -204,6 +210,10 @@ class SamplingParams:
         set_(self, "logit_bias", _logit_bias(self.logit_bias))
         set_(self, "allowed_token_ids", _allowed(self.allowed_token_ids))
         set_(self, "bad_words", _bad_words(self.bad_words))
+        if self.constraint is not None and not isinstance(self.constraint, Constraint):
+            raise ParamError(
+                "constraint", f"must be None or a Constraint (verispec.sampling.Constraint), got {self.constraint!r}"
+            )
         if self.allowed_token_ids is not None and set(self.allowed_token_ids) <= set(self.banned_token_ids):
             raise ParamError("bad_words", "ban every token of allowed_token_ids: nothing could be sampled")
 
@@ -255,6 +265,7 @@ class SamplingParams:
             and self.min_p == 0.0
             and not self.uses_penalties
             and not self.uses_token_options
+            and self.constraint is None
         )
 
     def check_vocab(self, vocab_size: int) -> None:

@@ -5,7 +5,8 @@ decoding is lossless only when the draft token was sampled from exactly the q ha
 is exactly what plain sampling would have used. Using one function with one `SamplingParams` for both
 makes that hold by construction.
 
-Processing order (vLLM's for the token options, then HF transformers' order for these warpers):
+Processing order (vLLM's for the grammar mask and the token options, then HF transformers' order for the warpers):
+   -1. structured output: `allowed` (the grammar's mask at the position; the others -> -inf)
     0. token options: allowed_token_ids (the others -> -inf), bad_words (one-token words -> -inf everywhere;
        a longer word's last token -> -inf where the context ends with its other tokens), logit_bias (added)
     1. repetition penalty (prompt + output tokens), presence and frequency penalties (output tokens)
@@ -16,7 +17,8 @@ Processing order (vLLM's for the token options, then HF transformers' order for 
     6. softmax
 
 Inside a speculative step each position has its own context: the drafts on the path to it count for the
-penalties (`counts_at_nodes`) and for the bad words (`recent_at_nodes`), for p and q alike.
+penalties (`counts_at_nodes`), for the bad words (`recent_at_nodes`) and for the grammar's mask (the matcher's
+state after the path: `verispec.structured`), for p and q alike.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ def probs_from_logits(
     prompt_mask: Tensor | None = None,  # [B, V] bool: token occurs in the prompt (repetition penalty)
     output_counts: Tensor | None = None,  # [B, T, V] or [B, V] int/float: occurrences in the output so far
     recent_tokens: Tensor | None = None,  # [B, T, M] or [B, M] int64: the context's last tokens, most recent first
+    allowed: Tensor | None = None,  # [B, T, V] or [B, V] bool: tokens a structured-output grammar allows there
     check: bool = True,
 ) -> Tensor:  # same shape as logits, float32 (float64 if logits are float64): rows sum to 1
     """Turn logits into the processed distribution that sampling (and verification) uses.
@@ -60,7 +63,8 @@ def probs_from_logits(
     turned into one per call. `output_counts` and `recent_tokens` may differ per position T (a draft position j
     has seen the drafts before j); see `counts_at_nodes` and `recent_at_nodes`. `recent_tokens` (-1 where the
     context is shorter) is needed when a row has a multi-token bad word; it holds at least the metadata's
-    `bad_depth` tokens. With `check=True` (default) NaN / +inf logits and rows with no finite logit raise
+    `bad_depth` tokens. `allowed` is a structured-output mask (`verispec.structured`), applied first; rows without a
+    constraint allow every token. With `check=True` (default) NaN / +inf logits and rows with no finite logit raise
     ValueError instead of producing NaN probabilities.
     """
     logits, squeeze = _with_positions(logits)  # [B, T, V]
@@ -77,9 +81,13 @@ def probs_from_logits(
         if not bool(torch.isfinite(row_max).all()):
             raise ValueError("logits contain NaN or +inf, or a row where every logit is -inf")
 
+    if allowed is not None:
+        x = x.masked_fill(~_allowed_mask(allowed, x.shape), float("-inf"))
     x = _token_options(x, meta, recent_tokens)
-    if check and meta.blocked is not None and not bool(torch.isfinite(x.amax(dim=-1)).all()):
-        raise ValueError("every token a row allows has logit -inf (allowed_token_ids / bad_words leave nothing)")
+    if check and (meta.blocked is not None or allowed is not None) and not bool(torch.isfinite(x.amax(dim=-1)).all()):
+        raise ValueError(
+            "every token a row allows has logit -inf (the grammar, allowed_token_ids and bad_words leave nothing)"
+        )
     if meta.any_penalties:
         x = _penalise(x, meta, prompt_mask, output_counts)
 
@@ -111,6 +119,18 @@ def _with_positions(logits) -> tuple[Tensor, bool]:  # ([B, T, V] logits, whethe
     if logits.dim() != 3:
         raise ValueError(f"logits must have shape [B, V] or [B, T, V], got {tuple(logits.shape)}")
     return logits, squeeze
+
+
+def _allowed_mask(allowed: Tensor, shape: torch.Size) -> Tensor:  # [B, T, V] bool
+    """A grammar mask ([B, V] or [B, T, V] bool) checked against the logits' [B, T, V] shape."""
+    if not isinstance(allowed, Tensor) or allowed.dtype != torch.bool:
+        raise ValueError("allowed must be a bool tensor")
+    if allowed.dim() == 2:
+        allowed = allowed.unsqueeze(1)
+    B, T, V = shape
+    if allowed.dim() != 3 or allowed.shape[0] != B or allowed.shape[1] not in (1, T) or allowed.shape[2] != V:
+        raise ValueError(f"allowed must have shape [B, V] or [B, T, V] = [{B}, {T}, {V}], got {tuple(allowed.shape)}")
+    return allowed
 
 
 def _min_p(x: Tensor, meta: SamplingMetadata) -> Tensor:  # [B, T, V] -> [B, T, V]

@@ -1,0 +1,59 @@
+"""A draft fitted to each row's grammar before verification (`fit_draft`): chains cut before a token the grammar
+refuses, then extended by the tokens it forces (jump-forward).
+
+Both keep verification exact. A cut chain is a deterministic function of what was drafted (a chosen proposal cut
+shorter; a sampled one never needs cutting: its q is masked). Jump-forward tokens are chosen (one-hot q) from the
+grammar's state after the draft, a function of the prefix, so accepting one with probability p(t) and otherwise
+drawing from p without it is the rule for any deterministic proposal; a token that is truly forced has p(t) = 1.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ..structured.grammar import GrammarState
+from .base import Draft
+
+__all__ = ["fit_draft"]
+
+
+def fit_draft(draft: Draft, grammars: Sequence[GrammarState | None], room: list[int], jump: int) -> Draft:
+    """A chain draft fitted to each row's grammar: cut before the first token it refuses, then extended by up to
+    `jump` tokens it forces after that (at most room[b] tokens in all; room 0 leaves a row as it is). Trees are
+    returned as they are (a refused node has p = 0 and is rejected; the slots below it take a live mask)."""
+    if not draft.chain or not any(g is not None for g in grammars):
+        return draft
+    ids = draft.token_ids.tolist()
+    rows: list[list[int]] = []
+    jumped: list[int] = []  # per row: where its jump-forward tokens begin
+    for b, g in enumerate(grammars):
+        chain = ids[b][: draft.num_nodes[b]]
+        if g is None or room[b] <= 0:
+            rows.append(chain)
+            jumped.append(len(chain))
+            continue
+        chain = chain[: g.accepts(chain)]
+        jumped.append(len(chain))
+        rows.append(chain + g.jump(chain, min(jump, room[b] - len(chain))))
+    if all(len(r) == len(ids[b][: draft.num_nodes[b]]) for b, r in enumerate(rows)) and all(
+        j == len(r) for j, r in zip(jumped, rows)
+    ):
+        return draft  # nothing cut, nothing forced
+    K = max((len(r) for r in rows), default=0)
+    dev = draft.token_ids.device
+    new_ids = torch.full((len(rows), K), -1, dtype=torch.int64)
+    for b, r in enumerate(rows):
+        new_ids[b, : len(r)] = torch.as_tensor(r, dtype=torch.int64)
+    probs = None
+    if draft.probs is not None:  # sampled drafts keep their q; forced ones get a one-hot q
+        old = draft.probs
+        probs = torch.zeros((old.shape[0], K + 1, old.shape[-1]), dtype=old.dtype, device=old.device)
+        width = min(old.shape[1], K + 1)
+        probs[:, :width] = old[:, :width]
+        for b, r in enumerate(rows):
+            for j in range(jumped[b], len(r)):
+                probs[b, j] = 0
+                probs[b, j, r[j]] = 1
+    return Draft.chain_of(new_ids.to(dev), probs, [len(r) for r in rows])
