@@ -8,6 +8,7 @@ import sys
 from ..strict_json import dumps
 from .options import (
     UsageError,
+    add_constraint_args,
     add_sampling_args,
     add_seed_arg,
     add_speculation_args,
@@ -32,6 +33,7 @@ def add_parser(sub) -> None:
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     p.add_argument("--json", action="store_true", help="print one JSON object (text, tokens, logprobs, stats)")
+    add_constraint_args(p)
     p.set_defaults(func=run)
 
 

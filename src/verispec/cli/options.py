@@ -293,6 +293,49 @@ def add_sampling_args(p: argparse.ArgumentParser, names=tuple(_SAMPLING_HELP), *
     p.set_defaults(sampling_fields=tuple(names))
 
 
+def add_constraint_args(p: argparse.ArgumentParser) -> None:
+    """Structured-output flags (at most one): the output must match a JSON schema, any JSON object, a regex, one
+    of several strings or an EBNF grammar (`verispec.sampling.Constraint`); `sampling_params` reads them."""
+    g = p.add_argument_group("structured output (at most one)").add_mutually_exclusive_group()
+    g.add_argument("--json-schema", metavar="FILE", help="the output is JSON valid under the JSON schema in FILE")
+    g.add_argument("--json-object", action="store_true", help="the output is a JSON object")
+    g.add_argument("--regex", metavar="PATTERN", help="the whole output matches this regular expression")
+    g.add_argument("--choice", metavar="TEXT", action="append", help="the output is one of these strings (repeatable)")
+    g.add_argument("--grammar", metavar="FILE", help="the output is a sentence of the EBNF / GBNF grammar in FILE")
+    p.set_defaults(constraint_flags=True)
+
+
+def constraint(args: argparse.Namespace):
+    """The Constraint of the structured-output flags (None: none given); a bad file or schema names its flag."""
+    from ..sampling import Constraint, ConstraintError
+
+    if not getattr(args, "constraint_flags", False):
+        return None
+
+    def read(path: str, name: str) -> str:
+        try:
+            with open(path, encoding="utf-8") as f:
+                return f.read()
+        except OSError as e:
+            raise UsageError(f"{name}: cannot read {path}: {e.strerror or e}") from None
+
+    try:
+        if args.json_schema is not None:
+            return Constraint.json_schema(read(args.json_schema, "--json-schema"))
+        if args.json_object:
+            return Constraint.json_object()
+        if args.regex is not None:
+            return Constraint.regex(args.regex)
+        if args.choice:
+            return Constraint.choice(args.choice)
+        if args.grammar is not None:
+            return Constraint.grammar(read(args.grammar, "--grammar"))
+    except ConstraintError as e:
+        given = next(f for f in ("json_schema", "regex", "choice", "grammar") if getattr(args, f, None))
+        raise UsageError(f"{flag(given)}: {e}") from None
+    return None
+
+
 def add_prompt_args(p: argparse.ArgumentParser, chat_help: str = "wrap prompts in the tokenizer's chat template"):
     p.add_argument("--prompt", action="append", help="prompt text (repeatable)")
     p.add_argument("--prompts", nargs="+", action="extend", help="JSONL prompt files ({'prompt': ...}; repeatable)")
@@ -307,6 +350,8 @@ def sampling_params(args: argparse.Namespace, **extra):
     """The SamplingParams of the sampling options (see add_sampling_args); an invalid value names its flag."""
     from ..sampling import ParamError, SamplingParams
 
+    if "constraint" not in extra and getattr(args, "constraint_flags", False):
+        extra["constraint"] = constraint(args)
     try:
         return SamplingParams(**{name: getattr(args, name) for name in args.sampling_fields}, **extra)
     except ParamError as e:
