@@ -3,7 +3,7 @@
 
 Why xgrammar: measured on this project's CPU with SmolLM2's tokenizer (V = 49,152) over a 58-token JSON document
 under a 5-field schema, xgrammar 0.2.9 fills a token mask in 10.6 us on average (llguidance 1.9.1: 50 us), rolls
-back in ~8 us, and gives jump-forward tokens (`find_jump_forward_tokens`); see `verispec bench grammar`.
+back in ~8 us, and gives jump-forward tokens (`find_jump_forward_tokens`); `docs/bench/grammar-engines.md` has the comparison.
 
 A state's masks are cached per path for one step (`advance` clears them): the draft model's q at draft j and the
 target's p at slot j read the same mask, computed once. A path with a token the grammar refuses is dead: its slots
@@ -104,11 +104,6 @@ class GrammarState:
         self._masks: dict[tuple[int, ...], Tensor] = {}  # path -> [V] bool, this step's
         self._all = torch.ones(vocab_size, dtype=torch.bool)
         self.masks_filled = 0  # grammar masks computed (for the mask-cost share in benchmarks)
-
-    @property
-    def finished(self) -> bool:
-        """A stop token was accepted: the output is complete."""
-        return self._at == [] and self.matcher.is_terminated()
 
     def advance(self, tokens: Sequence[int]) -> None:
         """The request emitted these tokens (up to its stop token): the committed state moves past them."""
