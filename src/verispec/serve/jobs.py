@@ -18,12 +18,13 @@ from pydantic import BaseModel
 
 from ..engine.generator import Completion, SpeculativeGenerator, StreamEvent
 from ..engine.request import Request as EngineRequest
-from ..sampling import SamplingParams
+from ..sampling import ConstraintError, SamplingParams
 from .engine import Closing, EngineThread, Job, Overloaded, PromptLogprobs
 from .errors import APIError, internal_error
 from .metrics import Metrics
 from .protocol import Speculation, Usage
 from .scoring import PromptScorer
+from .structured import Asked, request_constraint
 from .token_options import check_token_options, token_options
 
 __all__ = ["Run", "Served", "usage"]
@@ -109,8 +110,29 @@ class Served:
             )
         return ids
 
-    def params(self, req) -> SamplingParams:
-        """The request's SamplingParams (seed: none; `choices` gives each choice its own)."""
+    def constraint(self, req, stop: list[str]) -> Asked | None:
+        """The request's structured-output constraint (`serve.structured`), compiled for the served tokenizer (in
+        the caller's worker thread; compilations are cached): 400 naming the field when it does not compile, and
+        naming `stop` / `ignore_eos` beside it (the engine refuses both with a constraint)."""
+        asked = request_constraint(req)
+        if asked is None:
+            return None
+        why = "the output ends where the constraint's grammar is complete"
+        if stop:
+            raise APIError(
+                400, f"stop strings cannot be combined with {asked.field}: {why}, and a stop string could cut it short",
+                "stop",
+            )  # fmt: skip
+        if req.ignore_eos:
+            raise APIError(400, f"ignore_eos cannot be combined with {asked.field}: {why}", "ignore_eos")
+        try:
+            self.gen.core.grammars.compile(asked.constraint)
+        except ConstraintError as e:
+            raise APIError(400, f"{asked.field}: {e}", asked.field) from None
+        return asked
+
+    def params(self, req, asked: Asked | None = None) -> SamplingParams:
+        """The request's SamplingParams (seed: none; `choices` gives each choice its own), with its constraint."""
         options = token_options(req, self.gen.tokenizer)  # logit_bias, allowed_token_ids, bad_words (tokenized)
         try:
             params = SamplingParams(
@@ -122,6 +144,7 @@ class Served:
                 presence_penalty=req.presence_penalty,
                 frequency_penalty=req.frequency_penalty,
                 seed=req.seed,
+                constraint=None if asked is None else asked.constraint,
                 **options,
             )
         except ValueError as e:
@@ -139,7 +162,8 @@ class Served:
         if any(s == "" for s in stop):
             raise APIError(400, "stop strings must be non-empty", "stop")
         stop_ids = self.stop_token_ids(req)
-        base = self.params(req)  # bad words tokenized once, whatever n is
+        asked = self.constraint(req, stop)  # compiled once, whatever n is
+        base = self.params(req, asked)  # bad words tokenized once, whatever n is
         params = [base if req.seed is None else replace(base, seed=req.seed + j) for j in range(req.n)]
         out = []
         for p, ids in enumerate(prompts):
@@ -160,6 +184,9 @@ class Served:
                             index=len(out),
                         )
                     )
+                except ConstraintError as e:  # (compiled above: cached) named by the field that asked for it
+                    field_ = asked.field if asked is not None else None
+                    raise APIError(400, f"{field_}: {e}" if field_ else str(e), field_) from None
                 except ValueError as e:
                     raise APIError.bad_value(e) from None
         return out

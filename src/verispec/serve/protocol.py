@@ -7,9 +7,12 @@ a delta's unset `role` / `content`)."""
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, ClassVar, Generic, Literal, TypeVar
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictInt, model_serializer
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_serializer
+
+from ..sampling.constraint import MAX_CONSTRAINT_CHARS
 
 MAX_SPECULATIVE_TOKENS = 64  # a per-request draft length above this is refused (as `--gamma` above 64 is)
 # Caps checked when the body is validated, before any tokenizing (the body itself: --max-request-bytes)
@@ -21,6 +24,7 @@ MAX_WORD_CHARS = 1024  # characters in one bad word
 MAX_TOKEN_LIST = 1 << 18  # allowed_token_ids / stop_token_ids entries (more than any vocabulary)
 MAX_LOGIT_BIAS = 1024  # logit_bias entries
 MAX_MESSAGES = 4096  # chat messages in one request
+MAX_CHOICES = 4096  # guided_choice / structured_outputs.choice strings (their JSON text: MAX_CONSTRAINT_CHARS)
 
 
 def _unicode(text: str) -> str:
@@ -38,12 +42,75 @@ Text = Annotated[str, AfterValidator(_unicode)]  # every string a request sends
 Stop = Annotated[str, Field(max_length=MAX_STOP_CHARS), AfterValidator(_unicode)]
 StopList = Text | Annotated[list[Stop], Field(max_length=MAX_STOP)] | None
 
+
+def _json_text(value: Any) -> Any:
+    """A constraint's schema or choice list, capped before any work: its JSON text is at most MAX_CONSTRAINT_CHARS
+    characters (`verispec.sampling.constraint`), and every string in it valid Unicode."""
+    text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+    if len(text) > MAX_CONSTRAINT_CHARS:
+        raise ValueError(f"at most {MAX_CONSTRAINT_CHARS} characters (as JSON text), got {len(text)}")
+    _unicode(text)
+    return value
+
+
+ConstraintText = Annotated[str, Field(max_length=MAX_CONSTRAINT_CHARS), AfterValidator(_unicode)]  # regex, grammar
+Schema = Annotated[dict[str, Any], AfterValidator(_json_text)]  # a JSON schema object
+SchemaOrText = Annotated[dict[str, Any] | ConstraintText, AfterValidator(_json_text)]  # vLLM's: an object or its JSON
+ChoiceList = Annotated[list[ConstraintText], Field(min_length=1, max_length=MAX_CHOICES), AfterValidator(_json_text)]
+
+
+def _backend(name: str) -> str:
+    if name not in ("auto", "xgrammar"):
+        raise ValueError(
+            f"verispec compiles structured outputs with xgrammar: the backend must be 'auto' or 'xgrammar', got {name!r}"
+        )
+    return name
+
+
+Backend = Annotated[Text, Field(max_length=64), AfterValidator(_backend)]  # "auto" or "xgrammar"; others refused
+
 # --- requests ----------------------------------------------------------------------------------------------
 
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    """OpenAI's `response_format.json_schema`."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: Annotated[Text, Field(max_length=256)]
+    description: Annotated[Text, Field(max_length=MAX_CONSTRAINT_CHARS)] | None = None
+    schema_: Schema = Field(alias="schema")
+    strict: bool | None = Field(
+        None, description="accepted either way: verispec enforces the schema whether strict is true or false"
+    )
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's `response_format`: `{"type": "text"}` (no constraint), `{"type": "json_object"}` (any JSON object),
+    or `{"type": "json_schema", "json_schema": {"name", "schema", "strict", "description"}}`: the output is JSON valid
+    under the schema. verispec enforces the schema whether `strict` is true or false (it masks every token the
+    schema does not allow), and a choice ends with finish_reason "stop" only where the JSON is complete."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs`: at most one of json (a schema, object or JSON text), regex, choice, grammar
+    (EBNF: xgrammar's dialect, which reads llama.cpp's GBNF), json_object; backend only "auto" or "xgrammar"."""
+
+    model_config = ConfigDict(extra="forbid")
+    json_: SchemaOrText | None = Field(None, alias="json")
+    regex: ConstraintText | None = None
+    choice: ChoiceList | None = None
+    grammar: ConstraintText | None = None
+    json_object: StrictBool | None = None
+    backend: Backend | None = None
 
 
 class _Common(BaseModel):
@@ -81,6 +148,18 @@ class _Common(BaseModel):
     stop_token_ids: Annotated[list[StrictInt], Field(max_length=MAX_TOKEN_LIST)] | None = None
     # vLLM's extension: logprobs' `token` fields as "token_id:N" (exact ids, for RL trainers and certifiers)
     return_tokens_as_token_ids: bool = False
+    # structured outputs (at most one constraint per request; `verispec.serve.structured`)
+    response_format: ResponseFormat | None = Field(
+        None,
+        description='OpenAI\'s: {"type": "text" | "json_object" | "json_schema", "json_schema": {"name", "schema", '
+        '"strict", "description"}}; verispec enforces the schema whether strict is true or false',
+    )
+    structured_outputs: StructuredOutputs | None = None  # vLLM's
+    guided_json: SchemaOrText | None = None  # vLLM's older fields, one constraint each
+    guided_regex: ConstraintText | None = None
+    guided_choice: ChoiceList | None = None
+    guided_grammar: ConstraintText | None = None
+    guided_decoding_backend: Backend | None = None
 
 
 class CompletionRequest(_Common):
