@@ -128,7 +128,7 @@ def _score_without_draft_context(batch, chunk, ids, par, parents=None):
     the path to it left out), while penalties still count them."""
     view = batch.view
     logits = batch.runner.forward(chunk, parents=parents)[:, : ids.shape[1] + 1]
-    counts, _ = view.node_context(ids, par)
+    counts, _, _ = view.node_context(ids, par)
     recent = view.recent.unsqueeze(1).expand(-1, ids.shape[1] + 1, -1)
     return logits, view.probs(logits, counts, recent)
 
