@@ -20,6 +20,7 @@ from . import (
     bench_rollout,
     bench_runner,
     bench_stops,
+    bench_structured,
     certify_generate,
     certify_kernel,
     certify_known_bugs,
@@ -48,6 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
         bench_replicas,
         bench_acceptance,
         bench_stops,
+        bench_structured,
     ):
         command.add_parser(bench_sub)
     certify = sub.add_parser("certify", help="statistical certificate that a sampler / generator is lossless")
