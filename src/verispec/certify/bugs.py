@@ -51,12 +51,23 @@ A broken coupled verifier (for `certify kernel --coupling gumbel`):
   gumbel_position_unkeyed the race noise keyed by the request alone, not by (request, position): one noise vector
                           for every position of a step, so the emitted tokens of a step are dependent
 
+Broken structured outputs (engine-level: `certify generate --inject NAME` with a constraint; grammar_bugs.py):
+  grammar-stale-mask      p and q at every slot of a step masked with the grammar's state at the step's root
+                          instead of after the path of drafts to the slot (an engine that fills one bitmask per
+                          step): the wrong law, and outputs the grammar refuses
+  grammar-q-unmasked      the draft model samples from its unmasked q, and verification is handed the masked,
+                          renormalized q (an engine that applies the grammar in verification but forgot the drafter)
+
 Not bugs, although they look like ones: i.i.d.-sampled children verified with the deterministic rule stay lossless
 (that rule accepts x_i with probability r(x_i) and removes it, which samples r exactly for any candidates drawn
 independently of the verifier's uniforms: P(emit y) = E_x[1{y = x} r(x) + 1{y != x} (1 - r(x)) r(y) / (1 - r(x))]
 = r(y), whatever x's law) — it only accepts less. `certify kernel --tree iid --inject tree_iid_as_deterministic`
 PASSES, and the tests check that it does; so does `--tree mixed --inject tree_mixed_sampled_as_chosen`, the
 sampled children of a mixed tree verified as chosen (every node one-hot: the same argument, node by node).
+And `grammar-q-unmasked-consistent`: the draft model samples from its unmasked q and verification is handed that
+same q ("masks p but not q", consistently): the rule is exact for any q the drafts were drawn from, so the output
+follows the constrained p (a draft the grammar refuses has p = 0 and is rejected; only acceptance drops). It
+PASSES where grammar-q-unmasked, which differs from it only in the q handed to verification, FAILS.
 """
 
 from __future__ import annotations
@@ -76,6 +87,8 @@ __all__ = [
     "BLOCK_BUGS",
     "BUGS",
     "COUPLING_BUGS",
+    "GRAMMAR_BUGS",
+    "GRAMMAR_NON_BUGS",
     "TREE_BUGS",
     "TREE_NON_BUGS",
     "broken_block_verifier",
@@ -108,6 +121,8 @@ TREE_BUGS = (
 COUPLING_BUGS = ("gumbel_position_unkeyed",)
 BLOCK_BUGS = ("block_plain_residual", "block_first_rejection", "block_placeholder_threshold")
 TREE_NON_BUGS = ("tree_iid_as_deterministic", "tree_mixed_sampled_as_chosen")  # look wrong, are lossless (docstring)
+GRAMMAR_BUGS = ("grammar-stale-mask", "grammar-q-unmasked")  # engine-level, with a constraint (grammar_bugs.py)
+GRAMMAR_NON_BUGS = ("grammar-q-unmasked-consistent",)  # looks wrong, is lossless (docstring)
 
 _Q_TEMPERATURE = 0.7  # q_before_temperature: the draft sampled at this temperature, the verifier saw q at 1
 _U_LEVELS = 64  # le_zero_uniform: uniforms on the grid {0, 1/64, ..., 63/64}

@@ -22,6 +22,14 @@ tokenizer (every id's own text, as servers print it). A text that no id or sever
 character split over byte-level tokens) cannot be mapped back: such samples are reported (`unmappable`), and the
 certificate that drops them is INCONCLUSIVE (dropping them conditions the law under test).
 
+Structured outputs: a request's constraint is sent as vLLM's `structured_outputs` ({"json": schema}, {"json_object":
+true}, {"regex"}, {"choice"}, {"grammar": EBNF}; `verispec serve` reads it too), and a server that refuses it is
+an error. The law the certificate tests is verispec's compilation of the constraint (xgrammar; JSON with one space
+after ':' and ',' and none elsewhere; the EBNF in xgrammar's dialect): a server that compiles it otherwise (vLLM's
+default JSON whitespace is looser, another EBNF dialect) samples another law, and a server that ignores the field
+samples the unconstrained one; both FAIL, rightly for what was asked, and the report cannot tell them from a
+speculation bug.
+
 End of sequence: which EOS id a server stopped at is often not returned, so every id of the EOS set (the
 tokenizer's and the generation config's) is one outcome, written as the set's first id: a continuation that
 stops before L tokens with finish_reason "stop" gets it appended, a returned EOS id is replaced by it, and the
@@ -38,7 +46,7 @@ from dataclasses import dataclass, field
 
 from ..sampling import SamplingParams
 
-__all__ = ["Endpoint", "EndpointError", "EndpointLog", "TokenMapper"]
+__all__ = ["Endpoint", "EndpointError", "EndpointLog", "TokenMapper", "structured_outputs"]
 
 OPTIONAL_FIELDS = ("return_tokens_as_token_ids",)
 NEUTRAL = {"top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0, "repeat_penalty": 1.0}  # droppable at these values
@@ -60,6 +68,23 @@ class EndpointLog:
     mapped_by_text: int = 0  # tokens whose id came from their text (no token_id:N)
     unmappable: list[str] = field(default_factory=list)  # samples whose token text several ids share
     speculation: dict = field(default_factory=dict)  # usage.speculation summed, where the server reports it
+
+
+def structured_outputs(c) -> dict:
+    """A Constraint as vLLM's `structured_outputs` field (module docstring)."""
+    import json
+
+    if c.whitespace:
+        raise EndpointError(
+            "a JSON constraint with any whitespace has no portable request field: certify it without (compact JSON)"
+        )
+    if c.kind == "json_schema":
+        return {"json": json.loads(c.source)}
+    if c.kind == "json_object":
+        return {"json_object": True}
+    if c.kind == "choice":
+        return {"choice": c.choices}
+    return {c.kind: c.source}  # regex, grammar
 
 
 class TokenMapper:
@@ -140,6 +165,8 @@ class Endpoint:
             repetition_penalty=1.0,
             repeat_penalty=1.0,
         )
+        if params.constraint is not None:
+            body["structured_outputs"] = structured_outputs(params.constraint)
         with self._lock:
             dropped = set(self._dropped)
         for f in dropped:
@@ -226,7 +253,8 @@ class Endpoint:
         if "prompt" in text and as_string and isinstance(body["prompt"], list) and self.prompt_text is not None:
             self._drop("prompt as token ids")
             return True
-        sampling = [f for f in ("top_k", "min_p", "seed", "top_p", "prompt") if f in body and f in text]
+        needed = ("top_k", "min_p", "seed", "top_p", "prompt", "structured_outputs")
+        sampling = [f for f in needed if f in body and f in text]
         if sampling:
             raise EndpointError(
                 f"the endpoint refused {sampling[0]!r} ({text[:200]}): without it the certificate would test "

@@ -19,6 +19,13 @@ All p-values are Holm-corrected into one verdict at a stated family-wise level, 
 effect at power 0.99. A first-token test that cannot detect any deviation makes the verdict INCONCLUSIVE (never
 PASS), with the N that would detect TV TARGET_TV.
 
+Structured outputs (`SamplingParams(constraint=...)`): the law under test is the constrained one (scoring.py), the
+method is asked for it (verispec and plain decoding: the request's constraint; an OpenAI endpoint: vLLM's guided_*
+fields or response_format, endpoint.py; a callable: the params dict carries it; transformers' generate: refused),
+and a continuation ends at EOS where the grammar is complete: EOS is one outcome (the EOS set merged, as for an
+endpoint), a shorter sample ends with it, and the sequence test pads it with EOS. `--inject grammar-...`
+(bugs.GRAMMAR_BUGS) breaks the engine's use of the grammar.
+
 Samples are independent (sample i of prompt j uses seed base + j * N + i whatever the batching), so `workers`
 processes can share them and the result does not depend on how many there are.
 
@@ -177,17 +184,22 @@ def certify_generate(
     run only against a reference_fn). `sequence_tokens`: m for the whole-sequence test (a) (only when
     V^m <= 4096). `tv_tolerance`: see the module docstring."""
     _check_request(params, samples, length, prompts, level, tv_tolerance)
+    _check_constraint(spec, params)
     t0 = time.perf_counter()
     scorer = reference if reference is not None else _load(spec.target, "float32")
     V = scorer.model.get_output_embeddings().weight.shape[0]
     sample_fn, eos, chunk = _sampling_plan(spec, scorer, sample_fn)
+    grammar = None
+    if params.constraint is not None:
+        eos = eos or eos_set(scorer)
+        grammar = grammar_state(scorer, params.constraint, V, eos)
     got, stats, lps = draw_samples(
         spec, prompts, params, samples, length, seed, workers, chunk, spec.label(), show_progress, sample_fn
     )
     got, lps, unusable = _usable(got, lps, "")
     sc = Scores()
     tests, laws, tolerant = _exact_tests(
-        scorer.model, prompts, got, params, np.random.default_rng(seed), sc, sequence_tokens, tv_tolerance, eos
+        scorer.model, prompts, got, params, np.random.default_rng(seed), sc, sequence_tokens, tv_tolerance, eos, grammar
     )
     fit = None if tv_tolerance else _fit_tests(sc, tests)
     if two_sample_tokens > 0 and spec.method != "plain" and (not tv_tolerance or reference_fn is not None):
@@ -211,6 +223,40 @@ def certify_generate(
         **_provenance(prompts, samples, seed, tests, sample_fn, reference_fn),
         unusable=unusable,
     )
+
+
+def grammar_state(scorer, constraint, V: int, eos: Sequence[int]):
+    """A `GrammarState` at the start of the output for the scorer's tokenizer (the engine's `Grammars`, built the same
+    way: its vocabulary size, the EOS set as the stop tokens), which the scores walk along each sample."""
+    from ..structured import Grammars
+
+    grammars = getattr(scorer, "_certify_grammars", None)
+    if grammars is None or grammars.vocab_size != V or grammars.stop_ids != sorted(set(eos)):
+        grammars = Grammars(scorer.tokenizer, V, eos)
+        scorer._certify_grammars = grammars  # compiled once per scorer (its tokenizer's vocabulary read once)
+    return grammars.state(constraint)
+
+
+CONSTRAINT_METHODS = ("verispec", "plain", "callable", "openai")  # the methods a constraint is asked of
+
+
+def _check_constraint(spec: MethodSpec, params: SamplingParams) -> None:
+    """A constraint needs a method that can be asked for it; a grammar bug needs a constraint (else it is a sure
+    PASS: the engine it breaks has no grammar to use)."""
+    from .bugs import GRAMMAR_BUGS, GRAMMAR_NON_BUGS
+
+    if params.constraint is None:
+        if spec.verifier in GRAMMAR_BUGS + GRAMMAR_NON_BUGS:
+            raise ValueError(
+                f"{spec.verifier} breaks how the engine uses a structured-output grammar: it needs a constraint "
+                "(--json-schema, --json-object, --regex, --choice or --grammar)"
+            )
+        return
+    if spec.method not in CONSTRAINT_METHODS:
+        raise ValueError(
+            f"a structured-output constraint is certified for methods {', '.join(CONSTRAINT_METHODS)}, not "
+            f"{spec.method!r} (transformers' generate has no grammar of its own)"
+        )
 
 
 def _sampling_plan(spec: MethodSpec, scorer, sample_fn: SampleFn | None) -> tuple:

@@ -18,6 +18,8 @@ from ..sampling.lossy import lenient_verifier, spec_rl_verifier, typical_verifie
 from .bugs import (
     BLOCK_BUGS,
     BUGS,
+    GRAMMAR_BUGS,
+    GRAMMAR_NON_BUGS,
     TREE_BUGS,
     TREE_NON_BUGS,
     broken_block_verifier,
@@ -90,7 +92,11 @@ class MethodSpec:
             raise ValueError(f"a tree applies to method 'verispec', not {self.method!r}")
         if cfg.verify == "block" and self.method != "verispec":
             raise ValueError(f"verify='block' applies to method 'verispec' with chains (no tree), not {self.method!r}")
-        if self.verifier is not None:
+        if self.verifier in GRAMMAR_BUGS + GRAMMAR_NON_BUGS:
+            from .grammar_bugs import check_grammar_bug
+
+            check_grammar_bug(self.verifier, cfg)
+        elif self.verifier is not None:
             _verifier(self.verifier, tree=cfg.tree is not None, block=cfg.verify == "block")  # validate early
         if cfg.random == "position" and self.method not in ("verispec", "plain"):
             raise ValueError("seeding 'position' applies to verispec with a draft model's chains, or to plain")
@@ -211,22 +217,52 @@ def _verispec_method(spec: MethodSpec, target) -> SampleFn:
         raise ValueError(f"draft={cfg.draft} drafts with objects a MethodSpec cannot name: give certify a sample_fn")
     draft = _load(cfg.model, spec.draft_dtype) if cfg.drafter.model else None
     overrides = {}
-    if spec.verifier:  # the override replaces the rule's verifier (a block bug replaces verify_block)
+    grammar_bug = spec.verifier if spec.verifier in GRAMMAR_BUGS + GRAMMAR_NON_BUGS else None
+    if grammar_bug:
+        from .grammar_bugs import stream_config
+
+        cfg = stream_config(cfg)
+    if spec.verifier and not grammar_bug:  # the override replaces the rule's verifier (a block bug: verify_block)
         override = _verifier(spec.verifier, tree=cfg.tree is not None, block=cfg.verify == "block")
         overrides["tree_verifier" if cfg.tree else "verifier"] = override
         cfg = replace(cfg, verify=None) if cfg.verify == "block" else cfg  # the verifier is the block rule's
     gen = SpeculativeGenerator(target, draft, config=cfg, **overrides)
+    if grammar_bug:
+        from .grammar_bugs import inject_grammar_bug
+
+        inject_grammar_bug(gen, grammar_bug)
+    eos = eos_set(target)
 
     def sample_verispec(prompt, params, seeds, length):
+        constrained = params.constraint is not None  # the output ends where the grammar does (no ignore_eos)
         outs = gen.generate(
             [list(prompt)] * len(seeds),
             [replace(params, seed=s) for s in seeds],
             max_new_tokens=length,
-            ignore_eos=True,
+            ignore_eos=not constrained,
         )
-        return [o.token_ids for o in outs], gen.last_stats, [o.raw_logprobs for o in outs]
+        if not constrained:
+            return [o.token_ids for o in outs], gen.last_stats, [o.raw_logprobs for o in outs]
+        return [_ended(o, eos) for o in outs], gen.last_stats, [_ended_logprobs(o, eos) for o in outs]
 
     return sample_verispec
+
+
+def _ended(o, eos: list[int]) -> list[int]:
+    """A completion's tokens, with eos[0] appended when it stopped at an EOS-set id (one outcome, as the scores
+    merge it; generate.py)."""
+    stopped = o.finish_reason == "stop" and o.stop_reason in eos
+    return list(o.token_ids) + ([eos[0]] if stopped else [])
+
+
+def _ended_logprobs(o, eos: list[int]) -> list[float] | None:
+    """The raw logprobs of `_ended(o)`: the EOS token's own when it was eos[0] (else NaN: not compared)."""
+    if o.raw_logprobs is None:
+        return None
+    if not (o.finish_reason == "stop" and o.stop_reason in eos):
+        return list(o.raw_logprobs)
+    own = o.eos_raw_logprob if o.stop_reason == eos[0] and o.eos_raw_logprob is not None else float("nan")
+    return list(o.raw_logprobs) + [own]
 
 
 def _openai_method(spec: MethodSpec, target) -> SampleFn:

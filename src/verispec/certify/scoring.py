@@ -1,7 +1,13 @@
 """Scoring a generator's samples under the target, and the tests of the generator certificate: the exact tests
 (first token, whole first-m-token sequence, PIT uniformity, log-likelihood; see generate.py's docstring), the
 two-sample tests against a reference's samples, each test's sizing (detectable effect, Holm p-value), where a
-rejected test deviates, and the logprob-parity table."""
+rejected test deviates, and the logprob-parity table.
+
+Structured outputs: with a constraint the target's exact law is the constrained one, p at output position t the
+processed distribution of the logits with the tokens the grammar forbids after x_<t set to -inf (the grammar's
+mask first, then the other processing: `probs_from_logits(..., allowed=...)`). Every score here then reads the
+mask along the scored prefix (`GrammarState.mask(x_<t)`), and the sequence law enumerates prefixes with theirs; a
+sample ends at its EOS (the grammar allows it only where the output is complete), scored like any token."""
 
 from __future__ import annotations
 
@@ -54,10 +60,12 @@ def score(
     chunk: int = 8,
     keys: Sequence | None = None,
     eos: Sequence[int] = (),
+    grammar=None,
 ) -> np.ndarray:
     """Score samples of one prompt under the processed target; returns p(. | prompt) [V] (float64).
     keys: each sample's key (recorded in out.key with each token's position; default 0, 1, ...). eos: an EOS set
-    scored as one outcome, eos[0] (the probabilities of the others moved onto it)."""
+    scored as one outcome, eos[0] (the probabilities of the others moved onto it). grammar: a structured-output
+    `GrammarState` at the start of the output (None: unconstrained); p at position t is masked after s[:t]."""
     dev = next(model.parameters()).device
     first = None
     by_len: dict[int, list[tuple[int, list[int]]]] = {}
@@ -71,7 +79,8 @@ def score(
             out.key += [(key, t) for key, _ in keyed[i : i + chunk] for t in range(length)]
             ids = torch.tensor([prompt + s[:-1] for s in part], device=dev)  # [b, P + L - 1]
             logits = model(input_ids=ids, logits_to_keep=length).logits[:, -length:].float()  # [b, L, V]
-            p = _merge(probs_from_logits(logits, params).double(), eos)  # [b, L, V]
+            allowed = grammar_masks(grammar, part, length, logits.shape[-1], dev)  # [b, L, V] or None
+            p = _merge(probs_from_logits(logits, params, allowed=allowed).double(), eos)  # [b, L, V]
             if first is None:
                 first = p[0, 0].cpu().numpy()
             tok = torch.tensor(part, device=dev).unsqueeze(-1)  # [b, L, 1]
@@ -91,8 +100,26 @@ def score(
             out.position += list(range(length)) * len(part)
     if first is None:
         logits = model(input_ids=torch.tensor([prompt], device=dev), logits_to_keep=1).logits[:, -1:].float()
-        first = _merge(probs_from_logits(logits, params).double(), eos)[0, 0].cpu().numpy()
+        allowed = grammar_masks(grammar, [[]], 1, logits.shape[-1], dev)
+        first = _merge(probs_from_logits(logits, params, allowed=allowed).double(), eos)[0, 0].cpu().numpy()
     return first
+
+
+def grammar_masks(grammar, samples: Sequence[Sequence[int]], length: int, V: int, device):
+    """[b, length, V] bool: the grammar's mask at each position t of each sample (after its tokens s[:t]); None
+    without a grammar. A position where the grammar allows nothing (a prefix it cannot continue: no engine could
+    have sampled past it) allows every token, so that a broken engine's output is scored instead of raising; the
+    state's per-path cache is cleared after the batch (`advance(())`)."""
+    if grammar is None:
+        return None
+    out = torch.ones((len(samples), length, V), dtype=torch.bool)
+    for i, s in enumerate(samples):
+        for t in range(length):
+            m = grammar.mask(tuple(s[:t]))[:V]
+            if bool(m.any()):
+                out[i, t, : m.shape[0]] = m
+    grammar.advance(())
+    return out.to(device)
 
 
 def _merge(p, eos: Sequence[int]):
@@ -106,8 +133,12 @@ def _merge(p, eos: Sequence[int]):
 
 
 @torch.no_grad()
-def exact_sequence_law(model, prompt: list[int], params: SamplingParams, m: int) -> np.ndarray:
-    """P(x_1..x_m | prompt) under the processed target, flattened over V^m sequences (small V only)."""
+def exact_sequence_law(
+    model, prompt: list[int], params: SamplingParams, m: int, grammar=None, eos: Sequence[int] = ()
+) -> np.ndarray:
+    """P(x_1..x_m | prompt) under the processed target, flattened over V^m sequences (small V only). grammar: the
+    constrained law (each prefix's mask); a sequence ended by an id of `eos` is padded with eos[0] (the samples'
+    padding in _exact_tests), so its mass stays on one sequence of length m."""
     dev = next(model.parameters()).device
     joint = torch.ones(1, dtype=torch.float64, device=dev)
     prefixes = torch.empty((1, 0), dtype=torch.int64, device=dev)
@@ -115,24 +146,32 @@ def exact_sequence_law(model, prompt: list[int], params: SamplingParams, m: int)
     for _ in range(m):
         n = prefixes.shape[0]
         ids = torch.cat([torch.tensor(prompt, device=dev).expand(n, -1), prefixes], 1)
-        p = probs_from_logits(model(input_ids=ids, logits_to_keep=1).logits[:, -1].float(), params).double()
+        logits = model(input_ids=ids, logits_to_keep=1).logits[:, -1].float()
+        rows = prefixes.tolist()
+        allowed = None if grammar is None else grammar_masks(grammar, rows, len(rows[0]) + 1, logits.shape[-1], dev)
+        p = probs_from_logits(logits, params, allowed=None if allowed is None else allowed[:, -1]).double()
+        if grammar is not None and eos:
+            ended = torch.tensor([any(t in eos for t in r) for r in rows], device=dev)
+            p[ended] = 0.0
+            p[ended, eos[0]] = 1.0
         V = p.shape[-1]
         joint = (joint.unsqueeze(1) * p).reshape(-1)
         prefixes = torch.cat([prefixes.repeat_interleave(V, 0), torch.arange(V, device=dev).repeat(n).unsqueeze(1)], 1)
     return joint.cpu().numpy()
 
 
-def _exact_tests(model, prompts, got, params, rng, sc: Scores, m: int, tolerance: float = 0.0, eos=()):
+def _exact_tests(model, prompts, got, params, rng, sc: Scores, m: int, tolerance: float = 0.0, eos=(), grammar=None):
     """Score every sample into `sc` (the EOS set `eos` merged into one outcome); per prompt the first-token test
     (of TV <= tolerance, when one is given) and, for small vocabularies without a tolerance or an EOS set, the
-    first-m-token sequence test. Returns the tests, (test, law, n) for the chi-square tests' detectable effects,
-    and (test, ToleranceResult) for the tolerance tests'."""
+    first-m-token sequence test (with a grammar: samples that ended at EOS before m tokens padded with eos[0]).
+    Returns the tests, (test, law, n) for the chi-square tests' detectable effects, and (test, ToleranceResult)
+    for the tolerance tests'. grammar: a `GrammarState` at the output's start (a constrained target law)."""
     V = model.get_output_embeddings().weight.shape[0]
     tests: list[TestResult] = []
     laws, tolerant = [], []
     for j, group in enumerate(got):
         keys = [(j, i) for i, s in enumerate(group) if s]
-        first = score(model, prompts[j], [s for s in group if s], params, rng, sc, keys=keys, eos=eos)
+        first = score(model, prompts[j], [s for s in group if s], params, rng, sc, keys=keys, eos=eos, grammar=grammar)
         first = first / first.sum()
         counts = np.bincount([s[0] for s in group if s], minlength=V)[:V]
         if tolerance:
@@ -145,13 +184,21 @@ def _exact_tests(model, prompts, got, params, rng, sc: Scores, m: int, tolerance
             tests.append(TestResult(f"prompt{j}/first-token", "first-token", g.statistic, g.pvalue, g.n, 0.0, "TV"))
             laws.append((tests[-1], first, g.n))
         tests[-1].deviations = top_deviations(counts, first)
-        if not tolerance and len(eos) <= 1 and m >= 2 and V**m <= 4096 and all(len(s) >= m for s in group):
-            law = exact_sequence_law(model, prompts[j], params, m)
-            idx = np.array([sum(t * V ** (m - 1 - i) for i, t in enumerate(s[:m])) for s in group])
+        seqs = group if grammar is None else [_pad_ended(s, m, eos) for s in group]
+        if not tolerance and len(eos) <= 1 and m >= 2 and V**m <= 4096 and all(len(s) >= m for s in seqs):
+            law = exact_sequence_law(model, prompts[j], params, m, grammar, eos)
+            idx = np.array([sum(t * V ** (m - 1 - i) for i, t in enumerate(s[:m])) for s in seqs])
             g = chisquare_gof(np.bincount(idx, minlength=V**m), law / law.sum())
             tests.append(TestResult(f"prompt{j}/first-{m}-tokens", "sequence", g.statistic, g.pvalue, g.n, 0.0, "TV"))
             laws.append((tests[-1], law / law.sum(), g.n))
     return tests, laws, tolerant
+
+
+def _pad_ended(s: list[int], m: int, eos: Sequence[int]) -> list[int]:
+    """A sample that ended at an EOS-set id before m tokens, padded to m with eos[0] (else as it is)."""
+    if eos and 0 < len(s) < m and s[-1] in eos:
+        return s + [eos[0]] * (m - len(s))
+    return s
 
 
 def top_deviations(counts: np.ndarray, probs: np.ndarray, top: int = 5) -> list[dict]:

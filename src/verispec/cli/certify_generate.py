@@ -7,6 +7,7 @@ import sys
 
 from .options import (
     UsageError,
+    add_constraint_args,
     add_counts,
     add_coupling_arg,
     add_device_args,
@@ -38,13 +39,14 @@ def add_parser(sub) -> None:
     p.add_argument("--target", help="target model (default: the built-in default model)")
     _add_method_args(p)
     add_sampling_args(p, ("temperature", "top_k", "top_p", "min_p"))
+    add_constraint_args(p)  # the law under test is then the constrained one (certify/scoring.py)
     add_prompt_args(p)
     _add_certificate_args(p)
     p.set_defaults(func=run)
 
 
 def _add_method_args(p: argparse.ArgumentParser) -> None:
-    from ..certify.bugs import BLOCK_BUGS, BUGS, TREE_BUGS
+    from ..certify.bugs import BLOCK_BUGS, BUGS, GRAMMAR_BUGS, GRAMMAR_NON_BUGS, TREE_BUGS
     from ..certify.methods import LOSSY_VERIFIERS, METHODS
 
     p.add_argument(
@@ -76,7 +78,9 @@ def _add_method_args(p: argparse.ArgumentParser) -> None:
         "--inject",
         help=f"verispec with a deliberately broken verifier (must FAIL): {', '.join(BUGS)}; "
         f"or a lossy acceptance rule: {LOSSY_VERIFIERS} (spec-rl: SPEC-RL's rollout reuse, a fresh draw from p "
-        f"at a rejection); with --verify block: {', '.join(BLOCK_BUGS)}; with --tree: {', '.join(TREE_BUGS)}",
+        f"at a rejection); with --verify block: {', '.join(BLOCK_BUGS)}; with --tree: {', '.join(TREE_BUGS)}; "
+        f"with a constraint (--json-schema ...): {', '.join(GRAMMAR_BUGS)}, or the lossless control "
+        f"{', '.join(GRAMMAR_NON_BUGS)}",
     )
     _add_endpoint_args(p)
     add_tree_args(p)
@@ -194,7 +198,9 @@ def load_reference(args: argparse.Namespace, texts: list[str]):
 def run(args: argparse.Namespace) -> int:
     """Draw N continuations of L tokens per prompt from a method and test them against the target model's own
     distribution (first-token and sequence goodness of fit, PIT uniformity, log-likelihood, two-sample vs plain
-    decoding). Exit status 0 = PASS, 1 = FAIL."""
+    decoding). With a structured-output constraint (--json-schema, --json-object, --regex, --choice, --grammar) the
+    target's law is the constrained one and the method is asked for the constraint. Exit status 0 = PASS,
+    1 = FAIL."""
     from ..certify.generate import certify_generate
     from ..certify.report import write_report
 
