@@ -12,6 +12,7 @@ from .options import (
     add_sampling_args,
     add_seed_arg,
     add_speculation_args,
+    compile_constraint,
     int_range,
     load,
     model_errors,
@@ -57,6 +58,7 @@ def run(args: argparse.Namespace) -> int:
     if not prompt:
         raise UsageError("the prompt is empty")
     gen = build_generator(args, config)
+    compile_constraint(gen.core, params, args)
     kwargs = dict(max_new_tokens=args.max_new_tokens, stop=args.stop or (), chat=args.chat)
     with user_errors():
         if args.json:

@@ -336,6 +336,20 @@ def constraint(args: argparse.Namespace):
     return None
 
 
+def compile_constraint(core, params, args: argparse.Namespace) -> None:
+    """Compile the request's constraint for the loaded model's tokenizer now (cached for the run), so that a schema,
+    regex or grammar the engine refuses is a usage error naming its flag, not an error mid-run."""
+    from ..sampling import ConstraintError
+
+    if params.constraint is None:
+        return
+    try:
+        core.grammars.compile(params.constraint)
+    except ConstraintError as e:
+        given = next(f for f in ("json_schema", "json_object", "regex", "choice", "grammar") if getattr(args, f, None))
+        raise UsageError(f"{flag(given)}: {e}") from None
+
+
 def add_prompt_args(p: argparse.ArgumentParser, chat_help: str = "wrap prompts in the tokenizer's chat template"):
     p.add_argument("--prompt", action="append", help="prompt text (repeatable)")
     p.add_argument("--prompts", nargs="+", action="extend", help="JSONL prompt files ({'prompt': ...}; repeatable)")

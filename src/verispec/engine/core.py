@@ -5,6 +5,7 @@ weight version every completion reports)."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -54,6 +55,7 @@ class EngineCore:
     randomness: Randomness = field(init=False)  # how drafter and verifier draw (from `random`)
     verification: Callable = field(init=False)  # the step's verification (engine.verify), chosen once here
     _grammars: Grammars | None = field(default=None, init=False, repr=False)  # built on the first constraint
+    _grammars_lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
 
     def __post_init__(self):
         self.device = self.runner.device
@@ -156,9 +158,10 @@ class EngineCore:
     @property
     def grammars(self) -> Grammars:
         """Constraints compiled for this tokenizer (built on first use: the tokenizer's vocabulary is read once)."""
-        if self._grammars is None:
-            self._grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_ids)
-        return self._grammars
+        with self._grammars_lock:  # the server's worker threads and the engine's may ask at once: build it once
+            if self._grammars is None:
+                self._grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_ids)
+            return self._grammars
 
     def grammar_state(self, req: Request) -> GrammarState | None:
         """A request's grammar matcher at the start of its output (None: no constraint)."""

@@ -203,6 +203,7 @@ def check_on_policy(params: SamplingParams) -> None:
             ("min_p", params.min_p > 0.0),
             ("repetition/presence/frequency penalties", params.uses_penalties),
             ("logit_bias/allowed_token_ids/bad_words", params.uses_token_options),
+            ("a structured-output constraint", params.constraint is not None),
         )
         if on
     ]

@@ -13,6 +13,7 @@ accepted), and the slots after a stop token allow every token (the row ends at t
 
 from __future__ import annotations
 
+import re
 import threading
 from collections.abc import Iterable, Sequence
 
@@ -60,8 +61,7 @@ class Grammars:
         except ConstraintError:
             raise
         except Exception as e:  # xgrammar raises RuntimeError / ValueError / its own errors with the reason
-            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise ConstraintError(f"the {c.describe()} constraint does not compile: {reason}") from None
+            raise ConstraintError(f"the {c.describe()} constraint does not compile: {_reason(e)}") from None
 
     def _compile(self, c: Constraint):
         comp = self.compiler
@@ -81,6 +81,15 @@ class Grammars:
         stops = sorted(set(self.stop_ids) | {int(t) for t in stop_ids})
         matcher = xgr.GrammarMatcher(self.compile(c), override_stop_tokens=stops or None)
         return GrammarState(matcher, self.info.vocab_size, self.vocab_size, xgr)
+
+
+_LOG_PREFIX = re.compile(r"^\s*(\[[\d:]+\]\s*)?(\S+\.(cc|h|cpp):\d+:\s*)?")  # xgrammar's "[08:02:40] /x.cc:12: "
+
+
+def _reason(e: Exception) -> str:
+    """The first line of a grammar engine's error, without its log prefix (time stamp, source file and line)."""
+    lines = [line for line in str(e).strip().splitlines() if line.strip()]
+    return _LOG_PREFIX.sub("", lines[0]).strip() if lines else type(e).__name__
 
 
 def _ebnf_string(s: str) -> str:
