@@ -127,9 +127,10 @@ def main() -> None:
     torch.set_num_threads(1)
     import importlib.metadata as md
 
-    from verispec.bench.structured import load_extract_prompts
-    from verispec.model.loading import DEFAULT_MODEL_NAME, _resolve, default_model_path  # noqa: F401
     from transformers import AutoTokenizer
+
+    from verispec.bench.structured import load_extract_prompts
+    from verispec.model.loading import _resolve
 
     source, name, kwargs = _resolve(None)
     tok = AutoTokenizer.from_pretrained(source, **kwargs)
