@@ -8,7 +8,7 @@ from safetensors.torch import save_file
 
 from verispec.model.fast import make_runner
 from verispec.rollout import RolloutEngine, WeightUpdateError, sample_seed
-from verispec.sampling import SamplingParams
+from verispec.sampling import Constraint, SamplingParams
 
 from ..helpers.tiny import greedy_reference, loaded
 
@@ -60,6 +60,7 @@ def test_groups_are_seeded_and_reproducible(tiny_target):
         SamplingParams(logit_bias={3: 2.0}),
         SamplingParams(allowed_token_ids=[3, 4, 5]),
         SamplingParams(bad_words=[[3]]),
+        SamplingParams(constraint=Constraint.grammar('root ::= ("a" | "b")+ "x0"')),
     ],
 )
 def test_options_a_trainer_cannot_recompute_are_refused(tiny_target, params):

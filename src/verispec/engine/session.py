@@ -349,9 +349,9 @@ class GenerationSession:
         old_lengths = [len(r.seq) for r in self.rows]
         core.runner.keep_paths([n - 1 for n in old_lengths], [[0] + [n + 1 for n in path] for path in out.paths])
         for b, r in enumerate(self.rows):
-            r.seq.extend(out.tokens[b])  # view.seqs are these lists: the proposer sees the committed tokens
             if r.grammar is not None:
-                r.grammar.advance(out.tokens[b])
+                _cut(out, b, r.grammar.advance(out.tokens[b]))  # past a dead end: nothing (the row ends there)
+            r.seq.extend(out.tokens[b])  # view.seqs are these lists: the proposer sees the committed tokens
             r.observe(out.drafted[b], out.accepted[b], out.nodes[b])
             self.stats.observe(out.drafted[b], out.accepted[b], out.nodes[b])
             if draft.chain:
@@ -374,6 +374,8 @@ class GenerationSession:
                 core.eos_ids,
                 core.max_positions,
             )
+            if r.done is None and r.grammar is not None and r.grammar.stuck:
+                r.finish("length", None)  # no token of the vocabulary continues its grammar
             if taken:
                 self.counts[b].index_add_(0, torch.tensor(taken, device=dev), torch.ones(len(taken), device=dev))
             event = r.event(core.tokenizer, before)
@@ -389,6 +391,12 @@ class GenerationSession:
                     events.append(event)
         self._keep(keep)
         return events
+
+
+def _cut(out: StepOutput, b: int, keep: int) -> None:
+    """Row b emits only its first `keep` tokens of this step."""
+    for rows in (out.tokens, out.logprobs, out.raw_logprobs, *([out.top] if out.top else [])):
+        del rows[b][keep:]
 
 
 def _aborted(req: Request, weight_version: int | None) -> StreamEvent:

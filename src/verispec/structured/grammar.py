@@ -8,7 +8,9 @@ back in ~8 us, and gives jump-forward tokens (`find_jump_forward_tokens`); `docs
 A state's masks are cached per path for one step (`advance` clears them): the draft model's q at draft j and the
 target's p at slot j read the same mask, computed once. A path with a token the grammar refuses is dead: its slots
 take the mask of its longest live prefix (never emitted: the refused token has p = 0, so nothing below it is
-accepted), and the slots after a stop token allow every token (the row ends at the stop token).
+accepted), and the slots after a stop token allow every token (the row ends at the stop token). A dead end — an
+incomplete output no token of the vocabulary continues — allows every token too, for p and q alike; `advance` cuts
+what was drawn there and `stuck` ends the request, as plain constrained decoding would.
 """
 
 from __future__ import annotations
@@ -114,15 +116,24 @@ class GrammarState:
         self._all = torch.ones(vocab_size, dtype=torch.bool)
         self.masks_filled = 0  # grammar masks computed (for the mask-cost share in benchmarks)
 
-    def advance(self, tokens: Sequence[int]) -> None:
-        """The request emitted these tokens (up to its stop token): the committed state moves past them."""
+    def advance(self, tokens: Sequence[int]) -> int:
+        """The request emitted these tokens: the committed state moves past them. Returns how many to keep: all of
+        them, or those before the first the grammar refuses — which happens only after a dead end (a state no
+        token of the vocabulary continues, see `stuck`), where the slot's mask allowed every token."""
         self._walk(())
         self._masks.clear()
-        for t in tokens:
+        for n, t in enumerate(tokens):
             if self.matcher.is_terminated():
                 break
             if not self.matcher.accept_token(int(t)):
-                raise RuntimeError(f"the grammar refused the emitted token {int(t)}: p had a token the mask forbids")
+                return n
+        return len(tokens)
+
+    @property
+    def stuck(self) -> bool:
+        """The committed state is a dead end: the output is incomplete and no token of the vocabulary continues it
+        (a tokenizer without some character the grammar needs next). The request ends there, "length"."""
+        return not self.matcher.is_terminated() and not bool(self._fill(()).any())
 
     def _walk(self, path: Sequence[int]) -> int:
         """Move the matcher to the longest prefix of `path` the grammar accepts; returns its length."""
@@ -143,15 +154,23 @@ class GrammarState:
         return self._walk(list(path))
 
     def mask(self, path: Sequence[int] = ()) -> Tensor:  # [V] bool, CPU
-        """The tokens the grammar allows after `path` (see the module docstring for dead and finished paths)."""
+        """The tokens the grammar allows after `path` (see the module docstring for dead and finished paths; a dead
+        end, where the grammar allows nothing, allows every token: what is drawn there is cut by `advance`)."""
         key = tuple(int(t) for t in path)
         hit = self._masks.get(key)
         if hit is not None:
-            return hit
+            return hit if hit.any() else self._all
         live = self._walk(key)
-        if live < len(key):
-            m = self.mask(key[:live])
-        elif self.matcher.is_terminated():
+        m = self.mask(key[:live]) if live < len(key) else self._fill(key)
+        self._masks[key] = m
+        return m if m.any() else self._all
+
+    def _fill(self, key: tuple[int, ...]) -> Tensor:  # [V] bool: the grammar's own mask after a live path
+        hit = self._masks.get(key)
+        if hit is not None:
+            return hit
+        self._walk(key)
+        if self.matcher.is_terminated():
             m = self._all
         else:
             self.matcher.fill_next_token_bitmask(self._bits, 0)
