@@ -50,9 +50,16 @@ def test_an_engine_that_samples_on_past_a_dead_end_is_caught(tiny_target, monkey
     from verispec.structured.grammar import GrammarState
 
     monkeypatch.setattr(GrammarState, "stuck", property(lambda self: False))
-    monkeypatch.setattr(
-        GrammarState, "advance", lambda self, tokens: (self._walk(()), self._masks.clear(), len(tokens))[2]
-    )
+
+    def advance(self, tokens):  # keeps every token: what was drawn past the dead end is emitted
+        self._walk(())
+        self._masks.clear()
+        for t in tokens:
+            if not self.matcher.is_terminated():
+                self.matcher.accept_token(int(t))
+        return len(tokens)
+
+    monkeypatch.setattr(GrammarState, "advance", advance)
     tok = tiny_target.tokenizer
     a, x, x0 = tok.convert_tokens_to_ids(["a", "x", "x0"])
     gen = SpeculativeGenerator(tiny_target, None, config=SpecConfig.parse("draft=none,random=stream"))
