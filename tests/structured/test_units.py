@@ -22,10 +22,10 @@ from verispec.structured import Grammars, allowed_at_nodes, root_allowed
 
 from ..helpers.grammar_law import compile_ebnf, fresh_mask
 from ..helpers.json_tok import EOS as JEOS
-from ..helpers.json_tok import V as JV
 from ..helpers.json_tok import WORDS as JWORDS
+from ..helpers.json_tok import V as JV
 from ..helpers.json_tok import make_json_tokenizer
-from ..helpers.tiny import EOS, V, WORDS, make_tokenizer
+from ..helpers.tiny import EOS, WORDS, V, make_tokenizer
 
 A, B_, C, D, E, X, X0 = (WORDS.index(w) for w in ("a", "b", "c", "d", "e", "x", "x0"))
 G1 = 'root ::= ("a" | "b" | "c") ("a" | "b")? "d"'  # 9 outputs; masks {a,b,c}, {a,b,d}, {d}, {EOS}
@@ -62,7 +62,10 @@ def ids_of(mask: torch.Tensor) -> set[int]:
         (lambda: Constraint.regex(""), ["regex", "empty"]),
         (lambda: Constraint.grammar(None), ["grammar", "string"]),
         (lambda: Constraint.grammar(""), ["grammar", "empty"]),
-        (lambda: Constraint.grammar("root ::= " + '"a" ' * MAX_CONSTRAINT_CHARS), ["at most", str(MAX_CONSTRAINT_CHARS)]),
+        (
+            lambda: Constraint.grammar("root ::= " + '"a" ' * MAX_CONSTRAINT_CHARS),
+            ["at most", str(MAX_CONSTRAINT_CHARS)],
+        ),
         (lambda: Constraint.regex("a" * (MAX_CONSTRAINT_CHARS + 1)), ["at most"]),
         (lambda: Constraint.choice("yes"), ["list of strings", "str"]),
         (lambda: Constraint.choice([]), ["non-empty"]),
@@ -89,7 +92,7 @@ def test_constraint_canonical_forms():
     assert Constraint.choice(["yes", "no"]).choices == ["yes", "no"]
     assert Constraint.json_object().source == "" and Constraint.json_object().kind == "json_object"
     assert Constraint.regex("a" * MAX_CONSTRAINT_CHARS).source  # the limit itself is allowed
-    assert "regex 'a+'" == Constraint.regex("a+").describe()
+    assert Constraint.regex("a+").describe() == "regex 'a+'"
 
 
 def test_sampling_params_refuse_a_non_constraint():
@@ -288,7 +291,9 @@ def test_jump_forward(words, chars):
     assert st.jump([A, X0, C, EOS], 8) == []  # after the end
     assert ids_of(st.mask(())) == {A}  # jumps walk and roll back like any path
     tok, jg = chars
-    jst = jg.state(Constraint.json_schema({"type": "object", "properties": {"k": {"type": "boolean"}}, "required": ["k"]}))
+    jst = jg.state(
+        Constraint.json_schema({"type": "object", "properties": {"k": {"type": "boolean"}}, "required": ["k"]})
+    )
     forced = jst.jump([], 16)
     assert tok.decode(forced) == '{"k": '  # keys of a required field are forced text
     assert jst.accepts(forced) == len(forced)
