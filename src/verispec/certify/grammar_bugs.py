@@ -96,14 +96,20 @@ class StaleMaskGrammar:
     def jump(self, path, limit: int) -> list[int]:
         return [] if self.broken else self.inner.jump(path, limit)
 
-    def advance(self, tokens) -> None:
+    @property
+    def stuck(self) -> bool:  # a broken state never ends its row: its tokens reach the certificate
+        return not self.broken and self.inner.stuck
+
+    def advance(self, tokens) -> int:
+        """Every token is kept (the engine's cut would hide the bug from the certificate)."""
         if self.broken:
-            return
+            return len(tokens)
         tokens = [int(t) for t in tokens]
         n = self.inner.accepts(tokens)
         ended = self.inner.matcher.is_terminated()  # a stop token accepted: what follows it is not output
         self.inner.advance(tokens[:n])
         self.broken = n < len(tokens) and not ended
+        return len(tokens)
 
 
 class _UnmaskedView(BatchView):

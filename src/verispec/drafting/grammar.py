@@ -1,8 +1,11 @@
 """A draft fitted to each row's grammar before verification (`fit_draft`): chains cut before a token the grammar
 refuses, then extended by the tokens it forces (jump-forward).
 
-Both keep verification exact. A cut chain is a deterministic function of what was drafted (a chosen proposal cut
-shorter; a sampled one never needs cutting: its q is masked). Jump-forward tokens are chosen (one-hot q) from the
+Both keep verification exact. A chosen (deterministic) chain cut shorter is still a deterministic function of the
+prefix. A sampled chain is never cut but at a dead end (a state no token continues, whose slot allows every token:
+`structured.grammar`), where the grammar refuses every token, so whether a draft is kept there depends on the drafts
+before it alone — a stopping rule like the draft model's own `stop_below`; elsewhere its q is masked and it never
+draws a refused token. (Cutting a sampled chain where only some tokens are refused would not be exact.) Jump-forward tokens are chosen (one-hot q) from the
 grammar's state after the draft, a function of the prefix, so accepting one with probability p(t) and otherwise
 drawing from p without it is the rule for any deterministic proposal; a token that is truly forced has p(t) = 1.
 """
