@@ -60,11 +60,15 @@ def generator(target, draft, spec: str) -> SpeculativeGenerator:
 
 @torch.no_grad()
 def constrained_greedy(model, compiled, vocab: int, eos: int, prompt: list[int], n: int) -> tuple[list[int], str]:
-    """Plain constrained greedy decoding: full forwards, a fresh matcher's mask first, argmax (lowest id on ties)."""
+    """Plain constrained greedy decoding: full forwards, a fresh matcher's mask first, argmax (lowest id on ties); at a
+    dead end (an incomplete output no token continues) the output ends, "length"."""
     out: list[int] = []
     while len(out) < n:
         logits = model(torch.tensor([prompt + out])).logits[0, -1].double()
-        t = int(logits.masked_fill(~fresh_mask(compiled, vocab, out), float("-inf")).argmax())
+        mask = fresh_mask(compiled, vocab, out)
+        if not mask.any():
+            return out, "length"
+        t = int(logits.masked_fill(~mask, float("-inf")).argmax())
         if t == eos:
             return out, "stop"
         out.append(t)
@@ -161,3 +165,22 @@ def test_a_schema_keyword_the_grammar_engine_ignores_is_refused_or_kept(schema, 
     for o in outs:
         if o.finish_reason == "stop":
             jsonschema.validate(json.loads(o.text), schema)
+
+
+def test_a_dead_end_ends_the_request_as_plain_decoding_does(tiny_target):
+    """'x' is a prefix of "x0" on the word-level tokenizer, so the grammar's mask allows it after 'a', and nothing
+    continues it (there is no token "0"): a dead end, which the target's greedy choice walks into. Plain constrained
+    decoding ends there ("length"); speculation - prompt lookup proposing 'x' and more after 'a' (the prompt holds
+    "a x e g"), with and without jump-forward, and a draft model - scores slots at and past the dead end and must end
+    the request the same way, with the same tokens, not fail."""
+    grammar = 'root ::= "a" ("x0" | "x1") "b"'
+    c = Constraint.grammar(grammar)
+    prompt = [3, 26, 7, 9]  # a x e g
+    want = constrained_greedy(
+        tiny_target.model, compile_ebnf(tiny_target.tokenizer, V, EOS, grammar), V, EOS, prompt, 6
+    )
+    assert want == ([3, 26], "length")
+    for spec in ("draft=none", "draft=ngram,gamma=3,jump=0", "draft=ngram,gamma=3", "draft=model,gamma=3"):
+        gen = generator(tiny_target, tiny_target, spec)
+        [o] = gen.generate([prompt], SamplingParams(temperature=0.0, constraint=c), max_new_tokens=6)
+        assert (o.token_ids, o.finish_reason) == want, spec

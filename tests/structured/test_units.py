@@ -253,15 +253,15 @@ def test_request_stop_ids_end_like_eos(words):
     assert bool(st.mask([C, D, z]).all())
 
 
-def test_advance_commits_and_refuses_what_the_grammar_refuses(words):
+def test_advance_commits_and_keeps_what_the_grammar_accepts(words):
     _, g = words
     st = g.state(Constraint.grammar(G1))
     before = st.mask([C])
     st.advance([C])
     assert torch.equal(st.mask(()), before)  # the cache was cleared: the root is the old path [c]
     assert ids_of(st.mask([A])) == {D}
-    with pytest.raises(RuntimeError, match="refused the emitted token"):
-        st.advance([E])
+    assert st.advance([A, E, D]) == 1  # how many it kept: those before the first refused token (a dead end's cut)
+    assert ids_of(st.mask(())) == {D}  # the state after c a
 
 
 def test_masks_are_cached_per_step(words):
