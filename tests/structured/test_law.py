@@ -267,22 +267,12 @@ def unmasked_law(tiny_target, hand_masked: bool):
     return samples
 
 
-def test_unmasked_draw_masked_q_with_refused_tokens_verified_fails(tiny_target, law_g1, no_cut):
-    """(b') Broken: drafts drawn from q_u, verification handed the masked q_m, and the refused drafts verified (no
-    cut). A refused draft (p = 0) is always rejected and the residual max(p - q_m, 0) is drawn as if the draft had
+def test_unmasked_draw_masked_q_with_refused_tokens_verified_fails(tiny_target, law_g1):
+    """(b) Broken: drafts drawn from q_u, verification handed the masked q_m (the engine never cuts a sampled chain, so
+    the refused drafts are verified). A refused draft (p = 0) is always rejected and the residual max(p - q_m, 0) is drawn as if the draft had
     come from q_m: the law is wrong (measured: p-value ~ 1e-294)."""
     result = law_g1.gof(unmasked_law(tiny_target, hand_masked=True))
     assert result.rejects(LEVEL), result
-
-
-def test_unmasked_draw_masked_q_with_the_cut_is_exact(tiny_target, law_g1):
-    """(b) The same drafter with the engine's cut in place is exact, and passes (measured p-value ~ 0.6): fit_draft
-    cuts every chain before its first refused token, and a token drawn from q_u that the grammar allows is, given
-    that it is allowed, distributed as q_u restricted to the allowed tokens and renormalised: the masked q_m that is
-    handed. At each position either the draft survives (a draw from q_m, verified against p exactly) or the chain
-    ended before it (the token is drawn from p, or p's residual): the law is p either way."""
-    result = law_g1.gof(unmasked_law(tiny_target, hand_masked=True))
-    assert not result.rejects(LEVEL), result
 
 
 def test_unmasked_q_handed_consistently_without_the_cut_is_exact(tiny_target, law_g1, no_cut):
@@ -294,15 +284,8 @@ def test_unmasked_q_handed_consistently_without_the_cut_is_exact(tiny_target, la
 
 
 def test_unmasked_q_handed_consistently_is_exact(tiny_target, law_g1):
-    """BUG (src/verispec/drafting/grammar.py, fit_draft: `chain = chain[: g.accepts(chain)]` on a *sampled* chain).
-    A Proposer that draws its chain from its own q without the grammar's mask and hands that q (the contract of
-    drafting.base: probs is the law the drafts were drawn from; a custom proposer, draft=custom) loses exactness:
-    fit_draft cuts the chain before its first refused token, so a surviving draft is distributed as q restricted to
-    the allowed tokens (given that it survived), not as the q handed; verification then accepts it with
-    min(1, p / q) where q is too small by the factor Z = q(allowed) and over-accepts (measured: p-value ~ 1e-55 at
-    N = 3000). The same drafter without the cut is exact (the test above). Fix: cut only chosen chains
-    (draft.probs is None): a sampled chain whose q is masked draws no refused token, so the cut is a no-op there
-    anyway; or, when a sampled chain is cut, hand q * mask / Z at its kept slots (exact: the test with the cut
-    above)."""
+    """(c) as the engine runs it: fit_draft never cuts a sampled chain (drafting.grammar), so a Proposer that draws
+    from its own unmasked q and hands that q (the contract of drafting.base) stays exact. Cutting it before its first
+    refused token made it fail (p ~ 1e-55) before fit_draft was fixed."""
     result = law_g1.gof(unmasked_law(tiny_target, hand_masked=False))
     assert not result.rejects(LEVEL), result

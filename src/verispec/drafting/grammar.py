@@ -2,12 +2,10 @@
 refuses, then extended by the tokens it forces (jump-forward).
 
 Both keep verification exact. A chosen (deterministic) chain cut shorter is still a deterministic function of the
-prefix. A sampled chain is never cut but at a dead end (a state no token continues, whose slot allows every token:
-`structured.grammar`), where the grammar refuses every token, so whether a draft is kept there depends on the drafts
-before it alone — a stopping rule like the draft model's own `stop_below`; elsewhere its q is masked and it never
-draws a refused token. (Cutting a sampled chain where only some tokens are refused would not be exact.) Jump-forward tokens are chosen (one-hot q) from the
-grammar's state after the draft, a function of the prefix, so accepting one with probability p(t) and otherwise
-drawing from p without it is the rule for any deterministic proposal; a token that is truly forced has p(t) = 1.
+prefix. A sampled chain is never cut: its drafts were drawn from the q it hands over (masked by the grammar for
+the engine's drafters, so never refused but at a dead end; a custom drafter's unmasked q is verified as drawn, a
+refused draft having p = 0), and cutting it where only some tokens are refused would change the law of the drafts
+kept. Jump-forward tokens follow a chain only where the grammar accepts all of it.
 """
 
 from __future__ import annotations
@@ -37,7 +35,8 @@ def fit_draft(draft: Draft, grammars: Sequence[GrammarState | None], room: list[
             rows.append(chain)
             jumped.append(len(chain))
             continue
-        chain = chain[: g.accepts(chain)]
+        if draft.probs is None:  # a chosen chain: cut before its first refused token (a sampled one is not cut)
+            chain = chain[: g.accepts(chain)]
         jumped.append(len(chain))
         rows.append(chain + g.jump(chain, min(jump, room[b] - len(chain))))
     if all(len(r) == len(ids[b][: draft.num_nodes[b]]) for b, r in enumerate(rows)) and all(

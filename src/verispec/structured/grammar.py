@@ -15,10 +15,13 @@ what was drawn there and `stuck` ends the request, as plain constrained decoding
 
 from __future__ import annotations
 
+import json
 import re
+import sys
 import threading
 from collections.abc import Iterable, Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -26,6 +29,10 @@ from ..sampling.constraint import Constraint, ConstraintError
 
 __all__ = ["GrammarState", "Grammars"]
 
+# bit i of word w of xgrammar's bitmask is token 32 w + i: on a little-endian host byte k of word w holds tokens
+# 32 w + 8 k ... + 7, lowest bit first, which np.unpackbits(bitorder="little") reads in one C pass
+if sys.byteorder != "little":  # pragma: no cover - every platform torch ships wheels for is little-endian
+    raise ImportError("verispec.structured unpacks xgrammar's bitmasks byte by byte: it needs a little-endian host")
 _CACHE_BYTES = 256 << 20  # xgrammar's compiled-grammar cache (the same schema every epoch compiles once)
 
 
@@ -68,6 +75,7 @@ class Grammars:
     def _compile(self, c: Constraint):
         comp = self.compiler
         if c.kind == "json_schema":
+            _check_enforceable(json.loads(c.source))
             return comp.compile_json_schema(c.source, any_whitespace=c.whitespace, strict_mode=True)
         if c.kind == "json_object":
             return comp.compile_json_schema('{"type": "object"}', any_whitespace=c.whitespace, strict_mode=False)
@@ -94,10 +102,39 @@ def _reason(e: Exception) -> str:
     return _LOG_PREFIX.sub("", lines[0]).strip() if lines else type(e).__name__
 
 
+# JSON-schema keywords a grammar cannot enforce, or that xgrammar 0.2.9 compiles without enforcing (it logs and drops
+# them): a schema with one is refused, so that "stop" keeps meaning "valid under the schema"
+_UNENFORCED = (
+    "not", "if", "then", "else", "dependentRequired", "dependentSchemas", "contains", "minContains", "maxContains",
+    "propertyNames", "patternProperties", "unevaluatedProperties", "unevaluatedItems", "multipleOf",
+)  # fmt: skip
+
+
+def _check_enforceable(schema, where: str = "#") -> None:
+    """ConstraintError naming the first keyword of `schema` (at its JSON pointer) the grammar would not enforce."""
+    if isinstance(schema, list):
+        for i, item in enumerate(schema):
+            _check_enforceable(item, f"{where}/{i}")
+        return
+    if not isinstance(schema, dict):
+        return
+    for key in _UNENFORCED:
+        if key in schema:
+            raise ConstraintError(f"the JSON schema's {key!r} (at {where}) cannot be enforced by the grammar engine")
+    if schema.get("uniqueItems") is True:
+        raise ConstraintError(f"the JSON schema's 'uniqueItems' (at {where}) cannot be enforced by the grammar engine")
+    if "pattern" in schema and ("minLength" in schema or "maxLength" in schema):
+        raise ConstraintError(
+            f"the JSON schema's 'pattern' beside 'minLength' / 'maxLength' (at {where}) cannot be enforced by the "
+            "grammar engine: put the length into the pattern (e.g. ^[a-z]{1,8}$)"
+        )
+    for key, value in schema.items():
+        if isinstance(value, (dict, list)) and key not in ("enum", "const", "default", "examples"):
+            _check_enforceable(value, f"{where}/{key}")
+
+
 def _ebnf_string(s: str) -> str:
     """A literal as an EBNF string (json.dumps's escapes are EBNF's)."""
-    import json
-
     return json.dumps(s, ensure_ascii=False)
 
 
@@ -110,7 +147,6 @@ class GrammarState:
         self.matcher = matcher
         self.V = vocab_size
         self._bits = xgr.allocate_token_bitmask(1, full_vocab)  # [1, ceil(full_vocab / 32)] int32
-        self._shifts = torch.arange(32, dtype=torch.int32)
         self._at: list[int] = []  # the walk: tokens accepted beyond the committed output
         self._masks: dict[tuple[int, ...], Tensor] = {}  # path -> [V] bool, this step's
         self._all = torch.ones(vocab_size, dtype=torch.bool)
@@ -175,8 +211,8 @@ class GrammarState:
         else:
             self.matcher.fill_next_token_bitmask(self._bits, 0)
             self.masks_filled += 1
-            bits = (self._bits[0].unsqueeze(-1) >> self._shifts) & 1  # [W, 32]: bit i of word w is token 32 w + i
-            m = bits.view(-1)[: self.V].bool()
+            packed = self._bits[0].numpy().view(np.uint8)  # bit i of word w is token 32 w + i (little-endian bytes)
+            m = torch.from_numpy(np.unpackbits(packed, bitorder="little")[: self.V].view(np.bool_))
         self._masks[key] = m
         return m
 
