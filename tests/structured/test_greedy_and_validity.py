@@ -119,8 +119,9 @@ def test_greedy_equals_plain_constrained_greedy_json(spec, json_models):
 
 
 @pytest.mark.statistical
-def test_sampled_json_is_valid_at_scale(json_models):
-    """1000 outputs at temperature 1 (seeded; prompt lookup with jump-forward and a draft model chain, 500 each in one
+@pytest.mark.parametrize("each", [150, pytest.param(500, marks=pytest.mark.slow, id="1000")])
+def test_sampled_json_is_valid_at_scale(each, json_models):
+    """2 x `each` outputs (the slow tier: 1000) at temperature 1 (seeded; prompt lookup with jump-forward and a draft model chain, 500 each in one
     batch; ~25 s on 2 busy cores, the grammar's per-row mask work dominating): every "stop" output parses and
     validates; the schema bounds every output's length (enum, boolean, bounded integer, 1-3 letter tag; at most ~52
     tokens), so all end "stop" within the budget of 64 ("length" would be counted apart, never validated)."""
@@ -130,14 +131,14 @@ def test_sampled_json_is_valid_at_scale(json_models):
     reasons: Counter = Counter()
     for k, spec in enumerate(["draft=ngram,gamma=4", "draft=model,gamma=4"]):
         gen = generator(target, noisy, spec)
-        params = [SamplingParams(temperature=1.0, seed=1000 * k + i, constraint=c) for i in range(500)]
-        outs = gen.generate([prompts[i % 4] for i in range(500)], params, max_new_tokens=64)
+        params = [SamplingParams(temperature=1.0, seed=1000 * k + i, constraint=c) for i in range(each)]
+        outs = gen.generate([prompts[i % 4] for i in range(each)], params, max_new_tokens=64)
         for o in outs:
             reasons[o.finish_reason] += 1
             if o.finish_reason == "stop":
                 jsonschema.validate(json.loads(o.text), SCHEMA)
-    assert sum(reasons.values()) == 1000 and set(reasons) <= {"stop", "length"}
-    assert reasons["stop"] >= 990, reasons
+    assert sum(reasons.values()) == 2 * each and set(reasons) <= {"stop", "length"}
+    assert reasons["stop"] >= 0.99 * 2 * each, reasons
 
 
 @pytest.mark.parametrize(
