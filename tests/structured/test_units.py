@@ -399,14 +399,13 @@ def rows_of(d: Draft) -> list[list[int]]:
     return [d.token_ids[b, :n].tolist() for b, n in enumerate(d.num_nodes)]
 
 
-@pytest.mark.parametrize("sampled", [False, True])
-def test_fit_draft_cuts_before_refused_tokens_and_jumps(words, sampled):
+def test_fit_draft_cuts_chosen_chains_before_refused_tokens_and_jumps(words):
     _, g = words
     grammar = 'root ::= ("a" | "b") "x0" "c" "d" ("a" | "b")'
     st = [g.state(Constraint.grammar(grammar)) for _ in range(4)]
-    draft = chain([[A, E, A], [A, X0, C, D], [B_, X0, C, A], [E, A]], sampled)
+    draft = chain([[A, E, A], [A, X0, C, D], [B_, X0, C, A], [E, A]], False)
     out = fit_draft(draft, st, room=[8, 8, 8, 8], jump=16)
-    assert out.chain and out.rule == ("iid" if sampled else "deterministic")
+    assert out.chain and out.rule == "deterministic" and out.probs is None
     assert rows_of(out) == [
         [A, X0, C, D],  # cut after a (e refused), then the forced x0 c d
         [A, X0, C, D],  # all accepted; then a choice: nothing forced
@@ -414,16 +413,23 @@ def test_fit_draft_cuts_before_refused_tokens_and_jumps(words, sampled):
         [],  # e refused at the root, and the root is a choice: nothing forced
     ]
     assert out.num_nodes == [4, 4, 4, 0]
-    if sampled:
-        q = out.probs
-        assert q.shape == (4, 5, V)
-        assert torch.equal(q[0, 0], draft.probs[0, 0])  # the sampled draft keeps its q
-        for b, j in ((0, 1), (0, 2), (0, 3), (2, 3)):  # forced tokens: one-hot q on them
-            assert q[b, j].sum() == 1 and q[b, j, out.token_ids[b, j]] == 1
-        assert torch.equal(q[1, :4], draft.probs[1, :4])  # an uncut, unjumped row as it was
-        assert torch.equal(q[2, :3], draft.probs[2, :3])
-    else:
-        assert out.probs is None
+
+
+def test_fit_draft_never_cuts_a_sampled_chain_and_jumps_only_after_a_live_one(words):
+    """A sampled chain keeps its refused drafts (verified as drawn: p = 0 rejects them; a cut would change the law of
+    the drafts kept); forced tokens follow a chain the grammar accepts whole, with one-hot q."""
+    _, g = words
+    grammar = 'root ::= ("a" | "b") "x0" "c" "d" ("a" | "b")'
+    st = [g.state(Constraint.grammar(grammar)) for _ in range(3)]
+    draft = chain([[A, E, A], [A], [E, A]], True)
+    out = fit_draft(draft, st, room=[8, 8, 8], jump=16)
+    assert out.chain and out.rule == "iid"
+    assert rows_of(out) == [[A, E, A], [A, X0, C, D], [E, A]]
+    q = out.probs
+    assert torch.equal(q[0, :3], draft.probs[0, :3]) and torch.equal(q[2, :2], draft.probs[2, :2])
+    assert torch.equal(q[1, 0], draft.probs[1, 0])  # the sampled draft keeps its q
+    for j in (1, 2, 3):  # forced tokens: one-hot q on them
+        assert q[1, j].sum() == 1 and q[1, j, out.token_ids[1, j]] == 1
 
 
 def test_fit_draft_respects_room_and_jump(words):

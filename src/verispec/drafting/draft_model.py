@@ -89,9 +89,11 @@ class DraftModelProposer(Proposer):
             tok = view.randomness.draw(q, view, j, active)  # [B]: the engine's randomness (engine.randomness)
             ids[:, j] = torch.where(torch.tensor(active, device=dev), tok, -1)
             if self.stop_below is not None:
-                # confidence from the draft's own unprocessed distribution (a greedy q is always one-hot); drafts the
+                # confidence from the draft's own unprocessed distribution (a greedy q is always one-hot), within what
+                # the grammar allows there (a structured output's mask: else a forced token looks unsure); drafts the
                 # target is not fed (the randomness's lookahead) follow the last one kept
-                own = logits.gather(1, tok.unsqueeze(1)).squeeze(1) - logits.logsumexp(-1)  # [B]: log softmax at tok
+                own_logits = logits if ctx.allowed is None else logits.masked_fill(~ctx.allowed, float("-inf"))
+                own = own_logits.gather(1, tok.unsqueeze(1)).squeeze(1) - own_logits.logsumexp(-1)  # [B]: at tok
                 unsure = (own < (math.log(self.stop_below) if self.stop_below > 0 else -math.inf)).tolist()
                 last = j + 1 + view.randomness.lookahead
                 gammas = [min(last, g) if (a and low) else g for g, a, low in zip(gammas, active, unsure)]
