@@ -15,7 +15,7 @@ from torch import Tensor
 
 from ..model.protocol import Runner
 from ..model.weights import update_weights
-from ..sampling import SamplingParams
+from ..sampling import ConstraintError, SamplingParams
 from ..structured import Grammars, GrammarState
 from .adaptive import GammaController, check_gamma
 from .randomness import RANDOMNESS, Randomness
@@ -141,8 +141,11 @@ class EngineCore:
         req.params.check_vocab(self.vocab_size)  # token options' ids: refused here, not when the batch is built
         self._token_ids(req.prompt_token_ids, "prompt token ids")
         self._token_ids(req.stop_token_ids, "stop_token_ids")
-        if req.params.constraint is not None:
-            self.grammars.compile(req.params.constraint)  # ConstraintError (a ValueError) naming the problem
+        c = req.params.constraint  # compiled here: ConstraintError (a ValueError) naming the problem
+        if c is not None and self.grammars.state(c, req.stop_token_ids).stuck:
+            raise ConstraintError(
+                f"the {c.describe()} constraint cannot be met: no token of this model's vocabulary can start its output"
+            )
         if self.max_positions is not None and len(req.prompt_token_ids) >= self.max_positions:
             raise ValueError(
                 f"prompt {req.index} has {len(req.prompt_token_ids)} tokens; the model's context is {self.max_positions}"

@@ -238,7 +238,8 @@ class GenerationSession:
         """KV slots the rows can need: prompt, budget, the largest draft and the pending token."""
         core = self.core
         tree = core.tree
-        slack = max(core.controller.max_gamma, tree.cache_slots if tree is not None else 0) + 2
+        chain = core.controller.max_gamma + core.jump + core.randomness.lookahead  # a chain, then grammar-forced tokens
+        slack = max(chain, tree.cache_slots if tree is not None else 0) + 2
         capacity = max(len(r.prompt) + r.max_new + slack for r in rows)
         if core.max_positions is not None:
             capacity = min(capacity, core.max_positions + slack)
@@ -325,8 +326,11 @@ class GenerationSession:
         if draft.chain and max(draft.num_nodes) > 0:
             core.controller.observe_draft(seconds / max(draft.num_nodes), len(self.rows))
         if view.grammars is not None and core.proposer is not None:  # cut before refused tokens, jump forward
-            room = [0 if r.gamma == 0 else c for r, c in zip(self.rows, self._room())]
-            draft = fit_draft(draft, view.grammars, room, core.jump)
+            # not where the row drafts nothing this step (speculation off, the controller's plain probe), nor under
+            # position seeding (a forced token's one-hot q would make a seed's tokens depend on where steps start)
+            room = [c if cap > 0 else 0 for c, cap in zip(self._room(), caps)]
+            jump = 0 if core.randomness.name == "position" else core.jump
+            draft = fit_draft(draft, view.grammars, room, jump)
         return draft
 
     # --- verify ---------------------------------------------------------------------------------------

@@ -57,6 +57,8 @@ class Constraint:
             raise ConstraintError(f"a {self.kind} constraint is empty")
         if not isinstance(self.whitespace, bool):
             raise ConstraintError(f"whitespace must be a bool, got {self.whitespace!r}")
+        if self.whitespace and self.kind not in ("json_schema", "json_object"):
+            raise ConstraintError(f"whitespace applies to JSON constraints, not to a {self.kind} constraint")
 
     @classmethod
     def json_schema(cls, schema: Mapping | str | bool, whitespace: bool = False) -> Constraint:
@@ -66,12 +68,16 @@ class Constraint:
                 schema = json.loads(schema)
             except ValueError as e:
                 raise ConstraintError(f"the JSON schema is not valid JSON: {e}") from None
+            except RecursionError:
+                raise ConstraintError("the JSON schema is nested too deeply") from None
         if not isinstance(schema, (Mapping, bool)):
             raise ConstraintError(f"a JSON schema must be an object (or true), got {type(schema).__name__}")
         try:
             text = json.dumps(schema, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
         except (TypeError, ValueError) as e:
             raise ConstraintError(f"the JSON schema cannot be written as JSON: {e}") from None
+        except RecursionError:
+            raise ConstraintError("the JSON schema is nested too deeply") from None
         return cls("json_schema", text, whitespace)
 
     @classmethod

@@ -214,6 +214,12 @@ class SamplingParams:
             raise ParamError(
                 "constraint", f"must be None or a Constraint (verispec.sampling.Constraint), got {self.constraint!r}"
             )
+        if self.constraint is not None and (self.allowed_token_ids is not None or self.bad_words):
+            raise ParamError(
+                "constraint",
+                "cannot be combined with allowed_token_ids or bad_words: together they may leave no token at a "
+                "position the grammar needs one (put the restriction into the grammar instead)",
+            )
         if self.allowed_token_ids is not None and set(self.allowed_token_ids) <= set(self.banned_token_ids):
             raise ParamError("bad_words", "ban every token of allowed_token_ids: nothing could be sampled")
 

@@ -105,17 +105,17 @@ def _reason(e: Exception) -> str:
 # JSON-schema keywords a grammar cannot enforce, or that xgrammar 0.2.9 compiles without enforcing (it logs and drops
 # them): a schema with one is refused, so that "stop" keeps meaning "valid under the schema"
 _UNENFORCED = (
-    "not", "if", "then", "else", "dependentRequired", "dependentSchemas", "contains", "minContains", "maxContains",
-    "propertyNames", "patternProperties", "unevaluatedProperties", "unevaluatedItems", "multipleOf",
+    "not", "if", "then", "else", "dependentRequired", "dependentSchemas", "dependencies", "contains", "minContains",
+    "maxContains", "propertyNames", "patternProperties", "unevaluatedProperties", "unevaluatedItems", "multipleOf",
 )  # fmt: skip
+_SCHEMA_MAPS = ("properties", "$defs", "definitions")  # keyword -> {name: schema}
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")  # keyword -> [schema, ...]
+_SCHEMAS = ("items", "additionalProperties", "additionalItems")  # keyword -> schema (items: or a list of them)
 
 
 def _check_enforceable(schema, where: str = "#") -> None:
-    """ConstraintError naming the first keyword of `schema` (at its JSON pointer) the grammar would not enforce."""
-    if isinstance(schema, list):
-        for i, item in enumerate(schema):
-            _check_enforceable(item, f"{where}/{i}")
-        return
+    """ConstraintError naming the first keyword of `schema` (at its JSON pointer) the grammar would not enforce.
+    Only keyword positions are read: a property named "if" is a name, not the keyword."""
     if not isinstance(schema, dict):
         return
     for key in _UNENFORCED:
@@ -128,9 +128,14 @@ def _check_enforceable(schema, where: str = "#") -> None:
             f"the JSON schema's 'pattern' beside 'minLength' / 'maxLength' (at {where}) cannot be enforced by the "
             "grammar engine: put the length into the pattern (e.g. ^[a-z]{1,8}$)"
         )
-    for key, value in schema.items():
-        if isinstance(value, (dict, list)) and key not in ("enum", "const", "default", "examples"):
-            _check_enforceable(value, f"{where}/{key}")
+    for key in _SCHEMA_MAPS:
+        if isinstance(schema.get(key), dict):
+            for name, sub in schema[key].items():
+                _check_enforceable(sub, f"{where}/{key}/{name}")
+    for key in (*_SCHEMA_LISTS, *_SCHEMAS):
+        value = schema.get(key)
+        for i, sub in enumerate(value) if isinstance(value, list) else [(None, value)]:
+            _check_enforceable(sub, f"{where}/{key}" + ("" if i is None else f"/{i}"))
 
 
 def _ebnf_string(s: str) -> str:
