@@ -15,12 +15,12 @@ They break the engine, not a verification function: `inject_grammar_bug(generato
                             from (`UnmaskedDraft(renormalized=False)`).
 
 The two q variants hand their chains to verification as one-child trees (rule "iid": on a chain, the token-wise
-rule itself), so that the engine's `fit_draft`, which cuts a chain before a token the grammar refuses, leaves them
-as drafted. That cut is exact for the engine's own drafts (a sampled draft's q is masked: it never draws a refused
-token); with an unmasked q it is not: at a cut draft x (p(x) = 0) the exact rule rejects x and draws from the
-residual (p - q)+ / Z, the cut chain draws from p there instead, so P(y) = min(p, q)(y) + (1 - Q_A) p(y) + (Q_A - 1 +
-Z) (p - q)+(y) / Z with Q_A = q's mass on the allowed tokens, which is p(y) only when Q_A = 1. Verified as drafted,
-the consistent variant is exact and the renormalized one is not, whatever `fit_draft` does.
+rule itself), which the engine's `fit_draft` leaves as drafted whatever it does with chains. (It cuts only chosen
+chains before a refused token; a sampled chain is verified as drawn: cutting one where only some tokens are refused
+would change the law of the drafts kept — at a cut draft x (p(x) = 0) the exact rule rejects x and draws from the
+residual (p - q)+ / Z, a cut chain draws from p there instead, so P(y) = min(p, q)(y) + (1 - Q_A) p(y) + (Q_A - 1 +
+Z) (p - q)+(y) / Z with Q_A = q's mass on the allowed tokens, which is p(y) only when Q_A = 1.) Verified as
+drafted, the consistent variant is exact and the renormalized one is not.
 """
 
 from __future__ import annotations
