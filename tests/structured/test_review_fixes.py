@@ -84,6 +84,8 @@ def test_malformed_constraints_are_clear_errors(models):
         Constraint.json_schema("[" * 5000 + "]" * 5000)
     target, _ = models
     gen = SpeculativeGenerator(target, None)
+    with pytest.raises(ConstraintError, match="temperature attribute"):  # xgrammar would read it, we would not
+        gen.core.grammars.compile(Constraint.grammar('root ::= a "b"\na[temperature=0.1] ::= "a"'))
     with pytest.raises(ConstraintError, match="cannot be met"):  # the tokenizer has no upper-case letters
         gen.generate([[3]], SamplingParams(constraint=Constraint.regex("ZZ")), max_new_tokens=4)
 

@@ -83,6 +83,10 @@ class Grammars:
             return comp.compile_regex(c.source)
         if c.kind == "choice":
             return comp.compile_grammar("root ::= " + " | ".join(_ebnf_string(s) for s in c.choices))
+        if _TEMPERATURE.search(c.source):  # xgrammar reads per-rule temperatures; the sampling here would not
+            raise ConstraintError(
+                "a grammar rule's temperature attribute is not supported: set the request's temperature"
+            )
         return comp.compile_grammar(c.source)
 
     def state(self, c: Constraint, stop_ids: Iterable[int] = ()) -> GrammarState:
@@ -93,6 +97,7 @@ class Grammars:
         return GrammarState(matcher, self.info.vocab_size, self.vocab_size, xgr)
 
 
+_TEMPERATURE = re.compile(r"\[\s*temperature\s*=")  # an EBNF rule attribute: rule[temperature=0.1] ::= ...
 _LOG_PREFIX = re.compile(r"^\s*(\[[\d:]+\]\s*)?(\S+\.(cc|h|cpp):\d+:\s*)?")  # xgrammar's "[08:02:40] /x.cc:12: "
 
 
