@@ -198,7 +198,7 @@ def validate(text: str, schema, check=None) -> tuple[bool, str | None]:
 
 class _Probe:
     """Wraps the engine's grammar entry points for a run: time in them (grammar_s: masks, draft fitting, matcher
-    advances and request setup; mask_s: the outermost mask calls alone), masks filled, and jump-forward tokens
+    advances and request setup; mask_s: the masks filled alone), masks filled, and jump-forward tokens
     proposed (tokens appended beyond the drafter's own chain) and accepted (of those, the ones verification kept)."""
 
     def __init__(self):
@@ -230,20 +230,15 @@ class _Probe:
 
             return wrapper
 
-        depth = [0]
-
-        def mask(old):
-            def wrapper(state, path=()):
-                if depth[0]:
-                    return old(state, path)
-                depth[0] += 1
+        def fill(old):  # the grammar's own mask computations (a cached path costs a dict lookup, not counted)
+            def wrapper(state, key):
                 before, t0 = state.masks_filled, time.perf_counter()
                 try:
-                    return old(state, path)
+                    return old(state, key)
                 finally:
-                    depth[0] -= 1
-                    probe.mask_s += time.perf_counter() - t0
-                    probe.masks += state.masks_filled - before
+                    if state.masks_filled > before:
+                        probe.mask_s += time.perf_counter() - t0
+                        probe.masks += state.masks_filled - before
 
             return wrapper
 
@@ -280,8 +275,9 @@ class _Probe:
 
             return wrapper
 
-        patch(grammar.GrammarState, "mask", mask)
+        patch(grammar.GrammarState, "_fill", fill)
         patch(grammar.GrammarState, "advance", timed)
+        patch(grammar.GrammarState, "stuck", lambda old: property(timed(old.fget)))  # the next root's mask, per step
         patch(batch, "allowed_at_nodes", timed)
         patch(batch, "root_allowed", timed)
         patch(core.EngineCore, "grammar_state", timed)
