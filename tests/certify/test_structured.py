@@ -40,6 +40,14 @@ def _certify(models, inject=None, **kw):
     return certify_generate(spec, [PROMPT], PARAMS, show_progress=False, **kw)
 
 
+VERDICTS = [  # (injection, whether the certificate passes): the correct engine and the control PASS, the bugs FAIL
+    (None, True),
+    ("grammar-q-unmasked-consistent", True),
+    ("grammar-stale-mask", False),
+    ("grammar-q-unmasked", False),
+]
+
+
 def _valid(sample: list[int]) -> bool:
     """Whether a sample is a prefix of a sentence of GRAMMAR, ended at EOS only where it is complete."""
     text = "".join(WORDS[t] if t != EOS else "$" for t in sample)
@@ -49,12 +57,7 @@ def _valid(sample: list[int]) -> bool:
 @pytest.mark.statistical
 @pytest.mark.parametrize(
     "inject, passes",
-    [
-        (None, True),
-        ("grammar-q-unmasked-consistent", True),
-        ("grammar-stale-mask", False),
-        ("grammar-q-unmasked", False),
-    ],
+    VERDICTS,
 )
 def test_constrained_certificate(models, inject, passes):
     """The correct engine and the control PASS, the two grammar bugs FAIL (module docstring)."""
@@ -74,12 +77,7 @@ def test_constrained_certificate(models, inject, passes):
 @pytest.mark.statistical
 @pytest.mark.parametrize(
     "inject, passes",
-    [
-        (None, True),
-        ("grammar-q-unmasked-consistent", True),
-        ("grammar-stale-mask", False),
-        ("grammar-q-unmasked", False),
-    ],
+    VERDICTS,
 )
 def test_constrained_certificate_at_default_size(models, inject, passes):
     """The same verdicts at the certificate's default size (N = 2000, L = 8): each first-token law checked to TV

@@ -331,9 +331,13 @@ def constraint(args: argparse.Namespace):
         if args.grammar is not None:
             return Constraint.grammar(read(args.grammar, "--grammar"))
     except ConstraintError as e:
-        given = next(f for f in ("json_schema", "regex", "choice", "grammar") if getattr(args, f, None))
-        raise UsageError(f"{flag(given)}: {e}") from None
+        raise UsageError(f"{_constraint_flag(args)}: {e}") from None
     return None
+
+
+def _constraint_flag(args: argparse.Namespace) -> str:
+    """The structured-output flag given (`--json-schema`, ...)."""
+    return flag(next(f for f in ("json_schema", "json_object", "regex", "choice", "grammar") if getattr(args, f, None)))
 
 
 def compile_constraint(core, params, args: argparse.Namespace) -> None:
@@ -346,8 +350,7 @@ def compile_constraint(core, params, args: argparse.Namespace) -> None:
     try:
         core.grammars.compile(params.constraint)
     except ConstraintError as e:
-        given = next(f for f in ("json_schema", "json_object", "regex", "choice", "grammar") if getattr(args, f, None))
-        raise UsageError(f"{flag(given)}: {e}") from None
+        raise UsageError(f"{_constraint_flag(args)}: {e}") from None
 
 
 def add_prompt_args(p: argparse.ArgumentParser, chat_help: str = "wrap prompts in the tokenizer's chat template"):

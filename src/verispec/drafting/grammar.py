@@ -26,32 +26,33 @@ def fit_draft(draft: Draft, grammars: Sequence[GrammarState | None], room: list[
     returned as they are (a refused node has p = 0 and is rejected; the slots below it take a live mask)."""
     if not draft.chain or not any(g is not None for g in grammars):
         return draft
-    ids = draft.token_ids.tolist()
+    ids = draft.token_ids.tolist()  # [B, N]
     rows: list[list[int]] = []
     jumped: list[int] = []  # per row: where its jump-forward tokens begin
+    changed = False
     for b, g in enumerate(grammars):
         chain = ids[b][: draft.num_nodes[b]]
-        if g is None or room[b] <= 0:
-            rows.append(chain)
+        fitted = chain
+        if g is not None and room[b] > 0:
+            if draft.probs is None:  # a chosen chain: cut before its first refused token (a sampled one is not cut)
+                fitted = chain[: g.accepts(chain)]
+            jumped.append(len(fitted))
+            fitted = fitted + g.jump(fitted, min(jump, room[b] - len(fitted)))
+        else:
             jumped.append(len(chain))
-            continue
-        if draft.probs is None:  # a chosen chain: cut before its first refused token (a sampled one is not cut)
-            chain = chain[: g.accepts(chain)]
-        jumped.append(len(chain))
-        rows.append(chain + g.jump(chain, min(jump, room[b] - len(chain))))
-    if all(len(r) == len(ids[b][: draft.num_nodes[b]]) for b, r in enumerate(rows)) and all(
-        j == len(r) for j, r in zip(jumped, rows)
-    ):
+        changed |= fitted != chain
+        rows.append(fitted)
+    if not changed:
         return draft  # nothing cut, nothing forced
     K = max((len(r) for r in rows), default=0)
     dev = draft.token_ids.device
-    new_ids = torch.full((len(rows), K), -1, dtype=torch.int64)
+    new_ids = torch.full((len(rows), K), -1, dtype=torch.int64)  # [B, K]
     for b, r in enumerate(rows):
         new_ids[b, : len(r)] = torch.as_tensor(r, dtype=torch.int64)
     probs = None
     if draft.probs is not None:  # sampled drafts keep their q; forced ones get a one-hot q
         old = draft.probs
-        probs = torch.zeros((old.shape[0], K + 1, old.shape[-1]), dtype=old.dtype, device=old.device)
+        probs = torch.zeros((old.shape[0], K + 1, old.shape[-1]), dtype=old.dtype, device=old.device)  # [B, K + 1, V]
         width = min(old.shape[1], K + 1)
         probs[:, :width] = old[:, :width]
         for b, r in enumerate(rows):

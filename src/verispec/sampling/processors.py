@@ -83,7 +83,7 @@ def probs_from_logits(
 
     if allowed is not None:
         x = x.masked_fill(~_allowed_mask(allowed, x.shape), float("-inf"))
-    elif any(p.constraint is not None for p in meta.params):
+    elif meta.any_constraint:
         raise ValueError("a row has a structured-output constraint: pass its grammar's mask (`allowed`)")
     x = _token_options(x, meta, recent_tokens)
     if check and (meta.blocked is not None or allowed is not None) and not bool(torch.isfinite(x.amax(dim=-1)).all()):

@@ -207,9 +207,11 @@ class GrammarState:
         if hit is not None:
             return hit if hit.any() else self._all
         live = self._walk(key)
-        m = self.mask(key[:live]) if live < len(key) else self._fill(key)
-        self._masks[key] = m
-        return m if m.any() else self._all
+        if live == len(key):
+            m = self._fill(key)  # (cached there)
+            return m if m.any() else self._all
+        m = self._masks[key] = self.mask(key[:live])  # a dead path: its longest live prefix's mask
+        return m
 
     def _fill(self, key: tuple[int, ...]) -> Tensor:  # [V] bool: the grammar's own mask after a live path
         hit = self._masks.get(key)

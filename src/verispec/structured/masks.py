@@ -14,14 +14,10 @@ __all__ = ["allowed_at_nodes", "root_allowed"]
 
 
 def root_allowed(grammars: Sequence[GrammarState | None], vocab_size: int, device) -> Tensor | None:
-    """[B, V] bool: each row's mask at its committed state (all True for a row without a grammar); None: no grammar."""
-    if not any(g is not None for g in grammars):
-        return None
-    out = torch.ones((len(grammars), vocab_size), dtype=torch.bool)
-    for b, g in enumerate(grammars):
-        if g is not None:
-            out[b] = g.mask(())
-    return out.to(device)
+    """[B, V] bool: each row's mask at its committed state (slot 0 of a draft with no node); None: no grammar."""
+    empty = torch.empty((len(grammars), 0), dtype=torch.int64, device=device)
+    allowed = allowed_at_nodes(grammars, empty, empty, vocab_size)
+    return None if allowed is None else allowed[:, 0]
 
 
 def allowed_at_nodes(
