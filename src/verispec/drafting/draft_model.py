@@ -35,20 +35,24 @@ class DraftModelProposer(Proposer):
         tree: TreeSpec | None = None,
         runner: str = "auto",
         quant: str | None = None,
+        vocab=None,
     ):
         """stop_below: a chain row stops drafting once a draft token's probability under the draft's own
         (temperature-1) distribution is below stop_below (the draft is unsure, so later drafts would
         likely be rejected). Any such stopping rule that looks only at the draft's own tokens and
         distributions keeps verification exact. None drafts the full gamma. Trees ignore it (their shape is fixed).
         tree: draft token trees of this shape instead of chains.
-        runner / quant: see `verispec.model.fast.make_runner` (quant: weight-only int8 / int4 draft weights)."""
+        runner / quant: see `verispec.model.fast.make_runner` (quant: weight-only int8 / int4 draft weights).
+        vocab: (VocabMap, V_t) for a draft with another tokenizer (`verispec.crossvocab`): its runner then takes and
+        returns the target's ids and vocabulary; vocab_size is the draft's own."""
         if stop_below is not None and not 0.0 <= stop_below <= 1.0:
             raise ValueError(f"stop_below must be in [0, 1] or None, got {stop_below}")
         if tree is not None and not isinstance(tree, TreeSpec):
             raise ValueError(f"tree must be a TreeSpec or None, got {tree!r}")
         self.model = model
         self._runner_args = (vocab_size, runner, quant)
-        self.runner = make_runner(model, vocab_size, runner=runner, quant=quant)
+        self.vocab = vocab
+        self.runner = self._make_runner()
         self.stop_below = None if tree is not None else stop_below
         self.tree = tree
         self.quant = quant
@@ -126,6 +130,14 @@ class DraftModelProposer(Proposer):
         if model is not self.model or self.quant is None:
             return 0.0
         t0 = time.perf_counter()
-        vocab, runner, quant = self._runner_args
-        self.runner = make_runner(self.model, vocab, runner=runner, quant=quant)
+        self.runner = self._make_runner()
         return time.perf_counter() - t0
+
+    def _make_runner(self):
+        vocab_size, runner, quant = self._runner_args
+        inner = make_runner(self.model, vocab_size, runner=runner, quant=quant)
+        if self.vocab is None:
+            return inner
+        from ..crossvocab.runner import BridgedRunner
+
+        return BridgedRunner(inner, *self.vocab)

@@ -17,6 +17,9 @@ the order below; draft, gamma, verify and random always, every other key only wh
                 the target's own weights quantized, earlier rollouts of the same prompt (a `RolloutEngine` builds
                 it), history branches beside a draft model's chain, or a `Proposer` given separately
   model         the draft model's path or hub id (draft=model[+history]; absent: the model is given separately)
+  cross_vocab   auto | tli | slem: a draft model with another tokenizer than the target's — token-level
+                intersection (q moved into the target's ids by byte string; auto takes it), or string-level exact
+                match (the draft's greedy text re-tokenized by the target, verified as one-hot proposals; chains)
   quant         none | int8 | int4: weight-only quantized draft weights (a draft model or self; self needs one)
   ngram         3-2-1: prompt-lookup n-gram sizes, longest first
   stop_below    0.3 | none | a number in [0, 1]: a draft model stops a chain once its own probability of a
@@ -81,6 +84,7 @@ CHAIN_VERIFY = ("token", "block")  # sampling.CHAIN_RULES' names
 TREE_VERIFY = ("deterministic", *(r for r in TREE_RULES if r != "deterministic"))  # default first
 VERIFIES = (*CHAIN_VERIFY, *TREE_VERIFY, "mixed")
 RANDOMS = ("auto", "stream", "position", "gumbel")  # the default first
+CROSS_VOCABS = ("auto", "tli", "slem")  # the default first
 HISTORY_TREE = "dynamic-8-3-16"  # HistoryProposer's default trie
 MAX_JUMP = 256  # jump-forward tokens per step
 
@@ -122,6 +126,7 @@ DRAFTERS = {
 KEYS = (
     "draft",
     "model",
+    "cross_vocab",
     "quant",
     "ngram",
     "stop_below",
@@ -167,6 +172,7 @@ class SpecConfig:
 
     draft: str = "ngram"  # the drafter (DRAFTERS)
     model: str | None = None  # the draft model's path or hub id; None: given separately (or no draft model)
+    cross_vocab: str = "auto"  # a draft model with another tokenizer: "tli" (auto) or "slem"
     quant: str | None = None  # "int8" / "int4": quantized draft weights (draft=self needs one)
     ngram: tuple[int, ...] = (3, 2, 1)  # prompt-lookup n-gram sizes, longest first
     stop_below: float | None = 0.3  # a draft model's chain stops below this own probability (None: never)
@@ -251,6 +257,10 @@ class SpecConfig:
             or self.model != self.model.strip()
         ):
             raise SpecError("model", f"[model] must be a path or hub id without commas, got {self.model!r}")
+        if self.cross_vocab not in CROSS_VOCABS:
+            raise SpecError(
+                "cross_vocab", f"[cross_vocab] must be one of {', '.join(CROSS_VOCABS)}, got {self.cross_vocab!r}"
+            )
         if self.quant is not None and self.quant not in QUANT_MODES:
             raise SpecError("quant", f"[quant] must be {', '.join(QUANT_MODES)} or none, got {self.quant!r}")
         self._set("ngram", _ngram_sizes(self.ngram))
@@ -285,6 +295,12 @@ class SpecConfig:
                 "model",
                 f"[model] names a draft model: it needs [draft=model] or [draft=model+history], not [draft={name}]",
             )
+        if self.cross_vocab != "auto" and name != "model":
+            raise SpecError(
+                "cross_vocab", f"[cross_vocab] applies to a draft model ([draft=model]), not to [draft={name}]"
+            )
+        if self.cross_vocab == "slem" and self.tree is not None:
+            raise SpecError("tree", "[cross_vocab=slem] drafts chains (re-tokenized text): a [tree] does not apply")
         if self.quant is not None and not d.uses_model:
             raise SpecError("quant", f"[quant] applies to a draft model or [draft=self], not to [draft={name}]")
         if d.target_weights and self.quant is None:
@@ -351,11 +367,12 @@ class SpecConfig:
     def _check_random(self) -> None:
         if self.random != "position":
             return
-        if not self.drafter.position or self.tree is not None:
+        if not self.drafter.position or self.tree is not None or self.cross_vocab == "slem":
             raise SpecError(
                 "random",
                 "[random=position] needs a draft model drafting chains ([draft=model] or [draft=self], no [tree]) or "
                 f"[draft=none], not [draft={self.draft}]"
+                + (" with [cross_vocab=slem]" if self.cross_vocab == "slem" else "")
                 + (" with a tree" if self.tree else "")
                 + ": prompt lookup's and history's proposals depend on where a step starts, trees on their shape",
             )

@@ -154,6 +154,10 @@ class SpeculativeGenerator:
         kind, tree = config.drafter, config.tree_spec
         if kind.uses_model and kind.built_by_generator:
             model = target if kind.target_weights else draft
+            if not kind.target_weights and _cross_vocab(target, model, config):
+                from ..crossvocab import cross_vocab_proposer
+
+                return cross_vocab_proposer(target, model, config), shared_vocab_size(target, None)
             vocab = shared_vocab_size(target, model)
             proposer = DraftModelProposer(
                 model.model, vocab, config.stop_below, tree=tree, runner=config.runner, quant=config.quant
@@ -284,6 +288,15 @@ def _spec_config(config: SpecConfig | None, keywords: dict) -> tuple[SpecConfig,
             f"draft={cfg.draft} drafts with a Proposer given as draft (a RolloutEngine builds its history drafter)"
         )
     return cfg, obj
+
+
+def _cross_vocab(target: LoadedModel, draft, config: SpecConfig) -> bool:
+    """Whether the draft model drafts across vocabularies: its tokenizer is another, or cross_vocab forces it."""
+    from ..crossvocab import same_tokenizer
+
+    if not isinstance(draft, LoadedModel):
+        return False
+    return config.cross_vocab != "auto" or not same_tokenizer(target, draft)
 
 
 def _check_position_seeding(proposer, verifier) -> None:

@@ -87,6 +87,14 @@ class RowKVCache(Cache):
             new_lengths.append(start + len(path))
         self.lengths = new_lengths
 
+    def reserve(self, capacity: int) -> None:
+        """Room for at least `capacity` tokens per row (buffers reallocated only when they are smaller)."""
+        extra = capacity - self.capacity
+        if extra > 0:
+            self.keys = [torch.cat([k, k.new_zeros((*k.shape[:2], extra, k.shape[3]))], 2) for k in self.keys]
+            self.values = [torch.cat([v, v.new_zeros((*v.shape[:2], extra, v.shape[3]))], 2) for v in self.values]
+            self.capacity = capacity
+
     def extend(self, other: RowKVCache) -> None:
         """Append other's rows after this cache's rows (continuous batching: requests join between steps).
         The capacity becomes the larger of the two; buffers are reallocated once per join."""

@@ -266,6 +266,11 @@ class LlamaCppRunner:
         self.capacity = capacity
         self._append_rows(seqs)
 
+    def reserve(self, capacity: int) -> None:
+        """Room for at least `capacity` tokens per row, the rows kept (`add_rows` with no new row)."""
+        if capacity > self.capacity:
+            self.add_rows([], capacity)
+
     def _append_rows(self, seqs: Sequence[Sequence[int]]) -> None:
         """Rows for seqs after the existing ones: each distinct sequence is computed once, its copies share it."""
         if len(seqs) > len(self._free_seqs):

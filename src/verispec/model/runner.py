@@ -96,6 +96,15 @@ class HFRunner:
     def lengths(self) -> list[int]:
         return self.cache.lengths if self.cache is not None else []  # (no batch started yet: no rows)
 
+    @property
+    def capacity(self) -> int:
+        return self.cache.capacity if self.cache is not None else 0
+
+    def reserve(self, capacity: int) -> None:
+        """Room for at least `capacity` tokens per row, the rows kept (a cross-vocabulary draft's rows grow by a
+        variable number of its tokens per target token)."""
+        self.cache.reserve(capacity)
+
     def truncate(self, lengths: list[int]) -> None:
         self.cache.truncate(lengths)
 

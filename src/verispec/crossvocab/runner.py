@@ -1,0 +1,163 @@
+"""A draft model with another tokenizer, seen through the target's vocabulary: `BridgedRunner` implements the runner
+protocol (`verispec.model.protocol.Runner`) in target ids over a runner in draft ids, so the draft-model drafter
+(chains and trees, `verispec.drafting.draft_model`) runs a cross-vocabulary draft unchanged.
+
+Each target token is fed to the draft as the draft ids `VocabMap.spell` gives it: one id for a token of the
+intersection, its bytes spelled by the draft's tokens otherwise (a special token as the draft's special of the same
+content). The draft thus reads the target's text, token by token, with no re-tokenization and no rollback of its
+own. Logits come back in the target's vocabulary (`VocabMap.target_logits`): -inf outside the intersection.
+
+Row bookkeeping: `_ends[b][n]` is the draft length after the row's first n target tokens (so `_ends[b][0] == 0`
+and the draft runner's row length is `_ends[b][-1]`). Tree nodes are drafts, always of the intersection: one draft
+id each, so a tree's slots line up in both vocabularies.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from itertools import accumulate
+
+import torch
+from torch import Tensor
+
+from .vocab import VocabMap
+
+__all__ = ["BridgedRunner"]
+
+
+class BridgedRunner:
+    """A runner over draft ids (`inner`) that takes and returns target ids and target-vocabulary logits."""
+
+    def __init__(self, inner, vocab: VocabMap, vocab_size: int):
+        self.inner = inner
+        self.map = vocab
+        self.vocab_size = vocab_size  # the target's: logits come back [..., vocab_size]
+        self._ends: list[list[int]] = []  # [B] rows of draft lengths per target length
+        self._last: Tensor | None = None  # [B, V_d]: each row's draft logits after its last fed token
+
+    def __getattr__(self, name):  # device, max_positions, tokens_computed, kernels, ...: the draft runner's
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    # --- rows -----------------------------------------------------------------------------------------
+    def _spelled(self, seqs: Sequence[Sequence[int]]) -> tuple[list[list[int]], list[list[int]]]:
+        """Draft ids per row and each row's draft lengths per target length."""
+        ids, ends = [], []
+        for s in seqs:
+            parts = [self.map.spell(int(t)) for t in s]
+            ids.append([d for p in parts for d in p])
+            ends.append([0, *accumulate(len(p) for p in parts)])
+        return ids, ends
+
+    def _capacity(self, seqs, ids, capacity: int) -> int:
+        """Draft slots for target rows of `capacity` tokens: the prompts as spelled, then two draft ids per target
+        token (grown by `_room` where a row needs more)."""
+        return max((len(d) + 2 * (capacity - len(s)) + 16 for s, d in zip(seqs, ids)), default=capacity)
+
+    def start(self, batch: int, capacity: int) -> None:
+        self.inner.start(batch, 2 * capacity + 16)
+        self._ends = [[0] for _ in range(batch)]
+        self._last = None
+
+    def fill(self, seqs: Sequence[Sequence[int]], capacity: int) -> None:
+        ids, ends = self._spelled(seqs)
+        self.inner.fill(ids, self._capacity(seqs, ids, capacity))
+        self._ends, self._last = ends, None
+
+    def add_rows(self, seqs: Sequence[Sequence[int]], capacity: int) -> None:
+        ids, ends = self._spelled(seqs)
+        self.inner.add_rows(ids, self._capacity(seqs, ids, capacity))
+        self._ends += ends
+        self._last = None
+
+    @property
+    def lengths(self) -> list[int]:
+        return [len(e) - 1 for e in self._ends]
+
+    def truncate(self, lengths: list[int]) -> None:
+        self.inner.truncate([e[n] for e, n in zip(self._ends, lengths)])
+        self._ends = [e[: n + 1] for e, n in zip(self._ends, lengths)]
+
+    def select(self, rows: list[int]) -> None:
+        self.inner.select(rows)
+        self._ends = [self._ends[r] for r in rows]
+        if self._last is not None:
+            self._last = self._last[torch.tensor(rows, device=self._last.device)]
+
+    def _room(self, extra: list[int]) -> None:
+        need = max((e[-1] + n for e, n in zip(self._ends, extra)), default=0)
+        if need > self.inner.capacity:
+            self.inner.reserve(max(need, 2 * self.inner.capacity))
+
+    # --- forward --------------------------------------------------------------------------------------
+    def forward(
+        self,
+        tokens: Sequence[Sequence[int]],
+        logits_at: str = "all",
+        parents: Sequence[Sequence[int]] | None = None,
+        tree_start: Sequence[int] | None = None,
+    ) -> Tensor:
+        """The draft runner's forward on the spelled tokens; logits [B, T, V_t] ("all") or [B, V_t] ("last")."""
+        return self.map.target_logits(self.draft_forward(tokens, logits_at, parents, tree_start), self.vocab_size)
+
+    def draft_forward(
+        self,
+        tokens: Sequence[Sequence[int]],
+        logits_at: str = "all",
+        parents: Sequence[Sequence[int]] | None = None,
+        tree_start: Sequence[int] | None = None,
+    ) -> Tensor:
+        """`forward` with the draft's own logits: [B, T, V_d] ("all") or [B, V_d] ("last")."""
+        ids, ends = self._spelled(tokens)  # ends[b][i]: draft ids fed up to and including target token i - 1
+        if parents is not None:
+            if any(len(d) != len(t) for d, t in zip(ids, tokens)):
+                raise ValueError("a tree node outside the vocabularies' intersection (tree nodes must be drafts)")
+            if tree_start is not None:
+                tree_start = [e[s] for e, s in zip(self._ends, tree_start)]
+        self._room([len(d) for d in ids])
+        if not any(ids):  # nothing the draft can read: its logits after what it read last
+            v = self.map.d2t.numel()
+            logits = self._last if self._last is not None else torch.zeros(len(ids), v, device=self.inner.device)
+            self._extend(ends)
+            return logits.unsqueeze(1).expand(-1, max(len(t) for t in tokens), -1) if logits_at == "all" else logits
+        out = self.inner.forward(ids, logits_at="all", parents=parents, tree_start=tree_start)  # [B, T_d, V_d]
+        self._extend(ends)
+        return self._at_tokens(out, ends, logits_at)
+
+    def _extend(self, ends: list[list[int]]) -> None:
+        for e, add in zip(self._ends, ends):
+            base = e[-1]
+            e.extend([base + a for a in add[1:]])
+
+    def _at_tokens(self, out: Tensor, ends: list[list[int]], logits_at: str) -> Tensor:
+        """Draft logits after each target token [B, T, V_d] (or after the last, [B, V_d]); a token spelled by no draft
+        id repeats the logits before it (the row's last ones at the chunk's start)."""
+        B, V = out.shape[0], out.shape[-1]
+        last = self._last if self._last is not None and self._last.shape == (B, V) else out[:, 0]
+        T = max(len(e) - 1 for e in ends)
+        pos = torch.tensor([[e[min(i + 1, len(e) - 1)] - 1 for i in range(T)] for e in ends])  # [B, T]
+        picked = out.gather(1, pos.clamp(min=0).to(out.device).unsqueeze(-1).expand(B, T, V))  # [B, T, V_d]
+        picked = torch.where((pos < 0).to(out.device).unsqueeze(-1), last.unsqueeze(1), picked)
+        fed = [len(e) - 1 for e in ends]
+        final = picked[torch.arange(B), torch.tensor([max(n - 1, 0) for n in fed])]  # [B, V_d]
+        self._last = torch.where(torch.tensor([n > 0 for n in fed], device=out.device).unsqueeze(-1), final, last)
+        return picked if logits_at == "all" else final
+
+    def keep_paths(self, old_lengths: list[int], paths: Sequence[Sequence[int]]) -> None:
+        """Row b keeps the chunk nodes paths[b]: the draft slots each node's ids took."""
+        starts, dpaths = [], []
+        for b, (old, path) in enumerate(zip(old_lengths, paths)):
+            e = self._ends[b]
+            base = e[old]
+            starts.append(base)
+            dpaths.append([s for n in path for s in range(e[old + n] - base, e[old + n + 1] - base)])
+            sizes = [e[old + n + 1] - e[old + n] for n in path]
+            self._ends[b] = e[: old + 1] + [base + c for c in accumulate(sizes)]
+        self.inner.keep_paths(starts, dpaths)
+
+    def prefill(self, tokens: Sequence[Sequence[int]], chunk: int = 512) -> None:
+        ids, ends = self._spelled(tokens)
+        self._room([len(d) for d in ids])
+        self.inner.prefill(ids, chunk)
+        self._extend(ends)

@@ -1,0 +1,139 @@
+"""String-level exact match (SLEM, Timor et al. 2025), for sampling as well as greedy: the draft continues the text
+greedily in its own vocabulary, the target's tokenizer re-tokenizes that text past a stable boundary, and those
+target tokens are proposed as a chosen chain — one-hot q, kept with probability p(t), else the residual p without
+t — exact at any temperature, like prompt lookup.
+
+The boundary: the last `lookbehind` committed target tokens are re-tokenized together with the draft's text; the
+proposals are the tokens after them only where the re-tokenization starts with those exact tokens (else the draft's
+text alone is tokenized, from the boundary the target has already fixed). The last proposed token is dropped: more
+text could merge it with what follows. A draft special token (EOS) ends the text, proposed as the target's special
+of the same content where the target has one.
+
+The draft is greedy (argmax of its own logits, whatever the request's sampling): proposals are then a function of
+the committed tokens, as chosen drafts must be, and a one-hot proposal's chance to be kept, p(t), is highest at the
+draft's best guess of the target's mode.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..drafting.base import BatchView, Draft, Proposer
+from ..model.fast import make_runner
+from .runner import BridgedRunner
+from .vocab import VocabMap
+
+__all__ = ["SlemProposer"]
+
+
+class SlemProposer(Proposer):
+    name = "slem"
+
+    def __init__(
+        self,
+        model,
+        target_tokenizer,
+        vocab: VocabMap,
+        v_target: int,
+        v_draft: int,
+        *,
+        runner: str = "auto",
+        quant: str | None = None,
+        lookbehind: int = 4,
+        extra: int = 2,
+    ):
+        """model: the draft model (its vocabulary v_draft); vocab: the pair's VocabMap (how the draft reads the
+        committed target tokens); lookbehind: committed target tokens re-tokenized with the draft's text; extra:
+        draft tokens drafted beyond the row's cap (the two tokenizations' lengths differ)."""
+        self.model = model
+        self.tokenizer = target_tokenizer
+        self.map = vocab
+        self.lookbehind, self.extra = lookbehind, extra
+        self.quant = quant
+        self.runner = BridgedRunner(make_runner(model, v_draft, runner=runner, quant=quant), vocab, v_target)
+        self._special_ids = {i for i, k in enumerate(vocab.draft_keys) if isinstance(k, str)}
+
+    def start(self, view: BatchView, capacity: int) -> None:
+        self.runner.fill([s[:-1] for s in view.seqs], capacity)
+
+    def add(self, view: BatchView, capacity: int) -> None:
+        self.runner.add_rows([s[:-1] for s in view.seqs], capacity)
+
+    def select(self, rows: list[int]) -> None:
+        self.runner.select(rows)
+
+    def propose(self, view: BatchView, caps: list[int]) -> Draft:
+        B = len(view.seqs)
+        if max(caps, default=0) == 0:
+            return Draft.empty(B, view.device)
+        texts = self._greedy(view, caps)
+        found = [self._retokenize(s, d, c) if c > 0 else [] for s, d, c in zip(view.seqs, texts, caps)]
+        k = max((len(f) for f in found), default=0)
+        ids = torch.full((B, k), -1, dtype=torch.int64)
+        for b, f in enumerate(found):
+            ids[b, : len(f)] = torch.as_tensor(f, dtype=torch.int64)
+        return Draft.chain_of(ids.to(view.device), None, [len(f) for f in found])
+
+    @torch.inference_mode()
+    def _greedy(self, view: BatchView, caps: list[int]) -> list[list[int]]:
+        """Per row, the draft's greedy continuation in its own ids (up to cap + extra; ends at a special token).
+        The draft's own tokens leave its cache afterwards: it keeps only the committed target tokens."""
+        runner = self.runner
+        feed = [s[n:] if c > 0 else [] for s, n, c in zip(view.seqs, runner.lengths, caps)]
+        logits = runner.draft_forward(feed, logits_at="last")  # [B, V_d]: after each row's pending token
+        committed = [e[-1] for e in runner._ends]
+        want = [c + self.extra if c > 0 else 0 for c in caps]
+        out: list[list[int]] = [[] for _ in caps]
+        open_ = [w > 0 for w in want]
+        for j in range(max(want)):
+            tok = logits.argmax(-1).tolist()  # [B]
+            for b, t in enumerate(tok):
+                if open_[b]:
+                    out[b].append(t)
+                    open_[b] = len(out[b]) < want[b] and t not in self._special_ids
+            if not any(open_) or j == max(want) - 1:
+                break
+            logits = runner.inner.forward([[t] if o else [] for t, o in zip(tok, open_)], logits_at="last")
+        runner.inner.truncate(committed)
+        return out
+
+    def _retokenize(self, seq: list[int], drafted: list[int], cap: int) -> list[int]:
+        """The target tokens that continue `seq` with the draft's text (at most cap)."""
+        end = None
+        if drafted and drafted[-1] in self._special_ids:
+            content = self.map.draft_keys[drafted[-1]][len("special:") :]
+            end = self.map.target_specials.get(content)
+            drafted = drafted[:-1]
+        text = self.map.draft_text_bytes(drafted)
+        tokens = self._after(seq, text)
+        if end is not None and self.map.target_text_bytes(tokens) == text:
+            tokens = tokens + [end]  # the text ended: its last token is stable
+        elif tokens:
+            tokens = tokens[:-1]  # the last token may still merge with what follows
+        return tokens[:cap]
+
+    def _after(self, seq: list[int], text: bytes) -> list[int]:
+        """The target's tokens for `text` after the committed `seq`, past a stable boundary."""
+        if not text:
+            return []
+        for n in (self.lookbehind, 0):
+            tail = list(seq[-n:]) if n else []
+            body = self.map.target_text_bytes(tail) + text
+            decoded = _utf8_prefix(body)
+            if decoded is None:
+                continue
+            ids = self.tokenizer(decoded, add_special_tokens=False)["input_ids"]
+            if ids[: len(tail)] == tail:
+                return list(ids[len(tail) :])
+        return []
+
+
+def _utf8_prefix(data: bytes) -> str | None:
+    """The longest prefix of data that is whole UTF-8 characters (at most 3 trailing bytes dropped), decoded; None
+    where data does not start as UTF-8 (a committed token ending mid-character)."""
+    for cut in range(0, min(4, len(data) + 1)):
+        try:
+            return data[: len(data) - cut].decode("utf-8")
+        except UnicodeDecodeError:
+            continue
+    return None
