@@ -1,10 +1,14 @@
 """What a generator certificate certifies: a method as plain data (`MethodSpec`) and the adapters that turn it
 into a sample function (`build_method`): verispec in any configuration, plain decoding, HF transformers `generate`
-(with or without `assistant_model` or prompt lookup), an OpenAI-compatible endpoint (endpoint.py), or a user
-callable. Models load once per process (`_load`)."""
+(with or without `assistant_model` -- universal assisted generation when the assistant's tokenizer differs,
+`hf_assistant_kwargs` -- or prompt lookup), an OpenAI-compatible endpoint (endpoint.py), or a user callable. Models
+load once per process (`_load`)."""
 
 from __future__ import annotations
 
+import copy
+import itertools
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 
@@ -29,7 +33,17 @@ from .bugs import (
 from .endpoint import Endpoint, TokenMapper
 from .kernel import load_sampler
 
-__all__ = ["CERTIFY_DEFAULTS", "LOSSY_VERIFIERS", "METHODS", "MethodSpec", "SampleFn", "build_method", "eos_set"]
+__all__ = [
+    "CERTIFY_DEFAULTS",
+    "LOSSY_VERIFIERS",
+    "METHODS",
+    "MethodSpec",
+    "SampleFn",
+    "build_method",
+    "eos_set",
+    "hf_assistant_kwargs",
+    "same_tokenizer",
+]
 
 METHODS = ("verispec", "plain", "hf", "hf-assisted", "hf-lookup", "callable", "openai")
 
@@ -115,6 +129,11 @@ class MethodSpec:
             extra = f", verifier {self.verifier}" if self.verifier else ""
             return f"verispec ({self.config}, target {self.dtype}{extra})"
         if self.method == "hf-assisted":
+            if _tokenizers_differ(self):
+                return (
+                    f"transformers universal assisted generation: generate(assistant_model={self.config.model}, "
+                    "tokenizer=the target's, assistant_tokenizer=the assistant's)"
+                )
             return f"transformers generate(assistant_model={self.config.model})"
         if self.method == "hf-lookup":
             return f"transformers generate(prompt_lookup_num_tokens={self.config.gamma})"
@@ -287,14 +306,18 @@ def _openai_method(spec: MethodSpec, target) -> SampleFn:
 
 def _hf_method(spec: MethodSpec, target) -> SampleFn:
     """transformers generate with EOS off for this call only (eos_token_id=None; the assistant takes the
-    target's), so every sample has `length` tokens, like ignore_eos in verispec. The cached models'
-    generation configs are left as they are."""
+    target's), so every sample has `length` tokens, like ignore_eos in verispec. The cached models (and their
+    generation configs) are left as they are. hf-assisted with an assistant whose tokenizer differs runs
+    transformers' universal assisted generation (`hf_assistant_kwargs`)."""
     model = target.model
-    assistant = _load(spec.config.model, spec.draft_dtype).model if spec.method == "hf-assisted" else None
+    draft = _load(spec.config.model, spec.draft_dtype) if spec.method == "hf-assisted" else None
+    same = draft is None or same_tokenizer(target, draft)
     lookup = {"prompt_lookup_num_tokens": spec.config.gamma} if spec.method == "hf-lookup" else {}
 
     def sample_hf(prompt, params, seeds, length):
         kw = _hf_sampling_kwargs(params) | lookup
+        if draft is not None:
+            kw |= hf_assistant_kwargs(target, draft, sample=kw["do_sample"], same=same)
         ids = torch.tensor([list(prompt)], device=model.device)
         out = []
         for s in seeds:
@@ -307,13 +330,104 @@ def _hf_method(spec: MethodSpec, target) -> SampleFn:
                     min_new_tokens=0,
                     pad_token_id=0,
                     eos_token_id=None,
-                    assistant_model=assistant,
                     **kw,
                 )
             out.append(seq[0, ids.shape[1] :].tolist())
         return out, None
 
     return sample_hf
+
+
+def same_tokenizer(target, draft) -> bool:
+    """Whether two LoadedModels share one tokenizer (the same get_vocab(), as verispec's drafting checks it)."""
+    return target.tokenizer is draft.tokenizer or target.tokenizer.get_vocab() == draft.tokenizer.get_vocab()
+
+
+def hf_assistant_kwargs(target, draft, sample: bool, same: bool | None = None) -> dict:
+    """The keywords of `target.model.generate` that make `draft` its assistant (sample: do_sample; same: the result
+    of `same_tokenizer`, when known).
+
+    One tokenizer: `assistant_model` (assisted generation; speculative sampling when sampling). Different tokenizers:
+    also `tokenizer` and `assistant_tokenizer`, which is how transformers selects universal assisted generation
+    (GenerationMixin._get_candidate_generator). Its two paths (transformers 5.24):
+    - greedy: AssistedCandidateGeneratorDifferentTokenizers drafts with the assistant on its own tokenization of the
+      text (decode, re-encode, aligned by the longest common diagonal) and re-encodes the draft's text with the
+      target's tokenizer; the target keeps candidates up to its first argmax mismatch, so the output is the
+      target's own greedy decoding;
+    - sampling: UniversalSpeculativeDecodingGenerator with an AssistantToTargetTranslator: the vocabularies are
+      intersected by token string (get_vocab() keys, the assistant's leading space sign rewritten to the target's),
+      the assistant's LM head is pruned to the intersection (the rest of its vocabulary, byte-fallback tokens
+      included, is never drafted), its logits are placed into the target's vocabulary (-inf elsewhere) and checked
+      with speculative sampling. Not lossless as written: the pruned head's rows follow the assistant tokenizer's
+      get_vocab() order (candidate_generator.py:729, a hash map's order for a fast tokenizer) while
+      get_target_logits places them by ascending assistant id (:837), so when the two orders differ the
+      probability a drafted token is checked with is another token's (tests/crossvocab/test_hf_uag.py computes the
+      first-token law: far from the target's; with the orders equal it is exact). It also modifies the assistant
+      model in place (pruned head, wrapped input embeddings, generation_config.repetition_penalty = None): it gets
+      a copy of the draft's modules that shares its weights (`_uag_sampling_assistant`), so the shared draft stays
+      as it was.
+    transformers tells "different tokenizers" from the models' config vocab_size, not the tokenizers: a pair whose
+    tokenizers differ but whose vocab_size is the same is refused there, so here too (ValueError)."""
+    if same if same is not None else same_tokenizer(target, draft):
+        return {"assistant_model": draft.model}
+    rows = [m.config.get_text_config().vocab_size for m in (target.model, draft.model)]
+    if rows[0] == rows[1]:
+        raise ValueError(
+            f"the assistant {draft.name!r} and the target {target.name!r} have different tokenizers but the same "
+            f"vocab_size ({rows[0]}): transformers runs universal assisted generation only for models whose "
+            "vocab_size differs (with equal sizes it refuses assistant_tokenizer and would treat the ids as shared)"
+        )
+    assistant = _uag_sampling_assistant(target, draft) if sample else draft.model
+    return {"assistant_model": assistant, "tokenizer": target.tokenizer, "assistant_tokenizer": draft.tokenizer}
+
+
+# draft model -> (target tokenizer, draft tokenizer, the copy transformers' UAG sampling may prune)
+_UAG_ASSISTANTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _uag_sampling_assistant(target, draft):
+    """The assistant for universal assisted generation's sampling path: a copy of the draft model's modules that
+    shares its parameters and buffers. transformers prunes the assistant it is given once per tokenizer pair (the
+    translator is cached on the two tokenizer objects: AssistantVocabTranslatorCache) and reuses that pruning, so
+    one copy per draft model and tokenizer pair; a new copy drops the pair's cached translator, which pruned another
+    model, so that it is pruned in its turn."""
+    held = _UAG_ASSISTANTS.get(draft.model)
+    if held is not None and held[0] is target.tokenizer and held[1] is draft.tokenizer:
+        return held[2]
+    from transformers.generation.candidate_generator import AssistantVocabTranslatorCache
+
+    translators = AssistantVocabTranslatorCache._cache.get(target.tokenizer)
+    if translators is not None:
+        translators.pop(draft.tokenizer, None)
+    shared = {id(t): t for t in itertools.chain(draft.model.parameters(), draft.model.buffers())}
+    twin = copy.deepcopy(draft.model, memo=shared)
+    _UAG_ASSISTANTS[draft.model] = (target.tokenizer, draft.tokenizer, twin)
+    return twin
+
+
+_TOKENIZERS: dict = {}
+
+
+def _tokenizer(path: str | None):
+    """A model's tokenizer: the loaded model's when this process holds it, else the tokenizer alone (once)."""
+    held = next((lm.tokenizer for (p, _), lm in _LOADED.items() if p == path), None)
+    if held is not None:
+        return held
+    if path not in _TOKENIZERS:
+        from transformers import AutoTokenizer
+
+        source, _, kwargs = loading._resolve(path)
+        _TOKENIZERS[path] = AutoTokenizer.from_pretrained(source, **kwargs)
+    return _TOKENIZERS[path]
+
+
+def _tokenizers_differ(spec: MethodSpec) -> bool:
+    """Whether hf-assisted's assistant has another tokenizer than the target (universal assisted generation); False
+    when a tokenizer cannot be read (building the method then says why)."""
+    try:
+        return _tokenizer(spec.target).get_vocab() != _tokenizer(spec.config.model).get_vocab()
+    except (OSError, ValueError, loading.ModelLoadError):
+        return False
 
 
 def _hf_sampling_kwargs(params: SamplingParams) -> dict:
