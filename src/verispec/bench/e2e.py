@@ -9,7 +9,8 @@ of the names below, kept as aliases of specs (`alias_spec`):
     verispec-ngram    verispec with prompt lookup
     verispec-self     verispec with the target's own weights, int4-quantized, as the draft (`self_quant`)
     hf-plain          HF transformers generate()
-    hf-assisted       HF transformers generate(assistant_model=draft)
+    hf-assisted       HF transformers generate(assistant_model=draft); a draft with another tokenizer: universal
+                      assisted generation (also tokenizer= and assistant_tokenizer=)
     llamacpp-plain    llama.cpp (llama-cpp-python's `Llama.generate`) on the target's GGUF file
     llamacpp-lookup   the same with llama-cpp-python's prompt-lookup speculation (`LlamaPromptLookupDecoding`)
   and, named with an argument:
@@ -185,7 +186,11 @@ def _hf_generate(
     max_new: int,
     seed: int,
 ) -> tuple[int, float, int]:
-    """(tokens, seconds, target forward calls) for HF generate over prompts one at a time."""
+    """(tokens, seconds, target forward calls) for HF generate over prompts one at a time; with a draft, its
+    assisted generation (universal assisted generation when the draft's tokenizer differs)."""
+    from ..certify.methods import hf_assistant_kwargs, same_tokenizer
+
+    same = draft is None or same_tokenizer(target, draft)
     tokens = calls = 0
     seconds = 0.0
     counter = _CallCounter(target.model)
@@ -200,8 +205,8 @@ def _hf_generate(
             )
             if temperature > 0:
                 kwargs.update(temperature=temperature, top_k=None, top_p=None)
-            if draft is not None:
-                kwargs["assistant_model"] = draft.model
+            if draft is not None:  # different tokenizers: universal assisted generation (hf_assistant_kwargs)
+                kwargs |= hf_assistant_kwargs(target, draft, sample=temperature > 0, same=same)
             x = torch.tensor([ids], device=target.device)
             t0 = time.perf_counter()
             with torch.inference_mode():
