@@ -10,6 +10,7 @@ from .options import (
     add_constraint_args,
     add_counts,
     add_coupling_arg,
+    add_cross_vocab_arg,
     add_device_args,
     add_level_arg,
     add_prompt_args,
@@ -64,6 +65,7 @@ def _add_method_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--draft", help="verispec: draft model, ngram (default), self or none; hf-assisted: the assistant model"
     )
+    add_cross_vocab_arg(p)
     add_quant_arg(p, "--draft-quant", "weight-only quantize verispec's draft model (or --draft self)")
     p.add_argument(
         "--gamma", type=gamma_type(), help=f"verispec drafts per step, or auto (default {CERTIFY_SPEC.gamma})"

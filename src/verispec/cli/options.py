@@ -21,6 +21,7 @@ from pathlib import Path
 __all__ = [
     "UsageError",
     "add_counts",
+    "add_cross_vocab_arg",
     "add_device_args",
     "add_prompt_args",
     "add_quant_arg",
@@ -159,11 +160,14 @@ _HELP = {
     "into ~/.cache/verispec)",
     "draft": "draft model (hub id, directory, .gguf), 'self' (the target's weights quantized: with --draft-quant), "
     "'ngram' (prompt lookup, default) or 'none'",
+    "cross_vocab": "a --draft with another tokenizer than the target's: tli (token-level intersection, the default: "
+    "q moved into the target's vocabulary by byte string; any temperature, chains and trees) or slem (string-level "
+    "exact match: the draft's greedy text re-tokenized by the target, verified as one-hot proposals; chains)",
     "draft_quant": "weight-only quantize the draft model's linear layers (lossless: q is what it sampled from)",
     "ngram_sizes": "prompt-lookup n-gram sizes, longest first (default 3,2,1)",
     "spec": "the speculation configuration in one string, comma-separated key=value items, e.g. "
-    "draft=model,gamma=4,verify=block (keys: draft, model, quant, ngram, stop_below, min_share, choose_depth, gamma, "
-    "max_gamma, tree, verify, random, runner; see the README). --draft, --draft-quant, --gamma, --max-gamma, "
+    "draft=model,gamma=4,verify=block (keys: draft, model, cross_vocab, quant, ngram, stop_below, min_share, choose_depth, gamma, "
+    "max_gamma, tree, jump, verify, random, runner; see the README). --draft, --cross-vocab, --draft-quant, --gamma, --max-gamma, "
     "--ngram-sizes, --tree, --tree-rule, --verify, --seeding, --coupling and --runner are shorthands for its keys; a "
     "flag that disagrees with --spec is an error",
     "verify": "how drafted chains are verified: token-wise (default) or block verification (exact too, an accepted "
@@ -243,6 +247,11 @@ def add_spec_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spec", metavar="SPEC", help=_HELP["spec"])
 
 
+def add_cross_vocab_arg(p: argparse.ArgumentParser) -> None:
+    """--cross-vocab: how a draft with another tokenizer drafts (the spec key cross_vocab; default auto: tli)."""
+    p.add_argument("--cross-vocab", choices=("tli", "slem"), help=_HELP["cross_vocab"])
+
+
 def add_speculation_args(p: argparse.ArgumentParser) -> None:
     """Target, draft and how the draft runs: the options of `generate` and `serve`. The speculation flags default to
     None: they are shorthands of --spec keys, and the defaults are SpecConfig's (`spec_config`)."""
@@ -252,6 +261,7 @@ def add_speculation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", help=_HELP["target"])
     add_spec_arg(p)
     p.add_argument("--draft", help=_HELP["draft"])
+    add_cross_vocab_arg(p)
     add_quant_arg(p, "--draft-quant", _HELP["draft_quant"])
     add_runner_arg(
         p,
@@ -377,6 +387,7 @@ def sampling_params(args: argparse.Namespace, **extra):
 
 _SPEC_FLAGS = {  # spec key -> its flag (verify, random and draft are spelled by value: see _flag_name)
     "quant": "--draft-quant",
+    "cross_vocab": "--cross-vocab",
     "ngram": "--ngram-sizes",
     "gamma": "--gamma",
     "max_gamma": "--max-gamma",
@@ -425,7 +436,13 @@ def _flag_items(args: argparse.Namespace, tree_given: bool) -> dict:
         out["draft"] = (f"--draft {draft}", draft)
     elif draft is not None:
         out["draft"], out["model"] = (f"--draft {draft}", "model"), (f"--draft {draft}", draft)
-    for key, name in (("quant", "draft_quant"), ("gamma", "gamma"), ("max_gamma", "max_gamma"), ("runner", "runner")):
+    for key, name in (
+        ("quant", "draft_quant"),
+        ("cross_vocab", "cross_vocab"),
+        ("gamma", "gamma"),
+        ("max_gamma", "max_gamma"),
+        ("runner", "runner"),
+    ):
         if getattr(args, name, None) is not None:
             out[key] = (f"{flag(name)} {getattr(args, name)}", getattr(args, name))
     if getattr(args, "ngram_sizes", None) is not None:
