@@ -30,6 +30,7 @@ from .bugs import (
     broken_tree_verifier,
     broken_verifier,
 )
+from .crossvocab_bugs import CROSS_VOCAB_BUGS, check_cross_vocab_bug, inject_cross_vocab_bug
 from .endpoint import Endpoint, TokenMapper
 from .kernel import load_sampler
 
@@ -110,6 +111,8 @@ class MethodSpec:
             from .grammar_bugs import check_grammar_bug
 
             check_grammar_bug(self.verifier, cfg)
+        elif self.verifier in CROSS_VOCAB_BUGS:
+            check_cross_vocab_bug(self.verifier, cfg)
         elif self.verifier is not None:
             _verifier(self.verifier, tree=cfg.tree is not None, block=cfg.verify == "block")  # validate early
         if cfg.random == "position" and self.method not in ("verispec", "plain"):
@@ -236,7 +239,7 @@ def _verispec_method(spec: MethodSpec, target) -> SampleFn:
         raise ValueError(f"draft={cfg.draft} drafts with objects a MethodSpec cannot name: give certify a sample_fn")
     draft = _load(cfg.model, spec.draft_dtype) if cfg.drafter.model else None
     overrides = {}
-    grammar_bug = spec.verifier if spec.verifier in GRAMMAR_BUGS + GRAMMAR_NON_BUGS else None
+    grammar_bug = spec.verifier if spec.verifier in GRAMMAR_BUGS + GRAMMAR_NON_BUGS + CROSS_VOCAB_BUGS else None
     if grammar_bug:
         from .grammar_bugs import stream_config
 
@@ -246,7 +249,9 @@ def _verispec_method(spec: MethodSpec, target) -> SampleFn:
         overrides["tree_verifier" if cfg.tree else "verifier"] = override
         cfg = replace(cfg, verify=None) if cfg.verify == "block" else cfg  # the verifier is the block rule's
     gen = SpeculativeGenerator(target, draft, config=cfg, **overrides)
-    if grammar_bug:
+    if grammar_bug in CROSS_VOCAB_BUGS:
+        inject_cross_vocab_bug(gen, grammar_bug)
+    elif grammar_bug:
         from .grammar_bugs import inject_grammar_bug
 
         inject_grammar_bug(gen, grammar_bug)
