@@ -8,8 +8,10 @@ content). The draft thus reads the target's text, token by token, with no re-tok
 own. Logits come back in the target's vocabulary (`VocabMap.target_logits`): -inf outside the intersection.
 
 Row bookkeeping: `_ends[b][n]` is the draft length after the row's first n target tokens (so `_ends[b][0] == 0`
-and the draft runner's row length is `_ends[b][-1]`). Tree nodes are drafts, always of the intersection: one draft
-id each, so a tree's slots line up in both vocabularies.
+and the draft runner's row length is `_ends[b][-1]`); `_ids[b]` the draft ids in the row's cache. Tree nodes are
+drafts, always of the intersection: one draft id each, so a tree's slots line up in both vocabularies. `_last[b]` is
+the draft's logits after the row's last draft id where `_fresh[b]`; a chain that starts with a token spelled by no
+draft id after the row changed (fill, truncate, keep_paths, prefill, add_rows) re-feeds that id first (`_refresh`).
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ class BridgedRunner:
         self.vocab_size = vocab_size  # the target's: logits come back [..., vocab_size]
         self._ends: list[list[int]] = []  # [B] rows of draft lengths per target length
         self._last: Tensor | None = None  # [B, V_d]: each row's draft logits after its last fed token
+        self._ids: list[list[int]] = []  # [B] rows of the draft ids in the draft's cache
+        self._fresh: list[bool] = []  # [B] whether _last[b] is the draft's logits after _ids[b][-1]
 
     def __getattr__(self, name):  # device, max_positions, tokens_computed, kernels, ...: the draft runner's
         if name == "inner":
@@ -59,17 +63,20 @@ class BridgedRunner:
         self.inner.start(batch, 2 * capacity + 16)
         self._ends = [[0] for _ in range(batch)]
         self._last = None
+        self._ids, self._fresh = [[] for _ in range(batch)], [False] * batch
 
     def fill(self, seqs: Sequence[Sequence[int]], capacity: int) -> None:
         ids, ends = self._spelled(seqs)
         self.inner.fill(ids, self._capacity(seqs, ids, capacity))
         self._ends, self._last = ends, None
+        self._ids, self._fresh = [list(d) for d in ids], [False] * len(ids)
 
     def add_rows(self, seqs: Sequence[Sequence[int]], capacity: int) -> None:
         ids, ends = self._spelled(seqs)
         self.inner.add_rows(ids, self._capacity(seqs, ids, capacity))
         self._ends += ends
         self._last = None
+        self._ids, self._fresh = self._ids + [list(d) for d in ids], [False] * (len(self._ids) + len(ids))
 
     @property
     def lengths(self) -> list[int]:
@@ -77,11 +84,14 @@ class BridgedRunner:
 
     def truncate(self, lengths: list[int]) -> None:
         self.inner.truncate([e[n] for e, n in zip(self._ends, lengths)])
+        self._fresh = [f and e[n] == e[-1] for f, e, n in zip(self._fresh, self._ends, lengths)]
+        self._ids = [i[: e[n]] for i, e, n in zip(self._ids, self._ends, lengths)]
         self._ends = [e[: n + 1] for e, n in zip(self._ends, lengths)]
 
     def select(self, rows: list[int]) -> None:
         self.inner.select(rows)
         self._ends = [self._ends[r] for r in rows]
+        self._ids, self._fresh = [self._ids[r] for r in rows], [self._fresh[r] for r in rows]
         if self._last is not None:
             self._last = self._last[torch.tensor(rows, device=self._last.device)]
 
@@ -115,20 +125,35 @@ class BridgedRunner:
                 raise ValueError("a tree node outside the vocabularies' intersection (tree nodes must be drafts)")
             if tree_start is not None:
                 tree_start = [e[s] for e, s in zip(self._ends, tree_start)]
+        else:  # rows whose chain starts with a token spelled by nothing need the logits after their last draft id
+            stale = [b for b, e in enumerate(ends) if len(e) > 1 and e[1] == 0 and not self._fresh[b] and self._ids[b]]
+            if stale:
+                self._refresh(stale)
         self._room([len(d) for d in ids])
         if not any(ids):  # nothing the draft can read: its logits after what it read last
             v = self.map.d2t.numel()
             logits = self._last if self._last is not None else torch.zeros(len(ids), v, device=self.inner.device)
-            self._extend(ends)
+            self._extend(ends, ids)
             return logits.unsqueeze(1).expand(-1, max(len(t) for t in tokens), -1) if logits_at == "all" else logits
         out = self.inner.forward(ids, logits_at="all", parents=parents, tree_start=tree_start)  # [B, T_d, V_d]
-        self._extend(ends)
+        self._extend(ends, ids)
+        self._fresh = [f or bool(d) for f, d in zip(self._fresh, ids)]
         return self._at_tokens(out, ends, logits_at)
 
-    def _extend(self, ends: list[list[int]]) -> None:
-        for e, add in zip(self._ends, ends):
+    def _extend(self, ends: list[list[int]], ids: list[list[int]]) -> None:
+        for e, add, i, d in zip(self._ends, ends, self._ids, ids):
             base = e[-1]
             e.extend([base + a for a in add[1:]])
+            i.extend(d)
+
+    def _refresh(self, rows: list[int]) -> None:
+        """_last for these rows: their last draft id leaves the draft's cache and is fed again."""
+        self.inner.truncate([len(i) - (b in rows) for b, i in enumerate(self._ids)])
+        out = self.inner.forward([[i[-1]] if b in rows else [] for b, i in enumerate(self._ids)], logits_at="last")
+        mask = torch.tensor([b in rows for b in range(len(self._ids))], device=out.device).unsqueeze(-1)
+        base = self._last if self._last is not None and self._last.shape == out.shape else torch.zeros_like(out)
+        self._last = torch.where(mask, out, base)
+        self._fresh = [f or b in rows for b, f in enumerate(self._fresh)]
 
     def _at_tokens(self, out: Tensor, ends: list[list[int]], logits_at: str) -> Tensor:
         """Draft logits after each target token [B, T, V_d] (or after the last, [B, V_d]); a token spelled by no draft
@@ -154,10 +179,13 @@ class BridgedRunner:
             dpaths.append([s for n in path for s in range(e[old + n] - base, e[old + n + 1] - base)])
             sizes = [e[old + n + 1] - e[old + n] for n in path]
             self._ends[b] = e[: old + 1] + [base + c for c in accumulate(sizes)]
+            self._ids[b] = self._ids[b][:base] + [self._ids[b][base + s] for s in dpaths[b]]
+        self._fresh = [False] * len(self._ids)
         self.inner.keep_paths(starts, dpaths)
 
     def prefill(self, tokens: Sequence[Sequence[int]], chunk: int = 512) -> None:
         ids, ends = self._spelled(tokens)
         self._room([len(d) for d in ids])
         self.inner.prefill(ids, chunk)
-        self._extend(ends)
+        self._extend(ends, ids)
+        self._fresh = [f and not d for f, d in zip(self._fresh, ids)]
