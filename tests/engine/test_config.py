@@ -293,7 +293,6 @@ def test_bench_run_keys_fill_methods_that_do_not_name_them():
     assert e2e.method_config("hf-assisted", cfg) is None
     for bad, message in [
         ("verispec:draft=history", "bench e2e runs draft=none, ngram, model"),
-        ("verispec:draft=model,model=x", "with no model= key"),
         ("verispec:speed=1", "unknown key 'speed'"),
         ("verispec-draft@x", "needs an integer draft length"),
         ("verispec-ngram/block", "unknown method"),
@@ -302,6 +301,22 @@ def test_bench_run_keys_fill_methods_that_do_not_name_them():
             e2e.method_config(bad, e2e.E2EConfig())
     with pytest.raises(ValueError, match="not keys of the run's spec"):
         e2e.E2EConfig(spec="draft=model")
+
+
+def test_a_bench_method_may_name_its_own_draft_model():
+    """verispec:draft=model,model=PATH drafts with PATH (loaded beside --draft, once per path), not the run's draft."""
+    from verispec.bench import e2e
+
+    methods = (
+        "verispec:draft=model,model=a/b.gguf,cross_vocab=slem",
+        "verispec:draft=model,model=a/b.gguf",
+        "verispec-draft",
+    )
+    cfg = e2e.E2EConfig(methods=methods)
+    assert e2e.method_config(methods[0], cfg).model == "a/b.gguf"
+    assert e2e.method_models(methods, cfg) == ["a/b.gguf"]
+    assert not e2e._needs_draft(methods[1], e2e.method_config(methods[1], cfg))
+    assert e2e._needs_draft("verispec-draft", e2e.method_config("verispec-draft", cfg))
 
 
 # --- the old keyword arguments ---------------------------------------------------------------------------------

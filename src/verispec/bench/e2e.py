@@ -274,9 +274,9 @@ def method_config(name: str, cfg: E2EConfig) -> SpecConfig | None:
     if items is None:
         raise ValueError(f"unknown method {name!r}; choose from {KNOWN}")
     draft = items.get("draft", SpecConfig.draft)
-    if draft not in ("none", "ngram", "model", "self") or "model" in items:
+    if draft not in ("none", "ngram", "model", "self"):
         raise ValueError(
-            f"method {name!r}: bench e2e runs draft=none, ngram, model (the --draft model) or self, with no model= key"
+            f"method {name!r}: bench e2e runs draft=none, ngram, model (the --draft model, or its own model=PATH) or self"
         )
     # random=stream unless named: every request is seeded, and auto (SpecConfig's default) would couple them all
     base = {"random": "stream"} | parse_items(cfg.spec) | {"runner": cfg.runner}
@@ -295,11 +295,20 @@ def check_method(name: str, cfg: E2EConfig | None = None) -> None:
 
 
 def _needs_draft(method: str, config: SpecConfig | None) -> bool:
-    return method == "hf-assisted" or (config is not None and config.drafter.model)
+    """Whether a method drafts with the run's --draft model (a method naming its own model= does not)."""
+    return method == "hf-assisted" or (config is not None and config.drafter.model and config.model is None)
 
 
-def _generator(target: LoadedModel, draft: LoadedModel | None, config: SpecConfig) -> SpeculativeGenerator:
-    return SpeculativeGenerator(target, draft if config.drafter.model else None, config=config)
+def method_models(methods, cfg: E2EConfig) -> list[str]:
+    """The draft models methods name themselves (`verispec:draft=model,model=PATH`), each once, to load beside --draft."""
+    configs = [method_config(m, cfg) for m in methods]
+    return list(dict.fromkeys(c.model for c in configs if c is not None and c.drafter.model and c.model))
+
+
+def _generator(target: LoadedModel, draft: LoadedModel | None, config: SpecConfig, drafts=None) -> SpeculativeGenerator:
+    """A method's generator; its draft model: its own model= (loaded into `drafts`, path -> model) or the run's."""
+    model = (drafts or {}).get(config.model, draft) if config.model else draft
+    return SpeculativeGenerator(target, model if config.drafter.model else None, config=config)
 
 
 def _batches(cfg: E2EConfig) -> list[int]:
@@ -307,11 +316,17 @@ def _batches(cfg: E2EConfig) -> list[int]:
 
 
 def run_e2e(
-    target: LoadedModel, draft: LoadedModel | None, prompts: dict[str, list[str]], cfg: E2EConfig, log=print
+    target: LoadedModel,
+    draft: LoadedModel | None,
+    prompts: dict[str, list[str]],
+    cfg: E2EConfig,
+    log=print,
+    drafts: dict[str, LoadedModel] | None = None,
 ) -> dict:
     """Every method of cfg at every temperature, category and batch size (see the module docstring): build the
-    generators, calibrate the cost curves, measure, compare with verispec-plain and the other engines."""
-    methods, gens = build_methods(target, draft, cfg, log)
+    generators, calibrate the cost curves, measure, compare with verispec-plain and the other engines. drafts: the
+    models methods name with model=PATH (path -> LoadedModel, `method_models`)."""
+    methods, gens = build_methods(target, draft, cfg, log, drafts)
     curves, draft_steps = calibrate(gens, cfg, log)
     records = measure(target, draft, gens, methods, prompts, cfg, curves, draft_steps, log)
     compare(records)
@@ -319,6 +334,7 @@ def run_e2e(
         "config": cfg.__dict__ | {"temperatures": list(cfg.temperatures), "methods": list(cfg.methods)},
         "target": target.name,
         "draft": draft.name if draft else None,
+        "method_drafts": {path: m.name for path, m in (drafts or {}).items()},
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "cost_curve_s": curves[1],  # batch 1
@@ -331,7 +347,7 @@ def run_e2e(
 
 
 def build_methods(
-    target: LoadedModel, draft: LoadedModel | None, cfg: E2EConfig, log
+    target: LoadedModel, draft: LoadedModel | None, cfg: E2EConfig, log, drafts=None
 ) -> tuple[list[str], dict[str, SpeculativeGenerator]]:
     """The methods this run can run (cfg.methods' order, less those without their model or engine) and a generator
     for each verispec one, plus "verispec-plain" always (the baseline: calibration and prompt encoding)."""
@@ -349,7 +365,7 @@ def build_methods(
     for m in sorted(ours, key=lambda m: configs[m].drafter.target_weights):  # self-drafts last: they quantize
         if configs[m].drafter.target_weights:
             log(f"quantizing the target's weights ({configs[m].quant}) for the self-draft ...")
-        gens[m] = _generator(target, draft, configs[m])
+        gens[m] = _generator(target, draft, configs[m], drafts)
     return methods, gens
 
 

@@ -156,6 +156,8 @@ def run(args: argparse.Namespace) -> int:
         target = load(args.target, args)
         # prompt lookup always runs; a draft model is optional
         draft = load(args.draft, args, threads=False) if args.draft not in (None, "none", "ngram") else None
-        result = e2e.run_e2e(target, draft, prompts, cfg, log=lambda m: print(m, file=sys.stderr, flush=True))
+        drafts = {path: load(path, args, threads=False) for path in e2e.method_models(cfg.methods, cfg)}
+        log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
+        result = e2e.run_e2e(target, draft, prompts, cfg, log=log, drafts=drafts)
     write_bench_report(args.out, "e2e", result, e2e.to_markdown(result), e2e.plot)
     return 0

@@ -17,9 +17,6 @@ the order below; draft, gamma, verify and random always, every other key only wh
                 the target's own weights quantized, earlier rollouts of the same prompt (a `RolloutEngine` builds
                 it), history branches beside a draft model's chain, or a `Proposer` given separately
   model         the draft model's path or hub id (draft=model[+history]; absent: the model is given separately)
-  cross_vocab   auto | tli | slem: a draft model with another tokenizer than the target's — token-level
-                intersection (q moved into the target's ids by byte string; auto takes it), or string-level exact
-                match (the draft's greedy text re-tokenized by the target, verified as one-hot proposals; chains)
   quant         none | int8 | int4: weight-only quantized draft weights (a draft model or self; self needs one)
   ngram         3-2-1: prompt-lookup n-gram sizes, longest first
   stop_below    0.3 | none | a number in [0, 1]: a draft model stops a chain once its own probability of a
@@ -45,6 +42,9 @@ the order below; draft, gamma, verify and random always, every other key only wh
                 runs the stream for every request where the verification functions are overridden (certify's
                 injected bugs, the lossy study: they then see p, not one-hot targets)
   runner        auto | fast | hf | llamacpp: the model forward (`model.fast.make_runner`)
+  cross_vocab   auto | tli | slem: a draft model with another tokenizer than the target's — token-level
+                intersection (q moved into the target's ids by byte string; auto takes it), or string-level exact
+                match (the draft's greedy text re-tokenized by the target, verified as one-hot proposals; chains)
 
 ngram, stop_below and max_gamma are read only by the drafters they concern (a value that concerns none is kept and
 printed, never an error). Values: `none` where a key allows it; a model path may hold '=' but not ','.
@@ -126,7 +126,6 @@ DRAFTERS = {
 KEYS = (
     "draft",
     "model",
-    "cross_vocab",
     "quant",
     "ngram",
     "stop_below",
@@ -139,6 +138,7 @@ KEYS = (
     "verify",
     "random",
     "runner",
+    "cross_vocab",
 )
 ALWAYS_PRINTED = ("draft", "gamma", "verify", "random")
 _MENTION = re.compile(r"\[(" + "|".join(KEYS) + r")(?:=([^\]]*))?\]")
@@ -172,7 +172,6 @@ class SpecConfig:
 
     draft: str = "ngram"  # the drafter (DRAFTERS)
     model: str | None = None  # the draft model's path or hub id; None: given separately (or no draft model)
-    cross_vocab: str = "auto"  # a draft model with another tokenizer: "tli" (auto) or "slem"
     quant: str | None = None  # "int8" / "int4": quantized draft weights (draft=self needs one)
     ngram: tuple[int, ...] = (3, 2, 1)  # prompt-lookup n-gram sizes, longest first
     stop_below: float | None = 0.3  # a draft model's chain stops below this own probability (None: never)
@@ -185,6 +184,7 @@ class SpecConfig:
     verify: str | None = None  # the verification rule; None: the first the drafter allows (stored resolved)
     random: str = "auto"  # "auto", "stream", "position" or "gumbel"
     runner: str = "auto"  # "auto", "fast", "hf" or "llamacpp"
+    cross_vocab: str = "auto"  # a draft model with another tokenizer: "tli" (auto) or "slem"
 
     def __post_init__(self):
         self._check_values()
