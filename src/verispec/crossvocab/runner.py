@@ -135,10 +135,23 @@ class BridgedRunner:
             logits = self._last if self._last is not None else torch.zeros(len(ids), v, device=self.inner.device)
             self._extend(ends, ids)
             return logits.unsqueeze(1).expand(-1, max(len(t) for t in tokens), -1) if logits_at == "all" else logits
+        if logits_at == "last" and parents is None and all(e[-1] > e[-2] for e in ends if len(e) > 1):
+            return self._last_only(ids, ends)
         out = self.inner.forward(ids, logits_at="all", parents=parents, tree_start=tree_start)  # [B, T_d, V_d]
         self._extend(ends, ids)
         self._fresh = [f or bool(d) for f, d in zip(self._fresh, ids)]
         return self._at_tokens(out, ends, logits_at)
+
+    def _last_only(self, ids: list[list[int]], ends: list[list[int]]) -> Tensor:
+        """A chain forward whose rows' last target tokens all have draft ids: the draft's logits after them [B, V_d]
+        (the output layer runs at one position per row, as the drafter's chains ask)."""
+        out = self.inner.forward(ids, logits_at="last")  # [B, V_d]
+        fed = torch.tensor([bool(d) for d in ids], device=out.device).unsqueeze(-1)
+        last = self._last if self._last is not None and self._last.shape == out.shape else out
+        self._last = torch.where(fed, out, last)
+        self._extend(ends, ids)
+        self._fresh = [f or bool(d) for f, d in zip(self._fresh, ids)]
+        return self._last
 
     def _extend(self, ends: list[list[int]], ids: list[list[int]]) -> None:
         for e, add, i, d in zip(self._ends, ends, self._ids, ids):
