@@ -21,7 +21,6 @@ from ..helpers.cross_tok import (
     DRAFT_VOCAB,
     SAMPLES,
     TARGET_VOCAB,
-    cross_pair,
     disjoint_pair,
     draft_tokenizer,
     duplicate_draft_ids,
@@ -30,6 +29,7 @@ from ..helpers.cross_tok import (
     shared_strings,
     target_tokenizer,
 )
+from .fixed_pair import pair as fixed_pair
 
 V_T, V_D = len(TARGET_VOCAB), len(DRAFT_VOCAB)
 T = {tok: i for i, tok in enumerate(TARGET_VOCAB)}  # target token -> id
@@ -38,7 +38,7 @@ D = {tok: i for i, tok in enumerate(DRAFT_VOCAB)}  # draft token -> id
 
 @pytest.fixture(scope="module")
 def pair():
-    return cross_pair(0, agree=True)
+    return fixed_pair(0, agree=True)
 
 
 @pytest.fixture(scope="module")
