@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
 from verispec.cli import main
+
+from ..helpers.cli import PROCESS, run_verispec
 
 SEED = ["explain", "--p", "0.6,0.3,0.1", "--q", "0.4,0.5,0.1", "--labels", "cat,dog,fish"]
 
@@ -44,18 +44,30 @@ def test_explain_table_output(capsys):
     assert "0.52" in out and "NO" not in out
 
 
-@pytest.mark.parametrize(
-    "argv,msg",
-    [
-        (["explain", "--p", "0.6,0.3", "--q", "0.5,0.5"], "sum to exactly 1"),
-        (["explain", "--p", "0.6,0.4", "--q", "0.4,0.5,0.1"], "same length"),
-        (["explain", "--p", "1.2,-0.2", "--q", "0.5,0.5"], ">= 0"),
-        (["explain", "--p", "a,b", "--q", "0.5,0.5"], "not a list of numbers"),
-        (["explain", "--p", "0.5,0.5", "--q", "0.5,0.5", "--labels", "x"], "1 names for 2 tokens"),
-    ],
-)
-def test_explain_bad_input_one_line_exit_2(argv, msg):
-    proc = subprocess.run([sys.executable, "-m", "verispec.cli", *argv], capture_output=True, text=True)
+EXPLAIN_BAD = [
+    (["explain", "--p", "0.6,0.3", "--q", "0.5,0.5"], "sum to exactly 1"),
+    (["explain", "--p", "0.6,0.4", "--q", "0.4,0.5,0.1"], "same length"),
+    (["explain", "--p", "1.2,-0.2", "--q", "0.5,0.5"], ">= 0"),
+    (["explain", "--p", "a,b", "--q", "0.5,0.5"], "not a list of numbers"),
+    (["explain", "--p", "0.5,0.5", "--q", "0.5,0.5", "--labels", "x"], "1 names for 2 tokens"),
+]
+
+
+# In the test process in the default tier, as `python -m verispec.cli` processes in the slow tier (tests/helpers/cli.py);
+# the first case also runs as a process in the default tier (below).
+@pytest.mark.parametrize("process", PROCESS)
+@pytest.mark.parametrize("argv,msg", EXPLAIN_BAD)
+def test_explain_bad_input_one_line_exit_2(argv, msg, process, capsys):
+    proc = run_verispec(argv, capsys, process)
+    assert proc.returncode == 2
+    assert proc.stderr.count("\n") == 1 and msg in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.integration
+def test_a_bad_input_is_one_line_and_exit_2_from_a_process():
+    """The process itself (the entry point's exit status, nothing else written to stderr), in the default tier."""
+    argv, msg = EXPLAIN_BAD[0]
+    proc = run_verispec(argv, process=True)
     assert proc.returncode == 2
     assert proc.stderr.count("\n") == 1 and msg in proc.stderr and "Traceback" not in proc.stderr
 
@@ -69,8 +81,7 @@ def test_bench_kernel_smoke(capsys, tmp_path):
     assert rows[0]["reference_s"] > 0 and rows[0]["verispec_s"] > 0
 
 
-def test_bench_kernel_bad_shape():
-    proc = subprocess.run(
-        [sys.executable, "-m", "verispec.cli", "bench", "kernel", "--shape", "8x4"], capture_output=True, text=True
-    )
+@pytest.mark.parametrize("process", PROCESS)
+def test_bench_kernel_bad_shape(process, capsys):
+    proc = run_verispec(["bench", "kernel", "--shape", "8x4"], capsys, process)
     assert proc.returncode == 2 and "BxKxV" in proc.stderr

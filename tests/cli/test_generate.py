@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 
 import pytest
 
 from verispec.cli import main
 
+from ..helpers.cli import PROCESS, run_verispec
 from ..helpers.tiny import greedy_reference, make_model, make_tokenizer
 
 
@@ -28,10 +27,6 @@ def model_dirs(tmp_path_factory):
     make_tokenizer(["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(29)]).save_pretrained(other)
     dirs["other"] = other
     return dirs
-
-
-def run_cli(*argv):
-    return subprocess.run([sys.executable, "-m", "verispec.cli", *argv], capture_output=True, text=True)
 
 
 @pytest.mark.parametrize("verify", ["token", "block"])
@@ -61,20 +56,15 @@ def test_generate_json_greedy_matches_reference(model_dirs, capsys, verify):
     assert doc["stats"]["drafted"] > 0
 
 
-def test_generate_streams_and_prints_stats(model_dirs):
-    proc = run_cli(
-        "generate",
-        "a b c",
-        "--target",
-        str(model_dirs["target"]),
-        "--draft",
-        "ngram",
-        "--max-new-tokens",
-        "8",
-        "--seed",
-        "3",
-        "--chat",
-    )
+# The commands below run in the test process in the default tier and as `python -m verispec.cli` processes in the
+# slow tier (tests/helpers/cli.py: a process costs seconds on 2 cores); tests/serve/test_server.py and
+# tests/cli/test_cli.py run the command as a process in the default tier.
+
+
+@pytest.mark.parametrize("process", PROCESS)
+def test_generate_streams_and_prints_stats(model_dirs, process, capsys):
+    argv = ["generate", "a b c", "--target", model_dirs["target"], "--draft", "ngram", "--max-new-tokens", "8"]
+    proc = run_verispec([*argv, "--seed", "3", "--chat"], capsys, process)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() != ""
     assert "tokens/pass" in proc.stderr and "draft=ngram" in proc.stderr
@@ -90,9 +80,10 @@ def test_generate_streams_and_prints_stats(model_dirs):
         (["--draft", "self"], "--draft self needs --draft-quant"),
     ],
 )
-def test_generate_bad_arguments_one_line(model_dirs, extra, msg):
+@pytest.mark.parametrize("process", PROCESS)
+def test_generate_bad_arguments_one_line(model_dirs, extra, msg, process, capsys):
     extra = [str(model_dirs["other"]) if x == "OTHER" else x for x in extra]
-    proc = run_cli("generate", "a b", "--target", str(model_dirs["target"]), *extra)
+    proc = run_verispec(["generate", "a b", "--target", model_dirs["target"], *extra], capsys, process)
     assert proc.returncode == 2
     last = proc.stderr.strip().splitlines()[-1]
     assert "Traceback" not in proc.stderr and re.search(msg, last), proc.stderr
@@ -144,34 +135,24 @@ def test_self_draft_summary_names_the_self_draft(model_dirs, capsys):
     assert "spec draft=self,quant=int8,gamma=2," in summary and "draft-model" not in summary
 
 
-def test_bench_runner_prints_the_cost_curves(model_dirs, tmp_path):
+@pytest.mark.parametrize("process", PROCESS)
+def test_bench_runner_prints_the_cost_curves(model_dirs, tmp_path, process, capsys):
     out = tmp_path / "runner.json"
-    proc = run_cli(
-        "bench",
-        "runner",
-        "--model",
-        str(model_dirs["target"]),
-        "--max-k",
-        "5",
-        "--repeats",
-        "2",
-        "--context",
-        "8",
-        "--json",
-        str(out),
-    )
+    argv = ["bench", "runner", "--model", model_dirs["target"], "--max-k", "5", "--repeats", "2", "--context", "8"]
+    proc = run_verispec([*argv, "--json", out], capsys, process)
     assert proc.returncode == 0, proc.stderr
     assert "hf / fast" in proc.stdout and "read bandwidth" in proc.stdout and "int4-self" in proc.stdout
     doc = json.loads(out.read_text())
     assert set(doc["curves"]) == {"hf", "fast", "int8-self", "int4-self"}
     assert all(len(c) == 5 and min(c) > 0 for c in doc["curves"].values())
     assert doc["paths"]["int4-self"]["bytes_per_step"] < doc["paths"]["fast"]["bytes_per_step"] / 3
-    bad = run_cli("bench", "runner", "--model", str(model_dirs["target"]), "--paths", "fast,turbo")
+    bad = run_verispec(["bench", "runner", "--model", model_dirs["target"], "--paths", "fast,turbo"], capsys, process)
     assert bad.returncode == 2 and "unknown path" in bad.stderr
 
 
-def test_generate_prompt_longer_than_context(model_dirs):
-    proc = run_cli("generate", " ".join(["a"] * 300), "--target", str(model_dirs["target"]))
+@pytest.mark.parametrize("process", PROCESS)
+def test_generate_prompt_longer_than_context(model_dirs, process, capsys):
+    proc = run_verispec(["generate", " ".join(["a"] * 300), "--target", model_dirs["target"]], capsys, process)
     assert proc.returncode == 2 and "context is 256" in proc.stderr
 
 
