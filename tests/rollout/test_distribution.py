@@ -4,7 +4,8 @@
 The test is the engine's (tests/engine/test_distribution.py): the first L = 3 tokens of N = 12 000 seeded samples
 against the updated target's exact sequence distribution, chi-square at LEVEL = 1e-4 (bins merged to expected
 counts >= 5). Power: the same test at the same N rejects the deliberately broken engine there (q before
-temperature) and, here, SPEC-RL's reuse rule.
+temperature) and, here, SPEC-RL's reuse rule (slow tier: ~20 s on 2 cores; in the default tier SPEC-RL's rule FAILS
+the generator certificate with its power asserted, tests/certify/test_generate.py::test_spec_rl_reuse_rule_fails).
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ def test_rollouts_after_an_update_with_a_foreign_history_follow_the_new_target(w
         assert by_source["chain"] > 0 and by_source["branches"] > 0
 
 
+@pytest.mark.slow
 def test_spec_rl_reuse_rule_fails(tiny_draft):
     """SPEC-RL's rollout reuse (Liu et al. 2025): old-policy tokens accepted with probability min(1, p_new / p_old),
     a fresh draw from p_new at the first rejection instead of the residual. With the tiny draft as the old policy
