@@ -163,12 +163,15 @@ def test_a_killed_replica_is_replaced_and_its_shard_rerun(cluster, crash_dir):
     assert all(o.weight_version == version for o in outs)
 
 
-def test_a_replica_that_cannot_take_the_weights_back_shuts_the_cluster(ray_local, tmp_path):
+# A cluster of its own costs a Ray actor start per replica (seconds each on 2 cores): one replica in the default
+# tier, two (the one that could not take the weights back takes its sibling down) in the slow tier.
+@pytest.mark.parametrize("replicas", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_a_replica_that_cannot_take_the_weights_back_shuts_the_cluster(ray_local, tmp_path, replicas):
     """A restarted replica whose replay fails (its checkpoint path is gone) must not sample with initial weights."""
     ckpt, crash = tmp_path / "ckpt", tmp_path / "crash"
     ckpt.mkdir(), crash.mkdir()
     save_file(dict(_new_weights(7)), str(ckpt / "model.safetensors"))
-    cluster = RolloutCluster(TinyEngine(crash_dir=str(crash)), num_replicas=2, threads_per_replica=1)
+    cluster = RolloutCluster(TinyEngine(crash_dir=str(crash)), num_replicas=replicas, threads_per_replica=1)
     try:
         cluster.update_weights_from_path(ckpt)
         shutil.rmtree(ckpt)
@@ -216,23 +219,26 @@ def test_ray_must_be_initialized(monkeypatch):
         RolloutCluster(TinyEngine())
 
 
-def test_bench_replicas_on_tiny_saved_models(ray_local, tmp_path):
+@pytest.mark.parametrize("layouts", [(1,), pytest.param((1, 2), marks=pytest.mark.slow)], ids=["1", "1,2"])
+def test_bench_replicas_on_tiny_saved_models(ray_local, tmp_path, layouts):
     """`verispec bench replicas` end to end on the module's Ray instance (a smoke test of the workload and its
-    report; speed is never asserted)."""
+    report; speed is never asserted). Every layout starts a cluster (a Ray actor per replica, seconds each on 2
+    cores): one replica in the default tier; 1 and 2, compared, in the slow tier."""
     save_tiny_pair(tmp_path)
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(
         "\n".join(json.dumps({"prompt": p, "category": c}) for p, c in (("a b c a b", "code"), ("x0 d e d", "math")))
     )
     argv = ["bench", "replicas", "--target", str(tmp_path / "target"), "--prompts", str(prompts), "--no-chat"]
-    argv += ["--num-prompts", "1", "--group", "2", "--max-new-tokens", "5", "--methods", "plain", "--replicas", "1,2"]
+    argv += ["--num-prompts", "1", "--group", "2", "--max-new-tokens", "5", "--methods", "plain"]
+    argv += ["--replicas", ",".join(map(str, layouts))]
     assert main([*argv, "--out", str(tmp_path / "out")]) == 0
     result = read_strict_json(tmp_path / "out" / "replicas.json")
     recs = result["records"]
     assert {(r["category"], r["replicas"], r["threads"]) for r in recs} == {
-        (c, r, 1) for c in ("code", "math") for r in (1, 2)
+        (c, r, 1) for c in ("code", "math") for r in layouts
     }
     assert all(r["tokens"] == 2 * 5 and r["same_tokens_as_1_replica"] for r in recs)
     assert all(r["ratio_to_1_replica"] == 1.0 for r in recs if r["replicas"] == 1)
-    assert result["machine"]["cpu_count"] >= 1 and len(result["totals"]) == 2
-    assert "| plain | all | 2 | 1 |" in (tmp_path / "out" / "replicas.md").read_text()
+    assert result["machine"]["cpu_count"] >= 1 and len(result["totals"]) == len(layouts)
+    assert f"| plain | all | {layouts[-1]} | 1 |" in (tmp_path / "out" / "replicas.md").read_text()
