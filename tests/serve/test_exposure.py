@@ -360,7 +360,9 @@ SEEDED = {"model": MODEL, "prompt": "a b c a b c a b c a b", "max_tokens": 40, "
 LOAD = {"model": MODEL, "prompt": "x0 d e", "max_tokens": 30, "temperature": 1.0, "n": 2, "ignore_eos": True}
 
 
-@pytest.mark.parametrize("draft", ["ngram", "model"])
+# prompt lookup in the slow tier (a server of its own, seconds on 2 cores): random=auto's coupling of prompt lookup's
+# drafts is checked in the default tier by tests/engine/test_auto_randomness.py, alone and under load
+@pytest.mark.parametrize("draft", [pytest.param("ngram", marks=pytest.mark.slow), "model"])
 def test_a_seeded_request_repeats_on_a_default_server_under_load_and_any_gamma(tiny_target, tiny_noisy, draft):
     gen = SpeculativeGenerator(tiny_target, tiny_noisy if draft == "model" else "ngram")  # default config otherwise
     with LiveServer(gen, max_batch=8) as s:
@@ -369,7 +371,8 @@ def test_a_seeded_request_repeats_on_a_default_server_under_load_and_any_gamma(t
 
 
 def test_the_stream_rule_does_not_repeat_so_the_test_above_bites(tiny_target, tiny_noisy):
-    """Negative control: random=stream (the old default) gives a seeded request different texts under gamma 1/3/6."""
+    """Negative control: random=stream (the old default) gives a seeded request different texts under gamma 1/3/6
+    (for one of seeds 1, 2, 3: the first that does ends the test)."""
     gen = SpeculativeGenerator(tiny_target, tiny_noisy, seeding="stream")
     with LiveServer(gen, max_batch=8) as s:
-        assert max(len(_seeded_texts(s, SEEDED | {"seed": seed}, LOAD)) for seed in (1, 2, 3)) > 1
+        assert any(len(_seeded_texts(s, SEEDED | {"seed": seed}, LOAD)) > 1 for seed in (1, 2, 3))

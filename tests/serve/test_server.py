@@ -300,8 +300,12 @@ def test_client_disconnect_mid_stream_stops_the_request(tiny_long_target):
         assert ok.status_code == 200  # and the server goes on
 
 
+@pytest.mark.slow
 def test_cli_serve_starts_and_answers(tmp_path):
-    """`verispec serve` end to end: a tiny model saved to disk, a real process, curl-like calls."""
+    """`verispec serve` end to end: a tiny model saved to disk, a real process, curl-like calls. Slow tier (two
+    processes, ~20 s on 2 cores): in the default tier tests/serve/test_load.py runs `verispec serve` as a process with
+    the same flags and drives its completions, tests/cli/test_checks.py refuses --port 0 in the test process, and
+    tests/cli/test_cli.py checks a usage error's exit status and one line from a process."""
     import subprocess
     import sys
 
