@@ -84,8 +84,15 @@ def _cheap(seed: int, draw: str) -> list[TreeCase]:
     return [TreeCase(f"{draw}-cheap", (2, 1), draw, p, q)]
 
 
+# ~4 s per rule on 2 cores: sampled children without replacement and the mixed layout in the default tier, iid and
+# deterministic (whose tree certificates PASS at 10k in the default tier) in the slow tier
+FPR_DEFAULT_RULES = ("without_replacement", "mixed")
+
+
 @pytest.mark.statistical
-@pytest.mark.parametrize("draw", VERIFY_RULES)
+@pytest.mark.parametrize(
+    "draw", [d if d in FPR_DEFAULT_RULES else pytest.param(d, marks=pytest.mark.slow) for d in VERIFY_RULES]
+)
 def test_false_positive_rate_within_binomial_bound(draw):
     """50 seeds of a correct verifier at family-wise level 0.05: FAIL count <= the 99.9% binomial quantile; and
     the same cheap setup catches the stale-residual bug on (almost) every seed."""

@@ -214,6 +214,7 @@ def test_stale_mask_grammar_passes_when_correct(tiny_target, far_draft, law_g2):
     assert not result.rejects(LEVEL), result
 
 
+@pytest.mark.slow  # the stale mask's power on G2 (test_stale_root_mask_fails) is the default tier's
 def test_stale_root_mask_fails_on_g1(tiny_target, far_draft, law_g1, stale_root_mask):
     """With G1 the stale mask lets the target emit tokens the grammar refuses (c after a letter, a letter after d):
     the engine must not pass the test - it either stops (the row's matcher refuses the token) or its law is wrong."""
@@ -275,6 +276,7 @@ def test_unmasked_draw_masked_q_with_refused_tokens_verified_fails(tiny_target, 
     assert result.rejects(LEVEL), result
 
 
+@pytest.mark.slow  # (c) as the engine runs it (test_unmasked_q_handed_consistently_is_exact) is the default tier's
 def test_unmasked_q_handed_consistently_without_the_cut_is_exact(tiny_target, law_g1, no_cut):
     """(c) Drafts drawn from q_u and verification handed that same q_u, every draft verified: exact, and passes
     (measured p-value ~ 0.04). Verification needs only that q is the law the drafts were drawn from; the masked p gives
