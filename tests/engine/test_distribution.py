@@ -55,11 +55,13 @@ CASES = (
     + [("self-int4", "top_k_top_p")]  # the target's own weights, int4-quantized, bfloat16 compute
     + [("draft-model-block", "top_k_top_p"), ("ngram-block", "penalties")]  # verify="block"
 )
-SLOW_CASES = {("ngram", "temperature"), ("ngram-block", "penalties")}
+SLOW_CASES = {("ngram", "temperature"), ("ngram-block", "penalties"), ("draft-model", "temperature")}
 
 
-# ngram-temperature in the slow tier: prompt lookup's one-hot drafts are checked in the default tier by ngram-penalties
-# (temperature 0.8 with both penalties), the processors at this temperature by draft-model-temperature.
+# In the slow tier (~10 s each on 2 cores): ngram-temperature, prompt lookup's one-hot drafts being checked in the
+# default tier by ngram-penalties (temperature 0.8 with both penalties); draft-model-temperature, a draft model's
+# chains at a temperature other than 1 being checked by draft-model-penalties (0.8) and plain decoding and the broken
+# engine at this temperature (0.6) by the two tests below.
 @pytest.mark.parametrize(
     "drafter,setting",
     [pytest.param(d, s, id=f"{d}-{s}", marks=[pytest.mark.slow] if (d, s) in SLOW_CASES else []) for d, s in CASES],

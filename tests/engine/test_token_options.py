@@ -10,7 +10,9 @@ Power: the deliberately broken engine whose target p builds the bad-word context
 verification slot sees the context before the step, as if the drafts before it were not there) emits the banned
 pair 22 -> 23 after an accepted draft 22: measured on these seeds, 1174 of its 3000 samples (39%) are sequences
 of probability 0, so the same test at N = 3000 rejects it with probability > 1 - 0.62 ** 3000 (power ~ 1; each
-sample has a probability-0 sequence with probability ~ 0.39, so even N = 50 would give power > 0.9999).
+sample has a probability-0 sequence with probability ~ 0.39, so even N = 50 would give power > 0.9999). The default
+tier runs the broken engine on N_POWER = 300 of those seeds (power > 1 - 0.62 ** 300 > 1 - 1e-60), the slow tier on
+N and N_SLOW.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ pytestmark = pytest.mark.statistical
 LEVEL = 1e-4
 N = 3000
 N_SLOW = 20_000
+N_POWER = 300  # the broken engine's sample size in the default tier (its power: the docstring above)
 L = 3
 PROMPT = [3, 7, 7, 12, 3, 7]
 ALLOWED = (3, 7, 9, 10, 12, 15, 22, 23)
@@ -133,7 +136,9 @@ def _score_without_draft_context(batch, chunk, ids, par, parents=None):
     return logits, view.probs(logits, counts, recent)
 
 
-@pytest.mark.parametrize("n", [N, pytest.param(N_SLOW, marks=pytest.mark.slow, id="large")])
+@pytest.mark.parametrize(
+    "n", [N_POWER, pytest.param(N, marks=pytest.mark.slow), pytest.param(N_SLOW, marks=pytest.mark.slow, id="large")]
+)
 def test_bad_word_context_without_the_drafts_is_rejected(n, tiny_target, tiny_noisy, exact, monkeypatch):
     monkeypatch.setattr(verify, "score", _score_without_draft_context)
     gen = _generator("chain", tiny_target, tiny_noisy)
