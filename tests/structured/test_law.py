@@ -12,7 +12,11 @@ EOS) per configuration, a chi-square goodness of fit over the 9 outputs plus a p
 test, seeds fixed (so the outcome of each test is deterministic; a false alarm would be a 1e-3 event).
 Power: at N = 3000 the test rejects every alternative law at total variation >= 0.07 from the exact one with
 probability >= 0.99 (`detectable_tv`, worst case over directions; asserted below). The slow tier repeats every
-configuration at N = 20 000 (TV >= 0.025).
+configuration at N = 20 000 (TV >= 0.025). Three configurations run at N = 3000 in the slow tier only (~6 s each on
+2 cores), their mechanisms being checked under the grammar in the default tier by a neighbour: tree-without-replacement
+(the mask on a tree's nodes: tree-iid), block (verification of a masked chain: chain) and position (a seeded row
+under the grammar: auto-seeded; position seeding under a grammar, the same tokens for gamma 1, 2 and 4:
+tests/structured/test_review_fixes.py; its law: tests/engine/test_positional.py).
 
 The draft models: a 1-layer model of another seed (8), whose masked q is 0.1-0.35 in TV from the masked p at the
 first slots (rejections and residuals are exercised), with stop_below=none (the default, 0.3, measures the draft's
@@ -143,9 +147,12 @@ def check_law(gen, law, n, spec):
             assert stats.accepted < stats.drafted, spec  # ... with rejections
 
 
+SLOW_ONLY = ("tree-without-replacement", "block", "position")  # at N as well as N_SLOW: the docstring above
+
+
 @pytest.mark.parametrize(
     "name, n",
-    [pytest.param(name, N, id=name) for name in CONFIGS]
+    [pytest.param(name, N, id=name, marks=[pytest.mark.slow] if name in SLOW_ONLY else []) for name in CONFIGS]
     + [pytest.param(name, N_SLOW, id=f"{name}-large", marks=pytest.mark.slow) for name in CONFIGS],
 )
 def test_constrained_law(name, n, tiny_target, far_draft, law_g1, jump_counter):
