@@ -15,7 +15,7 @@ Power (asserted in test_power): at N = 3000 the test detects every alternative a
 over directions); the slow tier repeats every configuration at both settings with N = 20 000 (TV >= 0.07 / 0.045).
 
 The pair: tests/helpers/cross_tok.py's agreeing draft (the target's layers, its rows remapped to the draft's ids with
-noise), built independently of the hash seed (fixed_pair.py). Its byte-fallback duplicates ('<0x61>' beside 'a',
+noise; fixed_pair.py caches it). Its byte-fallback duplicates ('<0x61>' beside 'a',
 '<0x20>' beside '▁', '<0x2E>' beside '.') carry real mass, and PROMPT's law puts mass on 'a', ' ' and '.'.
 
 Broken on purpose, the same test fails: a TLI drafter that draws each draft from q summed over the duplicates (the

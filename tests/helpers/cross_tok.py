@@ -219,7 +219,7 @@ def agreeing_draft(target: torch.nn.Module, noise: float = 0.1, seed: int = 0) -
     d_emb, d_head = draft.get_input_embeddings().weight, draft.lm_head.weight
     for w, std in ((d_emb, t_emb.std()), (d_head, t_head.std())):
         w.copy_(0.1 * std * torch.randn(w.shape, generator=g))
-    for ti, di in shared_id_pairs():
+    for ti, di in sorted(shared_id_pairs()):  # sorted: a set's order follows PYTHONHASHSEED
         d_emb[di] = t_emb[ti] + noise * t_emb.std() * torch.randn(t_emb.shape[1], generator=g)
         d_head[di] = t_head[ti] + noise * t_head.std() * torch.randn(t_head.shape[1], generator=g)
     draft.config.vocab_size = len(DRAFT_VOCAB)
