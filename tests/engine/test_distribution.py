@@ -82,6 +82,11 @@ def test_engine_matches_target_sequence_distribution(drafter, setting, tiny_targ
     assert gen.last_stats.accepted < gen.last_stats.drafted  # ... and rejections too
 
 
+# Slow tier (~12 s on 2 cores): plain decoding of seeded requests is the keyed Gumbel race (random=auto), whose law the
+# default tier checks as a sampler (tests/sampling/test_coupling.py) and in the engine, as the seeded half of a mixed
+# batch with a draft model (tests/engine/test_auto_randomness.py), and whose tokens coupled speculation reproduces
+# (tests/engine/test_coupling.py); this harness's control is every passing case above.
+@pytest.mark.slow
 def test_plain_decoding_matches_target_sequence_distribution(tiny_target):
     params = SETTINGS["temperature"]
     result = gof(
