@@ -55,13 +55,22 @@ CASES = (
     + [("self-int4", "top_k_top_p")]  # the target's own weights, int4-quantized, bfloat16 compute
     + [("draft-model-block", "top_k_top_p"), ("ngram-block", "penalties")]  # verify="block"
 )
-SLOW_CASES = {("ngram", "temperature"), ("ngram-block", "penalties"), ("draft-model", "temperature")}
+SLOW_CASES = {
+    ("ngram", "temperature"),
+    ("ngram", "penalties"),
+    ("ngram-block", "penalties"),
+    ("draft-model", "temperature"),
+    ("draft-model", "top_k_top_p"),
+}
 
 
-# In the slow tier (~10 s each on 2 cores): ngram-temperature, prompt lookup's one-hot drafts being checked in the
-# default tier by ngram-penalties (temperature 0.8 with both penalties); draft-model-temperature, a draft model's
-# chains at a temperature other than 1 being checked by draft-model-penalties (0.8) and plain decoding and the broken
-# engine at this temperature (0.6) by the two tests below.
+# In the slow tier only (~10 s each on 2 cores), their mechanisms being checked in the default tier by a neighbour:
+# prompt lookup (ngram-temperature, ngram-penalties): its one-hot drafts by the constrained law of prompt lookup with
+# jump-forward (tests/structured/test_law.py, chi-square at N = 3000) and the kernel certificate's one-hot cases, the
+# penalties' context holding the drafts by draft-model-penalties; draft-model-temperature: a draft model's chains at a
+# temperature other than 1 by draft-model-penalties (0.8), this temperature (0.6) by the broken engine below;
+# draft-model-top_k_top_p: the same draft, setting and N in a mixed batch whose unseeded half runs this rule
+# (tests/engine/test_auto_randomness.py::test_a_mixed_batch_keeps_the_targets_distribution).
 @pytest.mark.parametrize(
     "drafter,setting",
     [pytest.param(d, s, id=f"{d}-{s}", marks=[pytest.mark.slow] if (d, s) in SLOW_CASES else []) for d, s in CASES],
