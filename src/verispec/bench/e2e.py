@@ -188,7 +188,8 @@ def _hf_generate(
 ) -> tuple[int, float, int]:
     """(tokens, seconds, target forward calls) for HF generate over prompts one at a time; with a draft, its
     assisted generation (universal assisted generation when the draft's tokenizer differs)."""
-    from ..certify.methods import hf_assistant_kwargs, same_tokenizer
+    from ..certify.methods import hf_assistant_kwargs
+    from ..crossvocab import same_tokenizer
 
     same = draft is None or same_tokenizer(target, draft)
     tokens = calls = 0
@@ -307,7 +308,9 @@ def method_models(methods, cfg: E2EConfig) -> list[str]:
 
 def _generator(target: LoadedModel, draft: LoadedModel | None, config: SpecConfig, drafts=None) -> SpeculativeGenerator:
     """A method's generator; its draft model: its own model= (loaded into `drafts`, path -> model) or the run's."""
-    model = (drafts or {}).get(config.model, draft) if config.model else draft
+    if config.model and config.model not in (drafts or {}):
+        raise ValueError(f"a method names model={config.model}, which was not loaded (pass it in drafts)")
+    model = drafts[config.model] if config.model else draft
     return SpeculativeGenerator(target, model if config.drafter.model else None, config=config)
 
 

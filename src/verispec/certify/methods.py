@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
+from ..crossvocab import same_tokenizer
 from ..engine.config import SpecConfig
 from ..engine.generator import SpeculativeGenerator
 from ..model import loading
@@ -341,11 +342,6 @@ def _hf_method(spec: MethodSpec, target) -> SampleFn:
         return out, None
 
     return sample_hf
-
-
-def same_tokenizer(target, draft) -> bool:
-    """Whether two LoadedModels share one tokenizer (the same get_vocab(), as verispec's drafting checks it)."""
-    return target.tokenizer is draft.tokenizer or target.tokenizer.get_vocab() == draft.tokenizer.get_vocab()
 
 
 def hf_assistant_kwargs(target, draft, sample: bool, same: bool | None = None) -> dict:

@@ -43,8 +43,9 @@ def vocab_sizes(target: LoadedModel, draft: LoadedModel) -> tuple[int, int]:
 def cross_vocab_proposer(target: LoadedModel, draft: LoadedModel, config, merge: str = "sum"):
     """The drafter for a draft model with another tokenizer, as config.cross_vocab says ("auto" is "tli")."""
     v_t, v_d = vocab_sizes(target, draft)
-    vocab = VocabMap.build(target.tokenizer, draft.tokenizer, v_t, v_d, merge=merge)
-    if config.cross_vocab == "slem":
+    slem = config.cross_vocab == "slem"
+    vocab = VocabMap.build(target.tokenizer, draft.tokenizer, v_t, v_d, merge=merge, need_overlap=not slem)
+    if slem:
         return SlemProposer(draft.model, target.tokenizer, vocab, v_t, v_d, runner=config.runner, quant=config.quant)
     return DraftModelProposer(
         draft.model,

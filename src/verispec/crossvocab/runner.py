@@ -26,6 +26,8 @@ from .vocab import VocabMap
 
 __all__ = ["BridgedRunner"]
 
+TREE_SLACK = 128  # draft slots kept free past a chain forward (a tree's nodes are written without growing the cache)
+
 
 class BridgedRunner:
     """A runner over draft ids (`inner`) that takes and returns target ids and target-vocabulary logits."""
@@ -39,17 +41,35 @@ class BridgedRunner:
         self._ids: list[list[int]] = []  # [B] rows of the draft ids in the draft's cache
         self._fresh: list[bool] = []  # [B] whether _last[b] is the draft's logits after _ids[b][-1]
 
+    @property
+    def _standin(self) -> int:
+        return int(torch.nonzero(self.map.d2t >= 0)[0, 0])
+
+    @property
+    def calibration_ids(self) -> Tensor | None:
+        """Target ids of the intersection [S]: what timing a draft step feeds (`measure_cost_curve`), one draft id
+        each, as drafts are (None: no intersection, time any ids)."""
+        ids = torch.unique(self.map.d2t[self.map.d2t >= 0])
+        return ids if ids.numel() else None
+
     def __getattr__(self, name):  # device, max_positions, tokens_computed, kernels, ...: the draft runner's
         if name == "inner":
             raise AttributeError(name)
         return getattr(self.inner, name)
 
     # --- rows -----------------------------------------------------------------------------------------
-    def _spelled(self, seqs: Sequence[Sequence[int]]) -> tuple[list[list[int]], list[list[int]]]:
-        """Draft ids per row and each row's draft lengths per target length."""
+    def _spelled(
+        self, seqs: Sequence[Sequence[int]], one_each: bool = False
+    ) -> tuple[list[list[int]], list[list[int]]]:
+        """Draft ids per row and each row's draft lengths per target length. one_each (tree nodes, whose slots must
+        line up in both vocabularies): one draft id per token — its spelling's first, or a stand-in where it has
+        none; a node outside the intersection (drawn only where the request allowed no token of it) then gives its
+        children a stand-in context, which costs acceptance, not exactness."""
         ids, ends = [], []
         for s in seqs:
             parts = [self.map.spell(int(t)) for t in s]
+            if one_each:
+                parts = [p[:1] or [self._standin] for p in parts]
             ids.append([d for p in parts for d in p])
             ends.append([0, *accumulate(len(p) for p in parts)])
         return ids, ends
@@ -90,13 +110,16 @@ class BridgedRunner:
 
     def select(self, rows: list[int]) -> None:
         self.inner.select(rows)
-        self._ends = [self._ends[r] for r in rows]
-        self._ids, self._fresh = [self._ids[r] for r in rows], [self._fresh[r] for r in rows]
+        self._ends = [list(self._ends[r]) for r in rows]  # copies: a row may be selected twice
+        self._ids, self._fresh = [list(self._ids[r]) for r in rows], [self._fresh[r] for r in rows]
         if self._last is not None:
             self._last = self._last[torch.tensor(rows, device=self._last.device)]
 
-    def _room(self, extra: list[int]) -> None:
-        need = max((e[-1] + n for e, n in zip(self._ends, extra)), default=0)
+    def room(self, extra: list[int], slack: int = 0) -> None:
+        """Room in the draft's cache for a forward of extra[b] draft ids per row (as the cache counts: the longest
+        row plus the widest chunk), plus `slack` (chains keep a tree's worth: the llama.cpp runner cannot grow while
+        a tree is open)."""
+        need = max((e[-1] for e in self._ends), default=0) + max(extra, default=0) + slack
         if need > self.inner.capacity:
             self.inner.reserve(max(need, 2 * self.inner.capacity))
 
@@ -119,17 +142,15 @@ class BridgedRunner:
         tree_start: Sequence[int] | None = None,
     ) -> Tensor:
         """`forward` with the draft's own logits: [B, T, V_d] ("all") or [B, V_d] ("last")."""
-        ids, ends = self._spelled(tokens)  # ends[b][i]: draft ids fed up to and including target token i - 1
+        ids, ends = self._spelled(tokens, one_each=parents is not None)  # ends[b][i]: draft ids up to token i - 1
         if parents is not None:
-            if any(len(d) != len(t) for d, t in zip(ids, tokens)):
-                raise ValueError("a tree node outside the vocabularies' intersection (tree nodes must be drafts)")
             if tree_start is not None:
                 tree_start = [e[s] for e, s in zip(self._ends, tree_start)]
         else:  # rows whose chain starts with a token spelled by nothing need the logits after their last draft id
             stale = [b for b, e in enumerate(ends) if len(e) > 1 and e[1] == 0 and not self._fresh[b] and self._ids[b]]
             if stale:
                 self._refresh(stale)
-        self._room([len(d) for d in ids])
+        self.room([len(d) for d in ids], slack=0 if parents is not None else TREE_SLACK)
         if not any(ids):  # nothing the draft can read: its logits after what it read last
             v = self.map.d2t.numel()
             logits = self._last if self._last is not None else torch.zeros(len(ids), v, device=self.inner.device)
@@ -153,6 +174,16 @@ class BridgedRunner:
         self._fresh = [f or bool(d) for f, d in zip(self._fresh, ids)]
         return self._last
 
+    # --- the draft's own tokens (string-level exact match drafts in the draft's vocabulary) ------------------
+    def own_forward(self, ids: Sequence[Sequence[int]]) -> Tensor:
+        """Feed draft ids of the draft's own choosing after each row (room reserved by `room` beforehand); the
+        draft's logits after them [B, V_d]. They are not the target's tokens: `forget_own` drops them."""
+        return self.inner.forward(ids, logits_at="last")
+
+    def forget_own(self) -> None:
+        """Roll the draft's cache back to the target's tokens (what `own_forward` added leaves it)."""
+        self.inner.truncate([e[-1] for e in self._ends])
+
     def _extend(self, ends: list[list[int]], ids: list[list[int]]) -> None:
         for e, add, i, d in zip(self._ends, ends, self._ids, ids):
             base = e[-1]
@@ -162,6 +193,7 @@ class BridgedRunner:
     def _refresh(self, rows: list[int]) -> None:
         """_last for these rows: their last draft id leaves the draft's cache and is fed again."""
         self.inner.truncate([len(i) - (b in rows) for b, i in enumerate(self._ids)])
+        self.room([1])
         out = self.inner.forward([[i[-1]] if b in rows else [] for b, i in enumerate(self._ids)], logits_at="last")
         mask = torch.tensor([b in rows for b in range(len(self._ids))], device=out.device).unsqueeze(-1)
         base = self._last if self._last is not None and self._last.shape == out.shape else torch.zeros_like(out)
@@ -198,7 +230,7 @@ class BridgedRunner:
 
     def prefill(self, tokens: Sequence[Sequence[int]], chunk: int = 512) -> None:
         ids, ends = self._spelled(tokens)
-        self._room([len(d) for d in ids])
+        self.room([len(d) for d in ids])
         self.inner.prefill(ids, chunk)
         self._extend(ends, ids)
         self._fresh = [f and not d for f, d in zip(self._fresh, ids)]

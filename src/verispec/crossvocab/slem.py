@@ -16,6 +16,8 @@ draft's best guess of the target's mode.
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from ..drafting.base import BatchView, Draft, Proposer
@@ -50,6 +52,7 @@ class SlemProposer(Proposer):
         self.map = vocab
         self.lookbehind, self.extra = lookbehind, extra
         self.quant = quant
+        self._v_draft, self._runner_kind = v_draft, runner
         self.runner = BridgedRunner(make_runner(model, v_draft, runner=runner, quant=quant), vocab, v_target)
         self._special_ids = {i for i, k in enumerate(vocab.draft_keys) if isinstance(k, str)}
 
@@ -61,6 +64,14 @@ class SlemProposer(Proposer):
 
     def select(self, rows: list[int]) -> None:
         self.runner.select(rows)
+
+    def weights_changed(self, model) -> float:
+        """A quantized draft is re-quantized when its own weights were replaced (the target's change nothing here)."""
+        if model is not self.model or self.quant is None:
+            return 0.0
+        t0 = time.perf_counter()
+        self.runner.inner = make_runner(self.model, self._v_draft, runner=self._runner_kind, quant=self.quant)
+        return time.perf_counter() - t0
 
     def propose(self, view: BatchView, caps: list[int]) -> Draft:
         B = len(view.seqs)
@@ -81,8 +92,8 @@ class SlemProposer(Proposer):
         runner = self.runner
         feed = [s[n:] if c > 0 else [] for s, n, c in zip(view.seqs, runner.lengths, caps)]
         logits = runner.draft_forward(feed, logits_at="last")  # [B, V_d]: after each row's pending token
-        committed = [e[-1] for e in runner._ends]
         want = [c + self.extra if c > 0 else 0 for c in caps]
+        runner.room([max(want)])
         out: list[list[int]] = [[] for _ in caps]
         open_ = [w > 0 for w in want]
         for j in range(max(want)):
@@ -93,8 +104,8 @@ class SlemProposer(Proposer):
                     open_[b] = len(out[b]) < want[b] and t not in self._special_ids
             if not any(open_) or j == max(want) - 1:
                 break
-            logits = runner.inner.forward([[t] if o else [] for t, o in zip(tok, open_)], logits_at="last")
-        runner.inner.truncate(committed)
+            logits = runner.own_forward([[t] if o else [] for t, o in zip(tok, open_)])  # [B, V_d]
+        runner.forget_own()
         return out
 
     def _retokenize(self, seq: list[int], drafted: list[int], cap: int) -> list[int]:
@@ -110,7 +121,11 @@ class SlemProposer(Proposer):
             tokens = tokens + [end]  # the text ended: its last token is stable
         elif tokens:
             tokens = tokens[:-1]  # the last token may still merge with what follows
-        return tokens[:cap]
+        tokens = tokens[:cap]
+        for i, t in enumerate(tokens):  # an id the target's output layer lacks (tokenizer larger than the model)
+            if t >= self.runner.vocab_size:
+                return tokens[:i]
+        return tokens
 
     def _after(self, seq: list[int], text: bytes) -> list[int]:
         """The target's tokens for `text` after the committed `seq`, past a stable boundary."""
@@ -129,8 +144,8 @@ class SlemProposer(Proposer):
 
 
 def _utf8_prefix(data: bytes) -> str | None:
-    """The longest prefix of data that is whole UTF-8 characters (at most 3 trailing bytes dropped), decoded; None
-    where data does not start as UTF-8 (a committed token ending mid-character)."""
+    """data decoded, with up to 3 trailing bytes of an unfinished character dropped; None where it is not UTF-8
+    otherwise (e.g. the look-behind starts mid-character)."""
     for cut in range(0, min(4, len(data) + 1)):
         try:
             return data[: len(data) - cut].decode("utf-8")

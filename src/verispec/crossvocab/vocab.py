@@ -26,6 +26,7 @@ from torch import Tensor
 
 __all__ = ["CrossVocabError", "VocabMap", "token_keys"]
 
+FLOOR = 1e4  # target_logits: how far below the draft's lowest logit the ids outside the intersection sit
 _BYTE_TOKEN = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 
 
@@ -55,7 +56,7 @@ def _family(tokenizer) -> str:
     decoder = json.dumps(json.loads(backend.to_str()).get("decoder"))
     if '"ByteLevel"' in decoder:
         return "bytelevel"
-    if '"ByteFallback"' in decoder or '"Metaspace"' in decoder or "\u2581" in decoder:
+    if '"ByteFallback"' in decoder or '"Metaspace"' in decoder or "\\u2581" in decoder:
         return "sentencepiece"
     return "decode"
 
@@ -130,7 +131,10 @@ class VocabMap:
     _spell: dict[int, list[int]] = field(default_factory=dict, repr=False)
 
     @classmethod
-    def build(cls, target_tok, draft_tok, v_target: int, v_draft: int, merge: str = "sum") -> VocabMap:
+    def build(
+        cls, target_tok, draft_tok, v_target: int, v_draft: int, merge: str = "sum", need_overlap: bool = True
+    ) -> VocabMap:
+        """The map of a pair; need_overlap (token-level intersection): a CrossVocabError where no token is shared."""
         if merge not in ("sum", "last"):
             raise CrossVocabError(f"merge must be 'sum' or 'last', got {merge!r}")
         t_keys, t_fb = token_keys(target_tok, v_target)
@@ -141,10 +145,11 @@ class VocabMap:
         for k, t in t_best.items():
             if k in d_best:
                 t2d[t] = d_best[k]
-        if not bool((d2t >= 0).any()):
+        if need_overlap and not bool((d2t >= 0).any()):
             raise CrossVocabError(
                 "the draft and target tokenizers have no token in common (no byte string or special token of one is "
-                "in the other): token-level intersection cannot draft for this pair"
+                "in the other): token-level intersection (cross_vocab=tli) cannot draft for this pair; string-level exact "
+                "match (cross_vocab=slem) re-tokenizes the draft's text instead"
             )
         draft_bytes = {k: i for k, i in d_best.items() if isinstance(k, bytes)}
         draft_specials = {k[len("special:") :]: i for k, i in d_best.items() if isinstance(k, str)}
@@ -162,27 +167,37 @@ class VocabMap:
         return int((self.d2t >= 0).sum())
 
     def target_logits(self, logits: Tensor, v_target: int) -> Tensor:
-        """Draft logits [..., V_d] as target-vocabulary logits [..., V_t]: -inf outside the intersection, and where
-        several draft ids stand for one target id, the log of their summed exp (so softmax at temperature 1 adds
-        their probabilities); merge="last" keeps one of them instead (lossy, for the certificate)."""
-        valid = self.d2t >= 0  # [V_d]
-        if valid.device != logits.device:
-            self.d2t, self.t2d = self.d2t.to(logits.device), self.t2d.to(logits.device)
-            valid = self.d2t >= 0
-        src = logits[..., valid]  # [..., S]
-        idx = self.d2t[valid]  # [S]
-        out = logits.new_full((*logits.shape[:-1], v_target), float("-inf"))
-        if idx.numel() == torch.unique(idx).numel():
-            out[..., idx] = src  # injective
-            return out
-        if self.merge == "last":  # one draft id per target id: the highest of those standing for it
-            last = {int(t): i for i, t in enumerate(idx.tolist())}
-            keep = torch.tensor(sorted(last.values()), device=logits.device)
-            out[..., idx[keep]] = src[..., keep]
+        """Draft logits [..., V_d] as target-vocabulary logits [..., V_t]. Where several draft ids stand for one target
+        id, the log of their summed exp (so softmax at temperature 1 adds their probabilities); merge="last" keeps
+        one of them instead (lossy, for the certificate). Outside the intersection: FLOOR below the row's lowest
+        draft logit — probability 0 in float32 wherever the request allows a token of the intersection, and uniform
+        over what it allows where it allows none (a grammar or token options left only target-only tokens), so
+        drafting never fails where decoding would not. Exact either way: the draft token is drawn from this q."""
+        src_ids, dst, injective = self._index(logits.device)
+        src = logits.index_select(-1, src_ids)  # [..., S]
+        floor = logits.amin(-1, keepdim=True).nan_to_num(neginf=-1e30) - FLOOR  # [..., 1]
+        out = floor.expand(*logits.shape[:-1], v_target).clone()  # [..., V_t]
+        if injective or self.merge == "last":
+            out[..., dst] = src  # one draft id per target id (merge="last": the highest of several)
             return out
         top = src.amax(-1, keepdim=True)  # [..., 1]
-        summed = torch.zeros_like(out).index_add_(-1, idx, (src - top).exp())
-        return summed.log() + top
+        summed = torch.zeros_like(out).index_add_(-1, dst, (src - top).exp())  # [..., V_t]
+        return torch.maximum(summed.log() + top, out)
+
+    def _index(self, device) -> tuple[Tensor, Tensor, bool]:
+        """(draft ids that have a target id [S], their target ids [S], whether no two share one), on `device`;
+        merge="last" keeps, of several draft ids with one target id, only the highest."""
+        cache = self.__dict__.setdefault("_index_cache", {})
+        if device not in cache:
+            src = torch.nonzero(self.d2t >= 0).squeeze(1)
+            dst = self.d2t[src]
+            injective = dst.numel() == torch.unique(dst).numel()
+            if not injective and self.merge == "last":
+                last = {int(t): int(i) for i, t in zip(src.tolist(), dst.tolist())}
+                src = torch.tensor(sorted(last.values()), dtype=torch.int64)
+                dst = self.d2t[src]
+            cache[device] = (src.to(device), dst.to(device), injective)
+        return cache[device]
 
     def spell(self, target_id: int) -> list[int]:
         """The draft ids fed for one target token: its draft id where it has one; a special token as the draft's
