@@ -312,7 +312,8 @@ def shared_vocab_size(target: LoadedModel, draft: LoadedModel | None) -> int:
     if target.tokenizer.get_vocab() != draft.tokenizer.get_vocab():
         raise ModelLoadError(
             f"draft {draft.name!r} and target {target.name!r} use different tokenizers "
-            "(their vocabularies differ); speculative decoding needs one shared tokenizer"
+            "(their vocabularies differ): this drafter needs one shared tokenizer (a draft model alone, draft=model, "
+            "drafts across tokenizers: cross_vocab)"
         )
     rows_d = output_rows(draft.model)
     return min(v_target, rows_t, rows_d)
