@@ -73,7 +73,7 @@ def test_generate_streams_and_prints_stats(model_dirs, process, capsys):
 @pytest.mark.parametrize(
     "extra,msg",
     [  # options checked before loading: tests/cli/test_checks.py
-        (["--draft", "OTHER"], "different tokenizers"),
+        (["--draft", "OTHER", "--cross-vocab", "slem", "--tree", "2-1"], "--cross-vocab slem drafts chains"),
         (["--temperature", "-1"], "--temperature must be >= 0"),
         (["--gamma", "x"], "--gamma: must be auto or an integer"),
         (["--device", "cuda:7"], "CUDA|cuda"),

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from verispec.engine.generator import SpeculativeGenerator
-from verispec.model.loading import LoadedModel, ModelLoadError
+from verispec.model.loading import LoadedModel
 from verispec.sampling import SamplingParams
 
 from ..helpers.tiny import EOS, greedy_reference, loaded, make_model, make_tokenizer
@@ -186,10 +186,14 @@ def test_bad_input(tiny_target, tiny_draft):
         gen.generate([[40, 1]], GREEDY)
 
 
-def test_different_tokenizers_are_refused(tiny_target):
+def test_a_draft_with_another_tokenizer_is_bridged(tiny_target):
+    """Another tokenizer drafts across vocabularies (verispec.crossvocab; tests/crossvocab/ test it): here only the
+    three special tokens are shared."""
+    from verispec.crossvocab import BridgedRunner
+
     other = make_tokenizer(["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(29)])
-    with pytest.raises(ModelLoadError, match="different tokenizers"):
-        SpeculativeGenerator(tiny_target, LoadedModel(make_model(1), other, "other"))
+    gen = SpeculativeGenerator(tiny_target, LoadedModel(make_model(1), other, "other"))
+    assert isinstance(gen.proposer.runner, BridgedRunner) and gen.proposer.runner.map.intersection == 3
 
 
 def test_padded_embeddings_are_sliced_to_the_shared_vocabulary(tiny_target):
