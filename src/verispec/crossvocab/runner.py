@@ -167,9 +167,7 @@ class BridgedRunner:
         """A chain forward whose rows' last target tokens all have draft ids: the draft's logits after them [B, V_d]
         (the output layer runs at one position per row, as the drafter's chains ask)."""
         out = self.inner.forward(ids, logits_at="last")  # [B, V_d]
-        fed = torch.tensor([bool(d) for d in ids], device=out.device).unsqueeze(-1)
-        last = self._last if self._last is not None and self._last.shape == out.shape else out
-        self._last = torch.where(fed, out, last)
+        self._keep_last([bool(d) for d in ids], out, self._prior(out))
         self._extend(ends, ids)
         self._fresh = [f or bool(d) for f, d in zip(self._fresh, ids)]
         return self._last
@@ -195,24 +193,30 @@ class BridgedRunner:
         self.inner.truncate([len(i) - (b in rows) for b, i in enumerate(self._ids)])
         self.room([1])
         out = self.inner.forward([[i[-1]] if b in rows else [] for b, i in enumerate(self._ids)], logits_at="last")
-        mask = torch.tensor([b in rows for b in range(len(self._ids))], device=out.device).unsqueeze(-1)
-        base = self._last if self._last is not None and self._last.shape == out.shape else torch.zeros_like(out)
-        self._last = torch.where(mask, out, base)
+        self._keep_last([b in rows for b in range(len(self._ids))], out, self._prior(torch.zeros_like(out)))
         self._fresh = [f or b in rows for b, f in enumerate(self._fresh)]
 
     def _at_tokens(self, out: Tensor, ends: list[list[int]], logits_at: str) -> Tensor:
         """Draft logits after each target token [B, T, V_d] (or after the last, [B, V_d]); a token spelled by no draft
         id repeats the logits before it (the row's last ones at the chunk's start)."""
         B, V = out.shape[0], out.shape[-1]
-        last = self._last if self._last is not None and self._last.shape == (B, V) else out[:, 0]
+        last = self._prior(out[:, 0])  # [B, V_d]
         T = max(len(e) - 1 for e in ends)
         pos = torch.tensor([[e[min(i + 1, len(e) - 1)] - 1 for i in range(T)] for e in ends])  # [B, T]
         picked = out.gather(1, pos.clamp(min=0).to(out.device).unsqueeze(-1).expand(B, T, V))  # [B, T, V_d]
         picked = torch.where((pos < 0).to(out.device).unsqueeze(-1), last.unsqueeze(1), picked)
         fed = [len(e) - 1 for e in ends]
         final = picked[torch.arange(B), torch.tensor([max(n - 1, 0) for n in fed])]  # [B, V_d]
-        self._last = torch.where(torch.tensor([n > 0 for n in fed], device=out.device).unsqueeze(-1), final, last)
+        self._keep_last([n > 0 for n in fed], final, last)
         return picked if logits_at == "all" else final
+
+    def _prior(self, fallback: Tensor) -> Tensor:
+        """Each row's draft logits after what it read last [B, V_d]; `fallback` where none of this batch's shape."""
+        return self._last if self._last is not None and self._last.shape == fallback.shape else fallback
+
+    def _keep_last(self, fed: list[bool], new: Tensor, old: Tensor) -> None:
+        """_last: new[b] [V_d] for the rows fed, old[b] for the others."""
+        self._last = torch.where(torch.tensor(fed, device=new.device).unsqueeze(-1), new, old)
 
     def keep_paths(self, old_lengths: list[int], paths: Sequence[Sequence[int]]) -> None:
         """Row b keeps the chunk nodes paths[b]: the draft slots each node's ids took."""
