@@ -42,7 +42,8 @@ class DraftModelProposer(Proposer):
         likely be rejected). Any such stopping rule that looks only at the draft's own tokens and
         distributions keeps verification exact. None drafts the full gamma. Trees ignore it (their shape is fixed).
         tree: draft token trees of this shape instead of chains.
-        runner / quant: see `verispec.model.fast.make_runner` (quant: weight-only int8 / int4 draft weights).
+        runner / quant: see `verispec.model.fast.make_runner` (quant: weight-only int8 / int4 draft weights); runner
+        may also be a factory (model, vocab_size) -> runner (a hidden-state head's, `verispec.heads.head_runner`).
         vocab: (VocabMap, V_t) for a draft with another tokenizer (`verispec.crossvocab`): its runner then takes and
         returns the target's ids and vocabulary; vocab_size is the draft's own."""
         if stop_below is not None and not 0.0 <= stop_below <= 1.0:
@@ -70,9 +71,11 @@ class DraftModelProposer(Proposer):
             draft, self._start, self._fed = grow_tree(self.runner, self.tree, view, caps)
             return draft
         self._start, self._fed = list(self.runner.lengths), [{} for _ in caps]
+        limit = getattr(self.runner, "max_draft", None)  # Medusa: as many drafts as heads
+        caps = list(caps) if limit is None else [min(c, limit) for c in caps]
         if max(caps, default=0) == 0:
             return Draft.empty(len(view.seqs), view.device)
-        return self._chain(view, list(caps))
+        return self._chain(view, caps)
 
     def _chain(self, view: BatchView, gammas: list[int]) -> Draft:
         """Sample up to gammas[b] tokens per row, one draft forward per position."""
@@ -135,6 +138,8 @@ class DraftModelProposer(Proposer):
 
     def _make_runner(self):
         vocab_size, runner, quant = self._runner_args
+        if callable(runner):  # a runner factory (a hidden-state head's, `verispec.heads`)
+            return runner(self.model, vocab_size)
         inner = make_runner(self.model, vocab_size, runner=runner, quant=quant)
         if self.vocab is None:
             return inner

@@ -28,6 +28,7 @@ import time
 from collections.abc import Iterator, Sequence
 
 from ..drafting import DraftModelProposer, PromptLookupProposer, Proposer, TreeSpec
+from ..heads import LoadedHead, bind_head, head_proposer
 from ..model.fast import make_runner
 from ..model.loading import LoadedModel, shared_vocab_size
 from ..sampling import CHAIN_RULES, SamplingParams, verify_tree
@@ -117,7 +118,13 @@ class SpeculativeGenerator:
         # and the lossy variants of the study swap them, nothing else should
         self.verifier = CHAIN_RULES[self.verify] if verifier is None else verifier
         self.tree_verifier = tree_verifier
-        self.proposer, self.vocab_size = self._proposer(target, draft, cfg)
+        if isinstance(draft, LoadedHead):  # a hidden-state head reads the target's runner: that comes first
+            self.vocab_size = bind_head(draft, target)
+            self.runner = make_runner(target.model, self.vocab_size, runner=cfg.runner)
+            self.proposer = head_proposer(target, draft, cfg, self.runner)
+        else:
+            self.proposer, self.vocab_size = self._proposer(target, draft, cfg)
+            self.runner = make_runner(target.model, self.vocab_size, runner=cfg.runner)
         self.tree = self.proposer.tree if self.proposer is not None else None
         if self.tree is not None and self.verify != "token":
             raise ValueError(
@@ -127,7 +134,6 @@ class SpeculativeGenerator:
         if cfg.random == "position":
             _check_position_seeding(self.proposer, verifier)
         self.controller = GammaController(0 if self.proposer is None else cfg.gamma, cfg.max_gamma)
-        self.runner = make_runner(target.model, self.vocab_size, runner=cfg.runner)
         self.device = self.runner.device
         self.eos_ids = _eos_ids(self.tokenizer, target.model)
         self.max_positions = self.runner.max_positions
@@ -152,6 +158,8 @@ class SpeculativeGenerator:
         """The drafter the config names (draft: the object it drafts with, if any; see `_spec_config`) and the
         vocabulary size target and draft share."""
         kind, tree = config.drafter, config.tree_spec
+        if isinstance(draft, LoadedHead):
+            raise ValueError(f"a {draft.kind} head drafts alone (draft=model): draft={config.draft} cannot use it")
         if kind.uses_model and kind.built_by_generator:
             model = target if kind.target_weights else draft
             if not kind.target_weights and _cross_vocab(target, model, config):

@@ -17,7 +17,11 @@ __all__ = ["RowKVCache"]
 
 
 class RowKVCache(Cache):
-    """Per-layer key / value buffers [B, H_kv, capacity, D]; `lengths` (host ints) are the committed lengths."""
+    """Per-layer key / value buffers [B, H_kv, capacity, D]; `lengths` (host ints) are the committed lengths.
+
+    extras: widths F of per-slot row buffers [B, capacity, F] kept beside the keys and values (a target's hidden
+    states for a hidden-state drafter, a head's own outputs): every rollback, reorder and join moves them with the
+    slots, so what a drafter reads at slot i always belongs to the token at slot i."""
 
     def __init__(
         self,
@@ -28,11 +32,13 @@ class RowKVCache(Cache):
         capacity: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        extras: tuple[int, ...] = (),
     ):
         super().__init__(layers=[])
         shape = (batch, num_kv_heads, capacity, head_dim)
         self.keys: list[Tensor] = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.values: list[Tensor] = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.extras: list[Tensor] = [torch.zeros((batch, capacity, f), dtype=dtype, device=device) for f in extras]
         self.capacity = capacity
         self.lengths: list[int] = [0] * batch  # committed tokens per row
         self._write_at: Tensor | None = None  # [B, T] int64 slot indices of the chunk being written
@@ -84,6 +90,8 @@ class RowKVCache(Cache):
                 src = torch.tensor([start + i for i in path], device=self.keys[0].device)
                 for buf in (*self.keys, *self.values):
                     buf[b, :, start : start + len(path)] = buf[b, :, src]
+                for buf in self.extras:
+                    buf[b, start : start + len(path)] = buf[b, src]
             new_lengths.append(start + len(path))
         self.lengths = new_lengths
 
@@ -93,6 +101,7 @@ class RowKVCache(Cache):
         if extra > 0:
             self.keys = [torch.cat([k, k.new_zeros((*k.shape[:2], extra, k.shape[3]))], 2) for k in self.keys]
             self.values = [torch.cat([v, v.new_zeros((*v.shape[:2], extra, v.shape[3]))], 2) for v in self.values]
+            self.extras = [torch.cat([e, e.new_zeros((e.shape[0], extra, e.shape[2]))], 1) for e in self.extras]
             self.capacity = capacity
 
     def extend(self, other: RowKVCache) -> None:
@@ -106,6 +115,10 @@ class RowKVCache(Cache):
 
         self.keys = [torch.cat([fit(a), fit(b)]) for a, b in zip(self.keys, other.keys)]
         self.values = [torch.cat([fit(a), fit(b)]) for a, b in zip(self.values, other.values)]
+        self.extras = [
+            torch.cat([fit(a.unsqueeze(1)).squeeze(1), fit(b.unsqueeze(1)).squeeze(1)])
+            for a, b in zip(self.extras, other.extras)
+        ]
         self.capacity = cap
         self.lengths = self.lengths + other.lengths
 
@@ -114,7 +127,19 @@ class RowKVCache(Cache):
         idx = torch.tensor(rows, device=self.keys[0].device)
         self.keys = [k.index_select(0, idx) for k in self.keys]
         self.values = [v.index_select(0, idx) for v in self.values]
+        self.extras = [e.index_select(0, idx) for e in self.extras]
         self.lengths = [self.lengths[r] for r in rows]
+
+    def write_extra(self, i: int, values: Tensor) -> None:
+        """Write values [B, T, F] into extras[i] at the slots of the chunk being written (after `begin_chunk`)."""
+        buf = self.extras[i]
+        T = values.shape[1]
+        if self._uniform_start is not None:
+            s = self._uniform_start
+            buf[:, s : s + T] = values
+        else:
+            B, _, F = values.shape
+            buf.scatter_(1, self._write_at.view(B, T, 1).expand(B, T, F), values.to(buf.dtype))
 
     # --- the transformers Cache interface ------------------------------------------------------------
     def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args, **kwargs):

@@ -209,6 +209,9 @@ class FastRunner(HFRunner):
             mask_key=kind,
         )
 
+    def _install_capture(self) -> None:
+        """The fast forward grabs the hidden states itself (no hooks)."""
+
     @property
     def kernels(self) -> dict[str, int]:
         """Which matmul kernels run, with counts (e.g. {"onednn": 113})."""
@@ -234,8 +237,10 @@ class FastRunner(HFRunner):
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # broadcast over heads
         if not isinstance(masks, dict):
             masks = {"full_attention": masks, "sliding_attention": masks}
-        cache = self.cache
+        cache, grab = self.cache, self.capture
         for i, layer in enumerate(self.layers):
+            if i in grab:
+                self._grabbed[i] = h
             x = _rms_norm(h, layer.ln_attn, self.eps)
             q, k, v = layer.qkv(x).split([nh * D, nkv * D, nkv * D], dim=-1)
             q, k, v = q.view(B, T, nh, D), k.view(B, T, nkv, D), v.view(B, T, nkv, D)
@@ -252,6 +257,8 @@ class FastRunner(HFRunner):
             x = _rms_norm(h, layer.ln_mlp, self.eps)
             gate, up = layer.gate_up(x).split([self.intermediate, self.intermediate], dim=-1)
             h = h + layer.down(F.silu(gate) * up)
+        if len(self.layers) in grab:
+            self._grabbed[len(self.layers)] = h
         return _rms_norm(h, self.final_norm, self.eps)
 
     def _logits(self, hidden: Tensor) -> Tensor:

@@ -264,6 +264,12 @@ def load_model(
     _check_device(device)
     torch_dtype = parse_dtype(dtype)
     source, name, kwargs = _resolve(spec)
+    from ..heads.formats import head_kind, load_head  # (heads import this module)
+
+    if not kwargs and head_kind(source) is not None:  # an EAGLE-3 / EAGLE / Medusa / MTP head's directory
+        if backend == "llamacpp":
+            raise ModelLoadError(f"{name} is a draft head, not a GGUF model: load it with torch")
+        return load_head(source, dtype=torch_dtype, device=device)
     if backend == "llamacpp":
         return _load_llamacpp(source, name, kwargs, device, threads)
     model, tokenizer = _from_pretrained(source, name, kwargs, torch_dtype)

@@ -17,7 +17,9 @@ from torch import Tensor
 from ..sampling.tree import tree_ancestors
 from .cache import RowKVCache
 
-__all__ = ["HFRunner"]
+__all__ = ["NORMED", "HFRunner"]
+
+NORMED = -1  # a capture id (`HFRunner.capture_hidden`): the final norm's output, what the output layer reads
 
 
 def _tree_structure(parents: Sequence[Sequence[int]], n_new: list[int], T: int) -> tuple[Tensor, Tensor]:
@@ -66,12 +68,55 @@ class HFRunner:
         self._base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
         self._head = model.get_output_embeddings()
         self._softcap = getattr(cfg, "final_logit_softcapping", None)
+        self.capture: tuple[int, ...] = ()  # hidden states kept per token (`capture_hidden`)
+        self.hidden_size = cfg.hidden_size
+        self._grabbed: dict[int, Tensor] = {}  # capture id -> this forward's hidden states [B, T, H]
+        self._hooks: list = []
+
+    # --- hidden states for drafters that read them (EAGLE, Medusa, MTP heads) -------------------------------
+    def capture_hidden(self, layers: Sequence[int]) -> None:
+        """From the next `start` / `fill` on, keep the hidden states at `layers` of every token in the cache, beside
+        its keys and values (`cache.extras[0]`, [B, L, len(layers) * H], layers in this order): id i < num_layers is
+        layer i's input, num_layers the last layer's output (before the final norm), NORMED (-1) the final norm's
+        output. They come from the forwards that run anyway (verification, prefill) and roll back with the cache."""
+        layers = tuple(int(i) for i in layers)
+        if not layers or len(set(layers)) != len(layers) or any(not NORMED <= i <= self.num_layers for i in layers):
+            raise ValueError(
+                f"hidden-state layers must be distinct ids in [-1, {self.num_layers}] (this model has "
+                f"{self.num_layers} layers), got {list(layers)}"
+            )
+        self.capture = layers
+        self._install_capture()
+
+    def _install_capture(self) -> None:
+        """transformers' forward: pre-hooks on the decoder layers (and the final norm) grab their inputs."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+        def grab(i):
+            def hook(module, args, kwargs):
+                self._grabbed[i] = args[0] if args else kwargs["hidden_states"]
+
+            return hook
+
+        for i in self.capture:
+            if 0 <= i < self.num_layers:
+                self._hooks.append(self._base.layers[i].register_forward_pre_hook(grab(i), with_kwargs=True))
+            elif i == self.num_layers:
+                self._hooks.append(self._base.norm.register_forward_pre_hook(grab(i), with_kwargs=True))
+
+    def _captured(self, hidden: Tensor) -> Tensor:
+        """This forward's captured hidden states [B, T, len(capture) * H] (hidden: the final norm's output)."""
+        parts = [hidden if i == NORMED else self._grabbed.pop(i) for i in self.capture]
+        return torch.cat(parts, -1) if len(parts) > 1 else parts[0]
 
     # --- batch lifecycle ------------------------------------------------------------------------------
     def start(self, batch: int, capacity: int) -> None:
         """Allocate a fresh cache for `batch` rows of up to `capacity` tokens each."""
+        extras = (len(self.capture) * self.hidden_size,) if self.capture else ()
         self.cache = RowKVCache(
-            self.num_layers, batch, self.num_kv_heads, self.head_dim, capacity, self.dtype, self.device
+            self.num_layers, batch, self.num_kv_heads, self.head_dim, capacity, self.dtype, self.device, extras
         )
 
     def fill(self, seqs: Sequence[Sequence[int]], capacity: int) -> None:
@@ -168,6 +213,8 @@ class HFRunner:
             )  # [B, T, L]
             distance = position_ids.unsqueeze(-1) - key_pos.unsqueeze(1)
         hidden = self._body(ids, self._masks(visible, distance), position_ids)
+        if self.capture:
+            cache.write_extra(0, self._captured(hidden))
         cache.commit(n_new)
         self.tokens_computed += sum(n_new)
         return hidden, n_new

@@ -1,0 +1,265 @@
+"""Runners for hidden-state heads: the runner protocol (`verispec.model.protocol`) in the target's ids and vocabulary,
+so `DraftModelProposer` drafts chains and EAGLE-2 trees with a head exactly as with a draft model.
+
+`PairRunner` (EAGLE-3, EAGLE-1/2, MTP). Slot j of its cache holds the pair (h_{j-1}, x_j) (slot 0, x_0's, has no
+hidden state: it is hidden from every query). h_{j-1} is the target's, read from the target's cache
+(`HFRunner.capture_hidden`: written by the verification and prefill forwards that run anyway, rolled back with
+them) where the target holds token j - 1; else — a drafted token — the head's own output at the parent slot, kept
+beside its keys (`RowKVCache.extras`). After verification (`keep_paths`) the head drops every drafted slot: the
+next step feeds the accepted tokens again with the target's hidden states, as EAGLE does. RoPE is relative, so
+positions j instead of the papers' j - 1 give the same attention.
+
+`MedusaRunner`: no cache; a slot d positions after the target's last token (the pending token: d = 0) gets head d
+on that token's hidden state. Its chains are at most `max_draft` (the number of heads) deep.
+
+Both return float32 logits over the target's vocabulary: the head's logits at their target ids (d2t), every other
+id `FLOOR` below the row's lowest (probability 0; uniform over what a request allows where it allows none of the
+head's ids). Exact whatever the head is: the drafted token is drawn from exactly this q.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from types import SimpleNamespace
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..crossvocab.vocab import FLOOR
+from ..model.cache import RowKVCache
+from ..model.runner import HFRunner, check_forward_args
+from .modules import MedusaHeads, PairHead
+
+__all__ = ["MedusaRunner", "PairRunner", "scatter_logits"]
+
+
+def scatter_logits(logits: Tensor, target_ids: Tensor | None, vocab: int) -> Tensor:
+    """Draft-vocabulary logits [..., V_d] -> target-vocabulary logits [..., vocab] (float32): logits[..., i] at id
+    target_ids[i] (None: the ids are the target's already, sliced to vocab), FLOOR below the row's lowest elsewhere."""
+    logits = logits.float()
+    if target_ids is None:
+        return logits[..., :vocab]
+    floor = logits.amin(-1, keepdim=True) - FLOOR  # [..., 1]
+    out = floor.expand(*logits.shape[:-1], vocab).clone()
+    out[..., target_ids] = logits
+    return out
+
+
+class _Features:
+    """Where a pair head's hidden inputs come from: the target runner's captured hidden states."""
+
+    def __init__(self, target: HFRunner):
+        if not isinstance(target, HFRunner):
+            raise ValueError(
+                "a hidden-state head reads the target's hidden states: the target must run on the fast or the "
+                f"transformers runner, not {type(target).__name__} (llama.cpp does not expose them)"
+            )
+        self.target = target
+
+    def lengths(self, batch: int) -> list[int]:
+        """Tokens the target holds per row (0 for every row when its cache is not this batch's)."""
+        cache = self.target.cache
+        if cache is None or not cache.extras or cache.batch_size != batch:
+            return [0] * batch
+        return cache.lengths
+
+    def read(self, rows: Tensor, slots: Tensor) -> Tensor:
+        """Captured hidden states at (rows[i], slots[i]) -> [n, F]."""
+        return self.target.cache.extras[0][rows, slots]
+
+
+class PairRunner(HFRunner):
+    """A pair head (`PairHead`) as a runner; target: the target's runner (HFRunner or FastRunner) whose cache holds
+    the hidden states the head reads (this constructor asks it to capture them)."""
+
+    def __init__(self, head: PairHead, target: HFRunner, vocab_size: int):
+        self.features = _Features(target)
+        target.capture_hidden(head.layers_read)
+        if target.cache is not None and not target.cache.extras:
+            target.cache = None  # its cache was allocated without room for hidden states: the next fill makes one
+        self.head = head
+        self.config = SimpleNamespace(sliding_window=None, layer_types=None)
+        self.num_layers = head.num_layers
+        self.num_kv_heads, self.head_dim = head.kv_shape
+        self.max_positions = None
+        self.vocab_size = vocab_size
+        p = next(head.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        self.cache: RowKVCache | None = None
+        self.tokens_computed = 0
+        self.capture = ()
+        self.hidden_size = head.hidden_size
+        self._softcap = None
+        self._ids = None if head.kind != "eagle3" else (torch.arange(len(head.d2t), device=self.device) + head.d2t)
+        self._chunk: tuple[Tensor, Tensor] | None = None
+
+    def start(self, batch: int, capacity: int) -> None:
+        self.cache = RowKVCache(
+            self.num_layers,
+            batch,
+            self.num_kv_heads,
+            self.head_dim,
+            capacity,
+            self.dtype,
+            self.device,
+            (self.hidden_size,),
+        )
+
+    def _run(self, tokens, parents=None, tree_start=None):
+        self._chunk = self._inputs(tokens, parents, tree_start)
+        try:
+            return super()._run(tokens, parents, tree_start)
+        finally:
+            self._chunk = None
+
+    def _inputs(self, tokens, parents, tree_start) -> tuple[Tensor, Tensor]:
+        """The chunk's hidden inputs [B, T, H] and whether each slot is slot 0 (no pair) [B, T]: per new token at slot
+        j, the target's hidden state at j - 1 where the target holds it, else the head's output at the parent slot."""
+        cache = self.cache
+        B, T = len(tokens), max((len(t) for t in tokens), default=0)
+        held = self.features.lengths(B)
+        lengths = cache.lengths
+        hidden = torch.zeros((B, T, self.hidden_size), dtype=self.dtype, device=self.device)
+        first = torch.zeros((B, T), dtype=torch.bool, device=self.device)
+        t_rows, t_slots, t_at, o_rows, o_slots, o_at = [], [], [], [], [], []
+        for b, row in enumerate(tokens):
+            for i in range(len(row)):
+                j = lengths[b] + i  # this token's slot
+                if parents is None:
+                    prev = j - 1
+                else:
+                    start = lengths[b] if tree_start is None else int(tree_start[b])
+                    node = (lengths[b] - start) + i  # its index in the row's tree
+                    p = int(parents[b][node])
+                    prev = start - 1 if p < 0 else start + p
+                if j == 0:
+                    first[b, i] = True
+                elif prev < held[b]:
+                    t_rows.append(b), t_slots.append(prev), t_at.append((b, i))
+                else:
+                    o_rows.append(b), o_slots.append(prev), o_at.append((b, i))
+        if t_rows:
+            f = self.features.read(torch.tensor(t_rows, device=self.device), torch.tensor(t_slots, device=self.device))
+            hidden[[b for b, _ in t_at], [i for _, i in t_at]] = self.head.project(f.to(self.dtype))
+        if o_rows:
+            own = cache.extras[0][torch.tensor(o_rows, device=self.device), torch.tensor(o_slots, device=self.device)]
+            hidden[[b for b, _ in o_at], [i for _, i in o_at]] = own
+        return hidden, first
+
+    def _body(self, ids: Tensor, masks, position_ids: Tensor) -> Tensor:
+        hidden, _ = self._chunk
+        cache = self.cache
+
+        def attend(i: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            keys, values = cache.update(k, v, i)
+            nh, nkv = q.shape[1], k.shape[1]
+            return F.scaled_dot_product_attention(q, keys, values, attn_mask=masks, enable_gqa=nh != nkv)
+
+        logits, out = self.head.step(ids, hidden, position_ids, attend)
+        cache.write_extra(0, out)
+        self._last_logits = logits
+        return logits
+
+    def _masks(self, causal: Tensor, distance: Tensor):
+        causal = causal.clone()
+        causal[:, :, 0] = False  # slot 0 (x_0) holds no pair: nobody attends to it
+        return self._additive(causal)
+
+    def _logits(self, hidden: Tensor) -> Tensor:  # `_body` returned the head's logits already
+        return scatter_logits(hidden, self._ids, self.vocab_size)
+
+    def keep_paths(self, old_lengths: list[int], paths: Sequence[Sequence[int]]) -> None:
+        """Verification is over: drop every drafted slot (the accepted tokens are fed again with the target's hidden
+        states at the next step)."""
+        self.cache.truncate([min(n, m) for n, m in zip(old_lengths, self.cache.lengths)])
+
+
+class MedusaRunner:
+    """Medusa heads as a runner (see the module docstring); target: the target's runner."""
+
+    def __init__(self, heads: MedusaHeads, target: HFRunner, vocab_size: int):
+        self.features = _Features(target)
+        target.capture_hidden(heads.layers_read)
+        if target.cache is not None and not target.cache.extras:
+            target.cache = None
+        self.heads = heads
+        self.vocab_size = vocab_size
+        self.max_positions = None
+        self.max_draft = heads.num_heads
+        p = next(heads.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        self._lengths: list[int] = []
+        self.tokens_computed = 0
+
+    @property
+    def lengths(self) -> list[int]:
+        return list(self._lengths)
+
+    def start(self, batch: int, capacity: int) -> None:
+        self._lengths = [0] * batch
+
+    def fill(self, seqs, capacity: int) -> None:
+        self._lengths = [len(s) for s in seqs]
+
+    def add_rows(self, seqs, capacity: int) -> None:
+        self._lengths += [len(s) for s in seqs]
+
+    def prefill(self, tokens, chunk: int = 512) -> None:
+        self._lengths = [n + len(t) for n, t in zip(self._lengths, tokens)]
+
+    def reserve(self, capacity: int) -> None:
+        pass
+
+    def truncate(self, lengths: list[int]) -> None:
+        self._lengths = list(lengths)
+
+    def select(self, rows: list[int]) -> None:
+        self._lengths = [self._lengths[r] for r in rows]
+
+    def keep_paths(self, old_lengths: list[int], paths) -> None:
+        self._lengths = list(old_lengths)
+
+    @torch.inference_mode()
+    def forward(self, tokens, logits_at: str = "all", parents=None, tree_start=None) -> Tensor:
+        """Slot j's logits: head d on the hidden state of the target's last token, d = j's depth below the pending
+        token (past the last head: uniform)."""
+        check_forward_args(logits_at, parents, tree_start)
+        B = len(self._lengths)
+        if len(tokens) != B:
+            raise ValueError(f"got {len(tokens)} token lists for a batch of {B}")
+        held = self.features.lengths(B)
+        T = max((len(t) for t in tokens), default=0)
+        if T == 0:
+            raise ValueError("forward needs at least one new token in some row")
+        depth = torch.zeros((B, T), dtype=torch.int64)  # [B, T]: slots past the pending token (head index)
+        for b, row in enumerate(tokens):
+            start = self._lengths[b] if tree_start is None else int(tree_start[b])
+            for i in range(len(row)):
+                pos = self._lengths[b] + i
+                if parents is not None:  # a tree node sits at its tree start plus its depth - 1
+                    d, p = 1, int(parents[b][self._lengths[b] - start + i])
+                    while p >= 0:
+                        d, p = d + 1, int(parents[b][p])
+                    pos = start + d - 1
+                depth[b, i] = pos - held[b]
+        H = self.heads.lm_heads[0].in_features
+        base = torch.zeros((B, H), dtype=self.dtype, device=self.device)  # [B, H]: the target's last hidden state
+        rows = [b for b in range(B) if held[b] > 0]
+        if rows:
+            r = torch.tensor(rows, device=self.device)
+            base[r] = self.features.read(r, torch.tensor([held[b] - 1 for b in rows], device=self.device)).to(
+                self.dtype
+            )
+        logits = torch.zeros((B, T, self.vocab_size), dtype=torch.float32, device=self.device)
+        for d in range(self.max_draft):
+            at = (depth == d).nonzero().tolist()
+            if at:
+                out = self.heads.head(d, base[[b for b, _ in at]]).float()[..., : self.vocab_size]
+                logits[[b for b, _ in at], [i for _, i in at]] = out
+        self._lengths = [n + len(t) for n, t in zip(self._lengths, tokens)]
+        self.tokens_computed += sum(len(t) for t in tokens)
+        if logits_at == "last":
+            last = torch.tensor([max(len(t) - 1, 0) for t in tokens])
+            return logits[torch.arange(B), last]
+        return logits
