@@ -28,6 +28,7 @@ from . import (
     explain,
     generate,
     serve,
+    train_draft,
 )
 from .options import UsageError
 
@@ -37,7 +38,7 @@ __all__ = ["UsageError", "build_parser", "main"]
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="verispec", description="Lossless speculative decoding.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for command in (explain, generate, serve):
+    for command in (explain, generate, serve, train_draft):
         command.add_parser(sub)
     bench = sub.add_parser("bench", help="benchmarks, side by side in one run")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCH")

@@ -1,0 +1,377 @@
+"""`verispec train-draft`: an EAGLE-3 head for a target, trained here from the target's own samples
+(self-distillation), written in the published layout (SafeAILab / SpecForge: what vLLM and SGLang load).
+
+1. Data: the target samples `samples_per_prompt` continuations of every prompt (temperature 1, seeded, batched
+   through verispec's own engine); the token ids are kept on disk (`data.pt`), so a resumed run does not resample.
+2. Draft vocabulary: the `draft_vocab` most frequent tokens of those continuations (ties: the lower id; the
+   prompts' tokens fill up the rest). d2t[i] = id_i - i, t2d a mask over the target's ids.
+3. Training: each step runs the target over a batch of sequences (no grad) for the aux hidden states (inputs of
+   layers 2, L // 2, L - 3) and its softmax, and the head with the training-time test (EAGLE-3): unroll step 0
+   reads the target's hidden states; step s > 0 reads the head's own outputs of step s - 1 at the previous
+   position, and its attention sees the target-fed keys up to the position where drafting began and its own keys
+   after — exactly what the head sees when it drafts s + 1 tokens deep. Loss: cross-entropy of the head's q against
+   the target's p restricted to the draft vocabulary (renormalized), weighted decay**s.
+4. Checkpoints every `checkpoint_every` steps (`train_state.pt`: head, optimizer, step, data order) and at the end;
+   `resume=True` continues from one. The head is written (config.json + model.safetensors) at every checkpoint.
+
+The head is initialized from the target: lm_head from the target's output rows of the draft vocabulary, the norms
+from the target's final norm, the embedding shared (not trained, not saved).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from transformers import LlamaConfig
+
+from .modules import PairHead
+
+__all__ = ["TrainConfig", "choose_vocab", "init_head", "save_eagle3", "train_eagle3"]
+
+
+@dataclass
+class TrainConfig:
+    samples_per_prompt: int = 2  # continuations sampled per prompt
+    max_new_tokens: int = 192  # per continuation
+    temperature: float = 1.0  # the target's sampling temperature for the data
+    draft_vocab: int = 8192  # the head's output ids (most frequent tokens of the data)
+    ttt: int = 3  # training-time-test unroll steps (the depth the head is trained to draft at)
+    decay: float = 0.8  # loss weight of unroll step s: decay ** s
+    lr: float = 5e-4
+    batch_tokens: int = 2048  # tokens per step (whole sequences)
+    minutes: float = 120.0  # stop after this much training time (the data sampling not counted)
+    max_steps: int | None = None  # or after this many steps
+    checkpoint_every: int = 100
+    seed: int = 0
+    chat: bool = True  # prompts go through the target's chat template
+
+    def check(self) -> None:
+        for name in ("samples_per_prompt", "max_new_tokens", "draft_vocab", "ttt", "batch_tokens", "checkpoint_every"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+        if not (self.lr > 0 and self.minutes > 0 and 0 < self.decay <= 1 and self.temperature > 0):
+            raise ValueError("lr, minutes and temperature must be > 0 and decay in (0, 1]")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ValueError(f"max_steps must be >= 1, got {self.max_steps}")
+
+
+def default_aux_layers(num_layers: int) -> tuple[int, int, int]:
+    """EAGLE-3's default: the inputs of layers 2, L // 2 and L - 3 (distinct for L >= 7)."""
+    ids = (2, num_layers // 2, num_layers - 3)
+    if len(set(ids)) < 3 or num_layers < 7:
+        raise ValueError(f"EAGLE-3's default aux layers need a target of >= 7 layers, this one has {num_layers}")
+    return ids
+
+
+def choose_vocab(seqs: list[list[int]], starts: list[int], vocab: int, size: int) -> Tensor:
+    """The `size` most frequent token ids of the continuations (seqs[k][starts[k]:]), then of the prompts, then the
+    lowest ids; sorted ascending [size]."""
+    size = min(size, vocab)
+    counts = torch.zeros(vocab, dtype=torch.float64)
+    prompt_counts = torch.zeros(vocab, dtype=torch.float64)
+    for s, n in zip(seqs, starts):
+        ids = torch.as_tensor(s, dtype=torch.int64)
+        counts.index_add_(0, ids[n:], torch.ones(len(ids) - n, dtype=torch.float64))
+        prompt_counts.index_add_(0, ids[:n], torch.ones(n, dtype=torch.float64))
+    score = counts * 1e9 + prompt_counts * 1e3 - torch.arange(vocab, dtype=torch.float64) * 1e-6
+    return score.topk(size).indices.sort().values
+
+
+def init_head(target, vocab_ids: Tensor, aux: tuple[int, ...]) -> PairHead:
+    """A fresh one-layer EAGLE-3 head shaped like the target's layers (hidden size, heads, MLP width, RoPE)."""
+    tc = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
+    keys = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "rms_norm_eps")
+    cfg = LlamaConfig(
+        **{k: getattr(tc, k) for k in keys},
+        head_dim=getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads,
+        num_hidden_layers=1,
+        vocab_size=len(vocab_ids),
+        max_position_embeddings=getattr(tc, "max_position_embeddings", 2048),
+        rope_parameters=getattr(tc, "rope_parameters", None),
+    )
+    torch.manual_seed(0)
+    head = PairHead("eagle3", cfg, len(aux) * tc.hidden_size, len(vocab_ids), layers=aux)
+    with torch.no_grad():
+        for p in head.parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.02)
+        head.lm_head.weight.copy_(target.get_output_embeddings().weight[vocab_ids])
+        norm = target.get_decoder().norm.weight
+        head.norm.weight.copy_(norm)
+        head.d2t.copy_(vocab_ids - torch.arange(len(vocab_ids)))
+    head.embed = target.get_input_embeddings().weight.detach()
+    return head
+
+
+def head_config(head: PairHead, vocab: int) -> dict:
+    """config.json of the SafeAILab / SpecForge layout."""
+    c = head.config
+    out = {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "model_type": "llama",
+        "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size,
+        "num_attention_heads": c.num_attention_heads,
+        "num_key_value_heads": c.num_key_value_heads,
+        "head_dim": getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
+        "num_hidden_layers": 1,
+        "rms_norm_eps": c.rms_norm_eps,
+        "max_position_embeddings": c.max_position_embeddings,
+        "vocab_size": vocab,
+        "draft_vocab_size": int(head.lm_head.weight.shape[0]),
+        "target_hidden_size": head.fc.in_features // len(head.layers_read),
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(head.layers_read)},
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+    }
+    rope = getattr(c, "rope_parameters", None)
+    if rope:
+        out["rope_parameters"] = dict(rope)
+        if "rope_theta" in rope:
+            out["rope_theta"] = rope["rope_theta"]
+    return out
+
+
+def save_eagle3(head: PairHead, folder: Path, vocab: int) -> None:
+    """Write the head as config.json + model.safetensors (fc, midlayer.*, norm, lm_head, d2t, t2d)."""
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    for k, v in head.state_dict().items():
+        if k.startswith("rotary."):
+            continue
+        k = "midlayer." + k[len("layers.0.") :] if k.startswith("layers.0.") else k
+        tensors[k] = v.detach().contiguous().cpu()
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[torch.arange(len(head.d2t)) + head.d2t.cpu()] = True
+    tensors["t2d"] = t2d
+    save_file(tensors, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps(head_config(head, vocab), indent=2) + "\n")
+
+
+# --- the training-time test ------------------------------------------------------------------------------------
+
+
+def _ttt_masks(n: int, steps: int, lengths: Tensor) -> list[Tensor]:
+    """Additive masks per unroll step s: [B, 1, n, (s + 1) n]. Query slot j at step s sees step-0 keys at slots
+    1..j - s (target-fed) and step-t keys at slot j - s + t (its own drafts, t = 1..s); slot 0 and padding never."""
+    j = torch.arange(n)
+    p = torch.arange(n)
+    real = p.view(1, 1, -1) < lengths.view(-1, 1, 1)  # [B, 1, n]: real key slots
+    masks = []
+    for s in range(steps):
+        blocks = [((p.view(1, -1) <= j.view(-1, 1) - s) & (p.view(1, -1) >= 1)).unsqueeze(0) & real]
+        for t in range(1, s + 1):
+            blocks.append((p.view(1, -1) == j.view(-1, 1) - s + t).unsqueeze(0) & real)
+        visible = torch.cat(blocks, -1)  # [B, n, (s + 1) n]
+        mask = torch.zeros(visible.shape, dtype=torch.float32)
+        masks.append(mask.masked_fill(~visible, torch.finfo(torch.float32).min).unsqueeze(1))
+    return masks
+
+
+def ttt_loss(head: PairHead, ids: Tensor, lengths: Tensor, aux: Tensor, p: Tensor, steps: int, decay: float):
+    """ids [B, n] (right-padded), lengths [B], aux [B, n, F] (the target's aux hidden states at each token), p [B, n,
+    V_d] (the target's next-token distribution on the draft vocabulary) -> (loss, per-step top-1 agreement list)."""
+    B, n = ids.shape
+    masks = _ttt_masks(n, steps, lengths)
+    positions = torch.arange(n).unsqueeze(0).expand(B, n)
+    g = head.project(aux)  # [B, n, H]: the target's hidden state for position j
+    hidden = torch.cat([torch.zeros_like(g[:, :1]), g[:, :-1]], 1)  # slot j reads h_{j - 1}
+    keys: dict[int, list[Tensor]] = {}  # layer -> keys of each unroll step so far [B, nkv, n, D]
+    values: dict[int, list[Tensor]] = {}
+    total, agree = 0.0, []
+    slots = torch.arange(n)
+    for s in range(steps):
+        mask = masks[s]
+
+        def attend(i, q, k, v, mask=mask):
+            keys.setdefault(i, []).append(k)
+            values.setdefault(i, []).append(v)
+            K, V = torch.cat(keys[i], 2), torch.cat(values[i], 2)
+            return F.scaled_dot_product_attention(q, K, V, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+
+        logits, out = head.step(ids, hidden, positions, attend)  # [B, n, V_d], [B, n, H]
+        valid = (slots.view(1, -1) >= s + 1) & (slots.view(1, -1) < lengths.view(-1, 1) - 1)  # a label x_{j+1}
+        logq = logits.float().log_softmax(-1)
+        ce = -(p * logq).sum(-1)  # [B, n]
+        w = valid.float()
+        total = total + decay**s * (ce * w).sum() / w.sum().clamp_min(1)
+        agree.append(float(((logq.argmax(-1) == p.argmax(-1)).float() * w).sum() / w.sum().clamp_min(1)))
+        hidden = torch.cat([torch.zeros_like(out[:, :1]), out[:, :-1]], 1)  # step s + 1 reads o^s_{j - 1}
+    return total, agree
+
+
+class _TargetTap:
+    """The target's forward for training batches: aux hidden states (layer inputs, by hooks) and its logits."""
+
+    def __init__(self, model, aux: tuple[int, ...]):
+        self.model, self.aux = model, aux
+        self.grabbed: dict[int, Tensor] = {}
+        layers = model.get_decoder().layers
+        L = len(layers)
+        for i in aux:
+            module = layers[i] if i < L else model.get_decoder().norm
+            module.register_forward_pre_hook(self._hook(i), with_kwargs=True)
+
+    def _hook(self, i):
+        def hook(module, args, kwargs):
+            self.grabbed[i] = args[0] if args else kwargs["hidden_states"]
+
+        return hook
+
+    @torch.no_grad()
+    def __call__(self, ids: Tensor, lengths: Tensor, vocab_ids: Tensor) -> tuple[Tensor, Tensor]:
+        mask = (torch.arange(ids.shape[1]).view(1, -1) < lengths.view(-1, 1)).long()
+        logits = self.model(input_ids=ids, attention_mask=mask).logits  # [B, n, V]
+        aux = torch.cat([self.grabbed.pop(i) for i in self.aux], -1).float()
+        p = logits.float().softmax(-1)[..., vocab_ids]
+        return aux, p / p.sum(-1, keepdim=True).clamp_min(1e-12)
+
+
+def _batches(seqs: list[list[int]], batch_tokens: int, gen: torch.Generator) -> list[list[int]]:
+    """Shuffled batches of sequence indices of similar length, about batch_tokens tokens each."""
+    order = sorted(range(len(seqs)), key=lambda k: len(seqs[k]))
+    batches, cur, longest = [], [], 0
+    for k in order:
+        longest_new = max(longest, len(seqs[k]))
+        if cur and longest_new * (len(cur) + 1) > batch_tokens:
+            batches.append(cur)
+            cur, longest_new = [], len(seqs[k])
+        cur.append(k)
+        longest = longest_new
+    if cur:
+        batches.append(cur)
+    perm = torch.randperm(len(batches), generator=gen).tolist()
+    return [batches[i] for i in perm]
+
+
+def _pad(seqs: list[list[int]], pad: int) -> tuple[Tensor, Tensor]:
+    n = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), n), pad, dtype=torch.int64)
+    for b, s in enumerate(seqs):
+        ids[b, : len(s)] = torch.as_tensor(s)
+    return ids, torch.tensor([len(s) for s in seqs])
+
+
+def train_eagle3(target, data: dict, out: Path, cfg: TrainConfig, resume: bool = False, progress=None) -> dict:
+    """Train (or resume) an EAGLE-3 head on data {"seqs", "starts"} (token ids, where each continuation starts);
+    writes checkpoints and the head into `out`. progress: a callable (step, info dict) for a progress display.
+    Returns the run's summary (also written to out/train.json)."""
+    model = target.model
+    tc = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    V = model.get_output_embeddings().weight.shape[0]
+    aux = default_aux_layers(tc.num_hidden_layers)
+    vocab_ids = data.get("vocab_ids")
+    if vocab_ids is None:
+        vocab_ids = data["vocab_ids"] = choose_vocab(data["seqs"], data["starts"], V, cfg.draft_vocab)
+    head = init_head(model, vocab_ids, aux)
+    opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=cfg.lr, weight_decay=0.0)
+    state_path = out / "train_state.pt"
+    step, epoch, cursor, spent, history = 0, 0, 0, 0.0, []
+    if resume and state_path.is_file():
+        st = torch.load(state_path, weights_only=False)
+        head.load_state_dict(st["head"])
+        opt.load_state_dict(st["opt"])
+        step, epoch, cursor, spent, history = st["step"], st["epoch"], st["cursor"], st["seconds"], st["history"]
+    tap = _TargetTap(model, aux)
+    pad = int(getattr(target.tokenizer, "pad_token_id", None) or 0)
+    seqs = data["seqs"]
+    warm = 20
+
+    def save() -> None:
+        torch.save(
+            {
+                "head": head.state_dict(),
+                "opt": opt.state_dict(),
+                "step": step,
+                "epoch": epoch,
+                "cursor": cursor,
+                "seconds": spent,
+                "history": history,
+                "config": asdict(cfg),
+            },
+            state_path,
+        )
+        save_eagle3(head, out, V)
+
+    head.train()
+    t_start = time.perf_counter() - spent
+    done = False
+    while not done:
+        order = _batches(seqs, cfg.batch_tokens, torch.Generator().manual_seed(cfg.seed + epoch))
+        while cursor < len(order):
+            ids, lengths = _pad([seqs[k] for k in order[cursor]], pad)
+            a, p = tap(ids, lengths, vocab_ids)
+            lr = cfg.lr * min(1.0, (step + 1) / warm)
+            for group in opt.param_groups:
+                group["lr"] = lr
+            loss, agree = ttt_loss(head, ids, lengths, a, p, cfg.ttt, cfg.decay)
+            opt.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(head.parameters(), 0.5)
+            opt.step()
+            step, cursor = step + 1, cursor + 1
+            spent = time.perf_counter() - t_start
+            history.append({"step": step, "loss": float(loss), "top1": agree, "seconds": round(spent, 1)})
+            if progress is not None:
+                progress(step, history[-1])
+            if step % cfg.checkpoint_every == 0:
+                save()
+            if spent >= cfg.minutes * 60 or (cfg.max_steps is not None and step >= cfg.max_steps):
+                done = True
+                break
+        if not done:
+            epoch, cursor = epoch + 1, 0
+    head.eval()
+    save()
+    tail = history[-20:]
+    summary = {
+        "steps": step,
+        "epochs": epoch + cursor / max(len(order), 1),
+        "seconds": round(spent, 1),
+        "sequences": len(seqs),
+        "tokens": sum(len(s) - n for s, n in zip(seqs, data["starts"])),
+        "draft_vocab": len(vocab_ids),
+        "aux_layers": list(aux),
+        "final_loss": sum(h["loss"] for h in tail) / max(len(tail), 1),
+        "final_top1_by_step": [sum(h["top1"][s] for h in tail) / max(len(tail), 1) for s in range(cfg.ttt)],
+        "config": asdict(cfg),
+    }
+    (out / "train.json").write_text(json.dumps(summary, indent=2, allow_nan=False) + "\n")
+    return summary
+
+
+def sample_data(target, prompts: list[str], cfg: TrainConfig, progress=None) -> dict:
+    """The target's own continuations of every prompt: {"seqs": token ids, "starts": where each continuation
+    starts}. Plain decoding through verispec's engine (temperature cfg.temperature, seeds cfg.seed + k)."""
+    from ..engine import SpeculativeGenerator
+    from ..sampling import SamplingParams
+
+    gen = SpeculativeGenerator(target, None)
+    seqs, starts = [], []
+    batch = 16
+    jobs = [(pr, s) for pr in prompts for s in range(cfg.samples_per_prompt)]
+    for i in range(0, len(jobs), batch):
+        chunk = jobs[i : i + batch]
+        params = [SamplingParams(temperature=cfg.temperature, seed=cfg.seed + i + k) for k in range(len(chunk))]
+        outs = gen.generate([pr for pr, _ in chunk], params, max_new_tokens=cfg.max_new_tokens, chat=cfg.chat)
+        for (pr, _), o in zip(chunk, outs):
+            prompt_ids = gen.encode(pr, chat=cfg.chat)
+            seqs.append(list(prompt_ids) + list(o.token_ids))
+            starts.append(len(prompt_ids))
+        if progress is not None:
+            progress(min(i + batch, len(jobs)), len(jobs))
+    return {"seqs": seqs, "starts": starts}
+
+
+def expected_minutes(tokens: int, seconds_per_step: float, batch_tokens: int) -> float:
+    return math.ceil(tokens / batch_tokens) * seconds_per_step / 60
