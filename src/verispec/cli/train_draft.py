@@ -85,33 +85,58 @@ def run(args: argparse.Namespace) -> int:
     if not isinstance(target.model, torch.nn.Module):
         raise UsageError("train-draft trains on a torch model: pass --runner fast or hf (not llamacpp)")
     data_path = out / "data.pt"
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    with Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        TextColumn("{task.fields[info]}"),
-        TimeElapsedColumn(),
-        transient=False,
-        console=None,
-    ) as bar:
+    with _Reporter() as report:
         if args.resume and data_path.is_file():
             data = torch.load(data_path, weights_only=False)
         else:
-            task = bar.add_task("sampling", total=len(prompts) * cfg.samples_per_prompt, info="")
-            data = sample_data(
-                target, prompts, cfg, progress=lambda k, n: bar.update(task, completed=k, info=f"{k}/{n}")
-            )
+            task = report.task("sampling", len(prompts) * cfg.samples_per_prompt)
+            data = sample_data(target, prompts, cfg, progress=lambda k, n: report.update(task, k, f"{k}/{n}"))
             torch.save(data, data_path)
-        task = bar.add_task("training", total=cfg.max_steps or None, info="")
+        task = report.task("training", cfg.max_steps)
 
         def show(step, info):
             top1 = "/".join(f"{a:.2f}" for a in info["top1"])
-            bar.update(
-                task, completed=step, info=f"step {step} loss {info['loss']:.3f} top1 {top1} {info['seconds']:.0f}s"
-            )
+            report.update(task, step, f"step {step} loss {info['loss']:.3f} top1 {top1} {info['seconds']:.0f}s")
 
         summary = train_eagle3(target, data, out, cfg, resume=args.resume, progress=show)
         torch.save(data, data_path)  # with the draft vocabulary chosen
     print(json.dumps({k: v for k, v in summary.items() if k != "config"}, indent=2), file=sys.stdout)
     return 0
+
+
+class _Reporter:
+    """A rich progress bar on a terminal; elsewhere (a log file, CI) a plain line per update at most every 10 s."""
+
+    def __init__(self):
+        from rich.console import Console
+
+        self.live = Console(stderr=True).is_terminal
+        self.bar = None
+        self._last = 0.0
+
+    def __enter__(self):
+        if self.live:
+            from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+            self.bar = Progress(
+                TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[info]}"), TimeElapsedColumn()
+            )
+            self.bar.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self.bar is not None:
+            self.bar.__exit__(*exc)
+
+    def task(self, name: str, total: int | None):
+        return self.bar.add_task(name, total=total, info="") if self.bar is not None else name
+
+    def update(self, task, completed: int, info: str) -> None:
+        import time
+
+        if self.bar is not None:
+            self.bar.update(task, completed=completed, info=info)
+        elif time.monotonic() - self._last >= 10:
+            self._last = time.monotonic()
+            print(f"{task}: {info}", file=sys.stderr, flush=True)
