@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from .options import UsageError, add_device_args, load, user_errors
+from .options import UsageError, add_device_args, load, model_errors, user_errors
 
 
 def add_parser(sub) -> None:
@@ -39,6 +39,13 @@ def add_parser(sub) -> None:
     p.add_argument("--minutes", type=float, default=120.0, help="training time budget, sampling excluded (default 120)")
     p.add_argument("--max-steps", type=int, help="stop after this many steps")
     p.add_argument("--checkpoint-every", type=int, default=100, help="steps between checkpoints (default 100)")
+    p.add_argument(
+        "--cache-features",
+        action="store_true",
+        help="run the target over the data once and keep its hidden states and p in memory (bfloat16): for targets "
+        "whose forward costs more than the head's training step",
+    )
+    p.add_argument("--head-intermediate", type=int, help="the head's MLP width (default: the target's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-chat", action="store_true", help="feed prompts as plain text (default: the chat template)")
     p.add_argument("--resume", action="store_true", help="continue from --out's checkpoint (and its sampled data)")
@@ -54,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from ..bench.e2e import load_prompts
-    from ..heads.train import TrainConfig, sample_data, train_eagle3
+    from ..heads.train import TrainConfig, default_aux_layers, sample_data, train_eagle3
 
     with user_errors():
         cfg = TrainConfig(
@@ -69,21 +76,30 @@ def run(args: argparse.Namespace) -> int:
             checkpoint_every=args.checkpoint_every,
             seed=args.seed,
             chat=not args.no_chat,
+            cache_features=args.cache_features,
+            head_intermediate=args.head_intermediate,
         )
         cfg.check()
         if args.holdout < 0:
             raise ValueError(f"--holdout must be >= 0, got {args.holdout}")
+        if args.max_prompts is not None and args.max_prompts < 1:
+            raise ValueError(f"--max-prompts must be >= 1, got {args.max_prompts}")
+    with user_errors(OSError):
         by_cat = load_prompts(args.prompts)
     out = Path(args.out)
     if not args.resume and (out / "train_state.pt").exists():
         raise UsageError(f"{out} holds a training run already: pass --resume to continue it, or another --out")
-    out.mkdir(parents=True, exist_ok=True)
     prompts = [p for ps in by_cat.values() for p in ps[args.holdout :][: args.max_prompts]]
     if not prompts:
         raise UsageError("no prompts left after --holdout")
-    target = load(args.target, args)
+    with model_errors():
+        target = load(args.target, args)
     if not isinstance(target.model, torch.nn.Module):
-        raise UsageError("train-draft trains on a torch model: pass --runner fast or hf (not llamacpp)")
+        raise UsageError(f"train-draft trains on a torch model, and {target.name} runs on llama.cpp")
+    with user_errors():  # before sampling: a target the head cannot read
+        tc = target.model.config
+        default_aux_layers((tc.get_text_config() if hasattr(tc, "get_text_config") else tc).num_hidden_layers)
+    out.mkdir(parents=True, exist_ok=True)
     data_path = out / "data.pt"
 
     with _Reporter() as report:

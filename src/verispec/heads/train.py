@@ -33,7 +33,7 @@ from transformers import LlamaConfig
 
 from .modules import PairHead
 
-__all__ = ["TrainConfig", "choose_vocab", "init_head", "save_eagle3", "train_eagle3"]
+__all__ = ["TrainConfig", "choose_vocab", "init_head", "save_eagle3", "train_eagle3", "ttt_logits", "ttt_loss"]
 
 
 @dataclass
@@ -51,6 +51,8 @@ class TrainConfig:
     checkpoint_every: int = 100
     seed: int = 0
     chat: bool = True  # prompts go through the target's chat template
+    cache_features: bool = False  # run the target over the data once and keep its hidden states and p (bfloat16)
+    head_intermediate: int | None = None  # the head's MLP width (None: the target's)
 
     def check(self) -> None:
         for name in ("samples_per_prompt", "max_new_tokens", "draft_vocab", "ttt", "batch_tokens", "checkpoint_every"):
@@ -59,6 +61,8 @@ class TrainConfig:
                 raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
         if not (self.lr > 0 and self.minutes > 0 and 0 < self.decay <= 1 and self.temperature > 0):
             raise ValueError("lr, minutes and temperature must be > 0 and decay in (0, 1]")
+        if self.head_intermediate is not None and self.head_intermediate < 1:
+            raise ValueError(f"head_intermediate must be >= 1, got {self.head_intermediate}")
         if self.max_steps is not None and self.max_steps < 1:
             raise ValueError(f"max_steps must be >= 1, got {self.max_steps}")
 
@@ -85,12 +89,14 @@ def choose_vocab(seqs: list[list[int]], starts: list[int], vocab: int, size: int
     return score.topk(size).indices.sort().values
 
 
-def init_head(target, vocab_ids: Tensor, aux: tuple[int, ...]) -> PairHead:
-    """A fresh one-layer EAGLE-3 head shaped like the target's layers (hidden size, heads, MLP width, RoPE)."""
+def init_head(target, vocab_ids: Tensor, aux: tuple[int, ...], intermediate: int | None = None) -> PairHead:
+    """A fresh one-layer EAGLE-3 head shaped like the target's layers (hidden size, heads, RoPE; MLP width
+    `intermediate`, default the target's)."""
     tc = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
-    keys = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "rms_norm_eps")
+    keys = ("hidden_size", "num_attention_heads", "num_key_value_heads", "rms_norm_eps")
     cfg = LlamaConfig(
         **{k: getattr(tc, k) for k in keys},
+        intermediate_size=intermediate or tc.intermediate_size,
         head_dim=getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads,
         num_hidden_layers=1,
         vocab_size=len(vocab_ids),
@@ -178,9 +184,11 @@ def _ttt_masks(n: int, steps: int, lengths: Tensor) -> list[Tensor]:
     return masks
 
 
-def ttt_loss(head: PairHead, ids: Tensor, lengths: Tensor, aux: Tensor, p: Tensor, steps: int, decay: float):
-    """ids [B, n] (right-padded), lengths [B], aux [B, n, F] (the target's aux hidden states at each token), p [B, n,
-    V_d] (the target's next-token distribution on the draft vocabulary) -> (loss, per-step top-1 agreement list)."""
+def ttt_logits(head: PairHead, ids: Tensor, lengths: Tensor, aux: Tensor, steps: int):
+    """The training-time test's unrolled forwards: yields each step s's logits [B, n, V_d], in order. Slot j of step s
+    is what the head gives drafting s + 1 tokens deep: the target has computed x_0..x_{j-s-1} (its hidden states feed
+    step 0 at slots <= j - s), and x_{j-s+1}..x_j were fed as the head's own drafts, each reading the head's output at
+    the slot before (ids [B, n] right-padded, lengths [B], aux [B, n, F]: the target's aux hidden states)."""
     B, n = ids.shape
     masks = _ttt_masks(n, steps, lengths)
     positions = torch.arange(n).unsqueeze(0).expand(B, n)
@@ -188,8 +196,6 @@ def ttt_loss(head: PairHead, ids: Tensor, lengths: Tensor, aux: Tensor, p: Tenso
     hidden = torch.cat([torch.zeros_like(g[:, :1]), g[:, :-1]], 1)  # slot j reads h_{j - 1}
     keys: dict[int, list[Tensor]] = {}  # layer -> keys of each unroll step so far [B, nkv, n, D]
     values: dict[int, list[Tensor]] = {}
-    total, agree = 0.0, []
-    slots = torch.arange(n)
     for s in range(steps):
         mask = masks[s]
 
@@ -200,13 +206,23 @@ def ttt_loss(head: PairHead, ids: Tensor, lengths: Tensor, aux: Tensor, p: Tenso
             return F.scaled_dot_product_attention(q, K, V, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
 
         logits, out = head.step(ids, hidden, positions, attend)  # [B, n, V_d], [B, n, H]
+        yield logits
+        hidden = torch.cat([torch.zeros_like(out[:, :1]), out[:, :-1]], 1)  # step s + 1 reads o^s_{j - 1}
+
+
+def ttt_loss(head: PairHead, ids: Tensor, lengths: Tensor, aux: Tensor, p: Tensor, steps: int, decay: float):
+    """ids [B, n] (right-padded), lengths [B], aux [B, n, F] (the target's aux hidden states at each token), p [B, n,
+    V_d] (the target's next-token distribution on the draft vocabulary) -> (loss, per-step top-1 agreement list)."""
+    n = ids.shape[1]
+    total, agree = 0.0, []
+    slots = torch.arange(n)
+    for s, logits in enumerate(ttt_logits(head, ids, lengths, aux, steps)):
         valid = (slots.view(1, -1) >= s + 1) & (slots.view(1, -1) < lengths.view(-1, 1) - 1)  # a label x_{j+1}
         logq = logits.float().log_softmax(-1)
         ce = -(p * logq).sum(-1)  # [B, n]
         w = valid.float()
         total = total + decay**s * (ce * w).sum() / w.sum().clamp_min(1)
         agree.append(float(((logq.argmax(-1) == p.argmax(-1)).float() * w).sum() / w.sum().clamp_min(1)))
-        hidden = torch.cat([torch.zeros_like(out[:, :1]), out[:, :-1]], 1)  # step s + 1 reads o^s_{j - 1}
     return total, agree
 
 
@@ -254,6 +270,26 @@ def _batches(seqs: list[list[int]], batch_tokens: int, gen: torch.Generator) -> 
     return [batches[i] for i in perm]
 
 
+def _cache_features(tap, seqs: list[list[int]], vocab_ids: Tensor, pad: int, cfg: TrainConfig):
+    """The target's aux hidden states and p for every sequence, computed once: ([n_k, F] bf16, [n_k, V_d] bf16)."""
+    aux, probs = [None] * len(seqs), [None] * len(seqs)
+    for batch in _batches(seqs, cfg.batch_tokens, torch.Generator().manual_seed(0)):
+        ids, lengths = _pad([seqs[k] for k in batch], pad)
+        a, p = tap(ids, lengths, vocab_ids)
+        for b, k in enumerate(batch):
+            n = len(seqs[k])
+            aux[k], probs[k] = a[b, :n].bfloat16(), p[b, :n].bfloat16()
+    return aux, probs
+
+
+def _pad_rows(rows: list[Tensor]) -> Tensor:
+    """[n_k, F] tensors -> [B, max n_k, F] float32, zero-padded."""
+    out = torch.zeros((len(rows), max(r.shape[0] for r in rows), rows[0].shape[1]))
+    for b, r in enumerate(rows):
+        out[b, : r.shape[0]] = r.float()
+    return out
+
+
 def _pad(seqs: list[list[int]], pad: int) -> tuple[Tensor, Tensor]:
     n = max(len(s) for s in seqs)
     ids = torch.full((len(seqs), n), pad, dtype=torch.int64)
@@ -273,12 +309,17 @@ def train_eagle3(target, data: dict, out: Path, cfg: TrainConfig, resume: bool =
     vocab_ids = data.get("vocab_ids")
     if vocab_ids is None:
         vocab_ids = data["vocab_ids"] = choose_vocab(data["seqs"], data["starts"], V, cfg.draft_vocab)
-    head = init_head(model, vocab_ids, aux)
-    opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=cfg.lr, weight_decay=0.0)
     state_path = out / "train_state.pt"
+    st = torch.load(state_path, weights_only=False) if resume and state_path.is_file() else None
+    if st is not None and st["config"].get("head_intermediate") != cfg.head_intermediate:
+        raise ValueError(
+            f"the run in {out} trains a head with MLP width {st['config'].get('head_intermediate') or 'the target'}'s;"
+            f" resume it with the same --head-intermediate"
+        )
+    head = init_head(model, vocab_ids, aux, cfg.head_intermediate)
+    opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=cfg.lr, weight_decay=0.0)
     step, epoch, cursor, spent, history = 0, 0, 0, 0.0, []
-    if resume and state_path.is_file():
-        st = torch.load(state_path, weights_only=False)
+    if st is not None:
         head.load_state_dict(st["head"])
         opt.load_state_dict(st["opt"])
         step, epoch, cursor, spent, history = st["step"], st["epoch"], st["cursor"], st["seconds"], st["history"]
@@ -286,6 +327,7 @@ def train_eagle3(target, data: dict, out: Path, cfg: TrainConfig, resume: bool =
     pad = int(getattr(target.tokenizer, "pad_token_id", None) or 0)
     seqs = data["seqs"]
     warm = 20
+    cached = _cache_features(tap, seqs, vocab_ids, pad, cfg) if cfg.cache_features else None
 
     def save() -> None:
         torch.save(
@@ -310,7 +352,10 @@ def train_eagle3(target, data: dict, out: Path, cfg: TrainConfig, resume: bool =
         order = _batches(seqs, cfg.batch_tokens, torch.Generator().manual_seed(cfg.seed + epoch))
         while cursor < len(order):
             ids, lengths = _pad([seqs[k] for k in order[cursor]], pad)
-            a, p = tap(ids, lengths, vocab_ids)
+            if cached is None:
+                a, p = tap(ids, lengths, vocab_ids)
+            else:
+                a, p = (_pad_rows([cached[i][k] for k in order[cursor]]) for i in (0, 1))
             lr = cfg.lr * min(1.0, (step + 1) / warm)
             for group in opt.param_groups:
                 group["lr"] = lr
@@ -321,7 +366,7 @@ def train_eagle3(target, data: dict, out: Path, cfg: TrainConfig, resume: bool =
             opt.step()
             step, cursor = step + 1, cursor + 1
             spent = time.perf_counter() - t_start
-            history.append({"step": step, "loss": float(loss), "top1": agree, "seconds": round(spent, 1)})
+            history.append({"step": step, "loss": loss.item(), "top1": agree, "seconds": round(spent, 1)})
             if progress is not None:
                 progress(step, history[-1])
             if step % cfg.checkpoint_every == 0:
