@@ -42,6 +42,7 @@ import torch
 from ..engine.adaptive import measure_cost_curve
 from ..engine.config import SpecConfig, SpecError, parse_items
 from ..engine.generator import SpeculativeGenerator
+from ..heads import LoadedHead
 from ..model.fast import fast_path_unsupported
 from ..model.loading import LoadedModel
 from ..sampling import SamplingParams
@@ -357,6 +358,9 @@ def build_methods(
     configs = {m: method_config(m, cfg) for m in cfg.methods}  # every name checked; None: another engine's
     methods = [m for m in cfg.methods if draft is not None or not _needs_draft(m, configs[m])]
     methods = _runnable(methods, target, log)
+    if isinstance(draft, LoadedHead) and "hf-assisted" in methods:
+        methods.remove("hf-assisted")
+        log(f"hf-assisted skipped: the draft is a hidden-state head ({draft.kind}), not a model HF generate runs")
     for m in [m for m in methods if configs[m] is not None and configs[m].drafter.target_weights]:
         hf = configs[m].runner == "hf"
         why = "and runner='hf' was asked for" if hf else fast_path_unsupported(target.model)

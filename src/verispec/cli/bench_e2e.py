@@ -6,6 +6,7 @@ import argparse
 import sys
 from dataclasses import replace
 
+from .generate import check_heads
 from .options import (
     UsageError,
     add_bench_inputs,
@@ -152,11 +153,13 @@ def run(args: argparse.Namespace) -> int:
     cfg = _config(args)
     args.runner = cfg.runner  # the run's runner (--runner, or --spec's runner key): what `load` picks a backend by
     prompts = read_bench_prompts(args.prompts)
+    models = e2e.method_models(cfg.methods, cfg)
+    check_heads(args, [args.draft if args.draft not in ("none", "ngram") else None, *models], cfg.runner)
     with model_errors():
         target = load(args.target, args)
         # prompt lookup always runs; a draft model is optional
         draft = load(args.draft, args, threads=False) if args.draft not in (None, "none", "ngram") else None
-        drafts = {path: load(path, args, threads=False) for path in e2e.method_models(cfg.methods, cfg)}
+        drafts = {path: load(path, args, threads=False) for path in models}
         log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
         result = e2e.run_e2e(target, draft, prompts, cfg, log=log, drafts=drafts)
     write_bench_report(args.out, "e2e", result, e2e.to_markdown(result), e2e.plot)

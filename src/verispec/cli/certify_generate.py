@@ -166,6 +166,14 @@ def _method_spec(args: argparse.Namespace):
         raise UsageError(f"--tree applies to --method verispec, not to --method {args.method}")
     if args.method == "hf-assisted" and config.draft != "model":
         raise UsageError("--method hf-assisted needs --draft PATH: the assistant model")
+    if args.method == "hf-assisted":
+        from ..heads import head_kind
+
+        if kind := head_kind(config.model):
+            raise UsageError(
+                f"--method hf-assisted: --draft {config.model} is a hidden-state head ({kind}), not a model "
+                "transformers' assisted generation runs; certify it with --method verispec"
+            )
     if args.method == "callable" and not args.callable:
         raise UsageError("--method callable needs --callable module:function")
     if args.workers < 1:

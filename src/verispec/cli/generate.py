@@ -38,11 +38,29 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
+def check_heads(args: argparse.Namespace, models, runner: str | None) -> None:
+    """Before any model loads: a draft model that is a hidden-state head (EAGLE-3, EAGLE, Medusa) reads the target's
+    hidden states, so the target loads with torch (--runner auto picks it) and --runner llamacpp is refused."""
+    from ..heads import head_kind
+
+    for model in models:
+        kind = head_kind(model) if model else None
+        if kind is None:
+            continue
+        if runner == "llamacpp":
+            raise UsageError(
+                f"--draft {model} is a hidden-state head ({kind}): it reads the target's hidden states, which "
+                "llama.cpp does not expose; run the target on --runner fast or hf"
+            )
+        args.torch_only = True  # (`load`: the target loads with torch, a GGUF file dequantized)
+
+
 def build_generator(args: argparse.Namespace, config):
     """Load the target and the draft model the SpecConfig names (`spec_config`: options already checked) and build
     a SpeculativeGenerator from the config."""
     from ..engine.generator import SpeculativeGenerator
 
+    check_heads(args, [config.model] if config.drafter.model else [], config.runner)
     with model_errors():
         target = load(args.target, args)
         draft = load(config.model, args, threads=False) if config.drafter.model else None

@@ -37,7 +37,8 @@ def measure_cost_curve(
 ) -> list[float]:
     """Median seconds of one forward of `runner` over n = 1..max_n new tokens per row after `context` cached
     (random) tokens, for `batch` rows: the cost curve T_batch(n) that prices a speculative step at that batch size.
-    Leaves the runner's cache in use: call it before generating, never during."""
+    Leaves the runner's cache in use (a hidden-state head's: its target runner's too): call it before generating,
+    never during."""
     runner.start(batch, context + max_n + 1)
     g = torch.Generator().manual_seed(0)
     pool = getattr(runner, "calibration_ids", None)  # a cross-vocabulary draft: ids it reads as one token each
@@ -46,7 +47,12 @@ def measure_cost_curve(
     def draw(n: int) -> list[int]:
         return pool[torch.randint(0, len(pool), (n,), generator=g)].tolist()
 
-    runner.prefill([draw(context) for _ in range(batch)])
+    prompts = [draw(context) for _ in range(batch)]
+    target = getattr(getattr(runner, "features", None), "target", None)
+    if target is not None:  # a hidden-state head reads its target's hidden states: the target holds the context too
+        target.start(batch, context + 1)
+        target.prefill(prompts)
+    runner.prefill(prompts)
     curve = []
     for n in range(1, max_n + 1):
         times = []
