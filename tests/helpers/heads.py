@@ -114,3 +114,141 @@ def save_eagle1(folder: Path, vocab: int, layers: int = 1, seed: int = 0) -> Pat
         t.update(_layer(f"layers.{i}.", H, g, input_norm=i > 0))
     save_file(t, str(folder / "model.safetensors"))
     return folder
+
+
+# --- Medusa and MTP (tests/heads/test_medusa.py, test_mtp.py) -------------------------------------------------------
+
+
+def medusa_tensors(vocab: int, heads: int = 3, layers: int = 1, seed: int = 0, scale: float = 1.0) -> dict:
+    """FasterDecoding's names: head k = `{k}.{j}.linear.*` (ResBlocks: x + SiLU(W x + b)), `{k}.{layers}.weight`."""
+    g = torch.Generator().manual_seed(seed)
+    t = {}
+    for k in range(heads):
+        for j in range(layers):
+            t[f"{k}.{j}.linear.weight"] = _rand(H, H, g=g)
+            t[f"{k}.{j}.linear.bias"] = _rand(H, g=g)
+        t[f"{k}.{layers}.weight"] = _rand(vocab, H, scale=scale, g=g)
+    return t
+
+
+def save_medusa(
+    folder: Path,
+    vocab: int,
+    heads: int = 3,
+    layers: int = 1,
+    layout: str = "fasterdecoding",
+    seed: int = 0,
+    scale: float = 1.0,
+    tensors: dict | None = None,
+    weights: str = "safetensors",
+    bias: bool = True,
+) -> Path:
+    """Medusa heads, FasterDecoding's layout (config.json with `medusa_num_heads` / `medusa_num_layers`,
+    `medusa_lm_head.safetensors` (weights="pt": `medusa_lm_head.pt`) with `{k}.{j}.linear.*`, `{k}.{layers}.weight`)
+    or vLLM's (`model_type: medusa`, `num_heads`, `blocks.{k}.layers.{j}.*`, `lm_heads.{k}.weight`; bias False:
+    `medusa_fc_bias: false` and no biases). tensors: the FasterDecoding-named tensors to save instead of random ones."""
+    folder.mkdir(parents=True, exist_ok=True)
+    t = dict(tensors) if tensors is not None else medusa_tensors(vocab, heads, layers, seed, scale)
+    if not bias:
+        t = {k: v for k, v in t.items() if not k.endswith(".bias")}
+    if layout == "fasterdecoding":
+        config = {"medusa_num_heads": heads, "medusa_num_layers": layers, "base_model_name_or_path": "tiny"}
+    elif layout == "vllm":
+        config = {
+            "architectures": ["MedusaModel"],
+            "model_type": "medusa",
+            "hidden_size": H,
+            "vocab_size": vocab,
+            "num_heads": heads,
+            "num_hidden_layers": layers,
+            "medusa_fc_bias": bias,
+        }
+        renamed = {}
+        for k, v in t.items():
+            p = k.split(".")
+            if len(p) == 4:  # {k}.{j}.linear.{weight,bias}
+                renamed[f"blocks.{p[0]}.layers.{p[1]}.{p[3]}"] = v
+            else:  # {k}.{layers}.weight
+                renamed[f"lm_heads.{p[0]}.weight"] = v
+        t = renamed
+    else:
+        raise ValueError(f"layout must be fasterdecoding or vllm, got {layout!r}")
+    (folder / "config.json").write_text(json.dumps(config))
+    if weights == "pt":
+        torch.save(t, folder / "medusa_lm_head.pt")
+    else:
+        save_file(
+            t, str(folder / ("medusa_lm_head.safetensors" if layout == "fasterdecoding" else "model.safetensors"))
+        )
+    return folder
+
+
+def mtp_layer_tensors(vocab: int, seed: int = 0, head: bool = True) -> dict:
+    """One MTP layer in DeepSeek-V3's names (without the `model.layers.{L}.` prefix): enorm, hnorm, eh_proj
+    [H, 2H], a Llama-layout decoder layer, shared_head.norm and (head) shared_head.head [V, H]."""
+    g = torch.Generator().manual_seed(seed)
+    t = {
+        "enorm.weight": 1 + _rand(H, scale=0.1, g=g),
+        "hnorm.weight": 1 + _rand(H, scale=0.1, g=g),
+        "eh_proj.weight": _rand(H, 2 * H, g=g),
+    }
+    t.update(_layer("", H, g))
+    t["shared_head.norm.weight"] = 1 + _rand(H, scale=0.1, g=g)
+    if head:
+        t["shared_head.head.weight"] = _rand(vocab, H, scale=1.0, g=g)
+    return t
+
+
+def _save_target(folder: Path, model, config_extra: dict, tensors: dict) -> Path:
+    """model saved with save_pretrained (and the tiny tokenizer), then `tensors` added to its safetensors file and
+    `config_extra` to its config.json (what transformers ignores at load)."""
+    from safetensors.torch import load_file
+
+    from .tiny import make_tokenizer
+
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder, safe_serialization=True)
+    make_tokenizer().save_pretrained(folder)
+    files = sorted(folder.glob("*.safetensors"))
+    assert len(files) == 1, files
+    saved = load_file(str(files[0]))
+    saved.update({k: v.contiguous() for k, v in tensors.items()})
+    save_file(saved, str(files[0]), metadata={"format": "pt"})
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg.update(config_extra)
+    (folder / "config.json").write_text(json.dumps(cfg))
+    return folder
+
+
+def save_mtp_deepseek(
+    folder: Path, model, seed: int = 0, tensors: dict | None = None, embed: torch.Tensor | None = None
+) -> Path:
+    """A target checkpoint (the tiny Llama `model`, save_pretrained) with a DeepSeek-V3-style MTP layer:
+    `num_nextn_predict_layers: 1` in config.json, tensors `model.layers.{L}.*` (L = the target's layer count;
+    `mtp_layer_tensors`, or `tensors` in those names; embed: the layer's own `embed_tokens` [V, H])."""
+    L = model.config.num_hidden_layers
+    t = dict(tensors) if tensors is not None else mtp_layer_tensors(model.config.vocab_size, seed)
+    if embed is not None:
+        t["embed_tokens.weight"] = embed
+    return _save_target(
+        folder, model, {"num_nextn_predict_layers": 1}, {f"model.layers.{L}.{k}": v for k, v in t.items()}
+    )
+
+
+def save_mtp_qwen3next(folder: Path, model, seed: int = 0, tensors: dict | None = None) -> Path:
+    """A target checkpoint (the tiny Llama `model`) with a Qwen3-Next-style MTP layer: `mtp_num_hidden_layers: 1`,
+    tensors `mtp.fc`, `mtp.pre_fc_norm_embedding`, `mtp.pre_fc_norm_hidden`, `mtp.layers.0.*`, `mtp.norm` (logits
+    through the target's lm_head). tensors: DeepSeek-named ones (`mtp_layer_tensors`, renamed here)."""
+    t = dict(tensors) if tensors is not None else mtp_layer_tensors(model.config.vocab_size, seed, head=False)
+    names = {
+        "eh_proj.weight": "fc.weight",
+        "enorm.weight": "pre_fc_norm_embedding.weight",
+        "hnorm.weight": "pre_fc_norm_hidden.weight",
+        "shared_head.norm.weight": "norm.weight",
+    }
+    out = {}
+    for k, v in t.items():
+        if k == "shared_head.head.weight":
+            continue
+        out["mtp." + (names[k] if k in names else "layers.0." + k)] = v
+    return _save_target(folder, model, {"mtp_num_hidden_layers": 1}, out)

@@ -158,8 +158,9 @@ _HELP = {
     "tree_rule": "how tree children are drawn and verified (default deterministic: the top-k of q)",
     "target": "target model: hub id, local directory or .gguf file (default: SmolLM2-135M-Instruct, fetched once "
     "into ~/.cache/verispec)",
-    "draft": "draft model (hub id, directory, .gguf), 'self' (the target's weights quantized: with --draft-quant), "
-    "'ngram' (prompt lookup, default) or 'none'",
+    "draft": "draft model (hub id, directory, .gguf; or an EAGLE-3 / EAGLE / Medusa head's directory), 'self' (the "
+    "target's weights quantized: with --draft-quant), 'mtp' (the multi-token-prediction layer in the target's own "
+    "checkpoint), 'ngram' (prompt lookup, default) or 'none'",
     "cross_vocab": "a --draft with another tokenizer than the target's: tli (token-level intersection, the default: "
     "q moved into the target's vocabulary by byte string; any temperature, chains and trees) or slem (string-level "
     "exact match: the draft's greedy text re-tokenized by the target, verified as one-hot proposals; chains)",
@@ -432,7 +433,7 @@ def _flag_items(args: argparse.Namespace, tree_given: bool) -> dict:
     """The spec keys the speculation flags given set: key -> (the flag as typed, value)."""
     out = {}
     draft = getattr(args, "draft", None)
-    if draft in ("ngram", "none", "self"):
+    if draft in ("ngram", "none", "self", "mtp"):
         out["draft"] = (f"--draft {draft}", draft)
     elif draft is not None:
         out["draft"], out["model"] = (f"--draft {draft}", "model"), (f"--draft {draft}", draft)
@@ -521,8 +522,11 @@ def backend_for(spec: str | None, args: argparse.Namespace) -> str:
             raise UsageError(f"--runner llamacpp: {INSTALL_HINT}")
         return "llamacpp"
     gguf = spec is None or str(spec).endswith(".gguf")
-    self_draft = config.drafter.target_weights if config is not None else getattr(args, "draft", None) == "self"
-    torch_needed = getattr(args, "torch_only", False) or self_draft  # a self-draft quantizes torch weights
+    if config is not None:
+        self_draft = config.drafter.target_weights or config.drafter.target_head
+    else:
+        self_draft = getattr(args, "draft", None) in ("self", "mtp")
+    torch_needed = getattr(args, "torch_only", False) or self_draft  # quantizes (self) or reads (mtp) torch weights
     auto = runner == "auto" and gguf and not torch_needed and getattr(args, "device", "cpu") == "cpu"
     auto = auto and args.dtype == "float32"
     return "llamacpp" if auto and llamacpp_available() else "torch"

@@ -12,10 +12,12 @@ is ignored and the empty string is the default configuration. Printed (`str(cfg)
 the order below; draft, gamma, verify and random always, every other key only where it differs from its default.
 
   key           values (default first where there is one)
-  draft         ngram | none | model | self | history | model+history | self+history | custom: the drafter —
-                prompt lookup, plain decoding, a draft model (a `model=` path, or a LoadedModel given separately),
-                the target's own weights quantized, earlier rollouts of the same prompt (a `RolloutEngine` builds
-                it), history branches beside a draft model's chain, or a `Proposer` given separately
+  draft         ngram | none | model | self | history | model+history | self+history | custom | mtp: the
+                drafter — prompt lookup, plain decoding, a draft model (a `model=` path, or a LoadedModel given
+                separately; also a hidden-state head's directory: EAGLE-3, EAGLE, Medusa), the target's own weights
+                quantized, earlier rollouts of the same prompt (a `RolloutEngine` builds it), history branches
+                beside a draft model's chain, a `Proposer` given separately, or the multi-token-prediction layer in
+                the target's own checkpoint (DeepSeek-V3 / Qwen3-Next layouts, `verispec.heads.mtp_head`)
   model         the draft model's path or hub id (draft=model[+history]; absent: the model is given separately)
   quant         none | int8 | int4: weight-only quantized draft weights (a draft model or self; self needs one)
   ngram         3-2-1: prompt-lookup n-gram sizes, longest first
@@ -100,6 +102,7 @@ class Drafter:
     target_weights: bool = False  # drafts with the target's own weights, quantized (needs `quant`)
     history: bool = False  # drafts from earlier rollouts (always trees): a RolloutEngine builds it
     given: bool = False  # a Proposer given separately drafts; the config only says so
+    target_head: bool = False  # drafts with a head stored in the target's checkpoint (its MTP layer)
     position: bool = False  # random=position applies (q at every position; chains, not where a step starts)
 
     @property
@@ -121,6 +124,7 @@ DRAFTERS = {
     "model+history": Drafter(("mixed",), ("mixed",), model=True, history=True),
     "self+history": Drafter(("mixed",), ("mixed",), target_weights=True, history=True),
     "custom": Drafter(CHAIN_VERIFY, given=True, position=True),  # the generator checks the Proposer itself
+    "mtp": Drafter(CHAIN_VERIFY, TREE_VERIFY, target_head=True, position=True),
 }
 
 KEYS = (

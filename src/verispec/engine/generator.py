@@ -28,7 +28,7 @@ import time
 from collections.abc import Iterator, Sequence
 
 from ..drafting import DraftModelProposer, PromptLookupProposer, Proposer, TreeSpec
-from ..heads import LoadedHead, bind_head, head_proposer
+from ..heads import LoadedHead, bind_head, head_proposer, mtp_head
 from ..model.fast import make_runner
 from ..model.loading import LoadedModel, shared_vocab_size
 from ..sampling import CHAIN_RULES, SamplingParams, verify_tree
@@ -47,10 +47,12 @@ class SpeculativeGenerator:
     """Speculative decoding with a target model and a drafter, as a `SpecConfig` says (`verispec.engine.config`:
     drafter, gamma, tree, verification rule, randomness, runner; its docstring explains every key).
 
-    draft: what the config's drafter drafts with — a `LoadedModel` for draft=model, a `Proposer` for draft=custom
-    (or a `RolloutEngine`'s history drafter), else None. config: the SpecConfig (default: SpecConfig(), prompt
-    lookup with gamma auto). verifier / tree_verifier: overrides of the verification functions (verify_chain's and
-    verify_tree's interfaces; `verispec certify --inject` and the lossy study swap them), not configuration.
+    draft: what the config's drafter drafts with — a `LoadedModel` for draft=model (or a hidden-state head,
+    `verispec.heads.load_head`), a `Proposer` for draft=custom (or a `RolloutEngine`'s history drafter), else None
+    (draft=mtp reads the MTP layer from the target's own checkpoint). config: the SpecConfig (default:
+    SpecConfig(), prompt lookup with gamma auto). verifier / tree_verifier: overrides of the verification functions
+    (verify_chain's and verify_tree's interfaces; `verispec certify --inject` and the lossy study swap them), not
+    configuration.
 
     The keyword arguments of earlier versions still build the config, each setting its keys: draft as a string
     ("ngram", "self", "none" or None: plain decoding, the honest baseline) or an object, gamma, max_gamma,
@@ -118,6 +120,8 @@ class SpeculativeGenerator:
         # and the lossy variants of the study swap them, nothing else should
         self.verifier = CHAIN_RULES[self.verify] if verifier is None else verifier
         self.tree_verifier = tree_verifier
+        if draft is None and cfg.drafter.target_head:  # draft=mtp: the MTP layer in the target's own checkpoint
+            draft = mtp_head(target)
         if isinstance(draft, LoadedHead):  # a hidden-state head reads the target's runner: that comes first
             self.vocab_size = bind_head(draft, target)
             self.runner = make_runner(target.model, self.vocab_size, runner=cfg.runner)

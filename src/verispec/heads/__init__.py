@@ -4,7 +4,7 @@ model's proposer drafts chains and EAGLE-2 trees with a head; `train`: `verispec
 
 from __future__ import annotations
 
-from .formats import HEAD_KINDS, HeadLoadError, LoadedHead, bind_head, head_kind, load_head
+from .formats import HEAD_KINDS, HeadLoadError, LoadedHead, bind_head, head_kind, load_head, mtp_head
 from .modules import MedusaHeads, PairHead
 from .runner import MedusaRunner, PairRunner, scatter_logits
 
@@ -21,6 +21,7 @@ __all__ = [
     "head_proposer",
     "head_runner",
     "load_head",
+    "mtp_head",
     "scatter_logits",
 ]
 
@@ -40,7 +41,7 @@ def head_proposer(target, head: LoadedHead, config, target_runner):
         raise HeadLoadError(f"[quant] quantizes a draft model's weights; a {head.kind} head runs as it is")
     if config.cross_vocab != "auto":
         raise HeadLoadError(f"a {head.kind} head drafts in the target's vocabulary: [cross_vocab] does not apply")
-    if config.draft != "model":
+    if config.draft != "model" and not (config.draft == "mtp" and head.kind == "mtp"):
         raise HeadLoadError(f"a {head.kind} head drafts alone (draft=model): draft={config.draft} cannot use it")
     vocab = target_runner.vocab_size
     proposer = DraftModelProposer(

@@ -10,7 +10,11 @@
              (`model_type: medusa`, `blocks.{k}.layers.{j}.*`, `lm_heads.{k}.*`).
   mtp        a target checkpoint's multi-token-prediction layer: DeepSeek-V3 (`num_nextn_predict_layers`,
              `model.layers.{L}.{enorm,hnorm,eh_proj,shared_head.*}` and a Llama-layout block) or Qwen3-Next
-             (`mtp_num_hidden_layers`, `mtp.{fc,pre_fc_norm_embedding,pre_fc_norm_hidden,layers.0.*,norm}`).
+             (`mtp_num_hidden_layers`, `mtp.{fc,pre_fc_norm_embedding,pre_fc_norm_hidden,layers.0.*,norm}`, the
+             target's lm_head); the first layer drafts at every depth. Only a Llama-layout block runs: multi-head
+             latent attention, a mixture-of-experts MLP and Qwen3-Next's own layer are refused. Such a directory
+             is the target model (`load_model` loads the model from it): the MTP layer is `load_head(dir)`, or
+             `draft=mtp` (`--draft mtp`, `mtp_head`), which reads it from the target's own checkpoint.
 
 Aux layer ids follow vLLM and `speculators`: id i is the input of target layer i (the default: 2, L // 2, L - 3),
 id L the last layer's output. Every problem (a missing or misshapen tensor, `d2t` out of range, a target of
@@ -30,7 +34,7 @@ from transformers import LlamaConfig
 from ..model.loading import LoadedModel, ModelLoadError
 from .modules import MedusaHeads, PairHead
 
-__all__ = ["HEAD_KINDS", "HeadLoadError", "LoadedHead", "bind_head", "head_kind", "load_head"]
+__all__ = ["HEAD_KINDS", "HeadLoadError", "LoadedHead", "bind_head", "head_kind", "load_head", "mtp_head"]
 
 HEAD_KINDS = ("eagle3", "eagle", "medusa", "mtp")
 
@@ -71,7 +75,8 @@ def _kind(cfg: dict, path: Path) -> str | None:
         return "medusa"
     if cfg.get("num_nextn_predict_layers", 0) or cfg.get("mtp_num_hidden_layers", 0):
         return "mtp"
-    if cfg.get("model_type") in ("llama", "qwen2", "qwen3", "mistral", None) and _has_tensor(path, "fc.weight"):
+    llama = cfg.get("model_type") in ("llama", "qwen2", "qwen3", "mistral", None)
+    if llama and {"fc.weight", "model.fc.weight"} & _tensor_names(path):
         return "eagle"  # EAGLE-1 checkpoints ship a plain Llama config
     return None
 
@@ -86,11 +91,11 @@ def _weight_files(path: Path) -> list[Path]:
     raise HeadLoadError(f"{path}: no weights (*.safetensors, *.bin or *.pt)")
 
 
-def _has_tensor(path: Path, name: str) -> bool:
+def _tensor_names(path: Path) -> set[str]:
     try:
-        return name in _read(path, prefix=None, names_only=True)
+        return set(_read(path, prefix=None, names_only=True))
     except HeadLoadError:
-        return False
+        return set()
 
 
 def _read(path: Path, prefix: str | None = None, names_only: bool = False):
@@ -107,7 +112,7 @@ def _read(path: Path, prefix: str | None = None, names_only: bool = False):
                         out[key] = None if names_only else fh.get_tensor(k)
         else:
             try:
-                sd = torch.load(f, map_location="cpu", weights_only=True)
+                sd = _torch_load(f, mmap=names_only)  # (names only: mapped, no tensor data read)
             except Exception as e:
                 raise HeadLoadError(f"{f}: not a tensor checkpoint ({type(e).__name__}: {e})") from None
             for k, v in sd.items():
@@ -116,12 +121,29 @@ def _read(path: Path, prefix: str | None = None, names_only: bool = False):
     return out
 
 
-def load_head(path, *, dtype: torch.dtype = torch.float32, device: str = "cpu") -> LoadedHead:
-    """Read the head in directory `path` (its kind from config.json; see the module docstring)."""
+def _torch_load(f: Path, mmap: bool) -> dict:
+    if mmap:
+        try:
+            return torch.load(f, map_location="cpu", weights_only=True, mmap=True)
+        except Exception:  # (a legacy, non-zip file cannot be mapped)
+            pass
+    return torch.load(f, map_location="cpu", weights_only=True)
+
+
+def load_head(
+    path, *, dtype: torch.dtype = torch.float32, device: str = "cpu", kinds: tuple[str, ...] = HEAD_KINDS
+) -> LoadedHead:
+    """Read the head in directory `path` (its kind from config.json; see the module docstring), one of `kinds`."""
     path = Path(path).expanduser()
     kind = head_kind(path)
-    if kind is None:
-        raise HeadLoadError(f"{path}: config.json does not describe an EAGLE-3, EAGLE, Medusa or MTP head")
+    if kind is None or kind not in kinds:
+        names = {"eagle3": "EAGLE-3", "eagle": "EAGLE", "medusa": "Medusa", "mtp": "MTP"}
+        wanted = [names[k] for k in kinds]
+        wanted = wanted[0] if len(wanted) == 1 else ", ".join(wanted[:-1]) + " or " + wanted[-1]
+        found = "" if kind is None else f" (it describes a {names[kind]} head)"
+        if kinds == ("mtp",):
+            wanted += " layer (num_nextn_predict_layers / mtp_num_hidden_layers)"
+        raise HeadLoadError(f"{path}: config.json does not describe an {wanted}{found}")
     cfg = json.loads((path / "config.json").read_text())
     if kind == "medusa":
         module, embedded = _medusa(cfg, path), False
@@ -135,16 +157,38 @@ def load_head(path, *, dtype: torch.dtype = torch.float32, device: str = "cpu") 
     return LoadedHead(module, None, str(path), None, kind=kind, config=cfg, embedded=embedded)
 
 
+def mtp_head(target: LoadedModel) -> LoadedHead:
+    """draft=mtp: the MTP layer in the checkpoint the target was loaded from (its name: a local directory, or a hub
+    id already in the local Hugging Face cache), in the target's dtype and on its device."""
+    what = f"draft=mtp reads the multi-token-prediction layer of the target's checkpoint, and target {target.name!r}"
+    if not isinstance(target.model, torch.nn.Module) or target.gguf is not None:
+        raise HeadLoadError(f"{what} was loaded from a GGUF file: load the checkpoint directory with torch")
+    p = next(target.model.parameters())
+    return load_head(_checkpoint_dir(target, what), dtype=p.dtype, device=str(p.device), kinds=("mtp",))
+
+
+def _checkpoint_dir(target: LoadedModel, what: str) -> Path:
+    for name in (target.name, getattr(target.model.config, "_name_or_path", None)):
+        if name and Path(name).expanduser().is_dir():
+            return Path(name).expanduser()
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(str(target.name), local_files_only=True))
+    except Exception:
+        raise HeadLoadError(f"{what} is neither a local directory nor in the Hugging Face cache") from None
+
+
 def _llama_config(cfg: dict) -> LlamaConfig:
     inner = cfg.get("transformer_layer_config") or cfg  # speculators nest the layer's config
     keys = {k: v for k, v in inner.items() if k not in ("architectures", "model_type", "auto_map", "torch_dtype")}
-    try:
-        lc = LlamaConfig(**keys)
-    except (TypeError, ValueError) as e:
-        raise HeadLoadError(f"the head's config is not a Llama-layout config: {e}") from None
     for k in ("hidden_size", "num_attention_heads", "intermediate_size"):
         if not isinstance(inner.get(k), int) or inner[k] < 1:
             raise HeadLoadError(f"the head's config.json needs a positive integer {k!r}, got {inner.get(k)!r}")
+    try:
+        lc = LlamaConfig(**keys)
+    except Exception as e:  # TypeError, ValueError, huggingface_hub's strict-dataclass validation errors
+        raise HeadLoadError(f"the head's config is not a Llama-layout config: {e}") from None
     return lc
 
 
@@ -182,6 +226,7 @@ def _pair(kind: str, cfg: dict, path: Path) -> tuple[PairHead, bool]:
     else:
         has_head = "lm_head.weight" in tensors
         head = PairHead(kind, lc, H, lc.vocab_size if has_head else 0, layers=(-1,))
+        head.feed_normed = not cfg.get("num_nextn_predict_layers", 0)  # Qwen3-Next feeds its normed output back
     embedded = "embed_tokens.weight" in tensors
     embed = tensors.pop("embed_tokens.weight", None)
     tensors.pop("t2d", None)
@@ -204,7 +249,7 @@ def _mtp_tensors(cfg: dict, path: Path, lc: LlamaConfig) -> tuple[dict, LlamaCon
         raw = _read(path, prefix=f"model.layers.{L}.")
         if not raw:
             raise HeadLoadError(f"{path}: num_nextn_predict_layers is set but no 'model.layers.{L}.*' tensors exist")
-        if any(k.startswith("self_attn.kv_a_proj") or k.startswith("self_attn.q_a_proj") for k in raw):
+        if any(k.startswith(("self_attn.kv_a_proj", "self_attn.q_a_proj")) for k in raw):
             raise HeadLoadError(f"{path}: the MTP layer uses multi-head latent attention, which verispec does not run")
         out = {}
         for k, v in raw.items():
@@ -219,12 +264,20 @@ def _mtp_tensors(cfg: dict, path: Path, lc: LlamaConfig) -> tuple[dict, LlamaCon
             else:
                 out["layers.0." + k] = v
     else:
+        if "qwen3_next" in str(cfg.get("model_type")) or "Qwen3Next" in " ".join(cfg.get("architectures") or []):
+            raise HeadLoadError(
+                f"{path}: Qwen3-Next's MTP layer (gated attention, zero-centred norms, experts) is not a Llama-layout "
+                "layer, which is all verispec runs"
+            )
         raw = _read(path, prefix="mtp.")
         if not raw:
             raise HeadLoadError(f"{path}: mtp_num_hidden_layers is set but no 'mtp.*' tensors exist")
         names = {"fc.weight": "eh_proj.weight", "pre_fc_norm_embedding.weight": "enorm.weight"}
         names["pre_fc_norm_hidden.weight"] = "hnorm.weight"
-        out = {names.get(k, k): v for k, v in raw.items()}
+        # the first layer drafts at every depth (vLLM cycles through the layers by depth; DeepSeek's: layer L alone)
+        out = {names.get(k, k): v for k, v in raw.items() if not k.startswith("layers.") or k.startswith("layers.0.")}
+    if any(".mlp.experts." in k or ".mlp.gate.weight" in k for k in out):
+        raise HeadLoadError(f"{path}: the MTP layer's MLP is a mixture of experts, which verispec does not run")
     lc.num_hidden_layers = 1 + max((int(k.split(".")[1]) for k in out if k.startswith("layers.")), default=0)
     return out, lc
 
@@ -245,25 +298,47 @@ def _load_state(module: torch.nn.Module, tensors: dict[str, Tensor], path: Path)
 
 
 def _medusa(cfg: dict, path: Path) -> MedusaHeads:
+    def count(key: str, default: int | None = None) -> int:
+        value = cfg.get(key, default)
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise HeadLoadError(f"{path}: config.json's {key!r} must be an integer, got {value!r}")
+        return value
+
     tensors = _read(path)
     if "medusa_num_heads" in cfg:  # FasterDecoding: {k}.{j}.linear.* then {k}.{n}.weight
-        n_heads, n_layers = int(cfg["medusa_num_heads"]), int(cfg.get("medusa_num_layers", 1))
+        n_heads, n_layers = count("medusa_num_heads"), count("medusa_num_layers", 1)
         tensors = {(k[len("medusa_head.") :] if k.startswith("medusa_head.") else k): v for k, v in tensors.items()}
         names = {}
         for k in tensors:
             parts = k.split(".")
             if len(parts) == 4 and parts[2] == "linear":
                 names[k] = f"blocks.{parts[0]}.{parts[1]}.{parts[3]}"
-            elif len(parts) == 3 and int(parts[1]) == n_layers:
-                names[k] = f"lm_heads.{parts[0]}.{parts[2]}"
+            elif len(parts) == 3 and parts[1] == str(n_layers) and parts[2] == "weight":
+                names[k] = f"lm_heads.{parts[0]}.weight"
         tensors = {names.get(k, k): v for k, v in tensors.items()}
-    else:  # vLLM: blocks.{k}.layers.{j}.*, lm_heads.{k}.*
-        n_heads, n_layers = int(cfg.get("num_heads", 0)), int(cfg.get("num_hidden_layers", 1))
-        tensors = {k.replace(".layers.", "."): v for k, v in tensors.items()}
-    first = next((v for k, v in tensors.items() if k.startswith("lm_heads.0.")), None)
-    if n_heads < 1 or first is None:
-        raise HeadLoadError(f"{path}: a Medusa checkpoint needs at least one head ('lm_heads.0' / '0.{n_layers}')")
-    heads = MedusaHeads(first.shape[1], first.shape[0], n_heads, n_layers)
+        bias = True  # FasterDecoding's ResBlock: nn.Linear(H, H) with its bias
+    else:  # vLLM: blocks.{k}.layers.{j}.*, lm_heads.{k}.* (`medusa_heads.` before them in some checkpoints)
+        n_heads, n_layers = count("num_heads", 0), count("num_hidden_layers", 1)
+        tensors = {
+            (k[len("medusa_heads.") :] if k.startswith("medusa_heads.") else k).replace(".layers.", "."): v
+            for k, v in tensors.items()
+        }
+        bias = bool(cfg.get("medusa_fc_bias", False))
+        if cfg.get("original_lm_head") and "lm_heads.0.weight" in tensors:  # one output layer for every head
+            tensors.update({f"lm_heads.{k}.weight": tensors["lm_heads.0.weight"] for k in range(1, n_heads)})
+        truncated = cfg.get("truncated_vocab_size")
+        if "token_map" in tensors or (truncated is not None and truncated != cfg.get("vocab_size", truncated)):
+            raise HeadLoadError(f"{path}: a Medusa checkpoint with a truncated vocabulary (token_map) is not supported")
+    if n_heads < 1:
+        raise HeadLoadError(f"{path}: the Medusa config gives {n_heads} heads; a Medusa checkpoint needs at least one")
+    if n_layers < 0:
+        raise HeadLoadError(f"{path}: the Medusa config gives {n_layers} residual blocks per head")
+    first = tensors.get("lm_heads.0.weight")
+    if first is None or first.dim() != 2:
+        where = f"'0.{n_layers}.weight'" if "medusa_num_heads" in cfg else "'lm_heads.0.weight'"
+        raise HeadLoadError(f"{path}: missing tensor {where} (head 0's output layer [vocab, hidden])")
+    heads = MedusaHeads(first.shape[1], first.shape[0], n_heads, n_layers, bias=bias)
+    heads.logit_scale = float(cfg.get("logit_scale", 1.0))
     _load_state(heads, tensors, path)
     return heads
 
@@ -289,6 +364,11 @@ def bind_head(head: LoadedHead, target: LoadedModel) -> int:
         if m.lm_heads[0].in_features != H_t:
             raise HeadLoadError(
                 f"{where}: the Medusa heads read hidden size {m.lm_heads[0].in_features}, the target's is {H_t}"
+            )
+        if m.lm_heads[0].out_features < vocab:
+            raise HeadLoadError(
+                f"{where}: the Medusa heads' output layers have {m.lm_heads[0].out_features} rows, fewer than the "
+                f"target's vocabulary ({vocab})"
             )
         return vocab
     if m.kind == "eagle3":

@@ -14,6 +14,7 @@ i + d2t[i]).
                              logits = target lm_head(o),  fed back: o
   MTP (DeepSeek-V3 / Qwen3-Next):  x = eh_proj([enorm(e); hnorm(h)]),  o = decoder layer(x),
                              logits = head(norm(o)) (the target's head where the layer has none),  fed back: o
+                             (DeepSeek-V3) or norm(o) (Qwen3-Next), as vLLM's MTP drafters do
   Medusa (Cai et al. 2024):  head k on h_t: lm_head_k(ResBlocks_k(h_t)) is the distribution of x_{t+k+2}.
 """
 
@@ -141,10 +142,12 @@ class PairHead(nn.Module):
         self.layers = nn.ModuleList([first, *rest])
         self.norm = _Norm(H) if kind != "eagle" else None
         self.lm_head = nn.Linear(H, draft_vocab, bias=False) if draft_vocab else None
-        self.register_buffer("d2t", torch.zeros(draft_vocab if kind == "eagle3" else 0, dtype=torch.int64))
+        eagle3 = kind == "eagle3"  # (only EAGLE-3 checkpoints carry d2t)
+        self.register_buffer("d2t", torch.zeros(draft_vocab if eagle3 else 0, dtype=torch.int64), persistent=eagle3)
         self.rotary = LlamaRotaryEmbedding(cfg)
         self.embed: Tensor | None = None  # [V, H]: the target's input embedding (shared), set by the loader
         self.target_head: nn.Module | None = None  # the target's output layer where the head has none
+        self.feed_normed = False  # MTP: feed back norm(o) instead of o (Qwen3-Next; DeepSeek-V3 feeds o)
 
     @property
     def hidden_size(self) -> int:
@@ -187,20 +190,24 @@ class PairHead(nn.Module):
             h = layer(rms_norm(h, layer.input_layernorm.weight, eps), cos, sin, attend, i, h)
         out = rms_norm(h, self.norm.weight if self.norm is not None else None, eps)
         head = self.lm_head if self.lm_head is not None else self.target_head
-        return head(out), h
+        return head(out), out if self.feed_normed else h
 
 
 class MedusaHeads(nn.Module):
     """K Medusa heads on the target's last (normed) hidden state: head k = `num_layers` residual blocks
     (x + SiLU(W x + b)) and an output layer; its softmax is the distribution of the token k + 2 ahead."""
 
-    def __init__(self, hidden_size: int, vocab: int, num_heads: int, num_layers: int):
+    def __init__(self, hidden_size: int, vocab: int, num_heads: int, num_layers: int, bias: bool = True):
         super().__init__()
         self.blocks = nn.ModuleList(
-            [nn.ModuleList([nn.Linear(hidden_size, hidden_size) for _ in range(num_layers)]) for _ in range(num_heads)]
+            [
+                nn.ModuleList([nn.Linear(hidden_size, hidden_size, bias=bias) for _ in range(num_layers)])
+                for _ in range(num_heads)
+            ]
         )
         self.lm_heads = nn.ModuleList([nn.Linear(hidden_size, vocab, bias=False) for _ in range(num_heads)])
         self.layers_read = (-1,)  # the final norm's output (NORMED)
+        self.logit_scale = 1.0  # vLLM's `logit_scale`
 
     @property
     def num_heads(self) -> int:
@@ -211,4 +218,5 @@ class MedusaHeads(nn.Module):
         x = hidden
         for lin in self.blocks[k]:
             x = x + F.silu(lin(x))
-        return self.lm_heads[k](x)
+        logits = self.lm_heads[k](x)
+        return logits if self.logit_scale == 1.0 else logits * self.logit_scale

@@ -10,7 +10,8 @@ next step feeds the accepted tokens again with the target's hidden states, as EA
 positions j instead of the papers' j - 1 give the same attention.
 
 `MedusaRunner`: no cache; a slot d positions after the target's last token (the pending token: d = 0) gets head d
-on that token's hidden state. Its chains are at most `max_draft` (the number of heads) deep.
+on that token's hidden state (uniform where the target holds no token yet: a one-token prompt's first step, or past
+the last head). Its chains are at most `max_draft` (the number of heads) deep.
 
 Both return float32 logits over the target's vocabulary: the head's logits at their target ids (d2t), every other
 id `FLOOR` below the row's lowest (probability 0; uniform over what a request allows where it allows none of the
@@ -56,16 +57,21 @@ class _Features:
                 f"transformers runner, not {type(target).__name__} (llama.cpp does not expose them)"
             )
         self.target = target
+        self.rows: list[int] | None = None  # the target's row of each of the head's rows, where not the same
 
     def lengths(self, batch: int) -> list[int]:
         """Tokens the target holds per row (0 for every row when its cache is not this batch's)."""
         cache = self.target.cache
-        if cache is None or not cache.extras or cache.batch_size != batch:
+        if cache is None or not cache.extras:
             return [0] * batch
-        return cache.lengths
+        if self.rows is not None:
+            return [cache.lengths[r] for r in self.rows]
+        return cache.lengths if cache.batch_size == batch else [0] * batch
 
     def read(self, rows: Tensor, slots: Tensor) -> Tensor:
         """Captured hidden states at (rows[i], slots[i]) -> [n, F]."""
+        if self.rows is not None:
+            rows = torch.tensor(self.rows, device=rows.device)[rows]
         return self.target.cache.extras[0][rows, slots]
 
 
@@ -106,6 +112,28 @@ class PairRunner(HFRunner):
             (self.hidden_size,),
         )
 
+    def fill(self, seqs, capacity: int) -> None:
+        self._fill(seqs, capacity, 0)
+
+    def add_rows(self, seqs, capacity: int) -> None:
+        old = self.cache
+        self._fill(seqs, capacity, old.batch_size if old is not None else 0)  # the new rows: a cache of their own
+        if old is not None and old.batch_size:
+            old.extend(self.cache)
+            self.cache = old
+
+    def _fill(self, seqs, capacity: int, offset: int) -> None:
+        """HFRunner.fill, reading the target's rows offset + b: it prefills each distinct sequence once (in the
+        order of first occurrence), and new rows (`add_rows`) come after the target's old ones."""
+        first: dict[tuple[int, ...], int] = {}
+        for b, s in enumerate(seqs):
+            first.setdefault(tuple(s), offset + b)
+        self.features.rows = list(first.values())
+        try:
+            HFRunner.fill(self, seqs, capacity)
+        finally:
+            self.features.rows = None
+
     def _run(self, tokens, parents=None, tree_start=None):
         self._chunk = self._inputs(tokens, parents, tree_start)
         try:
@@ -137,6 +165,11 @@ class PairRunner(HFRunner):
                     first[b, i] = True
                 elif prev < held[b]:
                     t_rows.append(b), t_slots.append(prev), t_at.append((b, i))
+                elif prev >= lengths[b]:
+                    raise ValueError(
+                        f"row {b}: token {i} reads the head's output at slot {prev}, computed in this same forward: "
+                        "feed drafted tokens after their parents' forward (a tree level by level)"
+                    )
                 else:
                     o_rows.append(b), o_slots.append(prev), o_at.append((b, i))
         if t_rows:
@@ -242,7 +275,7 @@ class MedusaRunner:
                     while p >= 0:
                         d, p = d + 1, int(parents[b][p])
                     pos = start + d - 1
-                depth[b, i] = pos - held[b]
+                depth[b, i] = pos - held[b] if held[b] > 0 else -1  # (no hidden state yet: uniform)
         H = self.heads.lm_heads[0].in_features
         base = torch.zeros((B, H), dtype=self.dtype, device=self.device)  # [B, H]: the target's last hidden state
         rows = [b for b in range(B) if held[b] > 0]

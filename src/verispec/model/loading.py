@@ -251,7 +251,8 @@ def load_model(
 
     spec: None (the default model), a hub id, a local model directory (`from_pretrained`; a directory without
     config.json but with one `.gguf` file loads that file), or a path to a `.gguf` file (loaded with
-    `gguf_file=`, dequantized to `dtype`).
+    `gguf_file=`, dequantized to `dtype`). A directory holding an EAGLE-3, EAGLE or Medusa head gives that head
+    (`verispec.heads.LoadedHead`); a checkpoint with an MTP layer is the model (its layer: `--draft mtp`).
     backend: "torch" (a transformers model) or "llamacpp" (a GGUF file run by llama.cpp in its own quantization,
     `verispec.model.llamacpp`; the tokenizer still comes from transformers, read from the same file).
     """
@@ -266,7 +267,8 @@ def load_model(
     source, name, kwargs = _resolve(spec)
     from ..heads.formats import head_kind, load_head  # (heads import this module)
 
-    if not kwargs and head_kind(source) is not None:  # an EAGLE-3 / EAGLE / Medusa / MTP head's directory
+    # an EAGLE-3 / EAGLE / Medusa head's directory (a checkpoint with an MTP layer is a model: `--draft mtp`)
+    if not kwargs and head_kind(source) in ("eagle3", "eagle", "medusa"):
         if backend == "llamacpp":
             raise ModelLoadError(f"{name} is a draft head, not a GGUF model: load it with torch")
         return load_head(source, dtype=torch_dtype, device=device)
