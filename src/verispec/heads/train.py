@@ -403,7 +403,7 @@ def sample_data(target, prompts: list[str], cfg: TrainConfig, progress=None) -> 
 
     gen = SpeculativeGenerator(target, None)
     seqs, starts = [], []
-    batch = 16
+    batch = 32
     jobs = [(pr, s) for pr in prompts for s in range(cfg.samples_per_prompt)]
     for i in range(0, len(jobs), batch):
         chunk = jobs[i : i + batch]
