@@ -33,6 +33,7 @@ from .bugs import (
 )
 from .crossvocab_bugs import CROSS_VOCAB_BUGS, check_cross_vocab_bug, inject_cross_vocab_bug
 from .endpoint import Endpoint, TokenMapper
+from .head_bugs import HEAD_BUGS, check_head_bug, inject_head_bug
 from .kernel import load_sampler
 
 __all__ = [
@@ -114,6 +115,8 @@ class MethodSpec:
             check_grammar_bug(self.verifier, cfg)
         elif self.verifier in CROSS_VOCAB_BUGS:
             check_cross_vocab_bug(self.verifier, cfg)
+        elif self.verifier in HEAD_BUGS:
+            check_head_bug(self.verifier, cfg)
         elif self.verifier is not None:
             _verifier(self.verifier, tree=cfg.tree is not None, block=cfg.verify == "block")  # validate early
         if cfg.random == "position" and self.method not in ("verispec", "plain"):
@@ -240,7 +243,8 @@ def _verispec_method(spec: MethodSpec, target) -> SampleFn:
         raise ValueError(f"draft={cfg.draft} drafts with objects a MethodSpec cannot name: give certify a sample_fn")
     draft = _load(cfg.model, spec.draft_dtype) if cfg.drafter.model else None
     overrides = {}
-    grammar_bug = spec.verifier if spec.verifier in GRAMMAR_BUGS + GRAMMAR_NON_BUGS + CROSS_VOCAB_BUGS else None
+    engine_bugs = GRAMMAR_BUGS + GRAMMAR_NON_BUGS + CROSS_VOCAB_BUGS + HEAD_BUGS  # they break the built engine
+    grammar_bug = spec.verifier if spec.verifier in engine_bugs else None
     if grammar_bug:
         from .grammar_bugs import stream_config
 
@@ -252,6 +256,8 @@ def _verispec_method(spec: MethodSpec, target) -> SampleFn:
     gen = SpeculativeGenerator(target, draft, config=cfg, **overrides)
     if grammar_bug in CROSS_VOCAB_BUGS:
         inject_cross_vocab_bug(gen, grammar_bug)
+    elif grammar_bug in HEAD_BUGS:
+        inject_head_bug(gen, grammar_bug)
     elif grammar_bug:
         from .grammar_bugs import inject_grammar_bug
 

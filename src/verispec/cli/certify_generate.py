@@ -49,6 +49,7 @@ def add_parser(sub) -> None:
 def _add_method_args(p: argparse.ArgumentParser) -> None:
     from ..certify.bugs import BLOCK_BUGS, BUGS, GRAMMAR_BUGS, GRAMMAR_NON_BUGS, TREE_BUGS
     from ..certify.crossvocab_bugs import CROSS_VOCAB_BUGS
+    from ..certify.head_bugs import HEAD_BUGS
     from ..certify.methods import LOSSY_VERIFIERS, METHODS
 
     p.add_argument(
@@ -83,7 +84,8 @@ def _add_method_args(p: argparse.ArgumentParser) -> None:
         f"or a lossy acceptance rule: {LOSSY_VERIFIERS} (spec-rl: SPEC-RL's rollout reuse, a fresh draw from p "
         f"at a rejection); with --verify block: {', '.join(BLOCK_BUGS)}; with --tree: {', '.join(TREE_BUGS)}; "
         f"with a constraint (--json-schema ...): {', '.join(GRAMMAR_BUGS)}, or the lossless control "
-        f"{', '.join(GRAMMAR_NON_BUGS)}; with a --draft of another tokenizer: {', '.join(CROSS_VOCAB_BUGS)}",
+        f"{', '.join(GRAMMAR_NON_BUGS)}; with a --draft of another tokenizer: {', '.join(CROSS_VOCAB_BUGS)}; "
+        f"with a --draft EAGLE-3 head directory (chains): {', '.join(HEAD_BUGS)}",
     )
     _add_endpoint_args(p)
     add_tree_args(p)

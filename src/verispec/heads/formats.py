@@ -392,7 +392,7 @@ def bind_head(head: LoadedHead, target: LoadedModel) -> int:
     elif m.hidden_size != H_t:
         raise HeadLoadError(f"{where}: the head's hidden size is {m.hidden_size}, the target's {H_t}")
     embed = model.get_input_embeddings().weight
-    if m.embed is None:
+    if m.embed is None or not head.embedded:  # the target's, bound anew to each target the head drafts for
         if embed.shape[1] != m.hidden_size:
             raise HeadLoadError(
                 f"{where}: the head has no embedding and the target's has width {embed.shape[1]}, not {m.hidden_size}"
