@@ -106,7 +106,7 @@ def _read(path: Path, prefix: str | None = None, names_only: bool = False):
     for f in _weight_files(path):
         if f.suffix == ".safetensors":
             with safe_open(str(f), "pt") as fh:
-                for k in fh.keys():
+                for k in fh.keys():  # noqa: SIM118 - safe_open is not iterable
                     if prefix is None or k.startswith(prefix):
                         key = k if prefix is None else k[len(prefix) :]
                         out[key] = None if names_only else fh.get_tensor(k)
