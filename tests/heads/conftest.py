@@ -168,7 +168,7 @@ def distil_eagle3(folder: Path, target: LoadedModel, steps: int = 60, seed: int 
     w = eagle3_tensors(V, DRAFT_VOCAB, len(AUX), seed, scale=0.2)
     w["d2t"], w["t2d"] = ids - torch.arange(DRAFT_VOCAB), torch.zeros(V, dtype=torch.bool).index_fill(0, ids, True)
     cfg = llama_config(V, architectures=["LlamaForCausalLMEagle3"], model_type="llama", draft_vocab_size=DRAFT_VOCAB)
-    cfg["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(AUX)}
+    cfg["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in AUX]}  # layer outputs
     params = {k: v.clone().requires_grad_(True) for k, v in w.items() if v.is_floating_point()}
     ref = Reference(params, cfg, model.get_input_embeddings().weight)
     feats = target_features(model, seqs)  # [n, T, 3H]

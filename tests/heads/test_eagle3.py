@@ -236,7 +236,9 @@ def test_a_head_drafts_with_the_embedding_of_the_target_it_is_bound_to(head_dir)
     a, b = four_layer_target("a"), LoadedModel(make_model(7, layers=4), make_tokenizer(), "b")
     bind_head(head, a)
     bind_head(head, b)
-    assert head.model.embed is b.model.get_input_embeddings().weight
+    embed = b.model.get_input_embeddings().weight
+    assert head.model.embed.data_ptr() == embed.data_ptr() and head.model.embed.shape == embed.shape  # shared storage
+    assert not any(p is embed for p in head.model.parameters())  # not a parameter of the head
 
 
 # --- what a head refuses ----------------------------------------------------------------------------------------------
@@ -293,7 +295,7 @@ BIND_ERRORS = [
     (
         {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 2, 9]}},
         None,
-        r"aux layer ids \[0, 2, 9\] must lie in \[0, 4\]",
+        r"aux layer ids \[1, 3, 10\] must lie in \[0, 4\]",
     ),
 ]
 
@@ -334,3 +336,42 @@ def test_not_a_head(tmp_path):
     (folder / "model.safetensors").unlink()
     with pytest.raises(HeadLoadError, match="no weights"):
         load_head(folder)
+
+
+# --- review fixes: dtypes, default layers per target, a head passed as the target ---------------------------------------
+def test_a_float32_head_drafts_for_a_bfloat16_target(head_dir):
+    """The head keeps its own dtype (its inputs are cast at its boundaries) and is no parameter owner of the target's
+    embedding: a bf16 target drafts with an fp32 head, and the head's logits are finite."""
+    target = LoadedModel(make_model(0, layers=4, dtype=torch.bfloat16), make_tokenizer(), "bf16")
+    head = load_head(head_dir)
+    gen = SpeculativeGenerator(target, head, gamma=3)
+    out = gen.generate(["a b c", "d e"], SamplingParams(temperature=1.0, seed=1), max_new_tokens=12)
+    assert all(len(o.token_ids) > 0 for o in out) and gen.last_stats.drafted > 0
+    assert next(head.model.parameters()).dtype == torch.float32
+
+
+def test_default_aux_layers_follow_each_target(tmp_path):
+    """A head whose config names no aux layers reads 2, L // 2, L - 3 of whichever target it is bound to."""
+    head = load_head(save_eagle3(tmp_path / "h", V, DRAFT_VOCAB, aux=None))
+    bind_head(head, LoadedModel(make_model(0, layers=8), make_tokenizer(), "8"))
+    assert head.model.layers_read == (2, 4, 5)
+    bind_head(head, LoadedModel(make_model(0, layers=10), make_tokenizer(), "10"))
+    assert head.model.layers_read == (2, 5, 7)
+
+
+def test_safeailab_ids_name_layer_outputs(tmp_path):
+    """SafeAILab / SpecForge's nested ids name layer outputs (SGLang adds one), speculators' top-level ids inputs."""
+    assert load_head(save_eagle3(tmp_path / "a", V, DRAFT_VOCAB, aux=(1, 2, 4))).config["eagle_config"][
+        "eagle_aux_hidden_state_layer_ids"
+    ] == [0, 1, 3]
+    assert load_head(save_eagle3(tmp_path / "b", V, DRAFT_VOCAB, aux=(1, 2, 4))).model.layers_read == (1, 2, 4)
+    assert load_head(save_speculators_eagle3(tmp_path / "c", V, DRAFT_VOCAB, aux=(1, 2, 4))).model.layers_read == (
+        1,
+        2,
+        4,
+    )
+
+
+def test_a_head_is_not_a_target(head_dir):
+    with pytest.raises(ValueError, match="not a model: pass it as the draft"):
+        SpeculativeGenerator(load_head(head_dir), None)

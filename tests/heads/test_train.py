@@ -165,7 +165,7 @@ def test_a_saved_head_loads_binds_and_computes_what_it_did(tmp_path):
     save_eagle3(head, tmp_path / "h", V)
     cfg = json.loads((tmp_path / "h" / "config.json").read_text())
     assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["draft_vocab_size"] == 8
-    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == list(AUX)
+    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [i - 1 for i in AUX]  # layer outputs
     loaded = load_model(str(tmp_path / "h"))
     assert isinstance(loaded, LoadedHead) and loaded.kind == "eagle3" and not loaded.embedded
     assert bind_head(loaded, target) == V

@@ -74,8 +74,8 @@ def save_eagle3(folder: Path, vocab: int, draft_vocab: int = 24, aux=(0, 2, 4), 
     config = llama_config(
         vocab, architectures=["LlamaForCausalLMEagle3"], model_type="llama", draft_vocab_size=draft_vocab
     )
-    if aux is not None:
-        config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(aux)}
+    if aux is not None:  # aux: the inputs of these layers; SafeAILab / SpecForge name the outputs before them
+        config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in aux]}
     config.update(cfg)
     (folder / "config.json").write_text(json.dumps(config))
     save_file(

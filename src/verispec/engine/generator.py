@@ -120,6 +120,8 @@ class SpeculativeGenerator:
         # and the lossy variants of the study swap them, nothing else should
         self.verifier = CHAIN_RULES[self.verify] if verifier is None else verifier
         self.tree_verifier = tree_verifier
+        if isinstance(target, LoadedHead):
+            raise ValueError(f"{target.name} is {target.described}, not a model: pass it as the draft (--draft)")
         if draft is None and cfg.drafter.target_head:  # draft=mtp: the MTP layer in the target's own checkpoint
             draft = mtp_head(target)
         if isinstance(draft, LoadedHead):  # a hidden-state head reads the target's runner: that comes first
@@ -162,8 +164,6 @@ class SpeculativeGenerator:
         """The drafter the config names (draft: the object it drafts with, if any; see `_spec_config`) and the
         vocabulary size target and draft share."""
         kind, tree = config.drafter, config.tree_spec
-        if isinstance(draft, LoadedHead):
-            raise ValueError(f"a {draft.kind} head drafts alone (draft=model): draft={config.draft} cannot use it")
         if kind.uses_model and kind.built_by_generator:
             model = target if kind.target_weights else draft
             if not kind.target_weights and _cross_vocab(target, model, config):

@@ -38,11 +38,11 @@ def head_proposer(target, head: LoadedHead, config, target_runner):
     from ..drafting import DraftModelProposer
 
     if config.quant is not None:
-        raise HeadLoadError(f"[quant] quantizes a draft model's weights; a {head.kind} head runs as it is")
+        raise HeadLoadError(f"[quant] quantizes a draft model's weights; {head.described} runs as it is")
     if config.cross_vocab != "auto":
-        raise HeadLoadError(f"a {head.kind} head drafts in the target's vocabulary: [cross_vocab] does not apply")
+        raise HeadLoadError(f"{head.described} drafts in the target's vocabulary: [cross_vocab] does not apply")
     if config.draft != "model" and not (config.draft == "mtp" and head.kind == "mtp"):
-        raise HeadLoadError(f"a {head.kind} head drafts alone (draft=model): draft={config.draft} cannot use it")
+        raise HeadLoadError(f"{head.described} drafts alone (draft=model): draft={config.draft} cannot use it")
     vocab = target_runner.vocab_size
     proposer = DraftModelProposer(
         head.model,

@@ -52,6 +52,14 @@ class LoadedHead(LoadedModel):
     config: dict | None = None
     embedded: bool = False  # the checkpoint carries its own embedding (else the target's is shared)
 
+    @property
+    def described(self) -> str:
+        """How a message names it: 'an EAGLE-3 head', 'Medusa heads', ..."""
+        return DESCRIBED[self.kind]
+
+
+DESCRIBED = {"eagle3": "an EAGLE-3 head", "eagle": "an EAGLE head", "medusa": "Medusa heads", "mtp": "an MTP layer"}
+
 
 def head_kind(path) -> str | None:
     """The head kind a directory holds, from its config.json (None: not a head, e.g. a plain model)."""
@@ -137,13 +145,12 @@ def load_head(
     path = Path(path).expanduser()
     kind = head_kind(path)
     if kind is None or kind not in kinds:
-        names = {"eagle3": "EAGLE-3", "eagle": "EAGLE", "medusa": "Medusa", "mtp": "MTP"}
-        wanted = [names[k] for k in kinds]
+        wanted = [DESCRIBED[k] for k in kinds]
         wanted = wanted[0] if len(wanted) == 1 else ", ".join(wanted[:-1]) + " or " + wanted[-1]
-        found = "" if kind is None else f" (it describes a {names[kind]} head)"
+        found = "" if kind is None else f" (it describes {DESCRIBED[kind]})"
         if kinds == ("mtp",):
-            wanted += " layer (num_nextn_predict_layers / mtp_num_hidden_layers)"
-        raise HeadLoadError(f"{path}: config.json does not describe an {wanted}{found}")
+            wanted += " (num_nextn_predict_layers / mtp_num_hidden_layers)"
+        raise HeadLoadError(f"{path}: config.json does not describe {wanted}{found}")
     cfg = json.loads((path / "config.json").read_text())
     if kind == "medusa":
         module, embedded = _medusa(cfg, path), False
@@ -193,10 +200,14 @@ def _llama_config(cfg: dict) -> LlamaConfig:
 
 
 def _aux_layers(cfg: dict) -> tuple[int, ...] | None:
-    ids = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") or cfg.get(
-        "eagle_aux_hidden_state_layer_ids"
-    )
-    return None if ids is None else tuple(int(i) for i in ids)
+    """The target layers an EAGLE-3 head reads, as verispec's capture ids (id i: the input of layer i), or None for
+    the default. Two conventions are in use: SafeAILab / SpecForge's nested `eagle_config` ids name layer *outputs*
+    (SGLang reads id k as the input of layer k + 1), `speculators`' top-level ids name layer inputs (vLLM)."""
+    nested = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    if nested:
+        return tuple(int(i) + 1 for i in nested)
+    ids = cfg.get("eagle_aux_hidden_state_layer_ids")
+    return tuple(int(i) for i in ids) if ids else None
 
 
 def _pair(kind: str, cfg: dict, path: Path) -> tuple[PairHead, bool]:
@@ -352,7 +363,7 @@ def bind_head(head: LoadedHead, target: LoadedModel) -> int:
     model = target.model
     if not isinstance(model, torch.nn.Module):
         raise HeadLoadError(
-            f"a {head.kind} head reads the target's hidden states, which the llama.cpp runner does not expose: "
+            f"{head.described} reads the target's hidden states, which the llama.cpp runner does not expose: "
             "load the target with torch (--runner fast or hf)"
         )
     cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
@@ -370,10 +381,10 @@ def bind_head(head: LoadedHead, target: LoadedModel) -> int:
                 f"{where}: the Medusa heads' output layers have {m.lm_heads[0].out_features} rows, fewer than the "
                 f"target's vocabulary ({vocab})"
             )
+        m.to(next(model.parameters()).device)
         return vocab
     if m.kind == "eagle3":
-        if not m.layers_read:
-            m.layers_read = (2, L // 2, L - 3) if L >= 4 else tuple(range(min(3, L)))
+        m.layers_read = m.aux_ids or ((2, L // 2, L - 3) if L >= 4 else tuple(range(min(3, L))))  # per target
         if any(not 0 <= i <= L for i in m.layers_read):
             raise HeadLoadError(
                 f"{where}: aux layer ids {list(m.layers_read)} must lie in [0, {L}] (the target has {L} layers)"
@@ -392,16 +403,17 @@ def bind_head(head: LoadedHead, target: LoadedModel) -> int:
     elif m.hidden_size != H_t:
         raise HeadLoadError(f"{where}: the head's hidden size is {m.hidden_size}, the target's {H_t}")
     embed = model.get_input_embeddings().weight
+    m.to(embed.device)  # the head runs beside the target (its own dtype: inputs are cast at its boundaries)
     if m.embed is None or not head.embedded:  # the target's, bound anew to each target the head drafts for
         if embed.shape[1] != m.hidden_size:
             raise HeadLoadError(
                 f"{where}: the head has no embedding and the target's has width {embed.shape[1]}, not {m.hidden_size}"
             )
-        m.embed = embed
+        m.embed = embed.detach()  # a plain tensor sharing the target's storage (updated in place with it)
     elif tuple(m.embed.shape[1:]) != (m.hidden_size,) or m.embed.shape[0] < vocab:
         raise HeadLoadError(f"{where}: the head's embedding has shape {list(m.embed.shape)}")
     if m.lm_head is None:
-        m.target_head = model.get_output_embeddings()
+        object.__setattr__(m, "target_head", model.get_output_embeddings())  # not a submodule of the head
     elif m.kind != "eagle3" and m.lm_head.weight.shape[0] < vocab:
         raise HeadLoadError(
             f"{where}: the head's output layer has {m.lm_head.weight.shape[0]} rows, fewer than {vocab}"

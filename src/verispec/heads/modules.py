@@ -123,6 +123,7 @@ class PairHead(nn.Module):
             raise ValueError(f"kind must be one of {', '.join(PAIR_KINDS)}, got {kind!r}")
         H = cfg.hidden_size
         self.kind, self.config, self.layers_read = kind, cfg, tuple(layers)
+        self.aux_ids = tuple(layers) or None  # EAGLE-3: the checkpoint's ids (None: the default, set per target)
         self.eps = getattr(cfg, "rms_norm_eps", 1e-6)
         self.norm_before_residual = norm_before_residual
         n = cfg.num_hidden_layers
@@ -189,8 +190,11 @@ class PairHead(nn.Module):
         for i, layer in enumerate(self.layers[1:], 1):
             h = layer(rms_norm(h, layer.input_layernorm.weight, eps), cos, sin, attend, i, h)
         out = rms_norm(h, self.norm.weight if self.norm is not None else None, eps)
-        head = self.lm_head if self.lm_head is not None else self.target_head
-        return head(out), out if self.feed_normed else h
+        if self.lm_head is not None:
+            logits = self.lm_head(out)
+        else:  # the target's output layer, in the target's dtype
+            logits = self.target_head(out.to(self.target_head.weight.dtype))
+        return logits, out if self.feed_normed else h
 
 
 class MedusaHeads(nn.Module):

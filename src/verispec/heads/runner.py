@@ -41,7 +41,9 @@ def scatter_logits(logits: Tensor, target_ids: Tensor | None, vocab: int) -> Ten
     logits = logits.float()
     if target_ids is None:
         return logits[..., :vocab]
-    floor = logits.amin(-1, keepdim=True) - FLOOR  # [..., 1]
+    if bool(torch.isnan(logits).any()):
+        raise ValueError("the head's logits are NaN (its weights or the target's hidden states are not finite)")
+    floor = logits.amin(-1, keepdim=True).nan_to_num(neginf=-1e30) - FLOOR  # [..., 1]
     out = floor.expand(*logits.shape[:-1], vocab).clone()
     out[..., target_ids] = logits
     return out
@@ -98,7 +100,7 @@ class PairRunner(HFRunner):
         self.hidden_size = head.hidden_size
         self._softcap = None
         self._ids = None if head.kind != "eagle3" else (torch.arange(len(head.d2t), device=self.device) + head.d2t)
-        self._chunk: tuple[Tensor, Tensor] | None = None
+        self._chunk: Tensor | None = None  # [B, T, H]: the running forward's hidden inputs
 
     def start(self, batch: int, capacity: int) -> None:
         self.cache = RowKVCache(
@@ -141,15 +143,14 @@ class PairRunner(HFRunner):
         finally:
             self._chunk = None
 
-    def _inputs(self, tokens, parents, tree_start) -> tuple[Tensor, Tensor]:
-        """The chunk's hidden inputs [B, T, H] and whether each slot is slot 0 (no pair) [B, T]: per new token at slot
+    def _inputs(self, tokens, parents, tree_start) -> Tensor:
+        """The chunk's hidden inputs [B, T, H]: per new token at slot
         j, the target's hidden state at j - 1 where the target holds it, else the head's output at the parent slot."""
         cache = self.cache
         B, T = len(tokens), max((len(t) for t in tokens), default=0)
         held = self.features.lengths(B)
         lengths = cache.lengths
         hidden = torch.zeros((B, T, self.hidden_size), dtype=self.dtype, device=self.device)
-        first = torch.zeros((B, T), dtype=torch.bool, device=self.device)
         t_rows, t_slots, t_at, o_rows, o_slots, o_at = [], [], [], [], [], []
         for b, row in enumerate(tokens):
             for i in range(len(row)):
@@ -161,9 +162,9 @@ class PairRunner(HFRunner):
                     node = (lengths[b] - start) + i  # its index in the row's tree
                     p = int(parents[b][node])
                     prev = start - 1 if p < 0 else start + p
-                if j == 0:
-                    first[b, i] = True
-                elif prev < held[b]:
+                if j == 0:  # x_0: no hidden state before it (its slot is hidden from every other query)
+                    continue
+                if prev < held[b]:
                     t_rows.append(b), t_slots.append(prev), t_at.append((b, i))
                 elif prev >= lengths[b]:
                     raise ValueError(
@@ -178,10 +179,10 @@ class PairRunner(HFRunner):
         if o_rows:
             own = cache.extras[0][torch.tensor(o_rows, device=self.device), torch.tensor(o_slots, device=self.device)]
             hidden[[b for b, _ in o_at], [i for _, i in o_at]] = own
-        return hidden, first
+        return hidden
 
     def _body(self, ids: Tensor, masks, position_ids: Tensor) -> Tensor:
-        hidden, _ = self._chunk
+        hidden = self._chunk
         cache = self.cache
 
         def attend(i: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
@@ -196,7 +197,7 @@ class PairRunner(HFRunner):
 
     def _masks(self, causal: Tensor, distance: Tensor):
         causal = causal.clone()
-        causal[:, :, 0] = False  # slot 0 (x_0) holds no pair: nobody attends to it
+        causal[:, :, 0] &= distance[:, :, 0] == 0  # slot 0 (x_0) holds no pair: only its own query sees it
         return self._additive(causal)
 
     def _logits(self, hidden: Tensor) -> Tensor:  # `_body` returned the head's logits already

@@ -20,8 +20,8 @@ from the target's final norm, the embedding shared (not trained, not saved).
 
 from __future__ import annotations
 
+import copy
 import json
-import math
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from transformers import LlamaConfig
 
+from ..model.runner import layer_inputs
 from .modules import PairHead
 
 __all__ = ["TrainConfig", "choose_vocab", "init_head", "save_eagle3", "train_eagle3", "ttt_logits", "ttt_loss"]
@@ -101,24 +102,26 @@ def init_head(target, vocab_ids: Tensor, aux: tuple[int, ...], intermediate: int
         num_hidden_layers=1,
         vocab_size=len(vocab_ids),
         max_position_embeddings=getattr(tc, "max_position_embeddings", 2048),
-        rope_parameters=getattr(tc, "rope_parameters", None),
+        rope_parameters=copy.deepcopy(getattr(tc, "rope_parameters", None)),
     )
-    torch.manual_seed(0)
     head = PairHead("eagle3", cfg, len(aux) * tc.hidden_size, len(vocab_ids), layers=aux)
+    g = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for p in head.parameters():
             if p.dim() == 2:
-                p.normal_(0.0, 0.02)
+                p.copy_(torch.randn(p.shape, generator=g) * 0.02)
         head.lm_head.weight.copy_(target.get_output_embeddings().weight[vocab_ids])
         norm = target.get_decoder().norm.weight
         head.norm.weight.copy_(norm)
         head.d2t.copy_(vocab_ids - torch.arange(len(vocab_ids)))
     head.embed = target.get_input_embeddings().weight.detach()
-    return head
+    return head.to(head.embed.device)
 
 
-def head_config(head: PairHead, vocab: int) -> dict:
-    """config.json of the SafeAILab / SpecForge layout."""
+def head_config(head: PairHead, vocab: int, target_layers: int | None = None) -> dict:
+    """config.json of the SafeAILab / SpecForge layout (the default aux layers of a target of `target_layers` layers
+    are left implicit, as vLLM and SGLang both read them)."""
+    L = target_layers or 0
     c = head.config
     out = {
         "architectures": ["LlamaForCausalLMEagle3"],
@@ -134,19 +137,22 @@ def head_config(head: PairHead, vocab: int) -> dict:
         "vocab_size": vocab,
         "draft_vocab_size": int(head.lm_head.weight.shape[0]),
         "target_hidden_size": head.fc.in_features // len(head.layers_read),
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(head.layers_read)},
         "hidden_act": "silu",
         "tie_word_embeddings": False,
     }
+    if not L or head.layers_read != (2, L // 2, L - 3):  # SafeAILab / SpecForge name the outputs before the layers read
+        out["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in head.layers_read]}
     rope = getattr(c, "rope_parameters", None)
     if rope:
         out["rope_parameters"] = dict(rope)
         if "rope_theta" in rope:
             out["rope_theta"] = rope["rope_theta"]
+        if rope.get("rope_type", "default") != "default":  # older vLLM / SGLang read rope_scaling
+            out["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
     return out
 
 
-def save_eagle3(head: PairHead, folder: Path, vocab: int) -> None:
+def save_eagle3(head: PairHead, folder: Path, vocab: int, target_layers: int | None = None) -> None:
     """Write the head as config.json + model.safetensors (fc, midlayer.*, norm, lm_head, d2t, t2d)."""
     from safetensors.torch import save_file
 
@@ -161,7 +167,7 @@ def save_eagle3(head: PairHead, folder: Path, vocab: int) -> None:
     t2d[torch.arange(len(head.d2t)) + head.d2t.cpu()] = True
     tensors["t2d"] = t2d
     save_file(tensors, str(folder / "model.safetensors"))
-    (folder / "config.json").write_text(json.dumps(head_config(head, vocab), indent=2) + "\n")
+    (folder / "config.json").write_text(json.dumps(head_config(head, vocab, target_layers), indent=2) + "\n")
 
 
 # --- the training-time test ------------------------------------------------------------------------------------
@@ -170,8 +176,8 @@ def save_eagle3(head: PairHead, folder: Path, vocab: int) -> None:
 def _ttt_masks(n: int, steps: int, lengths: Tensor) -> list[Tensor]:
     """Additive masks per unroll step s: [B, 1, n, (s + 1) n]. Query slot j at step s sees step-0 keys at slots
     1..j - s (target-fed) and step-t keys at slot j - s + t (its own drafts, t = 1..s); slot 0 and padding never."""
-    j = torch.arange(n)
-    p = torch.arange(n)
+    j = torch.arange(n, device=lengths.device)
+    p = j
     real = p.view(1, 1, -1) < lengths.view(-1, 1, 1)  # [B, 1, n]: real key slots
     masks = []
     for s in range(steps):
@@ -179,7 +185,7 @@ def _ttt_masks(n: int, steps: int, lengths: Tensor) -> list[Tensor]:
         for t in range(1, s + 1):
             blocks.append((p.view(1, -1) == j.view(-1, 1) - s + t).unsqueeze(0) & real)
         visible = torch.cat(blocks, -1)  # [B, n, (s + 1) n]
-        mask = torch.zeros(visible.shape, dtype=torch.float32)
+        mask = torch.zeros(visible.shape, dtype=torch.float32, device=visible.device)
         masks.append(mask.masked_fill(~visible, torch.finfo(torch.float32).min).unsqueeze(1))
     return masks
 
@@ -191,7 +197,7 @@ def ttt_logits(head: PairHead, ids: Tensor, lengths: Tensor, aux: Tensor, steps:
     the slot before (ids [B, n] right-padded, lengths [B], aux [B, n, F]: the target's aux hidden states)."""
     B, n = ids.shape
     masks = _ttt_masks(n, steps, lengths)
-    positions = torch.arange(n).unsqueeze(0).expand(B, n)
+    positions = torch.arange(n, device=ids.device).unsqueeze(0).expand(B, n)
     g = head.project(aux)  # [B, n, H]: the target's hidden state for position j
     hidden = torch.cat([torch.zeros_like(g[:, :1]), g[:, :-1]], 1)  # slot j reads h_{j - 1}
     keys: dict[int, list[Tensor]] = {}  # layer -> keys of each unroll step so far [B, nkv, n, D]
@@ -215,9 +221,9 @@ def ttt_loss(head: PairHead, ids: Tensor, lengths: Tensor, aux: Tensor, p: Tenso
     V_d] (the target's next-token distribution on the draft vocabulary) -> (loss, per-step top-1 agreement list)."""
     n = ids.shape[1]
     total, agree = 0.0, []
-    slots = torch.arange(n)
+    slots = torch.arange(n, device=ids.device)
     for s, logits in enumerate(ttt_logits(head, ids, lengths, aux, steps)):
-        valid = (slots.view(1, -1) >= s + 1) & (slots.view(1, -1) < lengths.view(-1, 1) - 1)  # a label x_{j+1}
+        valid = (slots.view(1, -1) >= s + 1) & (slots.view(1, -1) < lengths.view(-1, 1))  # p_j: x_{j+1}'s law
         logq = logits.float().log_softmax(-1)
         ce = -(p * logq).sum(-1)  # [B, n]
         w = valid.float()
@@ -227,28 +233,18 @@ def ttt_loss(head: PairHead, ids: Tensor, lengths: Tensor, aux: Tensor, p: Tenso
 
 
 class _TargetTap:
-    """The target's forward for training batches: aux hidden states (layer inputs, by hooks) and its logits."""
+    """The target's forward for training batches: aux hidden states (layer inputs) and p on the draft vocabulary."""
 
     def __init__(self, model, aux: tuple[int, ...]):
         self.model, self.aux = model, aux
-        self.grabbed: dict[int, Tensor] = {}
-        layers = model.get_decoder().layers
-        L = len(layers)
-        for i in aux:
-            module = layers[i] if i < L else model.get_decoder().norm
-            module.register_forward_pre_hook(self._hook(i), with_kwargs=True)
-
-    def _hook(self, i):
-        def hook(module, args, kwargs):
-            self.grabbed[i] = args[0] if args else kwargs["hidden_states"]
-
-        return hook
 
     @torch.no_grad()
     def __call__(self, ids: Tensor, lengths: Tensor, vocab_ids: Tensor) -> tuple[Tensor, Tensor]:
-        mask = (torch.arange(ids.shape[1]).view(1, -1) < lengths.view(-1, 1)).long()
-        logits = self.model(input_ids=ids, attention_mask=mask).logits  # [B, n, V]
-        aux = torch.cat([self.grabbed.pop(i) for i in self.aux], -1).float()
+        """ids [B, n], lengths [B] -> (aux [B, n, len(aux) * H] float32, p [B, n, V_d] renormalized)."""
+        mask = (torch.arange(ids.shape[1], device=ids.device).view(1, -1) < lengths.view(-1, 1)).long()
+        with layer_inputs(self.model.get_decoder(), self.aux) as grabbed:
+            logits = self.model(input_ids=ids, attention_mask=mask).logits  # [B, n, V]
+        aux = torch.cat([grabbed[i] for i in self.aux], -1).float()
         p = logits.float().softmax(-1)[..., vocab_ids]
         return aux, p / p.sum(-1, keepdim=True).clamp_min(1e-12)
 
@@ -274,7 +270,7 @@ def _cache_features(tap, seqs: list[list[int]], vocab_ids: Tensor, pad: int, cfg
     """The target's aux hidden states and p for every sequence, computed once: ([n_k, F] bf16, [n_k, V_d] bf16)."""
     aux, probs = [None] * len(seqs), [None] * len(seqs)
     for batch in _batches(seqs, cfg.batch_tokens, torch.Generator().manual_seed(0)):
-        ids, lengths = _pad([seqs[k] for k in batch], pad)
+        ids, lengths = _pad([seqs[k] for k in batch], pad, vocab_ids.device)
         a, p = tap(ids, lengths, vocab_ids)
         for b, k in enumerate(batch):
             n = len(seqs[k])
@@ -284,18 +280,34 @@ def _cache_features(tap, seqs: list[list[int]], vocab_ids: Tensor, pad: int, cfg
 
 def _pad_rows(rows: list[Tensor]) -> Tensor:
     """[n_k, F] tensors -> [B, max n_k, F] float32, zero-padded."""
-    out = torch.zeros((len(rows), max(r.shape[0] for r in rows), rows[0].shape[1]))
+    out = torch.zeros((len(rows), max(r.shape[0] for r in rows), rows[0].shape[1]), device=rows[0].device)
     for b, r in enumerate(rows):
         out[b, : r.shape[0]] = r.float()
     return out
 
 
-def _pad(seqs: list[list[int]], pad: int) -> tuple[Tensor, Tensor]:
+def _pad(seqs: list[list[int]], pad: int, device=None) -> tuple[Tensor, Tensor]:
+    """Token lists -> right-padded ids [B, n] and lengths [B], on `device`."""
     n = max(len(s) for s in seqs)
     ids = torch.full((len(seqs), n), pad, dtype=torch.int64)
     for b, s in enumerate(seqs):
         ids[b, : len(s)] = torch.as_tensor(s)
-    return ids, torch.tensor([len(s) for s in seqs])
+    return ids.to(device), torch.tensor([len(s) for s in seqs], device=device)
+
+
+RESUME_KEYS = ("head_intermediate", "draft_vocab", "batch_tokens", "seed", "ttt")  # must match to resume a run
+
+
+def _resumed_state(path: Path, cfg: TrainConfig) -> dict:
+    """A checkpoint to resume, checked against the options that shape the head and the order of its batches."""
+    st = torch.load(path, weights_only=False)
+    for key in RESUME_KEYS:
+        if st["config"].get(key) != getattr(cfg, key):
+            flag = "--" + key.replace("_", "-")
+            raise ValueError(
+                f"the run in {path.parent} used {flag} {st['config'].get(key)}: resume it with the same {flag}"
+            )
+    return st
 
 
 def train_eagle3(target, data: dict, out: Path, cfg: TrainConfig, resume: bool = False, progress=None) -> dict:
@@ -307,15 +319,11 @@ def train_eagle3(target, data: dict, out: Path, cfg: TrainConfig, resume: bool =
     V = model.get_output_embeddings().weight.shape[0]
     aux = default_aux_layers(tc.num_hidden_layers)
     vocab_ids = data.get("vocab_ids")
-    if vocab_ids is None:
+    if vocab_ids is None:  # chosen once and kept with the data (a resumed run trains the same output ids)
         vocab_ids = data["vocab_ids"] = choose_vocab(data["seqs"], data["starts"], V, cfg.draft_vocab)
+        torch.save(data, out / "data.pt")
     state_path = out / "train_state.pt"
-    st = torch.load(state_path, weights_only=False) if resume and state_path.is_file() else None
-    if st is not None and st["config"].get("head_intermediate") != cfg.head_intermediate:
-        raise ValueError(
-            f"the run in {out} trains a head with MLP width {st['config'].get('head_intermediate') or 'the target'}'s;"
-            f" resume it with the same --head-intermediate"
-        )
+    st = _resumed_state(state_path, cfg) if resume and state_path.is_file() else None
     head = init_head(model, vocab_ids, aux, cfg.head_intermediate)
     opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=cfg.lr, weight_decay=0.0)
     step, epoch, cursor, spent, history = 0, 0, 0, 0.0, []
@@ -324,6 +332,8 @@ def train_eagle3(target, data: dict, out: Path, cfg: TrainConfig, resume: bool =
         opt.load_state_dict(st["opt"])
         step, epoch, cursor, spent, history = st["step"], st["epoch"], st["cursor"], st["seconds"], st["history"]
     tap = _TargetTap(model, aux)
+    dev = next(model.parameters()).device
+    vocab_ids = vocab_ids.to(dev)
     pad = int(getattr(target.tokenizer, "pad_token_id", None) or 0)
     seqs = data["seqs"]
     warm = 20
@@ -343,7 +353,7 @@ def train_eagle3(target, data: dict, out: Path, cfg: TrainConfig, resume: bool =
             },
             state_path,
         )
-        save_eagle3(head, out, V)
+        save_eagle3(head, out, V, tc.num_hidden_layers)
 
     head.train()
     t_start = time.perf_counter() - spent
@@ -351,7 +361,7 @@ def train_eagle3(target, data: dict, out: Path, cfg: TrainConfig, resume: bool =
     while not done:
         order = _batches(seqs, cfg.batch_tokens, torch.Generator().manual_seed(cfg.seed + epoch))
         while cursor < len(order):
-            ids, lengths = _pad([seqs[k] for k in order[cursor]], pad)
+            ids, lengths = _pad([seqs[k] for k in order[cursor]], pad, dev)
             if cached is None:
                 a, p = tap(ids, lengths, vocab_ids)
             else:
@@ -416,7 +426,3 @@ def sample_data(target, prompts: list[str], cfg: TrainConfig, progress=None) -> 
         if progress is not None:
             progress(min(i + batch, len(jobs)), len(jobs))
     return {"seqs": seqs, "starts": starts}
-
-
-def expected_minutes(tokens: int, seconds_per_step: float, batch_tokens: int) -> float:
-    return math.ceil(tokens / batch_tokens) * seconds_per_step / 60

@@ -209,9 +209,6 @@ class FastRunner(HFRunner):
             mask_key=kind,
         )
 
-    def _install_capture(self) -> None:
-        """The fast forward grabs the hidden states itself (no hooks)."""
-
     @property
     def kernels(self) -> dict[str, int]:
         """Which matmul kernels run, with counts (e.g. {"onednn": 113})."""
@@ -237,7 +234,8 @@ class FastRunner(HFRunner):
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # broadcast over heads
         if not isinstance(masks, dict):
             masks = {"full_attention": masks, "sliding_attention": masks}
-        cache, grab = self.cache, self.capture
+        cache, grab = self.cache, self.capture  # hidden states to keep (`capture_hidden`): grabbed here, no hooks
+        self._grabbed = {}
         for i, layer in enumerate(self.layers):
             if i in grab:
                 self._grabbed[i] = h

@@ -9,6 +9,7 @@ length, hidden from real queries, and overwritten later, so the cache never need
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 
 import torch
@@ -17,9 +18,34 @@ from torch import Tensor
 from ..sampling.tree import tree_ancestors
 from .cache import RowKVCache
 
-__all__ = ["NORMED", "HFRunner"]
+__all__ = ["NORMED", "HFRunner", "layer_inputs"]
 
 NORMED = -1  # a capture id (`HFRunner.capture_hidden`): the final norm's output, what the output layer reads
+
+
+@contextlib.contextmanager
+def layer_inputs(decoder, ids: Sequence[int]):
+    """While inside, a transformers decoder's forward records the input of layer i ([B, T, H]) in the yielded dict
+    under i, for each i in ids (i == number of layers: the final norm's input); hooks removed on exit."""
+    grabbed: dict[int, Tensor] = {}
+    layers = decoder.layers
+
+    def grab(i):
+        def hook(module, args, kwargs):
+            grabbed[i] = args[0] if args else kwargs["hidden_states"]
+
+        return hook
+
+    handles = [
+        (layers[i] if i < len(layers) else decoder.norm).register_forward_pre_hook(grab(i), with_kwargs=True)
+        for i in ids
+        if 0 <= i <= len(layers)
+    ]
+    try:
+        yield grabbed
+    finally:
+        for h in handles:
+            h.remove()
 
 
 def _tree_structure(parents: Sequence[Sequence[int]], n_new: list[int], T: int) -> tuple[Tensor, Tensor]:
@@ -71,7 +97,6 @@ class HFRunner:
         self.capture: tuple[int, ...] = ()  # hidden states kept per token (`capture_hidden`)
         self.hidden_size = cfg.hidden_size
         self._grabbed: dict[int, Tensor] = {}  # capture id -> this forward's hidden states [B, T, H]
-        self._hooks: list = []
 
     # --- hidden states for drafters that read them (EAGLE, Medusa, MTP heads) -------------------------------
     def capture_hidden(self, layers: Sequence[int]) -> None:
@@ -86,25 +111,6 @@ class HFRunner:
                 f"{self.num_layers} layers), got {list(layers)}"
             )
         self.capture = layers
-        self._install_capture()
-
-    def _install_capture(self) -> None:
-        """transformers' forward: pre-hooks on the decoder layers (and the final norm) grab their inputs."""
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
-
-        def grab(i):
-            def hook(module, args, kwargs):
-                self._grabbed[i] = args[0] if args else kwargs["hidden_states"]
-
-            return hook
-
-        for i in self.capture:
-            if 0 <= i < self.num_layers:
-                self._hooks.append(self._base.layers[i].register_forward_pre_hook(grab(i), with_kwargs=True))
-            elif i == self.num_layers:
-                self._hooks.append(self._base.norm.register_forward_pre_hook(grab(i), with_kwargs=True))
 
     def _captured(self, hidden: Tensor) -> Tensor:
         """This forward's captured hidden states [B, T, len(capture) * H] (hidden: the final norm's output)."""
@@ -221,9 +227,10 @@ class HFRunner:
 
     def _body(self, ids: Tensor, masks, position_ids: Tensor) -> Tensor:
         """ids [B, T], masks (see `_masks`), position_ids [B, T] -> final hidden states [B, T, H]."""
-        return self._base(
-            input_ids=ids, attention_mask=masks, position_ids=position_ids, cache=self.cache, use_cache=True
-        ).last_hidden_state
+        with layer_inputs(self._base, self.capture) as self._grabbed:
+            return self._base(
+                input_ids=ids, attention_mask=masks, position_ids=position_ids, cache=self.cache, use_cache=True
+            ).last_hidden_state
 
     def _additive(self, visible: Tensor) -> Tensor:  # [B, T, L] bool -> [B, 1, T, L] additive float mask
         mask = torch.zeros(visible.shape, dtype=self.dtype, device=self.device)

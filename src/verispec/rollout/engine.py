@@ -315,6 +315,8 @@ class RolloutEngine:
         model = target if kind.target_weights else draft
         if not isinstance(model, LoadedModel):
             raise ValueError(f"draft={config.draft} drafts with a draft model: pass it as draft, a LoadedModel")
+        if getattr(model, "described", None):  # a hidden-state head (verispec.heads.LoadedHead)
+            raise ValueError(f"{model.described} drafts alone (draft=model): draft={config.draft} cannot use it")
         vocab = shared_vocab_size(target, model)
         sampler = DraftModelProposer(model.model, vocab, config.stop_below, runner=config.runner, quant=config.quant)
         return CombinedProposer(history, sampler, config.gamma, choose_depth=config.choose_depth)
