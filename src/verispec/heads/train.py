@@ -314,95 +314,103 @@ def train_eagle3(target, data: dict, out: Path, cfg: TrainConfig, resume: bool =
     """Train (or resume) an EAGLE-3 head on data {"seqs", "starts"} (token ids, where each continuation starts);
     writes checkpoints and the head into `out`. progress: a callable (step, info dict) for a progress display.
     Returns the run's summary (also written to out/train.json)."""
-    model = target.model
-    tc = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    V = model.get_output_embeddings().weight.shape[0]
-    aux = default_aux_layers(tc.num_hidden_layers)
-    vocab_ids = data.get("vocab_ids")
-    if vocab_ids is None:  # chosen once and kept with the data (a resumed run trains the same output ids)
-        vocab_ids = data["vocab_ids"] = choose_vocab(data["seqs"], data["starts"], V, cfg.draft_vocab)
-        torch.save(data, out / "data.pt")
-    state_path = out / "train_state.pt"
-    st = _resumed_state(state_path, cfg) if resume and state_path.is_file() else None
-    head = init_head(model, vocab_ids, aux, cfg.head_intermediate)
-    opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=cfg.lr, weight_decay=0.0)
-    step, epoch, cursor, spent, history = 0, 0, 0, 0.0, []
-    if st is not None:
-        head.load_state_dict(st["head"])
-        opt.load_state_dict(st["opt"])
-        step, epoch, cursor, spent, history = st["step"], st["epoch"], st["cursor"], st["seconds"], st["history"]
-    tap = _TargetTap(model, aux)
-    dev = next(model.parameters()).device
-    vocab_ids = vocab_ids.to(dev)
-    pad = int(getattr(target.tokenizer, "pad_token_id", None) or 0)
-    seqs = data["seqs"]
-    warm = 20
-    cached = _cache_features(tap, seqs, vocab_ids, pad, cfg) if cfg.cache_features else None
-
-    def save() -> None:
-        torch.save(
-            {
-                "head": head.state_dict(),
-                "opt": opt.state_dict(),
-                "step": step,
-                "epoch": epoch,
-                "cursor": cursor,
-                "seconds": spent,
-                "history": history,
-                "config": asdict(cfg),
-            },
-            state_path,
-        )
-        save_eagle3(head, out, V, tc.num_hidden_layers)
-
-    head.train()
-    t_start = time.perf_counter() - spent
+    run = _Run(target, data, out, cfg, resume)
     done = False
     while not done:
-        order = _batches(seqs, cfg.batch_tokens, torch.Generator().manual_seed(cfg.seed + epoch))
-        while cursor < len(order):
-            ids, lengths = _pad([seqs[k] for k in order[cursor]], pad, dev)
-            if cached is None:
-                a, p = tap(ids, lengths, vocab_ids)
-            else:
-                a, p = (_pad_rows([cached[i][k] for k in order[cursor]]) for i in (0, 1))
-            lr = cfg.lr * min(1.0, (step + 1) / warm)
-            for group in opt.param_groups:
-                group["lr"] = lr
-            loss, agree = ttt_loss(head, ids, lengths, a, p, cfg.ttt, cfg.decay)
-            opt.zero_grad()
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(head.parameters(), 0.5)
-            opt.step()
-            step, cursor = step + 1, cursor + 1
-            spent = time.perf_counter() - t_start
-            history.append({"step": step, "loss": loss.item(), "top1": agree, "seconds": round(spent, 1)})
+        order = _batches(data["seqs"], cfg.batch_tokens, torch.Generator().manual_seed(cfg.seed + run.epoch))
+        while run.cursor < len(order) and not done:
+            info = run.step(order[run.cursor])
             if progress is not None:
-                progress(step, history[-1])
-            if step % cfg.checkpoint_every == 0:
-                save()
-            if spent >= cfg.minutes * 60 or (cfg.max_steps is not None and step >= cfg.max_steps):
-                done = True
-                break
+                progress(run.steps, info)
+            if run.steps % cfg.checkpoint_every == 0:
+                run.save()
+            done = info["seconds"] >= cfg.minutes * 60 or (cfg.max_steps is not None and run.steps >= cfg.max_steps)
         if not done:
-            epoch, cursor = epoch + 1, 0
-    head.eval()
-    save()
-    tail = history[-20:]
-    summary = {
-        "steps": step,
-        "epochs": epoch + cursor / max(len(order), 1),
-        "seconds": round(spent, 1),
-        "sequences": len(seqs),
-        "tokens": sum(len(s) - n for s, n in zip(seqs, data["starts"])),
-        "draft_vocab": len(vocab_ids),
-        "aux_layers": list(aux),
-        "final_loss": sum(h["loss"] for h in tail) / max(len(tail), 1),
-        "final_top1_by_step": [sum(h["top1"][s] for h in tail) / max(len(tail), 1) for s in range(cfg.ttt)],
-        "config": asdict(cfg),
-    }
+            run.epoch, run.cursor = run.epoch + 1, 0
+    run.head.eval()
+    run.save()
+    summary = run.summary(run.epoch + run.cursor / max(len(order), 1))
     (out / "train.json").write_text(json.dumps(summary, indent=2, allow_nan=False) + "\n")
     return summary
+
+
+class _Run:
+    """One training run's state: the head, its optimizer, the counters a checkpoint keeps, the target's tap."""
+
+    WARMUP = 20  # steps of linear learning-rate warm-up
+
+    def __init__(self, target, data: dict, out: Path, cfg: TrainConfig, resume: bool):
+        model = target.model
+        tc = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        self.cfg, self.out, self.data, self.layers = cfg, out, data, tc.num_hidden_layers
+        self.V = model.get_output_embeddings().weight.shape[0]
+        self.aux = default_aux_layers(self.layers)
+        if data.get("vocab_ids") is None:  # chosen once and kept with the data (a resumed run trains the same ids)
+            data["vocab_ids"] = choose_vocab(data["seqs"], data["starts"], self.V, cfg.draft_vocab)
+            torch.save(data, out / "data.pt")
+        self.dev = next(model.parameters()).device
+        self.vocab_ids = data["vocab_ids"].to(self.dev)  # [V_d]
+        self.head = init_head(model, data["vocab_ids"], self.aux, cfg.head_intermediate)
+        self.opt = torch.optim.AdamW(
+            [p for p in self.head.parameters() if p.requires_grad], lr=cfg.lr, weight_decay=0.0
+        )
+        self.steps, self.epoch, self.cursor, self.seconds, self.history = 0, 0, 0, 0.0, []
+        self.state_path = out / "train_state.pt"
+        if resume and self.state_path.is_file():
+            st = _resumed_state(self.state_path, cfg)
+            self.head.load_state_dict(st["head"])
+            self.opt.load_state_dict(st["opt"])
+            self.steps, self.epoch, self.cursor = st["step"], st["epoch"], st["cursor"]
+            self.seconds, self.history = st["seconds"], st["history"]
+        self.tap = _TargetTap(model, self.aux)
+        self.pad = int(getattr(target.tokenizer, "pad_token_id", None) or 0)
+        self.cached = (
+            _cache_features(self.tap, data["seqs"], self.vocab_ids, self.pad, cfg) if cfg.cache_features else None
+        )
+        self.head.train()
+        self._t0 = time.perf_counter() - self.seconds
+
+    def step(self, batch: list[int]) -> dict:
+        """One optimizer step on the sequences `batch`; returns its history record."""
+        ids, lengths = _pad([self.data["seqs"][k] for k in batch], self.pad, self.dev)
+        if self.cached is None:
+            a, p = self.tap(ids, lengths, self.vocab_ids)
+        else:
+            a, p = (_pad_rows([self.cached[i][k] for k in batch]) for i in (0, 1))
+        for group in self.opt.param_groups:
+            group["lr"] = self.cfg.lr * min(1.0, (self.steps + 1) / self.WARMUP)
+        loss, agree = ttt_loss(self.head, ids, lengths, a, p, self.cfg.ttt, self.cfg.decay)
+        self.opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.head.parameters(), 0.5)
+        self.opt.step()
+        self.steps, self.cursor = self.steps + 1, self.cursor + 1
+        self.seconds = time.perf_counter() - self._t0
+        self.history.append({"step": self.steps, "loss": loss.item(), "top1": agree, "seconds": round(self.seconds, 1)})
+        return self.history[-1]
+
+    def save(self) -> None:
+        """The checkpoint (resumable) and the head in the published layout."""
+        state = {"head": self.head.state_dict(), "opt": self.opt.state_dict(), "step": self.steps}
+        state |= {"epoch": self.epoch, "cursor": self.cursor, "seconds": self.seconds, "history": self.history}
+        torch.save(state | {"config": asdict(self.cfg)}, self.state_path)
+        save_eagle3(self.head, self.out, self.V, self.layers)
+
+    def summary(self, epochs: float) -> dict:
+        tail = self.history[-20:] or [{"loss": 0.0, "top1": [0.0] * self.cfg.ttt}]
+        seqs, starts = self.data["seqs"], self.data["starts"]
+        return {
+            "steps": self.steps,
+            "epochs": epochs,
+            "seconds": round(self.seconds, 1),
+            "sequences": len(seqs),
+            "tokens": sum(len(s) - n for s, n in zip(seqs, starts)),
+            "draft_vocab": len(self.vocab_ids),
+            "aux_layers": list(self.aux),
+            "final_loss": sum(h["loss"] for h in tail) / len(tail),
+            "final_top1_by_step": [sum(h["top1"][s] for h in tail) / len(tail) for s in range(self.cfg.ttt)],
+            "config": asdict(self.cfg),
+        }
 
 
 def sample_data(target, prompts: list[str], cfg: TrainConfig, progress=None) -> dict:
