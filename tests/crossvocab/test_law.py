@@ -27,20 +27,20 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-import numpy as np
 import pytest
 import torch
 
-from verispec.certify.stats import chisquare_gof, detectable_tv
+from verispec.certify.stats import detectable_tv
 from verispec.crossvocab import BridgedRunner, VocabMap, cross_vocab_proposer
 from verispec.drafting import DraftModelProposer, Proposer
 from verispec.drafting.base import Draft
 from verispec.engine.config import SpecConfig
 from verispec.engine.generator import SpeculativeGenerator
-from verispec.sampling import SamplingParams, probs_from_logits
+from verispec.sampling import SamplingParams
 from verispec.sampling.tree import chain_parents
 
 from ..helpers.cross_tok import DRAFT_VOCAB, SAMPLES, TARGET_EOS, TARGET_VOCAB
+from ..helpers.enum_law import exact_law
 from .fixed_pair import pair
 
 pytestmark = pytest.mark.statistical
@@ -79,46 +79,6 @@ DEFAULT = [  # (config, setting) in the default tier; the slow tier runs every p
     ("slem", "topkp"),
 ]
 
-Outcome = tuple[tuple[int, ...], str]
-
-
-class Law:
-    def __init__(self, law: dict[Outcome, float]):
-        self.outcomes = sorted(law)
-        self.probs = np.array([law[o] for o in self.outcomes])
-        assert abs(self.probs.sum() - 1) < 1e-9
-        self.probs /= self.probs.sum()
-        self._index = {o: i for i, o in enumerate(self.outcomes)}
-
-    def gof(self, completions):
-        counts = np.zeros(len(self.outcomes) + 1)
-        for c in completions:
-            counts[self._index.get((tuple(c.token_ids), c.finish_reason), len(self.outcomes))] += 1
-        return chisquare_gof(counts, np.append(self.probs, 0.0))
-
-
-@torch.no_grad()
-def exact_law(model, prompt: list[int], params: SamplingParams, budget: int = L) -> Law:
-    """The target's law of (output, finish reason): full forwards over prompt + prefix, level by level."""
-    law: dict[Outcome, float] = {}
-    frontier: list[tuple[tuple[int, ...], float]] = [((), 1.0)]
-    while frontier:
-        ids = torch.tensor([prompt + list(p) for p, _ in frontier])
-        probs = probs_from_logits(model(ids).logits[:, -1].double(), params)  # [n, V]
-        nxt = []
-        for (prefix, mass), row in zip(frontier, probs.tolist()):
-            for t, pt in enumerate(row):
-                if pt <= 0:
-                    continue
-                if t == TARGET_EOS:
-                    law[(prefix, "stop")] = mass * pt
-                elif len(prefix) + 1 == budget:
-                    law[(prefix + (t,), "length")] = mass * pt
-                else:
-                    nxt.append((prefix + (t,), mass * pt))
-        frontier = nxt
-    return Law(law)
-
 
 @pytest.fixture(scope="module")
 def models():
@@ -132,7 +92,7 @@ def prompt(models):
 
 @pytest.fixture(scope="module")
 def laws(models, prompt):
-    return {name: exact_law(models[0].model, prompt, params) for name, params in SETTINGS.items()}
+    return {name: exact_law(models[0].model, prompt, params, L, TARGET_EOS) for name, params in SETTINGS.items()}
 
 
 def sample(gen, prompt, params: SamplingParams, n: int, seed0: int = 1000):
@@ -189,7 +149,7 @@ def test_mixed_batch(models, prompt, laws):
     n = 1000
     other = target.tokenizer.encode(SAMPLES[1])
     greedy_prompt = target.tokenizer.encode(SAMPLES[0])
-    other_law = exact_law(target.model, other, TOPKP)
+    other_law = exact_law(target.model, other, TOPKP, L, TARGET_EOS)
     assert detectable_tv(laws["t1"].probs, n, LEVEL, 0.99) < 0.18
     assert detectable_tv(other_law.probs, n, LEVEL, 0.99) < 0.17
     prompts, params = [], []

@@ -26,17 +26,16 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-import numpy as np
 import pytest
-import torch
 
 from verispec.certify.head_bugs import HEAD_BUGS, inject_head_bug
-from verispec.certify.stats import chisquare_gof, detectable_tv
+from verispec.certify.stats import detectable_tv
 from verispec.engine.config import SpecConfig
 from verispec.engine.generator import SpeculativeGenerator
 from verispec.heads import load_head
-from verispec.sampling import SamplingParams, probs_from_logits
+from verispec.sampling import SamplingParams
 
+from ..helpers.enum_law import exact_law
 from ..helpers.tiny import EOS
 from .conftest import one_thread
 
@@ -67,51 +66,11 @@ CONFIGS = {  # name -> (head fixture, spec)
 DEFAULT = [("chain", "t1"), ("tree-iid", "t1"), ("tree-deterministic", "topkp")]
 BUGGED = "draft=model,gamma=3,stop_below=none,random=stream"
 
-Outcome = tuple[tuple[int, ...], str]
-
-
-class Law:
-    def __init__(self, law: dict[Outcome, float]):
-        self.outcomes = sorted(law)
-        self.probs = np.array([law[o] for o in self.outcomes])
-        assert abs(self.probs.sum() - 1) < 1e-9
-        self.probs /= self.probs.sum()
-        self._index = {o: i for i, o in enumerate(self.outcomes)}
-
-    def gof(self, completions):
-        counts = np.zeros(len(self.outcomes) + 1)
-        for c in completions:
-            counts[self._index.get((tuple(c.token_ids), c.finish_reason), len(self.outcomes))] += 1
-        return chisquare_gof(counts, np.append(self.probs, 0.0))
-
-
-@torch.no_grad()
-def exact_law(model, prompt: list[int], params: SamplingParams, budget: int = L) -> Law:
-    """The target's law of (output, finish reason): full forwards over prompt + prefix, level by level."""
-    law: dict[Outcome, float] = {}
-    frontier: list[tuple[tuple[int, ...], float]] = [((), 1.0)]
-    while frontier:
-        ids = torch.tensor([prompt + list(p) for p, _ in frontier])
-        probs = probs_from_logits(model(ids).logits[:, -1].double(), params)  # [n, V]
-        nxt = []
-        for (prefix, mass), row in zip(frontier, probs.tolist()):
-            for t, pt in enumerate(row):
-                if pt <= 0:
-                    continue
-                if t == EOS:
-                    law[(prefix, "stop")] = mass * pt
-                elif len(prefix) + 1 == budget:
-                    law[(prefix + (t,), "length")] = mass * pt
-                else:
-                    nxt.append((prefix + (t,), mass * pt))
-        frontier = nxt
-    return Law(law)
-
 
 @pytest.fixture(scope="module")
 def laws(target):
     with one_thread():
-        return {name: exact_law(target.model, PROMPT, params) for name, params in SETTINGS.items()}
+        return {name: exact_law(target.model, PROMPT, params, L, EOS) for name, params in SETTINGS.items()}
 
 
 def sample(gen, params: SamplingParams, n: int, seed0: int = 1000):
