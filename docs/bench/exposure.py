@@ -178,12 +178,22 @@ def _seeded(url: str) -> list[tuple[str, str]]:
     return [("one seeded request, 5 times under load, gamma auto / 1 / 3 / 6 / auto", what)]
 
 
+def _made_by() -> str:
+    """The commit, date and command of this run (`verispec.bench.provenance`); an older checkout has no such helper."""
+    try:
+        from verispec.bench import provenance, provenance_line
+    except ImportError:
+        return "Made by an older checkout (no verispec.bench.provenance)"
+    return f"Made by {provenance_line(provenance())}"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--pythonpath", help="run the server from this source tree (e.g. an old checkout's src)")
     ap.add_argument("--port", type=int, default=8731)
     ap.add_argument("--serve-args", default="", help="more `verispec serve` flags, e.g. --enable-weight-updates")
     args = ap.parse_args()
+    made_by = _made_by()  # this script's checkout; the server's code is --pythonpath's where given
     env = dict(os.environ)
     if args.pythonpath:
         env["PYTHONPATH"] = args.pythonpath
@@ -211,7 +221,7 @@ def main() -> None:
     finally:
         proc.send_signal(signal.SIGTERM)
         err = proc.communicate(timeout=120)[1]
-    print("| request | answer |\n|---|---|")
+    print(f"{made_by}\n\n| request | answer |\n|---|---|")
     for request, answer in rows:
         print(f"| {request} | {answer} |")
     if "Traceback" in err:

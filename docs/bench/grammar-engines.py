@@ -129,9 +129,11 @@ def main() -> None:
 
     from transformers import AutoTokenizer
 
+    from verispec.bench import provenance, provenance_line
     from verispec.bench.structured import load_extract_prompts
     from verispec.model.loading import _resolve
 
+    origin = provenance()  # the code, date and command at the start of the run
     source, name, kwargs = _resolve(None)
     tok = AutoTokenizer.from_pretrained(source, **kwargs)
     V, eos = len(tok), tok.eos_token_id
@@ -161,8 +163,7 @@ def main() -> None:
         [
             "# Grammar mask engines: xgrammar vs llguidance",
             "",
-            "Command: `python docs/bench/grammar-engines.py --repeats "
-            f"{args.repeats} --out docs/bench/grammar-engines.md`",
+            f"Made by {provenance_line(origin)}",
             "",
             f"Tokenizer: {name} (V = {V}); {len(schemas)} distinct schemas of verispec/bench/data/extract.jsonl, one "
             f"valid document each ({min(lengths)}-{max(lengths)} tokens, {sum(lengths)} in all, EOS after each), "

@@ -4,20 +4,22 @@ exactly what a trained head of the same shape costs.
 
     python3 docs/bench/head_step_cost.py --target T.gguf [--draft D.gguf --draft-quant int4] [--context 256]
 
-Prints one JSON object: the target's T(1), each head's and the draft's step, and their ratios to T(1)."""
+Prints one JSON object: the commit, date and command (`verispec.bench.provenance`), the target's T(1), each head's
+and the draft's step, and their ratios to T(1)."""
 
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 from pathlib import Path
 
 import torch
 
+from verispec.bench import provenance
 from verispec.engine import SpeculativeGenerator
 from verispec.heads.train import default_aux_layers, init_head, save_eagle3
 from verispec.model.loading import load_model
+from verispec.strict_json import dumps
 
 
 def main() -> None:
@@ -31,9 +33,10 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    origin = provenance()  # the code, date and command at the start of the run
     target = load_model(args.target)
     cfg = target.model.config.get_text_config()
-    out = {"target": args.target, "context": args.context, "threads": args.threads}
+    out = {**origin, "target": args.target, "context": args.context, "threads": args.threads}
     plain = SpeculativeGenerator(target, None, runner="fast")
     t1 = plain.calibrate(batches=(1,), context=args.context)[1]["curve"][0]
     out["target_step_s"] = t1
@@ -52,7 +55,7 @@ def main() -> None:
         )
         step = gen.calibrate(batches=(1,), context=args.context)[1]["draft_step"]
         out[f"draft_{args.draft_quant}_step_s"], out[f"draft_{args.draft_quant}_ratio"] = step, step / t1
-    print(json.dumps(out, indent=2))
+    print(dumps(out, indent=2))
 
 
 if __name__ == "__main__":

@@ -15,6 +15,12 @@ from verispec.model.loading import load_model
 from verispec.sampling import SamplingParams
 
 torch.set_num_threads(2)
+try:  # the commit, date and command of this run; an older checkout has no such helper
+    from verispec.bench import provenance, provenance_line
+
+    print(f"Made by {provenance_line(provenance())}\n")
+except ImportError:
+    print("Made by an older checkout (no verispec.bench.provenance)\n")
 MODELS = os.path.expanduser(sys.argv[1] if len(sys.argv) > 1 else "~/models")  # fetch.sh DIR qwen-pair
 PROMPTS = sys.argv[2] if len(sys.argv) > 2 else "../shared/data/prompts/code.jsonl"
 target = load_model(f"{MODELS}/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf")

@@ -10,6 +10,7 @@ takes, so the same script runs on an older checkout (PYTHONPATH=OLD/src)."""
 
 import argparse
 import hashlib
+import sys
 
 import torch
 
@@ -30,11 +31,21 @@ CONFIGS = {
 }
 
 
+def _made_by() -> str:
+    """The commit, date and command of this run (`verispec.bench.provenance`); an older checkout has no such helper."""
+    try:
+        from verispec.bench import provenance, provenance_line
+    except ImportError:
+        return "Made by an older checkout (no verispec.bench.provenance)"
+    return f"Made by {provenance_line(provenance())}"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--max-new-tokens", type=int, default=32)
     args = ap.parse_args()
     torch.set_num_threads(2)
+    print(_made_by(), file=sys.stderr)  # on stderr: stdout stays comparable across checkouts
     target = load_model(str(default_model_path()))
     for name, kw in CONFIGS.items():
         kw = dict(kw)

@@ -52,6 +52,7 @@ def test_tree_methods_side_by_side(tmp_path, capsys):
         == 0
     )
     result = read_strict_json(tmp_path / "out" / "e2e.json")
+    assert {"commit", "dirty", "date", "command", "torch", "threads"} <= set(result)  # verispec.bench.provenance
     recs = {r["method"]: r for r in result["records"]}
     assert set(recs) == {*methods.split(",")[:-3], "verispec:draft=model,gamma=2,random=gumbel"}
     assert (

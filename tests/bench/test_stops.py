@@ -16,6 +16,7 @@ def test_bench_stops_smoke(capsys, tmp_path):
     printed = capsys.readouterr().out
     assert "50 (loops, before)" in printed and "matcher alone" in printed
     result = json.loads(out.read_text())
+    assert {"commit", "dirty", "date", "command"} <= set(result)  # verispec.bench.provenance
     stopped = [r["stopped"] for r in result["engine"]]  # the matching string may be in other outputs too
     assert stopped[:2] == [0, 0] and stopped[2] >= 1 and stopped[3] == 0
 

@@ -24,6 +24,7 @@ from ..engine.generator import SpeculativeGenerator
 from ..model.loading import LoadedModel
 from ..sampling import SamplingParams, verify_chain
 from ..sampling.block import block_stop_law
+from ._provenance import provenance, provenance_lines
 from .config import ModelBenchConfig
 from .table import markdown_table
 
@@ -83,6 +84,7 @@ def _run(gen: SpeculativeGenerator, prompts: list[list[int]], cfg: AcceptanceCon
 def run_acceptance(
     target: LoadedModel, draft: LoadedModel, prompts: dict[str, list[str]], cfg: AcceptanceConfig, log=print
 ) -> dict:
+    origin = provenance()  # the code, date and command at the start of the run
     common = dict(gamma=cfg.gamma, draft_stop_below=None, runner=cfg.runner, draft_quant=cfg.draft_quant)
     records = []
     for category, texts in prompts.items():
@@ -114,10 +116,10 @@ def run_acceptance(
         )
         records.append(row)
     return dict(
+        **origin,  # commit, dirty, date, command, verispec, python, torch, threads
         config=asdict(cfg),
         target=target.name,
         draft=draft.name,
-        torch=torch.__version__,
         records=records,
     )
 
@@ -129,6 +131,7 @@ def _f(x, spec=".3f"):
 def to_markdown(result: dict) -> str:
     cfg = result["config"]
     lines = [
+        *provenance_lines(result),
         f"target: {result['target']}; draft: {result['draft']}; gamma {cfg['gamma']} (full chains), temperature "
         f"{cfg['temperature']}, {cfg['max_new_tokens']} new tokens per prompt, batch 1; torch {result['torch']}",
         "",

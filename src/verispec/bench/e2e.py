@@ -47,6 +47,7 @@ from ..model.fast import fast_path_unsupported
 from ..model.loading import LoadedModel
 from ..sampling import SamplingParams
 from ..sampling.theory import expected_tokens_per_pass
+from ._provenance import provenance, provenance_lines
 
 __all__ = [
     "E2EConfig",
@@ -330,17 +331,17 @@ def run_e2e(
     """Every method of cfg at every temperature, category and batch size (see the module docstring): build the
     generators, calibrate the cost curves, measure, compare with verispec-plain and the other engines. drafts: the
     models methods name with model=PATH (path -> LoadedModel, `method_models`)."""
+    origin = provenance()  # the code, date and command at the start of the run
     methods, gens = build_methods(target, draft, cfg, log, drafts)
     curves, draft_steps = calibrate(gens, cfg, log)
     records = measure(target, draft, gens, methods, prompts, cfg, curves, draft_steps, log)
     compare(records)
     return {
+        **origin,  # commit, dirty, date, command, verispec, python, torch, threads
         "config": cfg.__dict__ | {"temperatures": list(cfg.temperatures), "methods": list(cfg.methods)},
         "target": target.name,
         "draft": draft.name if draft else None,
         "method_drafts": {path: m.name for path, m in (drafts or {}).items()},
-        "threads": torch.get_num_threads(),
-        "torch": torch.__version__,
         "cost_curve_s": curves[1],  # batch 1
         "cost_curves_s": {str(b): c for b, c in curves.items()},  # batch size -> T(1..n)
         "draft_step_s": draft_steps.get("verispec-draft", {}).get(1, 0.0),
@@ -578,6 +579,7 @@ def _curve_lines(result: dict) -> list[str]:
 
 def to_markdown(result: dict) -> str:
     lines = [
+        *provenance_lines(result),
         f"target: {result['target']}; draft: {result['draft']}; torch {result['torch']}, "
         f"{result['threads']} threads; max_new_tokens {result['config']['max_new_tokens']}; "
         f"gamma {result['config']['gamma']}",

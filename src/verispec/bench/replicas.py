@@ -24,6 +24,7 @@ import time
 from dataclasses import asdict, dataclass
 
 from ..sampling import SamplingParams
+from ._provenance import provenance, provenance_lines
 from .rollout import METHODS, RolloutBenchConfig, RolloutWorkloadConfig, engine_options, timed_generate
 
 __all__ = ["ReplicasBenchConfig", "engine_spec", "machine", "plot", "run_replicas_bench", "to_markdown"]
@@ -92,6 +93,7 @@ def run_replicas_bench(
     """Every method on every layout (Ray must be initialized, with CPUs for the largest layout)."""
     from ..rollout.cluster import RolloutCluster
 
+    origin = provenance()  # the code, date and command at the start of the run
     info = machine()
     options = dict(params=SamplingParams(temperature=cfg.temperature), seed=cfg.seed, chat=cfg.chat, ignore_eos=True)
     cats = {c: ps[: cfg.num_prompts] for c, ps in prompts.items()}
@@ -121,6 +123,7 @@ def run_replicas_bench(
     _compare(records, cfg.threads)
     info["load_average_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
     return dict(
+        **origin,  # commit, dirty, date, command, verispec, python, torch, threads (the driver's)
         config=asdict(cfg),
         target=target_name,
         draft=draft,
@@ -185,6 +188,7 @@ def to_markdown(result: dict) -> str:
     cfg, m = result["config"], result["machine"]
     load = m.get("load_average_start")
     lines = [
+        *provenance_lines(result),
         f"bench replicas: target {result['target']}, draft {result['draft']}, G = {cfg['group']} x "
         f"{cfg['num_prompts']} prompt(s) per category, {cfg['max_new_tokens']} new tokens (EOS ignored), "
         f"temperature {cfg['temperature']:g}, gamma {cfg['gamma']}, {cfg['shards_per_replica']} shards per replica",

@@ -31,6 +31,7 @@ from ..drafting import TreeSpec
 from ..model.loading import LoadedModel
 from ..rollout import RolloutEngine
 from ..sampling import SamplingParams
+from ._provenance import provenance, provenance_lines
 from .config import SelfDraftBenchConfig
 
 __all__ = [
@@ -151,6 +152,7 @@ def cost_curve(runner, batch: int, per_row: tuple[int, ...] = (1, 2, 3, 5, 9, 17
 def run_rollout_bench(
     target: LoadedModel, draft: LoadedModel | None, prompts: dict[str, list[str]], cfg: RolloutBenchConfig, log=print
 ) -> dict:
+    origin = provenance()  # the code, date and command at the start of the run
     engines = {m: _engine(m, target, draft, cfg) for m in cfg.methods}
     first = next(iter(engines.values()))
     ids = {c: [first.gen.encode(p, cfg.chat) for p in ps[: cfg.num_prompts]] for c, ps in prompts.items()}
@@ -176,6 +178,7 @@ def run_rollout_bench(
                 log(f"epoch {epoch} {cat:5s} {m:14s} {r['tokens_per_s']:6.2f} tok/s  tau {r['tau']:.2f}")
     _ratios(records)
     return dict(
+        **origin,  # commit, dirty, date, command, verispec, python, torch, threads
         config=asdict(cfg),
         target=target.name,
         draft=draft.name if draft else None,
@@ -232,6 +235,7 @@ def _ratios(records: list[dict]) -> None:
 def to_markdown(result: dict) -> str:
     cfg = result["config"]
     lines = [
+        *provenance_lines(result),
         f"bench rollout: target {result['target']}, draft {result['draft']}, G = {cfg['group']} x "
         f"{cfg['num_prompts']} prompt(s) per category, {cfg['max_new_tokens']} new tokens, temperature "
         f"{cfg['temperature']:g}, {cfg['epochs']} epochs, weights + noise {cfg['noise']:g} x RMS between epochs",

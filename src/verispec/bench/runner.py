@@ -20,6 +20,7 @@ import torch
 
 from ..model.fast import FastRunner
 from ..model.runner import HFRunner
+from ._provenance import provenance, provenance_lines
 from .table import markdown_table
 
 __all__ = ["PATHS", "measure_curve", "read_bandwidth", "run", "to_markdown"]
@@ -133,6 +134,7 @@ def run(
         raise ValueError(f"unknown path(s) {sorted(unknown)}; choose from {', '.join(PATHS)}")
     if max_k < 1 or context < 1 or repeats < 1:
         raise ValueError("max_k, context and repeats must be >= 1")
+    origin = provenance()  # the code, date and command at the start of the run
     runners: dict[str, HFRunner] = {}
     for name in paths:
         log(f"building {name} ...")
@@ -165,8 +167,8 @@ def run(
             "batch_consistency": batch_consistency(r, vocab, min(max_k, 8), context),
         }
     return {
+        **origin,  # commit, dirty, date, command, verispec, python, torch, threads
         "device": str(device),
-        "threads": torch.get_num_threads(),
         "context": context,
         "repeats": repeats,
         "ks": ks,
@@ -182,6 +184,7 @@ def to_markdown(res: dict) -> str:
     curves = res["curves"]
     ref = "fast" if "fast" in curves else names[0]
     lines = [
+        *provenance_lines(res),
         f"Device {res['device']}, {res['threads']} threads, context {res['context']} tokens, median of "
         f"{res['repeats']} (interleaved). Measured read bandwidth (streaming sum over 1 GiB): median "
         f"{res['read_bandwidth_gbps']:.1f} GB/s, best {res.get('read_bandwidth_best_gbps', 0):.1f} GB/s; "

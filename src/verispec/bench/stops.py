@@ -23,6 +23,7 @@ from ..engine import rows
 from ..engine.stops import StopMatcher, _matcher
 from ..model.loading import LoadedModel
 from ..sampling import SamplingParams
+from ._provenance import provenance, provenance_lines
 from .table import markdown_table
 
 ALPHABET = "abcdefghijklmnopqrstuvwxyz"
@@ -214,8 +215,9 @@ def matcher_alone(cfg: StopsConfig, texts: list[str], delta: int = 8) -> list[di
 
 
 def run(cfg: StopsConfig) -> dict:
+    origin = provenance()  # the code, date and command at the start of the run
     engine, texts = engine_cases(cfg)
-    return dict(config=cfg.__dict__, engine=engine, matcher=matcher_alone(cfg, texts))
+    return dict(**origin, config=cfg.__dict__, engine=engine, matcher=matcher_alone(cfg, texts))
 
 
 def to_markdown(result: dict) -> str:
@@ -229,9 +231,10 @@ def to_markdown(result: dict) -> str:
         for r in result["engine"]
     ]
     lines = [
+        *provenance_lines(result),
         f"engine: {cfg['num_prompts']} greedy prompts in one batch, {n1} and {n2} new tokens each, prompt lookup "
         f"gamma {cfg['gamma']}, tiny random model; best of {cfg['repeats']} interleaved runs; marginal = "
-        f"(time({n2}) - time({n1})) / (steps({n2}) - steps({n1})), whole = time({n2}) / steps({n2})"
+        f"(time({n2}) - time({n1})) / (steps({n2}) - steps({n1})), whole = time({n2}) / steps({n2})",
     ]
     lines += markdown_table(head, rows_)
     head = ["matcher", f"build ms ({cfg['num_stops']} strings)", "us / step (8 new chars)", "first() on 2000 chars us"]

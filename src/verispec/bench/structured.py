@@ -28,9 +28,7 @@ for that seed (lossless speculation, one workload for all methods), which `same_
 
 from __future__ import annotations
 
-import datetime
 import json
-import subprocess
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -44,6 +42,7 @@ from ..engine.config import SpecConfig, SpecError, parse_items
 from ..engine.generator import SpeculativeGenerator
 from ..model.loading import LoadedModel
 from ..sampling import Constraint, SamplingParams
+from ._provenance import provenance, provenance_lines
 
 __all__ = [
     "DEFAULT_PROMPTS",
@@ -314,21 +313,12 @@ def _runnable(methods, target, draft, cfg, log) -> list[str]:
     return keep
 
 
-def _commit_hash() -> str | None:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10, cwd=Path(__file__).parent
-        )
-        return out.stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
 def run_structured(
     target: LoadedModel, draft: LoadedModel | None, prompts: list[dict], cfg: StructuredConfig, log=print
 ) -> dict:
     """Every method of cfg on every prompt (see the module docstring): one record per temperature, repeat, prompt
     and method, then the summary per method and category (`summarize`)."""
+    origin = provenance()  # the code, date and command at the start of the run
     if cfg.num_prompts is not None:
         seen: dict[str, int] = defaultdict(int)
         chosen = []
@@ -410,15 +400,12 @@ def run_structured(
         )
         rec["same_as_plain"] = rec["text"] == base["text"]
     return {
+        **origin,  # commit, dirty, date, command, verispec, python, torch, threads
         "config": cfg.__dict__ | {"temperatures": list(cfg.temperatures), "methods": list(methods)},
         "target": target.name,
         "draft": draft.name if draft else None,
         "runner": type(plain.runner).__name__,
         "specs": {m: str(g.config) for m, g in gens.items()},
-        "threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "commit": _commit_hash(),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "validator": found[0] if found else None,
         "prompts": len(prompts),
         "schema_compile_s": compile_s,
@@ -500,8 +487,9 @@ def to_markdown(result: dict) -> str:
     cfg = result["config"]
     comp = result["schema_compile_s"]
     lines = [
+        *provenance_lines(result),
         f"target: {result['target']}; draft: {result['draft']}; runner {result['runner']}; torch {result['torch']}, "
-        f"{result['threads']} threads; commit {(result['commit'] or '?')[:12]}; {result['date']}",
+        f"{result['threads']} threads",
         f"{result['prompts']} prompts x {cfg['repeats']} repeat(s), max_new_tokens {cfg['max_new_tokens']}, "
         f"chat template {'on' if cfg['chat'] else 'off'}, random={cfg['random']}; validator: "
         f"{result['validator'] or 'none installed (JSON parse only)'}; schema compile (xgrammar) "

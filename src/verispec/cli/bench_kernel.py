@@ -33,15 +33,18 @@ def add_parser(sub) -> None:
     p.add_argument("--repeats", type=int_range(1), default=10, help="timed repeats per variant (default 10)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     p.add_argument("--no-reference", action="store_true", help="skip the slow reference implementation")
-    p.add_argument("--json", metavar="FILE", help="also write the raw timings as JSON")
+    p.add_argument(
+        "--json", metavar="FILE", help="also write the raw timings as JSON ({commit, date, command, ..., rows})"
+    )
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from ..bench import kernel
+    from ..bench import kernel, provenance, provenance_line
 
+    origin = provenance()  # the code, date and command at the start of the run
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise UsageError("--device cuda asked for, but torch sees no CUDA device")
     shapes = args.shape or list(kernel.DEFAULT_SHAPES)
@@ -51,7 +54,8 @@ def run(args: argparse.Namespace) -> int:
         "median times; 'x read' = time / one read pass over the inputs"
     )
     print(kernel.to_markdown(rows))
+    print(f"\n{provenance_line(origin)}")
     if args.json:
-        Path(args.json).write_text(dumps(rows, indent=2))
+        Path(args.json).write_text(dumps({**origin, "device": args.device, "rows": rows}, indent=2))
         print(f"wrote {args.json}")
     return 0
