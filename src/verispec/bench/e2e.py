@@ -601,7 +601,7 @@ def to_markdown(result: dict) -> str:
             f"{_fmt(r.get('vs_hf_assisted'))} | "
             f"{_fmt(r.get('vs_llamacpp_plain'))} / {_fmt(r.get('vs_llamacpp_plain_decode'))} | {_fmt(r.get('tau'))} | "
             f"{_fmt(r.get('drafted_per_step'), '.1f')} | "
-            f"{_fmt(r.get('alpha'))} | {' '.join(f'{x:.2f}' for x in pp) if pp else '-'} | "
+            f"{_fmt(r.get('alpha'))} | {' '.join(_fmt(x) for x in pp) if pp else '-'} | "
             f"{_fmt(r.get('theory_speedup'))} | {_fmt(r.get('measured_over_theory'))} |"
         )
     return "\n".join(lines)

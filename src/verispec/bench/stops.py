@@ -235,11 +235,12 @@ def to_markdown(result: dict) -> str:
         f"engine: {cfg['num_prompts']} greedy prompts in one batch, {n1} and {n2} new tokens each, prompt lookup "
         f"gamma {cfg['gamma']}, tiny random model; best of {cfg['repeats']} interleaved runs; marginal = "
         f"(time({n2}) - time({n1})) / (steps({n2}) - steps({n1})), whole = time({n2}) / steps({n2})",
+        "",  # a markdown table needs a blank line before it
     ]
     lines += markdown_table(head, rows_)
     head = ["matcher", f"build ms ({cfg['num_stops']} strings)", "us / step (8 new chars)", "first() on 2000 chars us"]
     rows_ = [
         [r["matcher"], f"{r['build_ms']:.1f}", f"{r['step_us']:.1f}", f"{r['first_us']:.1f}"] for r in result["matcher"]
     ]
-    lines += ["", "matcher alone (no engine; one row)"] + markdown_table(head, rows_)
+    lines += ["", "matcher alone (no engine; one row)", ""] + markdown_table(head, rows_)
     return "\n".join(lines)

@@ -51,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
     rows = kernel.run(shapes, repeats=args.repeats, device=args.device, reference=not args.no_reference)
     print(
         f"verify_chain on {args.device}, torch {torch.__version__}, {torch.get_num_threads()} threads; "
-        "median times; 'x read' = time / one read pass over the inputs"
+        "median times; 'x read' = time / one read pass over the inputs\n"
     )
     print(kernel.to_markdown(rows))
     print(f"\n{provenance_line(origin)}")
