@@ -15,6 +15,18 @@ __all__ = ["ExplainResult", "TokenRow", "explain", "format_fraction", "parse_dis
 
 @dataclass(frozen=True)
 class TokenRow:
+    """One token of `explain`'s table, in exact fractions.
+
+    Attributes:
+        label: The token's name.
+        p: Its target probability.
+        q: Its draft probability.
+        accept_prob: min(1, p/q); None where q = 0 (the draft never proposes it).
+        accept_mass: min(p, q): the probability it is drafted and accepted.
+        residual_mass: (p - q)+: its share of the residual.
+        output_prob: P(output = x) = accept_mass + P(reject) * residual(x): equal to p.
+    """
+
     label: str
     p: Fraction
     q: Fraction
@@ -26,6 +38,16 @@ class TokenRow:
 
 @dataclass(frozen=True)
 class ExplainResult:
+    """What `explain` returns.
+
+    Attributes:
+        tokens: One row per token.
+        p_accept: alpha = sum min(p, q), the probability the draft is accepted.
+        z: sum (p - q)+ = 1 - alpha, the residual's mass (the probability of a rejection).
+        wrong: With `wrong=True`: mistake -> token label -> output probability, for "resample_from_p" and
+            "resample_from_abs_diff"; else None.
+    """
+
     tokens: list[TokenRow]
     p_accept: Fraction  # alpha = sum min(p, q)
     z: Fraction  # sum (p - q)+ = 1 - alpha
@@ -72,6 +94,28 @@ def format_fraction(x: Fraction) -> str:
 def explain(
     p: list[Fraction], q: list[Fraction], labels: list[str] | None = None, wrong: bool = False
 ) -> ExplainResult:
+    """One speculative step in exact rational arithmetic: why accept-with-min(1, p/q) plus resampling from the
+    residual (p - q)+ emits exactly p (`verispec explain`).
+
+    ```python
+    from fractions import Fraction as F
+    r = explain([F(6, 10), F(3, 10), F(1, 10)], [F(4, 10), F(5, 10), F(1, 10)], ["cat", "dog", "fish"])
+    [row.output_prob for row in r.tokens]      # [Fraction(3, 5), Fraction(3, 10), Fraction(1, 10)]: p
+    ```
+
+    Args:
+        p: The target distribution (exact fractions summing to 1; `parse_distribution` reads '0.6,0.3,0.1').
+        q: The draft distribution, as long as p.
+        labels: Token names (default t0, t1, ...).
+        wrong: Also compute two classic mistakes: on a rejection, resample from p, or from |p - q| / sum |p - q|.
+
+    Returns:
+        Every token's acceptance probability, accept mass, residual mass and output probability, with
+        P(accept) and Z.
+
+    Raises:
+        ValueError: p, q and labels differ in length.
+    """
     if len(p) != len(q):
         raise ValueError(f"p and q must have the same length, got {len(p)} and {len(q)}")
     if labels is None:

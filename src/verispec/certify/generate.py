@@ -178,11 +178,43 @@ def certify_generate(
     reference_fn: SampleFn | None = None,
     tv_tolerance: float = 0.0,
 ) -> GenerateReport:
-    """Run the generator certificate. `reference`: the scoring model (a LoadedModel in float32; loaded from
-    spec.target when None; when given, the two-sample test's reference is plain decoding of it unless reference_fn
-    says otherwise). `two_sample_tokens`: m for test (d) (0 = off; skipped for plain methods; with a tolerance,
-    run only against a reference_fn). `sequence_tokens`: m for the whole-sequence test (a) (only when
-    V^m <= 4096). `tv_tolerance`: see the module docstring."""
+    """Certify a generator against the target model's own conditionals (`verispec certify generate`).
+
+    Draws `samples` continuations of `length` tokens per prompt from the method, scores every token under the
+    target's processed conditionals in float32, and tests (a) the first token exactly (and the first
+    `sequence_tokens` tokens as a whole where the vocabulary is small), (b) the randomized PIT of every token for
+    uniformity, (c) the log-likelihood against its expectation, (d) the first positions against as many samples
+    of plain decoding. Holm-corrected into one verdict; see the module docstring.
+
+    Args:
+        spec: What to certify (method, target, speculation, ...).
+        prompts: The prompts as token ids.
+        params: How to sample (a constraint makes the law under test the constrained one).
+        samples: Continuations per prompt (at least 20).
+        length: Tokens per continuation.
+        level: The family-wise significance level.
+        power: The power at which each test's detectable deviation is stated.
+        seed: The random seed; sample i of prompt j always uses the same seed.
+        workers: Processes drawing samples (the result does not depend on their number).
+        two_sample_tokens: m for test (d) (0 = off; skipped for plain methods; with a tolerance, run only against
+            a reference_fn).
+        sequence_tokens: m for the whole-sequence test (a) (only when V^m <= 4096).
+        reference (LoadedModel | None): The scoring model in float32 (None: loaded from spec.target); when given,
+            the two-sample test's reference is plain decoding of it unless reference_fn says otherwise.
+        show_progress: Show a progress bar.
+        sample_fn: Draws the method's samples instead of `build_method(spec)`.
+        reference_fn: Draws the two-sample reference instead (e.g. another endpoint with speculation off).
+        tv_tolerance: > 0: test TV <= tolerance instead of equality (another engine's numerics); the PIT,
+            log-likelihood and sequence tests are left out.
+
+    Returns:
+        The report: verdict, every test with its detectable deviation, acceptance, PIT, logprob parity;
+        `write_report` writes it as generate-certificate.{md,json,png}.
+
+    Raises:
+        ValueError: A bad request (samples < 20, no prompts, a level outside (0, 1), a constraint the method
+            cannot take, ...).
+    """
     _check_request(params, samples, length, prompts, level, tv_tolerance)
     _check_constraint(spec, params)
     t0 = time.perf_counter()

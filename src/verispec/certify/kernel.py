@@ -579,10 +579,40 @@ def certify_kernel(
     progress: Callable[[str], None] | None = None,
     laws: str = "step",
 ) -> KernelReport:
-    """Run the battery on `sampler` and return the report (verdict, every test, detectable effects).
+    """Certify a chain verification function against exactly known laws (`verispec certify kernel`).
 
-    laws: "step" tests token-wise verification's exact one-step laws (position_tests); "sequence" the laws any
-    lossless rule keeps (sequence_tests), for rules such as block verification whose single step differs."""
+    Each case (random p / q at several entropies and draft lengths, sparse and one-hot drafts, truncation, ragged
+    batches) runs `samples` speculative steps through the sampler; the emitted tokens are tested with chi-square
+    tests, Holm-corrected into one verdict at family-wise `level`, each with the smallest deviation it detects
+    with `power`.
+
+    ```python
+    report = certify_kernel(verify_chain)
+    report.verdict, report.headline_tv        # "PASS", the TV every case's first position is pinned to
+    ```
+
+    Args:
+        sampler: A function with verify_chain's interface: `(target_probs [B, k+1, V], draft_token_ids [B, k],
+            draft_probs [B, k, V] or None, num_draft_tokens [B])` returning an object with `.token_ids` and
+            `.num_accepted` (or that tuple), drawing its randomness from torch's global generator.
+        cases: The cases (default: `default_cases()`, 14 of them).
+        samples: Speculative steps per case.
+        level: The family-wise significance level.
+        power: The power at which each test's detectable deviation is stated.
+        seed: The random seed.
+        name: The sampler's name in the report (default: its qualified name).
+        progress: Called with a line of text as each case finishes.
+        laws: "step" tests token-wise verification's exact one-step laws (every position, the recovered tokens,
+            the bonus token, the accepted counts); "sequence" tests the laws any lossless rule keeps (the
+            completed sequence), for rules such as block verification whose single step differs.
+
+    Returns:
+        The report: `verdict` ("PASS", "FAIL" or "INCONCLUSIVE"), every test, the detectable effects;
+        `to_markdown()` and `to_json()` render it.
+
+    Raises:
+        ValueError: An unknown `laws`.
+    """
     if laws not in LAWS:
         raise ValueError(f"laws must be one of {', '.join(LAWS)}, got {laws!r}")
     cases = list(default_cases() if cases is None else cases)

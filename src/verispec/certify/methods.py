@@ -61,7 +61,27 @@ CERTIFY_SPEC = SpecConfig(**CERTIFY_DEFAULTS)
 
 @dataclass(frozen=True)
 class MethodSpec:
-    """What to certify, as plain data (rebuilt inside each worker process)."""
+    """What `certify_generate` certifies, as plain data (rebuilt inside each worker process).
+
+    Attributes:
+        method: One of METHODS: "verispec", "plain", "hf", "hf-assisted", "hf-lookup", "callable", "openai".
+        target: The target's path or hub id (None: verispec's default model).
+        config: verispec's speculation (a SpecConfig, or its string form): a draft model by its path
+            (draft=model,model=PATH), gamma, tree, verification rule, randomness, runner. plain takes its random
+            and runner, hf-assisted's assistant is its model, hf-lookup's prompt_lookup_num_tokens its gamma.
+        dtype: The method's target precision (the reference score is always float32).
+        draft_dtype: The draft model's precision.
+        callable: Method "callable": `module:function` mapping (prompt_ids, params, seed) to token ids.
+        verifier: A deliberately broken verifier from `verispec.certify.bugs`, or a lossy rule (LOSSY_VERIFIERS).
+        threads: Torch CPU threads per worker.
+        base_url: Method "openai": the endpoint (http://host:port or .../v1).
+        model_name: Method "openai": the model name the endpoint serves.
+        api_key: Method "openai": sent as a Bearer token.
+        max_in_flight: Method "openai": concurrent requests.
+
+    Raises:
+        ValueError: An unknown method, or fields that do not fit it.
+    """
 
     method: str = "verispec"  # one of METHODS
     target: str | None = None  # model path / hub id (None: verispec's default model)

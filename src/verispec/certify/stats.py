@@ -149,8 +149,17 @@ def detectable_tv(probs: np.ndarray, n: float, level: float, power: float = 0.99
     that exceeds lambda*(dof, level, power). The bound holds for every direction of deviation (worst case),
     measured on the merged bins. For two-sample tests pass the effective size n1 n2 / (n1 + n2).
     A law with a single possible outcome is the exception: any deviation puts mass d on impossible outcomes,
-    seen with probability 1 - (1 - d)^n. Returns inf when the test has no degrees of freedom (nothing can be
-    detected) and clips at 1.
+    seen with probability 1 - (1 - d)^n.
+
+    Args:
+        probs: The law under test (probabilities over the outcomes).
+        n: The sample size (for a two-sample test: n1 n2 / (n1 + n2)).
+        level: The test's significance level.
+        power: The probability of detecting the deviation.
+        min_expected: Bins expected to hold fewer samples are merged, as `chisquare_gof` merges them.
+
+    Returns:
+        The detectable TV, clipped at 1; inf when the test has no degrees of freedom (nothing can be detected).
     """
     probs = np.asarray(probs, dtype=np.float64).ravel()
     if n <= 0:

@@ -138,8 +138,34 @@ def run_study(
     seed: int = 0,
     show_progress: bool = True,
 ) -> list[StudyRow]:
-    """Measure each variant's deviation on `contexts` continuations (x `length` positions) per prompt drawn from
-    the fp32 target; with certify_samples > 0 also run the generator certificate on each variant."""
+    """Measure how far classic mistakes move the output, on real contexts (`verispec certify study`).
+
+    For each variant (the exact rule, temperature mismatch, a bf16 draft, a bf16 / fp16 target, lenient and
+    typical acceptance, SPEC-RL's rollout reuse) it measures the mean total variation of a step's first emitted
+    token from the fp32 target, over `contexts` continuations (x `length` positions) per prompt drawn from the
+    fp32 target.
+
+    Args:
+        target: The target's path or hub id (None: the default model).
+        draft: The draft model's path or hub id (sharing the target's tokenizer).
+        prompts: The prompts as token ids.
+        params: How to sample (temperature > 0).
+        variants: The variants to run, by name (default: all of VARIANTS).
+        contexts: Target continuations per prompt used as contexts.
+        length: Positions per continuation.
+        certify_samples: > 0: also run the generator certificate on each variant with this many samples.
+        certify_length: The certificate's tokens per continuation.
+        gamma: Drafts per step.
+        level: The certificate's family-wise significance level.
+        seed: The random seed.
+        show_progress: Show progress bars.
+
+    Returns:
+        One row per variant: its deviation (mean and max TV), acceptance, and the certificate's verdict when run.
+
+    Raises:
+        ValueError: Temperature 0, or an unknown variant.
+    """
     if params.temperature == 0:
         raise ValueError("the study needs temperature > 0 (at temperature 0 every variant here is exact)")
     names = list(VARIANTS) if variants is None else variants

@@ -375,8 +375,30 @@ def certify_tree_kernel(
     name: str | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> KernelReport:
-    """Run the tree battery (cases whose drafting rule is in `rules`, by default every rule verify_tree knows) on
-    `sampler`; the sampler is called with rule = the case's drafting rule (and, for "mixed", sampled=)."""
+    """Certify a tree verification function (`verispec certify kernel --tree`).
+
+    Each case is a synthetic language model over a few tokens whose p and q depend on the whole context; rows
+    draft a tree with the case's rule, the sampler verifies it, and the emitted tokens, completed to a fixed length
+    by sampling p, are tested per position and as a joint law, Holm-corrected.
+
+    Args:
+        sampler: A function with verify_tree's interface, called with `rule=` the case's drafting rule (and, for
+            "mixed", `sampled=`).
+        rules: The drafting rules whose cases run (default: every rule verify_tree knows).
+        cases: The cases (default: `default_tree_cases()`).
+        samples: Rows per case.
+        level: The family-wise significance level.
+        power: The power at which each test's detectable deviation is stated.
+        seed: The random seed.
+        name: The sampler's name in the report.
+        progress: Called with a line of text as each case finishes.
+
+    Returns:
+        The report, as `certify_kernel`'s.
+
+    Raises:
+        ValueError: An unknown rule.
+    """
     unknown = [r for r in rules if r not in VERIFY_RULES]
     if unknown:
         raise ValueError(f"unknown tree rule(s) {unknown}; known: {', '.join(VERIFY_RULES)}")

@@ -154,9 +154,15 @@ def spec_name(key: str, value: str | None) -> str:
 
 
 class SpecError(ValueError):
-    """An invalid speculation configuration. `key` is the key to blame; `template` names keys as `[key]` or
-    `[key=value]`, which `render(name)` spells — `str(e)` in the string form (`draft=self needs quant`), the CLI as
-    its flags (`--draft self needs --draft-quant`), the generator's keywords as theirs (`draft_quant`)."""
+    """An invalid speculation configuration (a ValueError).
+
+    `render(name)` spells the message for each front end: `str(e)` in the string form (`draft=self needs quant`),
+    the CLI as its flags (`--draft self needs --draft-quant`), the generator's keywords as theirs (`draft_quant`).
+
+    Attributes:
+        key: The key to blame (None: the configuration as a whole).
+        template: The message, naming keys as `[key]` or `[key=value]`.
+    """
 
     def __init__(self, key: str | None, template: str):
         self.key, self.template = key, template
@@ -171,8 +177,48 @@ class SpecError(ValueError):
 
 @dataclass(frozen=True, repr=False)
 class SpecConfig:
-    """How to speculate: drafter, draft length, tree, verification rule, randomness and runner (see the module
-    docstring for every key's values and default). Validated at construction; `parse` reads the string form."""
+    """How to speculate: drafter, draft length, tree, verification rule, randomness and runner.
+
+    Validated at construction; `parse` reads the string form and `str(config)` prints it (canonical: draft,
+    gamma, verify and random always, other keys where they differ from their defaults).
+
+    ```python
+    cfg = SpecConfig(draft="model", gamma=4, verify="block")
+    str(cfg)                                   # 'draft=model,gamma=4,verify=block,random=auto'
+    assert SpecConfig.parse(str(cfg)) == cfg
+    ```
+
+    Attributes:
+        draft: The drafter: "ngram" (prompt lookup, default), "none" (plain decoding), "model" (a draft model,
+            or a hidden-state head's directory), "self" (the target's own weights, quantized), "history",
+            "model+history", "self+history" (earlier rollouts, built by a `RolloutEngine`), "custom" (a
+            `Proposer` given separately) or "mtp" (the multi-token-prediction layer of the target's checkpoint).
+        model: The draft model's path or hub id; None when it is given separately (or there is none).
+        quant: "int8" or "int4": weight-only quantized draft weights (draft=self needs one); None: full precision.
+        ngram: Prompt-lookup n-gram sizes, longest first.
+        stop_below: A draft model stops a chain once its own probability of a drafted token falls below this
+            (None: always draft gamma tokens).
+        min_share: History tries keep nodes at least this share of matched continuations pass through.
+        choose_depth: model+history drafts the trie alone where it is at least this deep, else the chain
+            (None: both in one tree).
+        gamma: Drafts per step (0..64), or "auto" (picked every step from measured acceptance and costs).
+        max_gamma: The most drafts per step gamma "auto" picks.
+        tree: None (chains), widths per depth ("4-2-2-1") or "dynamic-D-K-M" (EAGLE-2's dynamic tree).
+        jump: Structured outputs: the most grammar-forced tokens appended to a chain per step (0: off).
+        verify: The verification rule: "token" or "block" for chains; "deterministic", "iid" or
+            "without_replacement" for a tree; "mixed" for model+history. None resolves to the first the
+            drafter allows.
+        random: "auto" (default: a seeded request Gumbel-coupled, an unseeded one on its own stream), "stream"
+            (every request on its own stream), "position" (uniforms keyed by seed and output position) or
+            "gumbel" (every request Gumbel-coupled: plain decoding's tokens whatever drafted).
+        runner: The model forward: "auto", "fast", "hf" or "llamacpp".
+        cross_vocab: A draft model with another tokenizer: "auto" (= "tli" where needed), "tli" (token-level
+            intersection) or "slem" (string-level exact match).
+
+    Raises:
+        SpecError: A value is out of range, or the combination cannot run (`draft=ngram,random=position`,
+            `tree=2-1,verify=block`, `draft=self` without `quant`); it names the key at fault.
+    """
 
     draft: str = "ngram"  # the drafter (DRAFTERS)
     model: str | None = None  # the draft model's path or hub id; None: given separately (or no draft model)
@@ -199,11 +245,27 @@ class SpecConfig:
     # --- the string form ----------------------------------------------------------------------------------
     @classmethod
     def parse(cls, text: str) -> SpecConfig:
-        """The configuration of a string form (see the module docstring); SpecError names the key at fault."""
+        """The configuration of a string form.
+
+        Args:
+            text: Comma-separated `key=value` items in any order, each key at most once, e.g.
+                `"draft=model,model=org/draft,gamma=4,verify=block"`; the empty string is the default.
+
+        Returns:
+            The validated configuration.
+
+        Raises:
+            SpecError: An unknown key, a bad value or an invalid combination; it names the key at fault.
+        """
         return cls(**parse_items(text))
 
     def spec(self) -> str:
-        """The canonical string form: `SpecConfig.parse(cfg.spec()) == cfg`."""
+        """The canonical string form (also `str(cfg)`).
+
+        Returns:
+            The string that `SpecConfig.parse` reads back to this configuration: `SpecConfig.parse(cfg.spec())
+            == cfg`.
+        """
         default = _DEFAULTS
         return ",".join(
             f"{key}={format_value(getattr(self, key))}"

@@ -27,6 +27,15 @@ __all__ = ["EngineCore", "WeightUpdate"]
 
 @dataclass(frozen=True)
 class WeightUpdate:
+    """What one weight update did.
+
+    Attributes:
+        version: The new weight version.
+        tensors: Tensors written.
+        seconds: Validation plus the in-place copy.
+        requantize_seconds: Rebuilding quantized drafts from the new weights (0 when there are none).
+    """
+
     version: int  # the new weight version
     tensors: int  # tensors written
     seconds: float  # validation + in-place copy

@@ -44,24 +44,53 @@ __all__ = ["Completion", "GenerationSession", "SpeculativeGenerator", "StreamEve
 
 
 class SpeculativeGenerator:
-    """Speculative decoding with a target model and a drafter, as a `SpecConfig` says (`verispec.engine.config`:
-    drafter, gamma, tree, verification rule, randomness, runner; its docstring explains every key).
+    """Speculative decoding with a target model and a drafter, as a `SpecConfig` says.
 
-    draft: what the config's drafter drafts with — a `LoadedModel` for draft=model (or a hidden-state head,
-    `verispec.heads.load_head`), a `Proposer` for draft=custom (or a `RolloutEngine`'s history drafter), else None
-    (draft=mtp reads the MTP layer from the target's own checkpoint). config: the SpecConfig (default:
-    SpecConfig(), prompt lookup with gamma auto). verifier / tree_verifier: overrides of the verification functions
-    (verify_chain's and verify_tree's interfaces; `verispec certify --inject` and the lossy study swap them), not
-    configuration.
+    The config (`verispec.engine.config`) names the drafter, gamma, tree, verification rule, randomness and runner;
+    its docstring explains every key. Every emitted token follows the target's distribution exactly, whatever the
+    config: it only moves speed (and, through `random`, what a seeded request's tokens depend on).
 
-    The keyword arguments of earlier versions still build the config, each setting its keys: draft as a string
-    ("ngram", "self", "none" or None: plain decoding, the honest baseline) or an object, gamma, max_gamma,
-    ngram_sizes (ngram), draft_stop_below (stop_below), runner, draft_quant (quant), tree (a TreeSpec or its
-    string) with tree_rule, verify, and seeding ("stream" / "position") with coupling (None / "gumbel"), which are
-    the one key random (neither given: its default, auto; auto with a verifier or tree_verifier override runs the
-    stream for every request, so the override sees p, not coupled one-hot targets). Given beside config, each must
-    agree with it. Under random=position the stats count the drafts fed to the target (the last draft of a step
-    shows in tau, not in `accepted`), and gamma auto prices a step's drafts without that last one.
+    ```python
+    gen = SpeculativeGenerator(target, draft, config=SpecConfig.parse("draft=model,gamma=auto"))
+    outs = gen.generate(["def fib(n):", "Hello"], SamplingParams(temperature=0.7, seed=1), max_new_tokens=64)
+    for event in gen.stream("Tell me a story", SamplingParams(seed=2), chat=True):
+        print(event.delta, end="", flush=True)
+    ```
+
+    The keyword arguments of earlier versions (gamma, max_gamma, ngram_sizes, draft_stop_below, runner,
+    draft_quant, verify, coupling, seeding, tree, tree_rule) still build the config, each setting its keys; given
+    beside `config`, each must agree with it. Under random=position the stats count the drafts fed to the target
+    (the last draft of a step shows in tau, not in `accepted`), and gamma auto prices a step's drafts without that
+    last one.
+
+    Args:
+        target: The target model (`load_model`).
+        draft: What the config's drafter drafts with: a `LoadedModel` for draft=model (or a hidden-state head,
+            `verispec.heads.load_head`), a `Proposer` for draft=custom (or a `RolloutEngine`'s history drafter),
+            else None (draft=mtp reads the MTP layer from the target's own checkpoint). In the older spelling,
+            also a string: "ngram", "self", "none" or None for plain decoding, the honest baseline.
+        config: The speculation configuration (default: `SpecConfig()`, prompt lookup with gamma auto).
+        gamma: Older spelling of the `gamma` key: drafts per step, or "auto".
+        max_gamma: Older spelling of `max_gamma`: the most drafts gamma "auto" picks.
+        ngram_sizes: Older spelling of `ngram`: prompt-lookup n-gram sizes, longest first.
+        draft_stop_below: Older spelling of `stop_below`.
+        runner: Older spelling of `runner`: "auto", "fast", "hf" or "llamacpp".
+        draft_quant: Older spelling of `quant`: None, "int8" or "int4".
+        verify: Older spelling of `verify`: "token" or "block" for chains.
+        coupling: With `seeding`, the older spelling of `random`: None or "gumbel".
+        seeding: With `coupling`, the older spelling of `random`: "stream" or "position".
+        verifier (Callable | None): An override of the chain verification function (verify_chain's interface): `verispec certify
+            --inject` and the lossy study swap it; not configuration.
+        tree: Older spelling of `tree`: a TreeSpec or its string ("4-2-2-1", "dynamic-D-K-M").
+        tree_rule: With `tree`, the older spelling of `verify` for trees.
+        tree_verifier (Callable): An override of the tree verification function (verify_tree's interface), as `verifier`.
+            With an override, random=auto runs the stream for every request (the override sees p, not coupled
+            one-hot targets).
+
+    Raises:
+        SpecError: The configuration is invalid (it names the key at fault).
+        ValueError: The keyword arguments disagree with `config`, or `draft` does not fit the config's drafter.
+        ModelLoadError: The draft and target vocabularies cannot be shared.
     """
 
     def __init__(
@@ -184,7 +213,15 @@ class SpeculativeGenerator:
 
     # --- input handling -------------------------------------------------------------------------------
     def encode(self, prompt: str | Sequence[int] | Sequence[dict], chat: bool = False) -> list[int]:
-        """A prompt as token ids (`EngineCore.encode`: text, chat messages or token ids)."""
+        """A prompt as token ids.
+
+        Args:
+            prompt: Text, chat messages (a list of `{"role", "content"}` dicts) or token ids (returned as they are).
+            chat: Apply the tokenizer's chat template to a text prompt.
+
+        Returns:
+            The prompt's token ids (`EngineCore.encode`).
+        """
         return self.core.encode(prompt, chat)
 
     @property
@@ -196,8 +233,19 @@ class SpeculativeGenerator:
     def generate(
         self, prompts, params: SamplingParams | Sequence[SamplingParams] = SamplingParams(), **options
     ) -> list[Completion]:
-        """Generate for one prompt (text, token ids or chat messages) or a list of them; one Completion each.
-        options: `stream`'s (max_new_tokens, stop, chat, ignore_eos)."""
+        """Generate for one prompt or a list of them, and return when every request has finished.
+
+        Args:
+            prompts (str | list): One prompt (text, token ids or chat messages) or a list of them.
+            params: One SamplingParams for every prompt, or one per prompt.
+            **options (Any): `stream`'s keyword arguments: max_new_tokens (128), stop, chat, ignore_eos.
+
+        Returns:
+            One Completion per prompt, in prompt order.
+
+        Raises:
+            ValueError: A prompt, a parameter or an option is invalid (checked before any step runs).
+        """
         done = [event.completion for event in self.stream(prompts, params, **options) if event.completion is not None]
         return sorted(done, key=lambda c: c.index)
 
@@ -211,9 +259,22 @@ class SpeculativeGenerator:
         chat: bool = False,
         ignore_eos: bool = False,
     ) -> Iterator[StreamEvent]:
-        """Generate for one prompt or a list of them, yielding text deltas per request as steps are accepted (a
-        request's last event carries its Completion). max_new_tokens: each request's budget; stop: stop strings;
-        chat: apply the chat template to text prompts; ignore_eos: generate past EOS."""
+        """Generate for one prompt or a list of them, yielding text deltas per request as steps are accepted.
+
+        Args:
+            prompts (str | list): One prompt (text, token ids or chat messages) or a list of them.
+            params: One SamplingParams for every prompt, or one per prompt.
+            max_new_tokens: Each request's budget of new tokens.
+            stop: Stop strings (one string, or a list): the text ends before the first one.
+            chat: Apply the tokenizer's chat template to text prompts.
+            ignore_eos: Generate past EOS.
+
+        Returns:
+            An iterator of StreamEvents; a request's last event carries its Completion.
+
+        Raises:
+            ValueError: A prompt, a parameter or an option is invalid (checked before any step runs).
+        """
         max_new_tokens, stop = check_limits(max_new_tokens, stop)
         prompts = _prompt_list(prompts)
         if isinstance(params, SamplingParams):
@@ -236,10 +297,23 @@ class SpeculativeGenerator:
         return self._drive(sess)
 
     def calibrate(self, batches: Sequence[int] = (1, 2, 4, 8), context: int = 64, repeats: int = 3) -> dict:
-        """Measure the target's cost curve T_B(1..max_gamma + 1) and the draft's step cost at each batch size B, and
-        give them to gamma "auto", which then picks each step's draft length from the curve at that step's batch
-        size from the first step on (vLLM asks for a hand-set draft length per batch size; here it is measured).
-        Returns {B: {"curve": [...], "draft_step": seconds or None}}. Lossless either way: only speed moves."""
+        """Measure the target's cost curve and the draft's step cost at each batch size, for gamma "auto".
+
+        Gamma "auto" then picks each step's draft length from the curve at that step's batch size from the first
+        step on (vLLM asks for a hand-set draft length per batch size; here it is measured). Lossless either way:
+        only speed moves.
+
+        Args:
+            batches: The batch sizes B to measure.
+            context: Tokens of context each measured row holds.
+            repeats: Timings per point (their median is kept).
+
+        Returns:
+            `{B: {"curve": [T_B(1), ..., T_B(max_gamma + 1)], "draft_step": seconds or None}}`.
+
+        Raises:
+            ValueError: `batches` is not a non-empty list of integers >= 1.
+        """
         if (
             isinstance(batches, int)
             or not batches
@@ -256,7 +330,14 @@ class SpeculativeGenerator:
         return out
 
     def session(self, max_batch: int | None = None) -> GenerationSession:
-        """A continuous-batching session: jobs join (`submit`, `add`) and leave (finish, `abort`) between steps."""
+        """A continuous-batching session: jobs join (`submit`, `add`) and leave (finish, `abort`) between steps.
+
+        Args:
+            max_batch: The most rows decoded together (None: no limit).
+
+        Returns:
+            A GenerationSession over this generator's engine core.
+        """
         return GenerationSession(self.core, max_batch)
 
     def _drive(self, sess: GenerationSession) -> Iterator[StreamEvent]:

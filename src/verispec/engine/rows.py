@@ -24,6 +24,34 @@ TopLogprobs = list[tuple[int, float]]  # (token id, raw target logprob), best fi
 
 @dataclass
 class Completion:
+    """A finished request: its tokens, text, logprobs and speculation figures.
+
+    Logprobs are under the target, at each returned token: `logprobs[i] = log p(x_i)` under the processed
+    distribution actually sampled from (token options, penalties, temperature, top-k / top-p / min-p; a greedy
+    request gets 0.0), and `raw_logprobs[i] = log softmax(logits)(x_i)`, the model's own distribution at
+    temperature 1 with nothing truncated: what RL importance ratios usually need.
+
+    Attributes:
+        index: The request's position in its call (`generate` returns completions sorted by it).
+        prompt_token_ids: The prompt as the model saw it (chat template applied).
+        token_ids: The generated tokens (EOS excluded; cut at a stop string).
+        text: The generated text (cut before the first stop string).
+        finish_reason: "stop" (EOS, a stop token or a stop string), "length" (max_new_tokens or the end of the
+            context) or "abort" (cut short by its caller).
+        stop_reason: The stop string, stop token or EOS id that ended it (None otherwise).
+        logprobs: log p(x) of each token under the processed target distribution.
+        raw_logprobs: log softmax(target logits)(x) of each token, temperature 1, nothing truncated.
+        stats: This request's speculation figures (drafted, accepted, tau, ...).
+        top_logprobs: Per position, the most likely alternatives as (token id, raw logprob), best first, when
+            asked for.
+        key: The handle given to `GenerationSession.add`.
+        eos_logprob: When EOS ended it: the EOS token's processed logprob, as `logprobs`.
+        eos_raw_logprob: ... and its raw one, as `raw_logprobs`.
+        text_offsets: Where each of `token_ids` starts in `text` (see `StreamEvent.text_offsets`); empty for a
+            completion no row decoded.
+        weight_version: The target's weight version it was drawn under.
+    """
+
     index: int  # position of the request in the call
     prompt_token_ids: list[int]
     token_ids: list[int]  # generated tokens (EOS excluded)
@@ -45,6 +73,20 @@ class Completion:
 
 @dataclass
 class StreamEvent:
+    """What one step added to one request, as `SpeculativeGenerator.stream` yields it.
+
+    Attributes:
+        index: The request's position in its call.
+        delta: New text, safe to print: no half characters, no partial stop string.
+        token_ids: The tokens accepted in this step.
+        completion: Set on the request's last event: its Completion.
+        key: The handle given to `GenerationSession.add`.
+        raw_logprobs: The raw target logprob of each of `token_ids`.
+        top_logprobs: Per token, the most likely alternatives as (token id, raw logprob), when asked for.
+        text_offsets: Where each of `token_ids` starts in the completion's text, never past the text streamed so
+            far (a character split over tokens belongs to the token that completes it).
+    """
+
     index: int
     delta: str  # new text, safe to print (no half characters, no partial stop string)
     token_ids: list[int]  # tokens accepted in this step

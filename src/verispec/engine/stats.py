@@ -16,7 +16,24 @@ __all__ = ["SpecStats"]
 
 @dataclass
 class SpecStats:
-    """Counts for one request, or pooled over many (`merge`). Times in seconds (pooled stats only)."""
+    """Speculation figures for one request, or pooled over many (`merge`).
+
+    Attributes:
+        drafted: Draft depth summed over steps (a chain: its draft tokens).
+        accepted: Accepted draft tokens.
+        emitted: Tokens emitted (accepted + recovered or bonus), before stop / length truncation.
+        nodes: Draft tokens the target checked (a chain: `drafted`; a tree: all its nodes).
+        target_passes: Verification forward passes that included this row.
+        drafted_at: Per draft position j: the steps that drafted a position j.
+        reached_at: Per draft position j: of those, the steps whose drafts 0..j-1 were all accepted.
+        accepted_at: Per draft position j: of those, the steps whose draft j was accepted too.
+        steps_by_drafted: Drafts in a step -> the number of such steps.
+        draft_time: Seconds spent drafting (pooled stats only).
+        verify_time: Seconds spent verifying (pooled stats only).
+        other_time: Seconds spent on everything else (pooled stats only).
+        wall_time: Wall-clock seconds (pooled stats only).
+        output_tokens: Tokens returned to the user.
+    """
 
     drafted: int = 0  # draft depth summed over steps (a chain: its draft tokens)
     accepted: int = 0  # accepted draft tokens
@@ -52,7 +69,11 @@ class SpecStats:
             self.accepted_at[j] += j < accepted
 
     def merge(self, other: SpecStats) -> None:
-        """Add another run's counts and times (e.g. pool several calls)."""
+        """Add another run's counts and times into these (e.g. to pool several calls).
+
+        Args:
+            other: The stats to add.
+        """
         for name in (
             "drafted",
             "accepted",
@@ -79,12 +100,12 @@ class SpecStats:
 
     @property
     def acceptance_rate(self) -> float:
-        """alpha-hat: accepted / drafted (pooled over positions)."""
+        """alpha-hat: accepted / drafted, pooled over positions (NaN when nothing was drafted)."""
         return self.accepted / self.drafted if self.drafted else float("nan")
 
     @property
     def tau(self) -> float:
-        """Tokens emitted per target pass (plain decoding: 1)."""
+        """tau: tokens emitted per target pass (plain decoding: 1; NaN before the first pass)."""
         return self.emitted / self.target_passes if self.target_passes else float("nan")
 
     @property

@@ -40,13 +40,24 @@ HEAD_KINDS = ("eagle3", "eagle", "medusa", "mtp")
 
 
 class HeadLoadError(ModelLoadError, ValueError):
-    """A head checkpoint that cannot be used (with this target); the message names the problem."""
+    """A head checkpoint that cannot be used, or not with this target (a ModelLoadError and a ValueError): the
+    message names the problem (hidden size, aux layer ids, `d2t` out of range, a setting heads refuse, ...)."""
 
 
 @dataclass
 class LoadedHead(LoadedModel):
-    """A head read from disk (`load_head`): `model` is the PairHead / MedusaHeads, `tokenizer` None (the head reads
-    the target's ids). `bind_head` ties it to a target (its embedding, output layer and hidden layers)."""
+    """A hidden-state head read from disk (`load_head`). Pass it as a generator's `draft`.
+
+    `bind_head` ties it to a target (its embedding, output layer and hidden layers); the generator does that.
+
+    Attributes:
+        model: The head's module: a PairHead (EAGLE-3, EAGLE, MTP) or MedusaHeads.
+        tokenizer: None: the head reads the target's ids.
+        name: The directory it was read from.
+        kind: "eagle3", "eagle", "medusa" or "mtp".
+        config: The checkpoint's config.json.
+        embedded: The checkpoint carries its own embedding (else the target's is shared).
+    """
 
     kind: str = "eagle3"
     config: dict | None = None
@@ -62,7 +73,15 @@ DESCRIBED = {"eagle3": "an EAGLE-3 head", "eagle": "an EAGLE head", "medusa": "M
 
 
 def head_kind(path) -> str | None:
-    """The head kind a directory holds, from its config.json (None: not a head, e.g. a plain model)."""
+    """The head kind a directory holds, from its config.json.
+
+    Args:
+        path (str | os.PathLike): A directory.
+
+    Returns:
+        "eagle3", "eagle", "medusa" or "mtp" (a checkpoint with a multi-token-prediction layer); None when it is
+        not a head (e.g. a plain model) or not a directory with a readable config.json.
+    """
     cfg_path = Path(path) / "config.json"
     if not Path(path).is_dir() or not cfg_path.is_file():
         return None
@@ -141,7 +160,23 @@ def _torch_load(f: Path, mmap: bool) -> dict:
 def load_head(
     path, *, dtype: torch.dtype = torch.float32, device: str = "cpu", kinds: tuple[str, ...] = HEAD_KINDS
 ) -> LoadedHead:
-    """Read the head in directory `path` (its kind from config.json; see the module docstring), one of `kinds`."""
+    """Read the hidden-state head in a directory (its kind from config.json).
+
+    Layouts read: EAGLE-3 (SafeAILab / SpecForge, vLLM's `speculators`), EAGLE-1/2, Medusa (FasterDecoding's or
+    vLLM's), and the MTP layer of a DeepSeek-V3 / Qwen3-Next checkpoint (see the module docstring).
+
+    Args:
+        path (str | os.PathLike): The head's directory (config.json and its weights).
+        dtype: The weights' dtype.
+        device: The device to load onto.
+        kinds: The kinds accepted.
+
+    Returns:
+        The head, to pass as a generator's draft.
+
+    Raises:
+        HeadLoadError: The directory holds no head of `kinds`, or its weights do not fit its config.
+    """
     path = Path(path).expanduser()
     kind = head_kind(path)
     if kind is None or kind not in kinds:
@@ -165,8 +200,19 @@ def load_head(
 
 
 def mtp_head(target: LoadedModel) -> LoadedHead:
-    """draft=mtp: the MTP layer in the checkpoint the target was loaded from (its name: a local directory, or a hub
-    id already in the local Hugging Face cache), in the target's dtype and on its device."""
+    """The multi-token-prediction layer in the checkpoint the target was loaded from (what draft=mtp drafts with).
+
+    Args:
+        target: A torch model loaded from a checkpoint directory, or from a hub id already in the local Hugging
+            Face cache.
+
+    Returns:
+        The MTP layer as a head, in the target's dtype and on its device.
+
+    Raises:
+        HeadLoadError: The target was loaded from a GGUF file, its checkpoint cannot be found, or it has no MTP
+            layer.
+    """
     what = f"draft=mtp reads the multi-token-prediction layer of the target's checkpoint, and target {target.name!r}"
     if not isinstance(target.model, torch.nn.Module) or target.gguf is not None:
         raise HeadLoadError(f"{what} was loaded from a GGUF file: load the checkpoint directory with torch")

@@ -39,6 +39,26 @@ __all__ = ["TrainConfig", "choose_vocab", "init_head", "save_eagle3", "train_eag
 
 @dataclass
 class TrainConfig:
+    """How `verispec train-draft` samples its data and trains an EAGLE-3 head (the CLI's flags of the same names).
+
+    Attributes:
+        samples_per_prompt: Continuations the target samples per prompt.
+        max_new_tokens: Tokens per continuation.
+        temperature: The target's sampling temperature for the data.
+        draft_vocab: The head's output ids: the most frequent tokens of the data.
+        ttt: Training-time-test unroll steps (the depth the head is trained to draft at).
+        decay: The loss weight of unroll step s is decay ** s.
+        lr: AdamW's learning rate.
+        batch_tokens: Tokens per step (whole sequences).
+        minutes: Stop after this much training time (the data sampling not counted).
+        max_steps: Or after this many steps (None: no limit).
+        checkpoint_every: Steps between checkpoints (train_state.pt).
+        seed: The seed of the data's sampling and of the batches' order.
+        chat: Prompts go through the target's chat template.
+        cache_features: Run the target over the data once and keep its hidden states and p (bfloat16).
+        head_intermediate: The head's MLP width (None: the target's).
+    """
+
     samples_per_prompt: int = 2  # continuations sampled per prompt
     max_new_tokens: int = 192  # per continuation
     temperature: float = 1.0  # the target's sampling temperature for the data
@@ -311,9 +331,24 @@ def _resumed_state(path: Path, cfg: TrainConfig) -> dict:
 
 
 def train_eagle3(target, data: dict, out: Path, cfg: TrainConfig, resume: bool = False, progress=None) -> dict:
-    """Train (or resume) an EAGLE-3 head on data {"seqs", "starts"} (token ids, where each continuation starts);
-    writes checkpoints and the head into `out`. progress: a callable (step, info dict) for a progress display.
-    Returns the run's summary (also written to out/train.json)."""
+    """Train (or resume) an EAGLE-3 head for `target` by self-distillation, and write it into `out`.
+
+    The head is a one-layer module shaped like the target's layers, initialized from the target's output rows and
+    final norm, trained by AdamW on the target's p over the draft vocabulary with the training-time test unrolled
+    `cfg.ttt` steps. `out` gets `config.json` + `model.safetensors` (the SafeAILab / SpecForge layout, which vLLM
+    and SGLang load too), `train_state.pt` every `cfg.checkpoint_every` steps, and `train.json`.
+
+    Args:
+        target (LoadedModel): The target, a torch model of at least 7 layers.
+        data: `{"seqs": token id lists, "starts": where each continuation starts}`, as `sample_data` returns.
+        out: The output directory.
+        cfg: The training settings.
+        resume: Continue from `out`'s checkpoint.
+        progress (Callable | None): Called with (step, info dict) after every step, for a progress display.
+
+    Returns:
+        The run's summary (steps, loss, top-1 agreement per unroll step), also written to `out/train.json`.
+    """
     run = _Run(target, data, out, cfg, resume)
     done = False
     while not done:
@@ -414,8 +449,19 @@ class _Run:
 
 
 def sample_data(target, prompts: list[str], cfg: TrainConfig, progress=None) -> dict:
-    """The target's own continuations of every prompt: {"seqs": token ids, "starts": where each continuation
-    starts}. Plain decoding through verispec's engine (temperature cfg.temperature, seeds cfg.seed + k)."""
+    """The target's own continuations of every prompt: the training data of `train_eagle3`.
+
+    Plain decoding through verispec's engine, at temperature `cfg.temperature`, with seeds `cfg.seed + k`.
+
+    Args:
+        target (LoadedModel): The target model.
+        prompts: The prompts' texts.
+        cfg: `samples_per_prompt`, `max_new_tokens`, `temperature`, `seed` and `chat` are read.
+        progress (Callable | None): Called with (samples done, samples in all) after each batch.
+
+    Returns:
+        `{"seqs": prompt + continuation token ids, "starts": where each continuation starts}`.
+    """
     from ..engine import SpeculativeGenerator
     from ..sampling import SamplingParams
 

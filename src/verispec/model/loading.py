@@ -52,6 +52,16 @@ class ModelLoadError(Exception):
 
 @dataclass
 class LoadedModel:
+    """A model and its tokenizer, as `load_model` returns them (what the generator, the server and the rollout
+    engine take as a target or a draft).
+
+    Attributes:
+        model: The transformers model (in eval mode), or a llama.cpp model for `backend="llamacpp"`.
+        tokenizer: Its Hugging Face tokenizer (for a GGUF file: read from the same file).
+        name: How messages and reports name the model (a hub id, a folder or file name).
+        gguf: The GGUF file it was loaded from, if any.
+    """
+
     model: torch.nn.Module
     tokenizer: object
     name: str
@@ -59,6 +69,7 @@ class LoadedModel:
 
     @property
     def device(self) -> torch.device:
+        """The device the model's weights are on."""
         if not isinstance(self.model, torch.nn.Module):  # a llama.cpp model
             return self.model.device
         return next(self.model.parameters()).device
@@ -249,12 +260,25 @@ def load_model(
 ) -> LoadedModel:
     """Load a causal LM and its tokenizer.
 
-    spec: None (the default model), a hub id, a local model directory (`from_pretrained`; a directory without
-    config.json but with one `.gguf` file loads that file), or a path to a `.gguf` file (loaded with
-    `gguf_file=`, dequantized to `dtype`). A directory holding an EAGLE-3, EAGLE or Medusa head gives that head
-    (`verispec.heads.LoadedHead`); a checkpoint with an MTP layer is the model (its layer: `--draft mtp`).
-    backend: "torch" (a transformers model) or "llamacpp" (a GGUF file run by llama.cpp in its own quantization,
-    `verispec.model.llamacpp`; the tokenizer still comes from transformers, read from the same file).
+    Args:
+        spec: None (the default model, SmolLM2-135M-Instruct, fetched once into `~/.cache/verispec`), a hub id, a
+            local model directory (`from_pretrained`; a directory without config.json but with one `.gguf` file
+            loads that file), or a path to a `.gguf` file (loaded with `gguf_file=`, dequantized to `dtype`). A
+            directory holding an EAGLE-3, EAGLE or Medusa head gives that head (`verispec.heads.LoadedHead`); a
+            checkpoint with an MTP layer is the model (its layer: `--draft mtp`).
+        dtype: The weights' precision: "float32" (default), "bfloat16", "float16" or a torch dtype.
+        device: "cpu" (default), "cuda" or "cuda:N".
+        threads: Torch CPU threads to set (`torch.set_num_threads`); None leaves torch's choice.
+        backend: "torch" (a transformers model) or "llamacpp" (a GGUF file run by llama.cpp in its own
+            quantization, `verispec.model.llamacpp`; the tokenizer still comes from transformers, read from the
+            same file).
+
+    Returns:
+        The model and its tokenizer (a `verispec.heads.LoadedHead` for a head's directory).
+
+    Raises:
+        ModelLoadError: The model cannot be found or loaded, or an argument is out of range; the message says
+            why in one line.
     """
     if backend not in BACKENDS:
         raise ModelLoadError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")

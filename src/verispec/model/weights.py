@@ -36,7 +36,8 @@ _MAX_LISTED = 8
 
 
 class WeightUpdateError(ValueError):
-    """A weight update was refused before anything was written; the message lists every problem found."""
+    """A weight update was refused before anything was written (a ValueError); the message lists every problem
+    found: unknown names, wrong shapes or dtypes, NaN / inf values."""
 
 
 def _targets(model: torch.nn.Module) -> dict[str, Tensor]:

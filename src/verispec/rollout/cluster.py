@@ -123,17 +123,28 @@ def _reraise(e: BaseException):
 
 @dataclass(frozen=True)
 class EngineSpec:
-    """A picklable factory: `EngineSpec(...)()` loads the models with `verispec.model.load_model` and returns
-    `RolloutEngine(target, draft model, config=config, **engine_kwargs)`, inside each replica.
+    """A picklable factory of rollout engines, for `RolloutCluster`: `EngineSpec(...)()` loads the models with
+    `verispec.model.load_model` and returns `RolloutEngine(target, draft model, config=config, **engine_kwargs)`,
+    inside each replica.
 
-    target: a hub id, local directory or .gguf file (as `load_model`; it must be reachable from every node).
-    config: the engines' SpecConfig (or its string form), a draft model named by its path
-    (draft=model[+history],model=PATH) and loaded like the target. Not given: built, as RolloutEngine builds it,
-    from the old spelling — draft (None, "self" or a draft model's path) and the speculation keywords among
-    engine_kwargs (`SPEC_KEYWORDS`: draft_quant, history, gamma, ...), which it then holds instead of them.
-    engine_kwargs: RolloutEngine's other arguments (max_batch_size, strict_on_policy). load_kwargs go to both
-    `load_model` calls (dtype, device, ...; on a GPU replica — `actor_options={"num_gpus": 1}` — device="cuda" is
-    the GPU Ray assigned it). Leave `threads` out of load_kwargs: the cluster sets each replica's thread count.
+    ```python
+    spec = EngineSpec("Qwen/Qwen2.5-1.5B-Instruct", config="draft=self,quant=int4,gamma=4")
+    ```
+
+    Attributes:
+        target: A hub id, local directory or .gguf file (as `load_model`; it must be reachable from every node).
+        draft: Older spelling, with the speculation keywords among engine_kwargs (`SPEC_KEYWORDS`: draft_quant,
+            history, gamma, ...): None, "self" or a draft model's path. The spec then holds the config built from
+            them instead.
+        engine_kwargs: RolloutEngine's other arguments (max_batch_size, strict_on_policy).
+        load_kwargs: Arguments of both `load_model` calls (dtype, device, ...; on a GPU replica,
+            `actor_options={"num_gpus": 1}`, device="cuda" is the GPU Ray assigned it). Leave `threads` out: the
+            cluster sets each replica's thread count.
+        config: The engines' SpecConfig (or its string form), a draft model named by its path
+            (draft=model[+history],model=PATH) and loaded like the target.
+
+    Raises:
+        ValueError: The speculation is given twice (config and the older spelling), or a draft model is not named.
     """
 
     target: str
@@ -590,17 +601,38 @@ def _warn_capacity(ray, num_replicas: int, cpus: float, startup_timeout: float |
 
 
 class RolloutCluster(contextlib.AbstractContextManager):
-    """N rollout replicas as Ray actors; see the module docstring. A context manager: `with` shuts it down.
+    """N rollout replicas as Ray actors, behind one `generate` and one `update_weights`.
 
-    factory: a picklable zero-argument callable returning a RolloutEngine, called inside each replica
-    (`EngineSpec` for models on disk or the hub). threads_per_replica: torch threads and Ray `num_cpus` per
-    replica. address: when Ray is not initialized, `ray.init(address=address)` is called ("auto": a running
-    cluster; "local": a new local instance); with neither, RuntimeError. shards_per_replica: shards per replica
-    and request (more balance the load and lose less to a failure; fewer give larger batches).
-    max_shard_retries: how often one shard may lose its replica, and a replica fail to restart in a row.
-    actor_options: more `ray.remote` options for the replicas (num_gpus, resources, scheduling_strategy —
-    e.g. "SPREAD" to place replicas on different nodes —, runtime_env, ...). startup_timeout: seconds to wait
-    for the replicas to start (a replica that cannot be placed, e.g. too few CPUs, would wait forever).
+    A batch of prompts is sharded over the replicas by whole groups (a prompt's n samples stay on one replica);
+    every shard carries its prompts' global indices, so the results are one engine's for the same seed whenever
+    samples do not depend on their batch. A replica that dies is replaced, gets the current weights back, and its
+    shard runs again. A context manager: `with` shuts it down. See the module docstring for what crosses the
+    network.
+
+    ```python
+    with RolloutCluster(EngineSpec(path, config="draft=self,quant=int4,gamma=4"), num_replicas=4) as cluster:
+        outs = cluster.generate(prompt_ids, n=8, params=SamplingParams(temperature=1.0), seed=step)
+        cluster.update_weights(policy.named_parameters())
+    ```
+
+    Args:
+        factory: A picklable zero-argument callable returning a RolloutEngine, called inside each replica
+            (`EngineSpec` for models on disk or the hub).
+        num_replicas: Replicas (Ray actors, one process each).
+        threads_per_replica: Torch threads and Ray `num_cpus` per replica.
+        address: When Ray is not initialized, `ray.init(address=address)` is called ("auto": a running cluster;
+            "local": a new local instance).
+        shards_per_replica: Shards per replica and request (more balance the load and lose less to a failure;
+            fewer give larger batches).
+        max_shard_retries: How often one shard may lose its replica, and a replica fail to restart in a row.
+        actor_options: More `ray.remote` options for the replicas (num_gpus, resources, scheduling_strategy, e.g.
+            "SPREAD" to place replicas on different nodes, runtime_env, ...).
+        startup_timeout: Seconds to wait for the replicas to start (a replica that cannot be placed, e.g. too few
+            CPUs, would wait forever).
+
+    Raises:
+        ValueError: A count out of range, or a factory that is not callable.
+        RuntimeError: Ray is not initialized and no address is given, or the replicas do not start in time.
     """
 
     def __init__(
@@ -665,9 +697,27 @@ class RolloutCluster(contextlib.AbstractContextManager):
         chat: bool = False,
         ignore_eos: bool = False,
     ) -> list[Rollout]:
-        """`RolloutEngine.generate` over the replicas: n samples of every prompt, in prompt order then sample
-        order (Rollout.prompt_index is the prompt's position in `prompts`). seed None: one is drawn here, shared
-        by every shard. Sets `last_stats`."""
+        """`RolloutEngine.generate` over the replicas: n samples of every prompt. Sets `last_stats`.
+
+        Args:
+            prompts: Token id lists, texts or chat messages (templated when chat=True).
+            n: Samples per prompt.
+            params: How to sample.
+            max_new_tokens: Each sample's budget.
+            seed: The request seed every sample's seed derives from; None: one is drawn here, shared by every
+                shard.
+            stop: Stop strings.
+            chat: Apply the chat template to text prompts.
+            ignore_eos: Generate past EOS.
+
+        Returns:
+            n Rollouts per prompt, in prompt order then sample order (`Rollout.prompt_index` is the prompt's
+            position in `prompts`).
+
+        Raises:
+            ValueError: A bad prompt, n, option or parameter (checked before any shard runs).
+            ReplicaLostError: A shard ran out of retries.
+        """
         self._replicas.check_open()
         info = self._replicas.slots[0].info
         check_request(prompts, n, params, max_new_tokens, stop, info["max_batch_size"], info["strict_on_policy"], seed)
@@ -713,17 +763,39 @@ class RolloutCluster(contextlib.AbstractContextManager):
 
     # --- weight updates -------------------------------------------------------------------------------------------
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[WeightUpdate]:
-        """Send new target weights to every replica through the object store: one `ray.put`, the same ObjectRef
-        to each (see the module docstring); each replica validates and copies in place
-        (`RolloutEngine.update_weights`). Returns each replica's WeightUpdate; all end at `weight_version` + 1."""
+        """Send new target weights to every replica through the object store.
+
+        One `ray.put`, the same ObjectRef to each replica (each node fetches it once); each replica validates and
+        copies in place (`RolloutEngine.update_weights`).
+
+        Args:
+            named_tensors: (name, tensor) pairs, e.g. `policy.named_parameters()`; send them in the dtype the
+                replicas run in.
+
+        Returns:
+            Each replica's WeightUpdate; all end at `weight_version` + 1.
+
+        Raises:
+            WeightUpdateError: The update was refused (nothing was written).
+        """
         self._replicas.check_open()
         payload, names = tensors_payload(named_tensors)
         return self._broadcast(_Record(_ray().put(payload), frozenset(names)))
 
     def update_weights_from_path(self, path: str | os.PathLike) -> list[WeightUpdate]:
-        """Every replica reads a safetensors checkpoint (a directory of *.safetensors, or one file) itself: the
-        path must exist, with the same contents, on every node, and stay so while later updates have not
-        replaced every tensor it wrote (a restarted replica reads it again)."""
+        """Every replica reads a safetensors checkpoint itself.
+
+        Args:
+            path: A directory of *.safetensors files, or one file. It must exist, with the same contents, on every
+                node, and stay so while later updates have not replaced every tensor it wrote (a restarted replica
+                reads it again).
+
+        Returns:
+            Each replica's WeightUpdate.
+
+        Raises:
+            WeightUpdateError: The update was refused (nothing was written).
+        """
         self._replicas.check_open()
         return self._broadcast(_Record(os.fspath(path), None))
 

@@ -63,6 +63,25 @@ __all__ = [
 
 @dataclass(frozen=True)
 class Rollout:
+    """One sample of a rollout: token ids in and out, with what a trainer needs.
+
+    Attributes:
+        prompt_index: The prompt's index i (its position in the call, or the global index a shard was given).
+        sample_index: j in 0..n-1 within its group.
+        prompt_token_ids: The prompt's token ids (chat template applied).
+        completion_token_ids: The sampled tokens, EOS excluded (`with_eos` adds it).
+        logprobs: log p(x) under the distribution sampled from: with plain temperature sampling exactly
+            `log_softmax(logits / T)`, what TRL, verl and OpenRLHF recompute for the policy.
+        raw_logprobs: `log_softmax(target logits)(x)` at temperature 1.
+        finish_reason: "stop" (EOS or a stop string), "length" or "abort" (`RolloutEngine.abort`).
+        stop_reason: The stop string or EOS id that ended it.
+        eos_logprob: When EOS ended it: the EOS token's logprob (as `logprobs`), else None.
+        text: The completion's text.
+        seed: This sample's own seed, `SeedSequence([seed, i, j])` of the request seed: it replays the sample.
+        weight_version: The target's weight version it was sampled under.
+        stats: This sample's speculation figures.
+    """
+
     prompt_index: int  # position of the prompt in the call
     sample_index: int  # j in 0..n-1 within its group
     prompt_token_ids: list[int]
@@ -78,8 +97,13 @@ class Rollout:
     stats: SpecStats  # this sample's speculation figures
 
     def with_eos(self) -> tuple[list[int], list[float]]:
-        """The completion's token ids and logprobs with the EOS token that ended it, if one did (what a trainer
-        scores, as vLLM's token_ids: the policy must learn to stop)."""
+        """The completion's token ids and logprobs with the EOS token that ended it, if one did.
+
+        This is what a trainer scores, as vLLM's token_ids: the policy must learn to stop.
+
+        Returns:
+            (token ids, logprobs), EOS and its logprob appended when EOS ended the sample.
+        """
         if self.eos_logprob is None or not isinstance(self.stop_reason, int):
             return list(self.completion_token_ids), list(self.logprobs)
         return [*self.completion_token_ids, self.stop_reason], [*self.logprobs, self.eos_logprob]
@@ -227,25 +251,52 @@ RL_DEFAULTS = {"draft": "history", "gamma": 4, "stop_below": None, "random": "st
 
 
 class RolloutEngine:
-    """Rollouts over a target and optional drafters, as a `SpecConfig` says (`verispec.engine.config`; default:
-    RL_DEFAULTS over SpecConfig's defaults, i.e. draft=history,gamma=4,stop_below=none,random=stream).
+    """Exact speculative rollouts for RL post-training: groups of n samples per prompt, token ids in and out,
+    weights replaced in place many times per hour.
 
-    The drafters: history (draft from earlier rollouts of the same prompt and from the running siblings of each
-    group, `HistoryProposer`; the `tree` key is its trie's shape, min_share the least share of matched continuations
-    a node needs), a draft model (draft=model: a `LoadedModel` given as draft; it keeps its weights unless
-    `update_draft_weights` is called) or the target's own weights quantized (draft=self; re-quantized after every
-    weight update), both also beside history (model+history, self+history: one tree per step, the trie's branches
-    beside the sampled chain of gamma drafts, `CombinedProposer`, verified with rule "mixed"; choose_depth d picks
-    per row the trie alone where it is at least d deep, else the chain alone), prompt lookup (ngram), none, or any
-    `Proposer` given as draft (custom). history: a `RolloutHistory` to share (the engine makes one otherwise).
-    random=gumbel makes each sample plain decoding's under the same seed, token for token, whatever drafted;
-    random=position a seeded sample independent of gamma and batch (a draft model's chains). max_batch_size: rows in
-    the running batch.
+    Every sample follows the **current** weights exactly; what was derived from older weights (the history, a
+    stale draft model) only changes the speed. The n samples of a prompt join the batch together (the prompt is
+    prefilled once); sample j of prompt i draws from its own stream seeded by `SeedSequence([seed, i, j])`.
 
-    The keyword arguments of earlier versions still build the config: draft (None: no draft model, "self", "ngram",
-    "none", a LoadedModel or a Proposer) with history (True, False or a RolloutHistory: the +history drafters),
-    draft_quant (quant; "int4" for "self" when not given), history_tree (tree), history_min_share (min_share),
-    choose_depth, gamma, runner, verify, coupling and seeding (random). Beside config, each must agree with it.
+    ```python
+    eng = RolloutEngine(policy, draft="self", history=True)   # int4 self-draft + drafting from earlier rollouts
+    outs = eng.generate(prompt_ids, n=8, params=SamplingParams(temperature=1.0), max_new_tokens=256, seed=step)
+    eng.update_weights(trainer_model.named_parameters())       # after every optimizer step
+    ```
+
+    The drafters (the config's `draft`): history (earlier rollouts of the same prompt and the running siblings of
+    each group, `HistoryProposer`; the `tree` key is its trie's shape, `min_share` the least share of matched
+    continuations a node needs), a draft model (a `LoadedModel` given as draft; it keeps its weights unless
+    `update_draft_weights` is called), the target's own weights quantized (draft=self; re-quantized after every
+    weight update), either beside history (model+history, self+history: one tree per step, the trie's branches
+    beside the sampled chain, verified with rule "mixed"; `choose_depth` d picks per row the trie alone where it
+    is at least d deep), prompt lookup (ngram), none, or a `Proposer` given as draft (custom). random=gumbel makes
+    each sample plain decoding's under the same seed, token for token, whatever drafted.
+
+    Args:
+        target: The policy model (`load_model`; float32 is the reference precision).
+        draft: A draft model (`LoadedModel`) or a `Proposer`, as the config's drafter needs; in the older
+            spelling also None (no draft model), "self", "ngram" or "none".
+        config: The speculation configuration (default: RL_DEFAULTS over SpecConfig's defaults:
+            draft=history, gamma=4, stop_below=none, random=stream).
+        draft_quant: Older spelling of `quant` ("int4" for "self" when not given).
+        history: Older spelling: True or False for the +history drafters, or a `RolloutHistory` to share (the
+            engine makes one otherwise).
+        history_tree: Older spelling of `tree`: the history trie's shape (a deterministic TreeSpec).
+        history_min_share: Older spelling of `min_share`.
+        choose_depth: Older spelling of `choose_depth`.
+        gamma: Older spelling of `gamma`.
+        max_batch_size: Rows in the running batch.
+        runner: Older spelling of `runner`.
+        strict_on_policy: Refuse options under which the sampled distribution is not `softmax(logits / T)`
+            (top-k, top-p, min-p, penalties, greedy, a constraint), which a trainer cannot recompute from logits.
+        verify: Older spelling of `verify`.
+        coupling: With `seeding`, the older spelling of `random`.
+        seeding: With `coupling`, the older spelling of `random`.
+
+    Raises:
+        ValueError: A bad argument, or keyword arguments that disagree with `config` (a `SpecError` names the
+            key).
     """
 
     def __init__(
@@ -285,8 +336,22 @@ class RolloutEngine:
     def from_generator(
         cls, gen: SpeculativeGenerator, *, max_batch_size: int = 64, strict_on_policy: bool = True
     ) -> RolloutEngine:
-        """Rollouts over an existing generator, its config and its drafter (no history of its own): what `verispec
-        serve` runs its RL routes on, sharing the model with its OpenAI routes. Weight updates go to gen's target."""
+        """Rollouts over an existing generator, its config and its drafter (no history of its own).
+
+        This is what `verispec serve` runs its RL routes on, sharing the model with its OpenAI routes. Weight
+        updates go to gen's target.
+
+        Args:
+            gen: The generator to run on.
+            max_batch_size: Rows in the running batch.
+            strict_on_policy: As in the constructor.
+
+        Returns:
+            The engine.
+
+        Raises:
+            ValueError: max_batch_size is not an integer >= 1.
+        """
         if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise ValueError(f"max_batch_size must be an integer >= 1, got {max_batch_size!r}")
         eng = cls.__new__(cls)
@@ -323,8 +388,7 @@ class RolloutEngine:
 
     @property
     def weight_version(self) -> int:
-        """The target's weight version (the generator's core counts it; every Rollout reports the one it was drawn
-        under)."""
+        """The target's weight version: it counts updates, and every Rollout reports the one it was drawn under."""
         return self.gen.core.weight_version
 
     # --- rollouts -------------------------------------------------------------------------------------
@@ -337,14 +401,29 @@ class RolloutEngine:
         cancel: threading.Event | None = None,
         **options,
     ) -> list[Rollout]:
-        """n samples of every prompt (token ids; text or chat messages are templated when chat=True), in prompt
-        order then sample order. options: `job`'s — max_new_tokens (256), seed (the request seed every sample's own
-        seed derives from; None: drawn), stop, chat, ignore_eos, prompt_indices (each prompt's index i in
-        `SeedSequence([seed, i, j])` and `Rollout.prompt_index`, default 0, 1, ...: a shard of a larger batch run
-        elsewhere passes its prompts' global indices and gets the same samples as the whole batch run here).
+        """n samples of every prompt, in prompt order then sample order.
+
         `abort()` from another thread ends the call after the current step: unfinished samples come back with the
-        tokens they have and finish_reason "abort"; so does setting `cancel` (this call's own event: set it before
-        or during the call)."""
+        tokens they have and finish_reason "abort"; so does setting `cancel`.
+
+        Args:
+            prompts: Token id lists; or texts or chat messages, templated when chat=True.
+            n: Samples per prompt (a group), at most max_batch_size.
+            params: How to sample (under strict_on_policy: temperature only).
+            cancel: This call's own stop event: set it before or during the call to end it after the current step.
+            **options (Any): max_new_tokens (256); seed (the request seed every sample's own seed derives from;
+                None: drawn); stop; chat; ignore_eos; prompt_indices (each prompt's index i in
+                `SeedSequence([seed, i, j])` and `Rollout.prompt_index`, default 0, 1, ...: a shard of a larger
+                batch run elsewhere passes its prompts' global indices and gets the same samples as the whole batch
+                run here).
+
+        Returns:
+            n Rollouts per prompt, in prompt order then sample order.
+
+        Raises:
+            ValueError: A bad prompt, n, option or parameter (checked before any compute), or an option that is not
+                on-policy under strict_on_policy.
+        """
         job, seed = self.job(prompts, n, params, **options)
         with self._lock:
             self._aborting.clear()
@@ -389,7 +468,7 @@ class RolloutEngine:
         return Job(requests, group=n, **({} if key is None else {"key": key})), seed
 
     def abort(self) -> None:
-        """End a running `generate` after its current step (from another thread); no-op when none runs."""
+        """End a running `generate` after its current step (call it from another thread); no-op when none runs."""
         self._aborting.set()
 
     def _run(self, job: Job, seed: int, cancel: threading.Event) -> list[Rollout]:
@@ -433,17 +512,52 @@ class RolloutEngine:
 
     # --- weight updates -------------------------------------------------------------------------------
     def update_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> WeightUpdate:
-        """Replace target weights in place (names as in the model's state_dict; every name, shape, dtype and value
-        is checked before anything is written). Waits for a running generate to finish. Drafts derived from the
-        target (a quantized self-draft) are rebuilt from the new weights; a separate draft model is untouched."""
+        """Replace target weights in place, after a running `generate` finishes.
+
+        Every name, shape, dtype and value (NaN / inf) is checked before anything is written, so a bad update
+        changes nothing. The tensors are then copied into the model's own parameters (no reload). Drafts derived
+        from the target (a quantized self-draft) are rebuilt from the new weights; a separate draft model is
+        untouched.
+
+        Args:
+            named_tensors: (name, tensor) pairs, names as in the model's state_dict (e.g. a trainer's
+                `model.named_parameters()`); a subset of the weights is fine.
+
+        Returns:
+            The new weight version, the tensors written and the time taken.
+
+        Raises:
+            WeightUpdateError: The update was refused; the message lists every problem.
+        """
         return self._update(self.target.model, named_tensors)
 
     def update_weights_from_path(self, path) -> WeightUpdate:
-        """update_weights from a directory of *.safetensors files (a save_pretrained checkpoint) or one file."""
+        """`update_weights` from a checkpoint on disk.
+
+        Args:
+            path (str | os.PathLike): A directory of *.safetensors files (a save_pretrained checkpoint) or one file.
+
+        Returns:
+            The new weight version, the tensors written and the time taken.
+
+        Raises:
+            WeightUpdateError: The update was refused; the message lists every problem.
+        """
         return self._update(self.target.model, load_safetensors_dir(path))
 
     def update_draft_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> WeightUpdate:
-        """Replace a separate draft model's weights the same way (the weight version does not change)."""
+        """Replace a separate draft model's weights the same way (the weight version does not change).
+
+        Args:
+            named_tensors: (name, tensor) pairs, names as in the draft model's state_dict.
+
+        Returns:
+            The (unchanged) weight version, the tensors written and the time taken.
+
+        Raises:
+            ValueError: There is no separate draft model.
+            WeightUpdateError: The update was refused; the message lists every problem.
+        """
         if not isinstance(self.draft, LoadedModel):
             raise ValueError("update_draft_weights needs a separate draft model (draft=LoadedModel)")
         return self._update(self.draft.model, named_tensors, bump=False)

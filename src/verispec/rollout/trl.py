@@ -40,13 +40,32 @@ __all__ = ["OnPolicyCheck", "verispec_rollout_func"]
 def verispec_rollout_func(
     client: RolloutClient | str, *, sync_weights: bool = True, weight_dtype: torch.dtype = torch.float32
 ) -> Callable[[list, object], dict]:
-    """TRL's rollout_func over a verispec server (a `RolloutClient` or its base URL). The returned function keeps
-    the last server reply in `.last` (speculation figures, weight_version) and counts syncs in `.syncs`. With
-    sync_weights the server must run with --enable-weight-updates (its weight routes answer 403 otherwise).
+    """TRL's `rollout_func` over a verispec server, for GRPOTrainer.
+
+    Before the first rollout and after every optimizer step it sends the policy's weights to the server; then it
+    sends each group of the batch once with `n = num_generations` and hands TRL `prompt_ids`, `completion_ids` and
+    `logprobs` (`log_softmax(logits / T)` of each sampled token, what TRL computes for the policy).
 
     With several training processes each one calls it with its own prompts (a group may straddle processes): the
     main process gathers them all, syncs the weights, sends one request and hands every process its slice, as
-    TRL's vLLM server mode does; a failure there is raised on every process (none waits forever)."""
+    TRL's vLLM server mode does; a failure there is raised on every process (none waits forever).
+
+    ```python
+    rollout = verispec_rollout_func("http://127.0.0.1:8000")
+    trainer = GRPOTrainer(model=path, reward_funcs=reward, train_dataset=ds, rollout_func=rollout,
+                          args=GRPOConfig(..., use_vllm=False, temperature=1.0, bf16=False))
+    ```
+
+    Args:
+        client: A `RolloutClient`, or the server's base URL.
+        sync_weights: Send the trainer's weights before the first rollout and after every optimizer step. The
+            server must then run with --enable-weight-updates (its weight routes answer 403 otherwise).
+        weight_dtype: The dtype the weights are sent in (the served model's).
+
+    Returns:
+        The rollout function. It keeps the last server reply in `.last` (speculation figures, weight_version) and
+        counts weight syncs in `.syncs`.
+    """
     client = RolloutClient(client) if isinstance(client, str) else client
     state = {"step": None, "calls": 0}
 
@@ -131,9 +150,13 @@ def _tokenize(trainer, prompts: list) -> list[list[int]]:
 
 
 class OnPolicyCheck:
-    """GRPOTrainer mixin: per generated batch, the largest |rollout logprob - trainer logprob| over completion tokens,
-    the trainer's logprobs computed by its own `_get_per_token_logps_and_entropies` on its current weights. Kept in
-    `self.logprob_gaps` and logged as `verispec/logprob_gap_max`. Costs one forward over the batch."""
+    """A GRPOTrainer mixin that checks the rollouts are on-policy: `class Trainer(OnPolicyCheck, GRPOTrainer)`.
+
+    Per generated batch it computes the largest |rollout logprob - trainer logprob| over completion tokens, the
+    trainer's logprobs computed by its own `_get_per_token_logps_and_entropies` on its current weights. The gaps
+    are kept in `self.logprob_gaps` and logged as `verispec/logprob_gap_max`. It costs one forward over the batch,
+    and only means something with `disable_dropout=True`.
+    """
 
     logprob_gaps: list[float]
 

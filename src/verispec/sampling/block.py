@@ -184,8 +184,29 @@ def verify_block(
     *,
     check: bool = True,
 ) -> ChainVerifyOutput:
-    """Verify a batch of draft chains by block verification (see the module docstring): verify_chain's
-    arguments, validation, uniforms and output; an accepted prefix at least as long in expectation."""
+    """Verify a batch of draft chains by block verification (Sun et al. 2025), exactly.
+
+    The kept prefix is decided from the whole block: with the capped prefix ratios
+    rho_i = min(1, rho_{i-1} p(x_i) / q(x_i)) and the block residual masses Z_i, it keeps the last i whose uniform
+    falls below h_i = Z_i / (Z_i + 1 - rho_i) (h_n = rho_n at the last draft), then draws the next token from
+    (rho_i p - q)+ / Z_i, or from p after the whole block. The accepted prefix is at least as long in expectation
+    as token-wise verification's, and equal at k = 1 and for one-hot drafts. The proof sketch is in the module
+    docstring.
+
+    Args:
+        target_probs: [B, k + 1, V] float: processed target distributions; the last row is the bonus position.
+        draft_token_ids: [B, k] int64: the drafted tokens.
+        draft_probs: [B, k, V] float: the distributions the drafts were sampled from; None means one-hot drafts.
+        num_draft_tokens: [B] int64: row b uses its first num_draft_tokens[b] drafts (default: all k).
+        generators: One torch.Generator (or None) per row: per-request seeds.
+        check: Validate the inputs, as `verify_chain`.
+
+    Returns:
+        `token_ids` [B, k + 1] and `num_accepted` [B], as `verify_chain`.
+
+    Raises:
+        ValueError: With `check`, bad input (as `verify_chain`).
+    """
     _, k, _, draft_token_ids, num_draft = _normalise_args(target_probs, draft_token_ids, draft_probs, num_draft_tokens)
     if check:
         _check_inputs(target_probs, draft_token_ids, draft_probs, num_draft)

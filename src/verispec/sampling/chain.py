@@ -36,11 +36,19 @@ __all__ = ["ChainVerifyOutput", "draw_uniforms", "sample_from_weights", "verify_
 
 @dataclass(frozen=True)
 class ChainVerifyOutput:
+    """What chain verification (`verify_chain`, `verify_block`) returns.
+
+    Attributes:
+        token_ids: [B, k + 1] int64: the accepted drafts, then the recovered or bonus token, then -1 padding.
+        num_accepted: [B] int64: accepted drafts per row; each row emits `num_accepted + 1` tokens.
+    """
+
     token_ids: Tensor  # [B, k + 1] int64: accepted drafts, then the recovered or bonus token, then -1
     num_accepted: Tensor  # [B] int64: accepted drafts per row; emitted tokens = num_accepted + 1
 
     @property
     def num_emitted(self) -> Tensor:  # [B] int64
+        """[B] int64: tokens emitted per row (`num_accepted + 1`)."""
         return self.num_accepted + 1
 
 
@@ -241,7 +249,21 @@ def verify_chain_with_uniforms(
     accept_u: Tensor,  # [B, k] float64 in [0, 1): acceptance uniforms (entries >= num_draft unused)
     final_u: Tensor,  # [B] float64 in [0, 1): uniform for the recovered / bonus draw
 ) -> ChainVerifyOutput:
-    """The verification math with explicit randomness; inputs are assumed valid (see verify_chain)."""
+    """Token-wise chain verification with the randomness given explicitly; inputs are assumed valid.
+
+    `verify_chain` checks its inputs, draws the uniforms from per-request generators and calls this.
+
+    Args:
+        target_probs: [B, k + 1, V] float: processed target distributions; row k is the bonus position.
+        draft_token_ids: [B, k] int64: the drafted tokens.
+        draft_probs: [B, k, V] float: the distributions the drafts were sampled from, or None for one-hot drafts.
+        num_draft: [B] int64 in [0, k]: row b uses its first num_draft[b] drafts.
+        accept_u: [B, k] float64 in [0, 1): the acceptance uniforms (entries at and beyond num_draft unused).
+        final_u: [B] float64 in [0, 1): the uniform of the recovered or bonus draw.
+
+    Returns:
+        The accepted tokens and counts, as `verify_chain`.
+    """
     B, K1, V = target_probs.shape
     k = K1 - 1
     dev = target_probs.device
@@ -307,12 +329,34 @@ def verify_chain(
     *,
     check: bool = True,  # validate inputs (two read passes); switch off on a hot path with trusted inputs
 ) -> ChainVerifyOutput:
-    """Verify a batch of draft chains against the target, exactly (see the module docstring).
+    """Verify a batch of draft chains against the target, exactly (token-wise; Leviathan et al. 2023).
 
-    Returns token_ids [B, k + 1] (accepted drafts, then the recovered or bonus token, then -1 padding)
-    and num_accepted [B]. With `check=True`, bad input — NaN / inf / negative probabilities, rows not
-    summing to 1, shape / dtype / device mismatches, token ids outside [0, V), a draft token with q = 0 —
-    raises ValueError. Only rows a verification can reach are checked (positions <= num_draft_tokens[b]).
+    Draft i is accepted when `u * q(x_i) < p(x_i)`; at the first rejection a recovered token is drawn from the
+    residual `(p - q)+ / Z`; after all k are accepted, a bonus token is drawn from p at position k + 1. Every
+    emitted token then follows p. A row with a seeded generator consumes exactly `num_draft_tokens[b] + 1`
+    uniforms whatever the outcome, so its output does not depend on the rest of the batch. A temperature-0
+    (one-hot) p verifies by exact match and returns plain greedy output.
+
+    Args:
+        target_probs: [B, k + 1, V] float: processed target distributions (`probs_from_logits`); the last row is
+            the bonus position.
+        draft_token_ids: [B, k] int64: the drafted tokens, sampled from `draft_probs`.
+        draft_probs: [B, k, V] float: the distributions the drafts were sampled from; None means one-hot drafts
+            (a greedy draft, prompt lookup).
+        num_draft_tokens: [B] int64: row b uses its first num_draft_tokens[b] drafts (ragged batches; default:
+            all k).
+        generators: One torch.Generator (or None) per row: per-request seeds. None draws from torch's global
+            generator.
+        check: Validate the inputs (two read passes); switch it off on a hot path with trusted inputs. Only the
+            positions a verification can reach are checked (positions <= num_draft_tokens[b]).
+
+    Returns:
+        `token_ids` [B, k + 1] (accepted drafts, then the recovered or bonus token, then -1 padding) and
+        `num_accepted` [B].
+
+    Raises:
+        ValueError: With `check`, bad input: NaN / inf / negative probabilities, rows not summing to 1, shape /
+            dtype / device mismatches, token ids outside [0, V), a draft token with q = 0.
     """
     _, k, _, draft_token_ids, num_draft = _normalise_args(target_probs, draft_token_ids, draft_probs, num_draft_tokens)
     if check:

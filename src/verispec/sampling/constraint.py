@@ -26,15 +26,32 @@ MAX_CONSTRAINT_CHARS = 1 << 16  # a schema, regex or grammar's text (64 KiB): co
 
 
 class ConstraintError(ValueError):
-    """A constraint that cannot be used: malformed, or refused by the grammar engine when compiled. The message
-    names the problem (the server answers it as a 400)."""
+    """A constraint that cannot be used (a ValueError): malformed, or refused by the grammar engine when compiled.
+
+    The message names the problem; the server answers it as a 400.
+    """
 
 
 @dataclass(frozen=True)
 class Constraint:
-    """What the output must match. Build it with the class methods; `kind` is one of CONSTRAINT_KINDS and `source`
-    its canonical text: the schema as compact JSON (keys in their given order), the regex or grammar as given, the
-    choices as a JSON list. Equal constraints compile to the same grammar (compilations are cached by it)."""
+    """What the output must match: a structured-output constraint, part of `SamplingParams`.
+
+    Build it with the class methods. A constraint shapes p and q alike at every drafted position, so every
+    verification rule stays exact. Equal constraints compile to the same grammar (compilations are cached by it).
+
+    ```python
+    params = SamplingParams(temperature=1.0, seed=0, constraint=Constraint.json_schema(schema))
+    ```
+
+    Attributes:
+        kind: One of CONSTRAINT_KINDS: "json_schema", "json_object", "regex", "choice" or "grammar".
+        source: The canonical text: the schema as compact JSON (keys in their given order), the regex or grammar
+            as given, the choices as a JSON list ("" for json_object).
+        whitespace: JSON kinds: allow any whitespace between tokens (else one space after ':' and ',').
+
+    Raises:
+        ConstraintError: An unknown kind, an empty or too long source, or whitespace on a non-JSON kind.
+    """
 
     kind: str
     source: str = ""
@@ -62,7 +79,19 @@ class Constraint:
 
     @classmethod
     def json_schema(cls, schema: Mapping | str | bool, whitespace: bool = False) -> Constraint:
-        """The output is JSON valid under this schema (a dict, or its JSON text; `true` allows any JSON value)."""
+        """The output is JSON valid under this schema.
+
+        Args:
+            schema: The JSON schema: a dict, or its JSON text; `True` allows any JSON value.
+            whitespace: Allow any whitespace between tokens.
+
+        Returns:
+            The constraint.
+
+        Raises:
+            ConstraintError: The schema is not valid JSON, not an object, or nested too deeply. Keywords the
+                grammar would not enforce are refused when it is compiled.
+        """
         if isinstance(schema, str):
             try:
                 schema = json.loads(schema)
@@ -82,19 +111,46 @@ class Constraint:
 
     @classmethod
     def json_object(cls, whitespace: bool = False) -> Constraint:
-        """The output is a JSON object (OpenAI's response_format json_object)."""
+        """The output is a JSON object (OpenAI's response_format json_object).
+
+        Args:
+            whitespace: Allow any whitespace between tokens.
+
+        Returns:
+            The constraint.
+        """
         return cls("json_object", "", whitespace)
 
     @classmethod
     def regex(cls, pattern: str) -> Constraint:
-        """The whole output matches this regular expression."""
+        """The whole output matches this regular expression.
+
+        Args:
+            pattern: The regular expression.
+
+        Returns:
+            The constraint.
+
+        Raises:
+            ConstraintError: The pattern is not a string (a malformed one is refused when it is compiled).
+        """
         if not isinstance(pattern, str):
             raise ConstraintError(f"a regex must be a string, got {type(pattern).__name__}")
         return cls("regex", pattern)
 
     @classmethod
     def choice(cls, choices: Sequence[str]) -> Constraint:
-        """The output is exactly one of these strings."""
+        """The output is exactly one of these strings.
+
+        Args:
+            choices: The strings allowed, none empty.
+
+        Returns:
+            The constraint.
+
+        Raises:
+            ConstraintError: `choices` is not a non-empty list of non-empty strings.
+        """
         if isinstance(choices, str) or not isinstance(choices, Sequence):
             raise ConstraintError(f"choices must be a list of strings, got {type(choices).__name__}")
         if not choices or any(not isinstance(c, str) or not c for c in choices):
@@ -103,8 +159,17 @@ class Constraint:
 
     @classmethod
     def grammar(cls, ebnf: str) -> Constraint:
-        """The output is a sentence of this EBNF grammar (rule `root`; xgrammar's dialect, which reads llama.cpp's
-        GBNF)."""
+        """The output is a sentence of this EBNF grammar.
+
+        Args:
+            ebnf: The grammar, starting at rule `root` (xgrammar's dialect, which reads llama.cpp's GBNF).
+
+        Returns:
+            The constraint.
+
+        Raises:
+            ConstraintError: The grammar is not a string (a malformed one is refused when it is compiled).
+        """
         if not isinstance(ebnf, str):
             raise ConstraintError(f"a grammar must be a string, got {type(ebnf).__name__}")
         return cls("grammar", ebnf)

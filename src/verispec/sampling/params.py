@@ -38,8 +38,15 @@ def check_seed(seed, field: str = "seed") -> int | None:
 
 
 class ParamError(ValueError):
-    """A sampling parameter out of range. `field` names the SamplingParams field, so each front end can say it
-    in its own words (the CLI's `--temperature`, the server's request field `temperature`)."""
+    """A sampling parameter out of range (a ValueError).
+
+    Each front end can name the field in its own words: the CLI's `--temperature`, the server's request field
+    `temperature`.
+
+    Attributes:
+        field: The SamplingParams field at fault.
+        message: What is wrong, without the field's name: "must be >= 0 (0 = greedy), got -1.0".
+    """
 
     def __init__(self, field: str, message: str):
         super().__init__(f"SamplingParams.{field} {message}")
@@ -114,10 +121,22 @@ def _bad_words(value: object) -> tuple[tuple[int, ...], ...]:
 
 
 def bad_words_from_text(words: Sequence[str], encode: Callable[[str], list[int]]) -> list[list[int]]:
-    """Bad-word strings -> token-id sequences for `SamplingParams.bad_words`, as vLLM tokenizes them: each word
-    (leading spaces stripped) on its own, and with a leading space when that gives a different first token and
-    as many tokens (so the word is banned at the start of the text and in its middle). `encode` tokenizes
-    without special tokens, e.g. `lambda s: tokenizer.encode(s, add_special_tokens=False)`."""
+    """Bad-word strings as token-id sequences for `SamplingParams.bad_words`, tokenized as vLLM does.
+
+    Each word (leading spaces stripped) is tokenized on its own, and also with a leading space when that gives a
+    different first token and as many tokens, so the word is banned at the start of the text and in its middle.
+
+    Args:
+        words: The words never to produce.
+        encode: Tokenizes a string without special tokens, e.g.
+            `lambda s: tokenizer.encode(s, add_special_tokens=False)`.
+
+    Returns:
+        One or two token-id sequences per word.
+
+    Raises:
+        ParamError: `words` is not a list of strings, or a word tokenizes to nothing.
+    """
     if isinstance(words, str) or not isinstance(words, Sequence):
         raise ParamError("bad_words", f"must be a list of strings, got {type(words).__name__}")
     out: list[list[int]] = []
@@ -136,35 +155,39 @@ def bad_words_from_text(words: Sequence[str], encode: Callable[[str], list[int]]
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to turn a model's logits into the distribution that is sampled from.
+    """How to turn a model's logits into the distribution that is sampled from. Frozen and validated.
 
     The processing order is fixed and documented in `probs_from_logits`: allowed_token_ids -> bad_words ->
-    logit_bias -> penalties -> temperature -> top_k -> top_p -> min_p -> softmax.
+    logit_bias -> penalties -> temperature -> top_k -> top_p -> min_p -> softmax. The defaults give plain sampling
+    from the model at temperature 1. Token ids are checked against the vocabulary where it is known
+    (`check_vocab`).
 
-    Fields (defaults give plain sampling from the model at temperature 1):
-        temperature: > 0 divides the logits; 0 means greedy (a one-hot distribution on the argmax,
-            ties broken towards the lowest token id).
-        top_k: keep the k most probable tokens; 0 disables.
-        top_p: keep the smallest set of most probable tokens whose mass reaches top_p; in (0, 1], 1 disables.
-        min_p: drop tokens whose probability is below min_p times the largest one; in [0, 1], 0 disables.
-        repetition_penalty: > 0; tokens seen in the prompt or the output get logit / r if positive,
-            logit * r otherwise (the HF transformers / vLLM convention); 1 disables.
-        presence_penalty: in [-2, 2]; subtracted once from the logit of every token already in the output.
-        frequency_penalty: in [-2, 2]; subtracted once per occurrence in the output.
-        seed: per-request seed for the request's own random stream; None draws from the global one.
+    Attributes:
+        temperature: > 0 divides the logits; 0 means greedy (a one-hot distribution on the argmax, ties broken
+            towards the lowest token id).
+        top_k: Keep the k most probable tokens; 0 disables.
+        top_p: Keep the smallest set of most probable tokens whose mass reaches top_p; in (0, 1], 1 disables.
+        min_p: Drop tokens whose probability is below min_p times the largest one; in [0, 1], 0 disables.
+        repetition_penalty: > 0; tokens seen in the prompt or the output get logit / r if positive, logit * r
+            otherwise (the HF transformers / vLLM convention); 1 disables.
+        presence_penalty: In [-2, 2]; subtracted once from the logit of every token already in the output.
+        frequency_penalty: In [-2, 2]; subtracted once per occurrence in the output.
+        seed: Per-request seed for the request's own random stream; None draws from the global one.
         logit_bias: {token id: bias in [-100, 100]} added to the logits (OpenAI's semantics); stored as sorted
             (id, bias) pairs; None or {} disables.
-        allowed_token_ids: only these tokens may be sampled (the others get logit -inf); stored sorted; None
+        allowed_token_ids: Only these tokens may be sampled (the others get logit -inf); stored sorted; None
             allows every token.
-        bad_words: token-id sequences never to produce (strings: tokenize them with `bad_words_from_text`).
-            A one-token word is banned everywhere; for a longer one its last token is banned wherever the
-            context before the position (prompt + output, and inside a speculative step the drafts on the
-            path to it) ends with the word's other tokens (vLLM's rule). Where those context bans would leave
-            no token at all, that position keeps only the static bans (allowed_token_ids, one-token words).
-        constraint: a structured-output `Constraint` (JSON schema, JSON object, regex, choice, grammar) the
-            output must match, or None. Its mask is applied before everything above (vLLM's order): a token the
-            grammar forbids at a position has probability 0 there, for p and q alike.
-        Token ids are checked against the vocabulary where it is known (`check_vocab`).
+        bad_words: Token-id sequences never to produce (strings: tokenize them with `bad_words_from_text`). A
+            one-token word is banned everywhere; for a longer one its last token is banned wherever the context
+            before the position (prompt + output, and inside a speculative step the drafts on the path to it)
+            ends with the word's other tokens (vLLM's rule). Where those context bans would leave no token at
+            all, that position keeps only the static bans (allowed_token_ids, one-token words).
+        constraint: A structured-output `Constraint` (JSON schema, JSON object, regex, choice, grammar) the output
+            must match, or None. Its mask is applied before everything above (vLLM's order): a token the grammar
+            forbids at a position has probability 0 there, for p and q alike.
+
+    Raises:
+        ParamError: A field is out of range or of the wrong type (it names the field).
     """
 
     temperature: float = 1.0
@@ -275,7 +298,14 @@ class SamplingParams:
         )
 
     def check_vocab(self, vocab_size: int) -> None:
-        """ParamError (a ValueError) when a token id of logit_bias, allowed_token_ids or bad_words is outside [0, vocab_size)."""
+        """Check the token ids of logit_bias, allowed_token_ids and bad_words against a vocabulary.
+
+        Args:
+            vocab_size: The vocabulary's size V: valid ids are in [0, V).
+
+        Raises:
+            ParamError: A token id is outside [0, V), or the bad words ban every token.
+        """
         for name, ids in (
             ("logit_bias", [t for t, _ in self.logit_bias]),
             ("allowed_token_ids", self.allowed_token_ids or ()),

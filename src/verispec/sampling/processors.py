@@ -59,13 +59,37 @@ def probs_from_logits(
 ) -> Tensor:  # same shape as logits, float32 (float64 if logits are float64): rows sum to 1
     """Turn logits into the processed distribution that sampling (and verification) uses.
 
-    `params` may be a `SamplingMetadata` built once for the batch (the engine's hot path); SamplingParams are
-    turned into one per call. `output_counts` and `recent_tokens` may differ per position T (a draft position j
-    has seen the drafts before j); see `counts_at_nodes` and `recent_at_nodes`. `recent_tokens` (-1 where the
-    context is shorter) is needed when a row has a multi-token bad word; it holds at least the metadata's
-    `bad_depth` tokens. `allowed` is a structured-output mask (`verispec.structured`), applied first; rows without a
-    constraint allow every token. With `check=True` (default) NaN / +inf logits and rows with no finite logit raise
-    ValueError instead of producing NaN probabilities.
+    The same function processes the target's logits (p) and the draft's (q): that is what makes verification
+    exact. Order: the structured-output mask; the token options in vLLM's order (allowed_token_ids, bad_words,
+    logit_bias); then HF transformers' order: repetition / presence / frequency penalties, temperature (greedy
+    takes the argmax here), top-k, top-p, min-p, softmax.
+
+    ```python
+    p = probs_from_logits(target_logits, params)   # [B, k+1, V]
+    q = probs_from_logits(draft_logits, params)    # [B, k, V]
+    ```
+
+    Args:
+        logits: [B, T, V] or [B, V] float: raw model logits.
+        params: One SamplingParams for all rows, one per row, or a `SamplingMetadata` built once for the batch
+            (the engine's hot path; SamplingParams are turned into one per call).
+        prompt_mask: [B, V] bool: the token occurs in the prompt (for the repetition penalty).
+        output_counts: [B, T, V] or [B, V]: occurrences in the output so far. May differ per position T (a
+            draft position j has seen the drafts before j): see `counts_at_nodes`.
+        recent_tokens: [B, T, M] or [B, M] int64: the context's last tokens, most recent first, -1 where the
+            context is shorter (`recent_at_nodes`). Needed when a row has a multi-token bad word; it holds at
+            least the metadata's `bad_depth` tokens.
+        allowed: [B, T, V] or [B, V] bool: the tokens a structured-output grammar allows there
+            (`verispec.structured`), applied first; rows without a constraint allow every token.
+        check: Raise on NaN / +inf logits and on rows with no finite logit, instead of producing NaN
+            probabilities.
+
+    Returns:
+        The processed distributions, the shape of `logits`, float32 (float64 for float64 logits); rows sum to 1.
+
+    Raises:
+        ValueError: With `check`, NaN / +inf logits or a row with no finite logit; mismatched shapes or
+            parameters.
     """
     logits, squeeze = _with_positions(logits)  # [B, T, V]
     B, V = logits.shape[0], logits.shape[-1]

@@ -75,6 +75,15 @@ VERIFY_RULES = (*TREE_RULES, "mixed")  # what verification accepts: also per-nod
 
 @dataclass(frozen=True)
 class TreeVerifyOutput:
+    """What `verify_tree` returns. D is the deepest node of the batch, at least 1 (an empty tree still gives
+    [B, 2] and [B, 1]).
+
+    Attributes:
+        token_ids: [B, D + 1] int64: the accepted path's tokens, then the recovered or bonus token, then -1.
+        num_accepted: [B] int64: accepted nodes per row (the path's length); each row emits `num_accepted + 1`.
+        path: [B, D] int64: the node indices of the accepted path, the root's child first, -1 padded.
+    """
+
     token_ids: Tensor  # [B, D + 1] int64: the accepted path's tokens, then the recovered / bonus token, then -1
     num_accepted: Tensor  # [B] int64: accepted nodes per row (the path's length); emitted = num_accepted + 1
     path: Tensor  # [B, D] int64: node indices of the accepted path, root's child first, -1 padded
@@ -82,6 +91,7 @@ class TreeVerifyOutput:
 
     @property
     def num_emitted(self) -> Tensor:  # [B] int64
+        """[B] int64: tokens emitted per row (`num_accepted + 1`)."""
         return self.num_accepted + 1
 
 
@@ -389,13 +399,37 @@ def verify_tree(
     check: bool = True,
     sampled: Tensor | None = None,  # [B, N] bool, rule "mixed" only: node n was sampled from its parent slot's q
 ) -> TreeVerifyOutput:
-    """Verify a batch of draft trees against the target, exactly (see the module docstring for the rules and
-    the proof). A chain is the tree with parents [-1, 0, 1, ...]: with rule "iid" this is verify_chain's rule.
+    """Verify a batch of draft trees against the target, exactly.
 
-    Returns token_ids [B, D + 1] (the accepted path's tokens, then the recovered or bonus token, -1 padded),
-    num_accepted [B] and path [B, D] (accepted node indices). With `check=True`, bad input — probabilities that
-    are not distributions, a parent that is not an earlier node, token ids outside [0, V), a sampled node with
-    q = 0, repeated siblings outside rule "iid" — raises ValueError.
+    At each node a running distribution r starts as p; the children are tried in drafting order, each against
+    r with the q it was drawn from (on a rejection r becomes (r - q_i)+ / Z); the first child accepted becomes the
+    current node, and when every child is rejected (or at a leaf) one token is drawn from r. The rules differ in
+    q_i (see the module docstring for them and the proof). A chain is the tree with parents [-1, 0, 1, ...]: with
+    rule "iid" this is verify_chain's rule. Row b consumes exactly `num_nodes[b] + 1` uniforms.
+
+    Args:
+        target_probs: [B, N + 1, V] float: processed p at the root (slot 0) and after each node (slot n + 1).
+        draft_token_ids: [B, N] int64: the node tokens (anything beyond num_nodes[b] is padding).
+        parents: [B, N] int64: -1 for a child of the root, else the index of an earlier node; siblings in
+            drafting order.
+        draft_probs: [B, N + 1, V] float: the q each slot's children were drawn from (the sampled rules; unused
+            by "deterministic").
+        num_nodes: [B] int64: row b uses its first num_nodes[b] nodes (default: all N).
+        generators: One torch.Generator (or None) per row: per-request seeds.
+        rule: How the children were drawn: "deterministic" (top-k of q or prompt matches, q_i one-hot), "iid"
+            (i.i.d. samples of q), "without_replacement" (samples of q without replacement) or "mixed" (each
+            child sampled or chosen, as `sampled` says).
+        check: Validate the inputs.
+        sampled: [B, N] bool, rule "mixed" only: node n was sampled from its parent slot's q (else chosen).
+
+    Returns:
+        `token_ids` [B, D + 1] (the accepted path's tokens, then the recovered or bonus token, -1 padded),
+        `num_accepted` [B] and `path` [B, D] (the accepted node indices).
+
+    Raises:
+        ValueError: An unknown rule; with `check`, bad input: probabilities that are not distributions, a parent
+            that is not an earlier node, token ids outside [0, V), a sampled node with q = 0, repeated siblings
+            outside rule "iid".
     """
     if rule not in VERIFY_RULES:
         raise ValueError(f"rule must be one of {', '.join(VERIFY_RULES)}, got {rule!r}")

@@ -45,10 +45,18 @@ _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
 
 def served_model_id(name: str) -> str:
-    """The plain model id the server reports and accepts, from a model's name, path or display string:
+    """The plain model id the server reports and accepts, from a model's name, path or display string.
+
     `SmolLM2-135M-Instruct (Q4_1 GGUF)` -> `SmolLM2-135M-Instruct`, `~/models/qwen2.5-0.5b-q4_k_m.gguf` ->
     `qwen2.5-0.5b-q4_k_m`, a local folder -> its name; a hub id (`Qwen/Qwen2.5-0.5B`) stays as it is.
-    Parenthesised remarks go, and what is left of spaces and other odd characters becomes `-`."""
+    Parenthesised remarks go, and what is left of spaces and other odd characters becomes `-`.
+
+    Args:
+        name: A model's name, path or display string.
+
+    Returns:
+        The model id ("model" when nothing is left).
+    """
     s = re.sub(r"\([^)]*\)", " ", str(name)).strip().rstrip("/\\")
     model_file = s.lower().endswith(_MODEL_FILE_SUFFIXES)
     if model_file or not _HUB_ID.fullmatch(s) or os.path.exists(os.path.expanduser(s)):
@@ -77,19 +85,43 @@ def create_app(
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     read_timeout: float = DEFAULT_READ_TIMEOUT_S,
 ) -> FastAPI:
-    """The server over `gen`. `model_name` (a name, path or display string) becomes the plain id that clients
-    send and /v1/models lists (`served_model_id`); a request naming `model_name` itself is accepted too. The RL
-    routes run a `RolloutEngine` on `gen` (batches of `max_batch` rows; strict_on_policy: see RolloutEngine).
-    api_key / cors_origins: see `serve.ops`. max_model_len: the most tokens a request may hold, prompt and
-    completion (at most the model's context; None: the model's). request_timeout: seconds from a request's arrival
-    after which its unfinished choices end with finish_reason "abort" (None: no limit). chat_template: a Jinja
-    template (its text: `serve.chat.load_chat_template` reads --chat-template's file) that replaces the tokenizer's
-    (chat completions and /tokenize; set on gen's tokenizer). enable_weight_updates: mount the weight routes' effect
-    (off: they answer 403); weight_dirs: the directories /update_weights_from_disk may read under. allowed_hosts:
-    the Host names answered (default: loopback's; None: any; `serve.access.allowed_hosts` computes them for a bind
-    address). max_request_bytes: every body's cap but a weight upload's (the model's size). read_timeout: the
-    seconds a body may go without bytes (408), and (`serve.shutdown.serve`) headers may take. Run the app with
-    `serve.shutdown.serve` for a graceful shutdown."""
+    """The OpenAI-compatible server over a generator (what `verispec serve` runs), as a FastAPI app.
+
+    Concurrent requests are decoded together by an engine thread (continuous batching); the RL routes run a
+    `RolloutEngine` on the same generator. Run the app with `serve.shutdown.serve` for a graceful shutdown.
+
+    Args:
+        gen: The generator to serve.
+        model_name: A name, path or display string; it becomes the plain id that clients send and /v1/models
+            lists (`served_model_id`). A request naming `model_name` itself is accepted too.
+        max_batch: Rows (choices) decoded together.
+        max_queue: Requests that may wait for a batch row; beyond, 429 with Retry-After.
+        retry_after_s: The Retry-After of a 429 or 503.
+        strict_on_policy: The RL routes refuse options whose logprobs a trainer cannot recompute (see
+            RolloutEngine).
+        api_key: Require `Authorization: Bearer KEY` on every route but /health, /version and /metrics (see
+            `serve.ops`).
+        cors_origins: Origins allowed to call from a browser ('*' for any).
+        max_model_len: The most tokens a request may hold, prompt and completion (at most the model's context;
+            None: the model's).
+        request_timeout: Seconds from a request's arrival after which its unfinished choices end with
+            finish_reason "abort" (None: no limit).
+        chat_template: A Jinja template's text (`serve.chat.load_chat_template` reads --chat-template's file) that
+            replaces the tokenizer's, for chat completions and /tokenize (set on gen's tokenizer).
+        enable_weight_updates: Let the weight routes change the model (off: they answer 403).
+        weight_dirs: The directories /update_weights_from_disk may read under.
+        allowed_hosts: The Host names answered (default: loopback's; None: any; `serve.access.allowed_hosts`
+            computes them for a bind address).
+        max_request_bytes: Every body's cap but a weight upload's (the model's size).
+        read_timeout: The seconds a body may go without bytes (then 408), and headers may take
+            (`serve.shutdown.serve`).
+
+    Returns:
+        The app (its engine thread starts with the app's lifespan).
+
+    Raises:
+        ValueError: A limit out of range, or a chat template that does not compile.
+    """
     _check_limits(gen, max_model_len, request_timeout)
     if isinstance(max_request_bytes, bool) or not isinstance(max_request_bytes, int) or max_request_bytes < 1:
         raise ValueError(f"max_request_bytes must be an integer >= 1, got {max_request_bytes!r}")
@@ -160,15 +192,18 @@ def _check_limits(gen: SpeculativeGenerator, max_model_len: int | None, request_
 
 
 async def health():
+    """Liveness: `{"status": "ok"}` (no API key needed; 503 once a shutdown starts)."""
     return {"status": "ok"}
 
 
 async def models(request: Request) -> ModelList:
+    """The served model: its id (what clients send as `model`) and `max_model_len`."""
     served: Served = request.app.state.served
     return ModelList(data=[ModelCard(id=served.model_id, max_model_len=served.context)])
 
 
 async def prometheus(request: Request) -> Response:
+    """Prometheus metrics, vLLM's names with a `verispec:` prefix (no API key needed)."""
     served: Served = request.app.state.served
     served.metrics.set_queue(served.engine.num_waiting, served.engine.num_running)
     return Response(served.metrics.render(), media_type=CONTENT_TYPE_LATEST)

@@ -145,6 +145,8 @@ def encode_messages(served: Served, messages: list[dict]) -> list[int]:
 
 @router.post("/v1/chat/completions")
 async def chat(req: ChatCompletionRequest, request: Request):
+    """OpenAI chat completions: the messages through the chat template, then speculative decoding (streamed
+    as server-sent events when `stream` is true)."""
     served: Served = request.app.state.served
     messages = [{"role": m.role, "content": m.text()} for m in req.messages]
     ids = await asyncio.to_thread(encode_messages, served, messages)  # the template and tokenizer: off the loop

@@ -220,6 +220,8 @@ def _encode(served: Served, prompts: list[str | list[int]]) -> list[list[int]]:
 
 @router.post("/v1/completions")
 async def completions(req: CompletionRequest, request: Request):
+    """OpenAI completions: one or more prompts (text or token ids), `n` choices each (streamed as server-sent
+    events when `stream` is true)."""
     served: Served = request.app.state.served
     prompts = prompt_list(req.prompt)
     ids, echo = await asyncio.to_thread(_prepare, served, prompts, req.echo)  # tokenizing: off the event loop

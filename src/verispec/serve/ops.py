@@ -76,6 +76,7 @@ def _served(request: Request, model: str | None) -> Served:
 
 @router.post("/tokenize")
 async def tokenize(req: TokenizeRequest, request: Request):
+    """vLLM's /tokenize: a prompt or chat messages as token ids, with `count` and `max_model_len`."""
     served = _served(request, req.model)
     return await asyncio.to_thread(_tokenize, served, req)  # off the event loop
 
@@ -100,6 +101,7 @@ def _tokenize(served: Served, req: TokenizeRequest) -> dict:
 
 @router.post("/detokenize")
 async def detokenize(req: DetokenizeRequest, request: Request):
+    """vLLM's /detokenize: token ids as text."""
     served = _served(request, req.model)
     vocab = served.gen.vocab_size
     bad = [t for t in req.tokens if not 0 <= t < vocab]
@@ -110,10 +112,12 @@ async def detokenize(req: DetokenizeRequest, request: Request):
 
 @router.get("/version")
 async def version():
+    """verispec's version (no API key needed)."""
     return {"version": __version__}
 
 
 @router.get("/v1/models/{model_id:path}")
 async def model_card(model_id: str, request: Request) -> ModelCard:
+    """The served model's card, by its id (404 for another id)."""
     served = _served(request, model_id)
     return ModelCard(id=served.model_id, max_model_len=served.context)

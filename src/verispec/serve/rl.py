@@ -140,27 +140,32 @@ def _rollout(request: Request) -> RolloutEngine:
 
 @router.get("/health/")
 async def health():
+    """TRL's health check: `{"status": "ok"}`."""
     return {"status": "ok"}
 
 
 @router.get("/get_world_size/")
 @router.get("/get_world_size")
 async def world_size():
+    """TRL's housekeeping: `{"world_size": 1}`."""
     return {"world_size": 1}
 
 
 @router.post("/reset_prefix_cache/")
 @router.post("/reset_prefix_cache")
 async def reset_prefix_cache():
+    """TRL's housekeeping: `{"success": true}` (no KV cache outlives a call, so nothing of old weights is read)."""
     return {"success": True}
 
 
 @router.post("/close_communicator/")
 async def close_communicator():
+    """TRL's housekeeping: `{}` (there is no NCCL communicator)."""
     return {}
 
 
 async def nccl_refused(request: Request):
+    """501: NCCL weight sync is not offered; the answer names the HTTP weight routes to use instead."""
     raise APIError(
         501,
         f"{request.url.path}: NCCL weight sync is not offered (CPU machines have no NCCL); send the weights over HTTP: "
@@ -210,6 +215,8 @@ def _prompts(eng: RolloutEngine, req: GenerateRequest, context: int | None) -> l
 
 @router.post("/generate/")
 async def generate(req: GenerateRequest, request: Request) -> GenerateResponse:
+    """TRL's rollout route: `n` samples of every prompt (text or token ids), with their token ids, logprobs,
+    finish reasons and the weight version they were drawn under."""
     eng, served = _rollout(request), request.app.state.served
     if req.n > eng.max_batch_size:
         raise APIError(400, f"n = {req.n} exceeds the server's batch ({eng.max_batch_size}, --max-batch)", "n")
@@ -340,6 +347,8 @@ async def _receive_to(request: Request, path: Path) -> int:
 
 @router.post("/update_weights_from_tensor")
 async def update_weights_from_tensor(request: Request) -> WeightUpdateResponse:
+    """Replace weights in place from a safetensors body (`application/octet-stream`); needs
+    `--enable-weight-updates`. Runs between requests; a bad update is a 400 that changes nothing."""
     eng, routes = _rollout(request), _weights(request)
     routes.check()
     kind = request.headers.get("content-type", "").split(";")[0].strip()
@@ -361,6 +370,8 @@ async def update_weights_from_tensor(request: Request) -> WeightUpdateResponse:
 
 @router.post("/update_weights_from_disk")
 async def update_weights_from_disk(req: DiskUpdate, request: Request) -> WeightUpdateResponse:
+    """Replace weights in place from a safetensors file or directory under `--weight-dir`; needs
+    `--enable-weight-updates`."""
     eng, routes = _rollout(request), _weights(request)
     routes.check()
     files = await asyncio.to_thread(routes.files, req.model_path)
@@ -369,11 +380,14 @@ async def update_weights_from_disk(req: DiskUpdate, request: Request) -> WeightU
 
 @router.get("/get_weight_version")
 async def weight_version(request: Request):
+    """The current weight version (it counts updates)."""
     return {"weight_version": _rollout(request).weight_version}
 
 
 @router.post("/abort_request")
 async def abort(body: AbortRequest, request: Request):
+    """End the running and waiting /generate/ calls after their current step (unfinished samples end
+    "abort")."""
     for job in list(request.app.state.rl_jobs):  # waiting or running: unfinished samples end "abort"
         request.app.state.engine.expire(job)
     _rollout(request).abort()  # a RolloutEngine.generate called by anyone else
