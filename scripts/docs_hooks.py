@@ -213,19 +213,52 @@ def _fields_table(schema: dict) -> str:
     return "\n".join(rows) + "\n"
 
 
+def _refs(node, found: set[str]) -> set[str]:
+    """The component schema names a JSON value refers to ($ref), at any depth."""
+    if isinstance(node, dict):
+        if isinstance(node.get("$ref"), str):
+            found.add(_ref_name(node["$ref"]))
+        for v in node.values():
+            _refs(v, found)
+    elif isinstance(node, list):
+        for v in node:
+            _refs(v, found)
+    return found
+
+
+def _reachable(schema: dict, roots: set[str]) -> list[str]:
+    """The component schemas `roots` name and every schema they refer to, sorted."""
+    components = schema.get("components", {}).get("schemas", {})
+    seen, todo = set(), list(roots)
+    while todo:
+        name = todo.pop()
+        if name in seen or name not in components:
+            continue
+        seen.add(name)
+        todo += sorted(_refs(components[name], set()) - seen)
+    return sorted(seen)
+
+
 def http_reference(schema: dict) -> str:
-    """Markdown: a table of the routes, then each schema the routes name, with its fields."""
-    rows = ["| method | path | summary | request body | response (200) |", "|---|---|---|---|---|"]
+    """Markdown: a table of the routes, then each schema a request body or a 200 reply names, with its fields
+    (FastAPI's 422 schemas are left out: the server answers invalid requests with a 400 of its own)."""
+    routes: dict[tuple, list[str]] = {}  # one row per route; a path with and without its trailing slash: one row
+    roots: set[str] = set()
     for path, ops in schema["paths"].items():
         for method, op in ops.items():
-            body = _content_schemas(op.get("requestBody", {}).get("content", {}))
-            ok = _content_schemas(op.get("responses", {}).get("200", {}).get("content", {}))
-            summary = op.get("summary", "")
-            if op.get("description"):
-                summary += ": " + op["description"].strip().split("\n\n")[0]
-            rows.append(f"| `{method.upper()}` | `{path}` | {_cell(summary)} | {body} | {ok} |")
+            body = op.get("requestBody", {}).get("content", {})
+            ok = op.get("responses", {}).get("200", {}).get("content", {})
+            roots |= _refs(body, set()) | _refs(ok, set())
+            what = (op.get("description") or "").strip().split("\n\n")[0] or op.get("summary", "")
+            row = (method.upper(), path.rstrip("/") or "/", _cell(what), _content_schemas(body), _content_schemas(ok))
+            routes.setdefault(row, []).append(path)
+    rows = ["| method | path | what it does | request body | response (200) |", "|---|---|---|---|---|"]
+    for (method, _, what, body, ok), paths in routes.items():
+        rows.append(f"| `{method}` | {', '.join(f'`{p}`' for p in paths)} | {what} | {body} | {ok} |")
     parts = ["\n".join(rows) + "\n", "## Schemas\n"]
-    for name, s in sorted(schema.get("components", {}).get("schemas", {}).items()):
+    components = schema.get("components", {}).get("schemas", {})
+    for name in _reachable(schema, roots):
+        s = components[name]
         parts.append(f"### {name}\n")
         if s.get("description"):
             parts.append(_cell(s["description"]) + "\n")
