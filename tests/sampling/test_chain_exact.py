@@ -228,7 +228,8 @@ def test_low_precision_inputs():
 
 
 def test_mixed_dtypes_raise():
-    """The README promises: dtype mismatches raise (a float32 q next to a float64 p is a caller's mistake)."""
+    """verify_chain promises (its docstring, in the docs' Python reference): dtype mismatches raise (a float32 q next to
+    a float64 p is a caller's mistake)."""
     p, ids, q = _random_batch(B=2, k=3, V=8)
     with pytest.raises(ValueError, match=r"draft_probs is torch.float32 but target_probs is torch.float64"):
         verify_chain(p.double(), ids, q)
