@@ -117,11 +117,15 @@ def pytest_collection_modifyitems(config, items):
 _slow_units: list[tuple[float, str]] = []
 
 
+def pytest_runtest_logreport(report):
+    # in the process that prints the summary: the controller under xdist (workers' reports reach it), else this one
+    if report.when == "call" and report.passed and "unit" in report.keywords and report.duration > UNIT_BUDGET_S:
+        _slow_units.append((report.duration, report.nodeid))
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item, call):
     report = yield
-    if call.when == "call" and report.passed and "unit" in report.keywords and report.duration > UNIT_BUDGET_S:
-        _slow_units.append((report.duration, item.nodeid))
     if report.skipped and os.environ.get("CI") and item.get_closest_marker("slow") and not hasattr(report, "wasxfail"):
         # CI runs the slow tier to run it: a test there that cannot run (a missing extra, a model that could not be
         # fetched) fails instead of passing CI by skipping

@@ -27,6 +27,8 @@ from ..helpers.tiny import loaded
 ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = [[3, 7, 7, 12, 3, 7], [5, 9, 11, 4], [8, 8, 9], [20, 21, 3, 4, 5], [6, 30, 6, 30], [11, 12]]
 T1 = SamplingParams(temperature=1.0)
+# every test of this file on one xdist worker (the slow tier runs with --dist loadgroup): one local Ray instance
+pytestmark = pytest.mark.xdist_group("ray")
 
 
 @pytest.fixture(scope="module")
