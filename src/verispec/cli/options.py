@@ -168,7 +168,7 @@ _HELP = {
     "ngram_sizes": "prompt-lookup n-gram sizes, longest first (default 3,2,1)",
     "spec": "the speculation configuration in one string, comma-separated key=value items, e.g. "
     "draft=model,gamma=4,verify=block (keys: draft, model, cross_vocab, quant, ngram, stop_below, min_share, choose_depth, gamma, "
-    "max_gamma, tree, jump, verify, random, runner; see the README). --draft, --cross-vocab, --draft-quant, --gamma, --max-gamma, "
+    "max_gamma, tree, jump, verify, random, runner; see docs/guides/generating.md). --draft, --cross-vocab, --draft-quant, --gamma, --max-gamma, "
     "--ngram-sizes, --tree, --tree-rule, --verify, --seeding, --coupling and --runner are shorthands for its keys; a "
     "flag that disagrees with --spec is an error",
     "verify": "how drafted chains are verified: token-wise (default) or block verification (exact too, an accepted "

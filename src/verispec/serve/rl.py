@@ -170,7 +170,7 @@ async def nccl_refused(request: Request):
         501,
         f"{request.url.path}: NCCL weight sync is not offered (CPU machines have no NCCL); send the weights over HTTP: "
         "POST /update_weights_from_tensor with a safetensors body, or POST /update_weights_from_disk "
-        '{"model_path": ...} (see the README, "Using verispec for RL rollouts")',
+        '{"model_path": ...} (see docs/guides/rl-rollouts.md)',
         kind="not_implemented",
     )
 
