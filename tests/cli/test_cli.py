@@ -77,7 +77,9 @@ def test_bench_kernel_smoke(capsys, tmp_path):
     assert main(["bench", "kernel", "--shape", "2x3x50", "--repeats", "2", "--json", str(out_json)]) == 0
     text = capsys.readouterr().out
     assert "| 2 | 3 | 50 |" in text
-    rows = json.loads(out_json.read_text())
+    result = json.loads(out_json.read_text())  # {provenance..., device, rows}
+    assert result["date"] and "commit" in result and result["command"]  # (sys.argv: pytest here, in-process)
+    rows = result["rows"]
     assert rows[0]["reference_s"] > 0 and rows[0]["verispec_s"] > 0
 
 
