@@ -213,7 +213,7 @@ def run(args: argparse.Namespace) -> int:
     distribution (first-token and sequence goodness of fit, PIT uniformity, log-likelihood, two-sample vs plain
     decoding). With a structured-output constraint (--json-schema, --json-object, --regex, --choice, --grammar) the
     target's law is the constrained one and the method is asked for the constraint. Exit status 0 = PASS,
-    1 = FAIL."""
+    1 = FAIL or INCONCLUSIVE."""
     from ..certify.generate import certify_generate
     from ..certify.report import write_report
 

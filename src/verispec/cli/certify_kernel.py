@@ -142,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
     verifier (or the --sampler) against the laws of the completed sequence; with --coupling gumbel, Gumbel-coupled
     verification against the same laws. With --tree RULE: trees drafted with
     that rule through a tree verifier (verify_tree's interface; rule 'mixed' also passes sampled=). Exit status
-    0 = PASS, 1 = FAIL."""
+    0 = PASS, 1 = anything else (FAIL, INCONCLUSIVE)."""
     from rich.console import Console
 
     from ..certify.kernel import DEFAULT_SAMPLES, certify_kernel, write_report
