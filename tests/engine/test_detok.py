@@ -31,11 +31,16 @@ def _bpe(byte_level: bool) -> PreTrainedTokenizerFast:
         alphabet = []
     specials = ["<unk>", "</s>"] + ([] if byte_level else [f"<0x{i:02X}>" for i in range(256)])
     # few merges, and (SentencePiece) an alphabet too small for the non-ASCII characters: they split over tokens
+    # (a byte-level alphabet must stay whole: a byte outside it would be dropped, not split)
+    limit = {} if byte_level else {"limit_alphabet": 40}
     trainer = trainers.BpeTrainer(
-        vocab_size=len(specials) + 300, special_tokens=specials, initial_alphabet=alphabet, limit_alphabet=40
+        vocab_size=len(specials) + 300, special_tokens=specials, initial_alphabet=alphabet, **limit
     )
     tk.train_from_iterator(TEXT * 4, trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="</s>", unk_token="<unk>")
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="</s>", unk_token="<unk>")
+    for text in TEXT:  # the tests below mean nothing on a tokenizer that loses characters
+        assert tok.decode(tok.encode(text, add_special_tokens=False)) == text, text
+    return tok
 
 
 @pytest.mark.parametrize("kind", ["byte-level", "sentencepiece", "word-level"])
