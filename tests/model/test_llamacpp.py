@@ -133,7 +133,7 @@ def test_greedy_speculation_gives_plain_decodings_tokens(lc):
     prompts = ["def fib(n):", "def fib(n):", "Write a haiku about the sea."]
     params = SamplingParams(temperature=0)
     plain = SpeculativeGenerator(lc, None).generate(prompts, params, max_new_tokens=32, chat=True)
-    for draft, kwargs in [("ngram", {}), (lc, {}), (lc, {"tree": "2-2-1"})]:
+    for draft, kwargs in [("ngram", {}), (lc, {}), (lc, {"tree": "2-2-1"}), (lc, {"tree": "dynamic-3-2-6"})]:
         got = SpeculativeGenerator(lc, draft, **kwargs).generate(prompts, params, max_new_tokens=32, chat=True)
         assert [c.token_ids for c in got] == [c.token_ids for c in plain], (draft, kwargs)
 
@@ -173,3 +173,26 @@ def test_speculation_matches_plain_decoding_on_this_runner(lc):
     assert exact.stats.drafted > n and 0 < exact.stats.accepted < exact.stats.drafted
     broken = SpeculativeGenerator(lc, "ngram", gamma=3, verifier=broken_verifier("swap_p_q"))
     assert min(pvalues(broken)) < level / m
+
+
+@pytest.mark.parametrize(
+    "forwards, path, kept",
+    [  # (tokens, parents) per forward, the path kept (fed indices), and the tokens it spells
+        ([([10, 11, 99], [-1, 0, 0])], [0, 2], [10, 99]),  # a second child, in one forward
+        ([([10, 99], [-1, -1]), ([11, 7], [-1, -1, 0, 0])], [0, 2], [10, 11]),  # grown: fed indices not adjacent
+        ([([10, 99], [-1, -1]), ([11, 7], [-1, -1, 1, 1])], [1, 3], [99, 7]),
+        ([([10, 99, 5], [-1, -1, -1]), ([11], [-1, -1, -1, 2])], [2, 3], [5, 11]),
+    ],
+)
+def test_keep_paths_whose_nodes_are_not_adjacent_slots(lc, prompt, forwards, path, kept):
+    """The kept path's nodes need not sit in consecutive slots (a dynamic tree's draft feeds level by level): the
+    row goes on from exactly the path's tokens, whichever sequence holds its last node."""
+    r = make_runner(lc.model, len(lc.tokenizer))
+    r.fill([prompt], 64)
+    start = r.lengths
+    for tokens, parents in forwards:
+        r.forward([tokens], parents=[parents], tree_start=start)
+    r.keep_paths(start, [path])
+    assert r.lengths == [len(prompt) + len(path)]
+    out = r.forward([[5, 6]])[0]
+    assert close(out, fresh(lc, prompt + kept, [5, 6]))

@@ -342,7 +342,9 @@ class LlamaCppRunner:
                 if parent != (slots[j - 1] if j else start - 1):
                     raise ValueError(f"row {b}: path {list(path)} is not a root-to-node path of its last chunk")
             end = start + len(slots)
-            keep = r.slot(end - 1)[0] if end > r.base else r.seq
+            # the last node's sequence holds the whole path (a node's sequence is tagged on all its ancestors); the
+            # nodes need not sit in adjacent slots (a draft feeds its tree level by level)
+            keep = r.slot(slots[-1])[0] if slots else r.seq
             for s in r.seqs() - {keep}:
                 self._drop(s)
             self._drop(keep, end)
