@@ -12,7 +12,8 @@ inputs and keep the same cache layout. The body:
   * uses the model's own rotary-embedding module (so every RoPE scaling variant matches transformers) and
     `F.scaled_dot_product_attention` with grouped-query heads.
 In float32 its logits match the transformers forward to ~1e-5 (tests hold it to 1e-4) — the target does
-not change. Quantized runners compute in bfloat16 (see `act_dtype`) and are meant for drafts only.
+not change. Quantized runners' linear layers compute in bfloat16 (see `verispec.model.linear`; the rest of their
+forward too where bfloat16 is fast) and are meant for drafts only.
 """
 
 from __future__ import annotations
@@ -154,7 +155,10 @@ class FastRunner(HFRunner):
         self.quant = quant
         weight_dtype = self.dtype
         if quant is not None:
-            # torch's weight-only kernels are fast with bfloat16 activations (on CPU when oneDNN has bf16)
+            # torch's weight-only kernels are fast with bfloat16 activations only, on every CPU (measured on AVX2,
+            # torch 2.13: float32 activations take a path 5-14x slower than the dense layer): the quantized layers
+            # compute in bfloat16 and hand back the runner's dtype, which is bfloat16 only where the rest of the
+            # forward is fast in it too (CUDA, or a CPU whose oneDNN has bf16)
             fast_bf16 = self.device.type == "cuda" or onednn_available(torch.bfloat16)
             self.dtype = torch.bfloat16 if fast_bf16 else torch.float32
         self.num_heads = cfg.num_attention_heads
@@ -170,7 +174,7 @@ class FastRunner(HFRunner):
         self.group_size = group_size
 
         def lin(weight, bias=None):
-            return make_linear(weight, bias, quant=quant, act_dtype=self.dtype, group_size=group_size or 128)
+            return make_linear(weight, bias, quant=quant, act_dtype=torch.bfloat16, group_size=group_size or 128)
 
         self.layers: list[_Layer] = [
             self._layer(i, layer, lin, share=quant is None) for i, layer in enumerate(base.layers)

@@ -141,10 +141,10 @@ class Int8Linear(Linear):
     def _reference_mm(self, x: Tensor) -> Tensor:
         return F.linear(x, self.q.to(x.dtype) * self.scale[:, None])
 
-    def _mm(self, x: Tensor) -> Tensor:
-        x = x.to(self.act_dtype)
-        y = self._kernel_mm(x) if self.kernel == "int8pack_mm" else self._reference_mm(x)
-        return y if self.bias is None else y + self.bias
+    def _mm(self, x: Tensor) -> Tensor:  # in x's dtype, computed in act_dtype
+        a = x.to(self.act_dtype)
+        y = self._kernel_mm(a) if self.kernel == "int8pack_mm" else self._reference_mm(a)
+        return (y if self.bias is None else y + self.bias).to(x.dtype)
 
 
 class Int4Linear(Linear):
@@ -192,10 +192,10 @@ class Int4Linear(Linear):
         w = dequantize_int4(self.codes, sz[..., 0], sz[..., 1], self.group_size)
         return F.linear(x, w[: self.out_features])
 
-    def _mm(self, x: Tensor) -> Tensor:
-        x = x.to(self.act_dtype)
-        y = self._reference_mm(x) if self.kernel == "int4-dequant" else self._kernel_mm(x)
-        return y if self.bias is None else y + self.bias
+    def _mm(self, x: Tensor) -> Tensor:  # in x's dtype, computed in act_dtype
+        a = x.to(self.act_dtype)
+        y = self._reference_mm(a) if self.kernel == "int4-dequant" else self._kernel_mm(a)
+        return (y if self.bias is None else y + self.bias).to(x.dtype)
 
 
 @torch.no_grad()
