@@ -103,7 +103,10 @@ def _step_info(name: str, r, model, vocab: int, context: int) -> tuple[int, dict
         return r.model.path.stat().st_size, {"llama.cpp": 1}, "gguf"
     wbytes = _hf_weight_bytes(model, vocab) if name == "hf" else r.weight_bytes()
     kv = 2 * r.num_layers * r.num_kv_heads * r.head_dim * context * torch.tensor([], dtype=r.dtype).element_size()
-    return wbytes + kv, getattr(r, "kernels", {"transformers": 1}), str(r.dtype).replace("torch.", "")
+    dtype = str(r.dtype).replace("torch.", "")
+    if getattr(r, "quant", None) and dtype != "bfloat16":  # quantized layers compute in bfloat16 (model.linear)
+        dtype = f"bfloat16 linears, {dtype}"
+    return wbytes + kv, getattr(r, "kernels", {"transformers": 1}), dtype
 
 
 def _hf_weight_bytes(model, vocab: int) -> int:

@@ -141,9 +141,8 @@ class Int8Linear(Linear):
     def _reference_mm(self, x: Tensor) -> Tensor:
         return F.linear(x, self.q.to(x.dtype) * self.scale[:, None])
 
-    def _mm(self, x: Tensor) -> Tensor:  # in x's dtype, computed in act_dtype
-        a = x.to(self.act_dtype)
-        y = self._kernel_mm(a) if self.kernel == "int8pack_mm" else self._reference_mm(a)
+    def _mm(self, x: Tensor) -> Tensor:  # in x's dtype: the kernel computes in act_dtype, the fallback in x's
+        y = self._kernel_mm(x.to(self.act_dtype)) if self.kernel == "int8pack_mm" else self._reference_mm(x)
         return (y if self.bias is None else y + self.bias).to(x.dtype)
 
 
@@ -192,9 +191,8 @@ class Int4Linear(Linear):
         w = dequantize_int4(self.codes, sz[..., 0], sz[..., 1], self.group_size)
         return F.linear(x, w[: self.out_features])
 
-    def _mm(self, x: Tensor) -> Tensor:  # in x's dtype, computed in act_dtype
-        a = x.to(self.act_dtype)
-        y = self._reference_mm(a) if self.kernel == "int4-dequant" else self._kernel_mm(a)
+    def _mm(self, x: Tensor) -> Tensor:  # in x's dtype: the kernel computes in act_dtype, the fallback in x's
+        y = self._reference_mm(x) if self.kernel == "int4-dequant" else self._kernel_mm(x.to(self.act_dtype))
         return (y if self.bias is None else y + self.bias).to(x.dtype)
 
 
@@ -220,8 +218,9 @@ def make_linear(
 ) -> Linear:
     """weight [N, K], bias [N] | None. quant: None (dense), "int8" or "int4" (weight-only).
 
-    act_dtype: the activation dtype of quantized layers (default: bfloat16, the dtype torch's weight-only
-    kernels are fast in); dense layers compute in the weight's dtype.
+    act_dtype: the dtype quantized layers' kernels compute in (default: bfloat16, the only dtype torch's
+    weight-only kernels are fast in, on every CPU measured); their output comes back in the input's dtype. Dense
+    layers compute in the weight's dtype.
     """
     if weight.dim() != 2:
         raise ValueError(f"weight must be [N, K], got shape {tuple(weight.shape)}")
