@@ -194,5 +194,6 @@ def test_keep_paths_whose_nodes_are_not_adjacent_slots(lc, prompt, forwards, pat
         r.forward([tokens], parents=[parents], tree_start=start)
     r.keep_paths(start, [path])
     assert r.lengths == [len(prompt) + len(path)]
+    assert len(r._free_seqs) == r.n_seq_max - 2  # every branch's sequence is free again (the row holds one)
     out = r.forward([[5, 6]])[0]
     assert close(out, fresh(lc, prompt + kept, [5, 6]))
