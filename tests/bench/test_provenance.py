@@ -8,6 +8,8 @@ import json
 import subprocess
 from pathlib import Path
 
+import torch
+
 from verispec.bench import _provenance, command_line, provenance, provenance_line
 from verispec.cli import main
 from verispec.strict_json import dumps
@@ -36,7 +38,8 @@ def _no_constants(name):
 
 def test_provenance_fields():
     p = provenance(["/usr/local/bin/verispec", "bench", "e2e", "--target", "my model.gguf"])
-    assert {"commit", "dirty", "date", "command", "verispec", "python", "torch", "threads"} <= set(p)
+    assert {"commit", "dirty", "date", "command", "verispec", "python", "torch", "threads", "cpu"} <= set(p)
+    assert p["cpu"] is None or p["cpu"].endswith(f"({torch.backends.cpu.get_cpu_capability()})")
     assert p["commit"] == _head()  # this checkout's HEAD, or None where the tests run from an installed copy
     assert (p["dirty"] is None) == (p["commit"] is None)
     assert _is_utc_now(p["date"])
@@ -66,6 +69,8 @@ def test_provenance_line():
     assert provenance_line({"config": {}}) is None  # a result from before provenance was recorded
     line = provenance_line({"commit": "0123456789abcdef", "dirty": True, "date": "2026-12-03T09:27:10+00:00"})
     assert line == "commit 0123456789ab (with uncommitted changes), 2026-12-03T09:27:10+00:00"
+    line = provenance_line({"commit": "0123456789abcdef", "date": "2026-12-03T09:27:10+00:00", "cpu": "X (AVX2)"})
+    assert line == "commit 0123456789ab, 2026-12-03T09:27:10+00:00, on X (AVX2)"
 
 
 def test_bench_kernel_json_carries_provenance(tmp_path, capsys):

@@ -11,6 +11,8 @@ in docs/bench), so that a result file says which code measured it, when, and wit
     command   the command line, as it would be typed (`verispec bench e2e ...`, `python3 docs/bench/x.py ...`)
     verispec  the package version
     python, torch, threads    the interpreter, torch's version and its intra-op threads in this process
+    cpu       the CPU's model name and the instruction set torch's CPU kernels use here ("... (AVX2)"): torch's
+              weight-only int4/int8 kernels, bfloat16 and oneDNN differ by it several-fold
 
 It never raises: a missing piece is None. `provenance_line(result)` is the same information as one line of a
 markdown report. Both are exported by `verispec.bench`."""
@@ -68,6 +70,29 @@ def command_line(argv: list[str] | None = None) -> str | None:
     return shlex.join(program + argv[1:])
 
 
+def _cpu() -> str | None:
+    """'Intel(R) Xeon(R) ... (AVX2)': /proc/cpuinfo's model name (or the platform's processor) and torch's CPU
+    capability; None where neither is known."""
+    name = None
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    name = name or platform.processor() or None
+    try:
+        import torch
+
+        capability = torch.backends.cpu.get_cpu_capability()
+    except (ImportError, AttributeError, RuntimeError):
+        capability = None
+    if name and capability:
+        return f"{name} ({capability})"
+    return name or capability
+
+
 def _torch() -> tuple[str | None, int | None]:
     try:
         import torch
@@ -92,11 +117,12 @@ def provenance(argv: list[str] | None = None) -> dict:
         "python": platform.python_version(),
         "torch": torch_version,
         "threads": threads,
+        "cpu": _cpu(),
     }
 
 
 def provenance_line(result: dict) -> str | None:
-    """'commit 0123456789ab (dirty), 2026-12-03T09:27:10+00:00: `verispec bench ...`' from a result's provenance
+    """'commit 0123456789ab (dirty), 2026-12-03T09:27:10+00:00, on CPU (AVX2): `verispec bench ...`' from a result's
     fields; None when it has none (a result written before they were recorded)."""
     if "date" not in result and "commit" not in result:
         return None
@@ -107,6 +133,8 @@ def provenance_line(result: dict) -> str | None:
     if result.get("provenance"):
         text += f" ({result['provenance']})"
     text += f", {result.get('date') or 'date unknown'}"
+    if result.get("cpu"):
+        text += f", on {result['cpu']}"
     if result.get("command"):
         text += f": `{result['command']}`"
     return text
