@@ -198,10 +198,11 @@ class Int4Linear(Linear):
 
 @torch.no_grad()
 def _kernel_agrees(kernel, reference, K: int, dtype: torch.dtype, device) -> bool:
-    """Run a kernel once on random rows and compare it with the dequantized reference matmul."""
+    """Run a kernel once on random rows (in dtype) and compare it with the dequantized reference matmul of the same
+    rows in float32 (the exact reference, and fast on a CPU without bfloat16 matmuls)."""
     x = torch.randn((3, K), generator=torch.Generator().manual_seed(0)).to(device=device, dtype=dtype)
     try:
-        got, want = kernel(x).float(), reference(x).float()
+        got, want = kernel(x).float(), reference(x.float()).float()
     except (RuntimeError, NotImplementedError, AttributeError):
         return False
     tol = 2e-2 if dtype in (torch.bfloat16, torch.float16) else 1e-4
