@@ -70,7 +70,7 @@ def command_line(argv: list[str] | None = None) -> str | None:
     return shlex.join(program + argv[1:])
 
 
-def _cpu() -> str | None:
+def _cpu(capability: str | None) -> str | None:
     """'Intel(R) Xeon(R) ... (AVX2)': /proc/cpuinfo's model name (or the platform's processor) and torch's CPU
     capability; None where neither is known."""
     name = None
@@ -82,23 +82,22 @@ def _cpu() -> str | None:
     except OSError:
         pass
     name = name or platform.processor() or None
-    try:
-        import torch
-
-        capability = torch.backends.cpu.get_cpu_capability()
-    except (ImportError, AttributeError, RuntimeError):
-        capability = None
     if name and capability:
         return f"{name} ({capability})"
     return name or capability
 
 
-def _torch() -> tuple[str | None, int | None]:
+def _torch() -> tuple[str | None, int | None, str | None]:
+    """torch's version, intra-op threads and CPU capability ("AVX2"), None where unknown."""
     try:
         import torch
     except ImportError:
-        return None, None
-    return torch.__version__, torch.get_num_threads()
+        return None, None, None
+    try:
+        capability = torch.backends.cpu.get_cpu_capability()
+    except (AttributeError, RuntimeError):
+        capability = None
+    return torch.__version__, torch.get_num_threads(), capability
 
 
 def provenance(argv: list[str] | None = None) -> dict:
@@ -107,7 +106,7 @@ def provenance(argv: list[str] | None = None) -> dict:
     from .. import __version__
 
     commit, dirty = git_commit()
-    torch_version, threads = _torch()
+    torch_version, threads, capability = _torch()
     return {
         "commit": commit,
         "dirty": dirty,
@@ -117,7 +116,7 @@ def provenance(argv: list[str] | None = None) -> dict:
         "python": platform.python_version(),
         "torch": torch_version,
         "threads": threads,
-        "cpu": _cpu(),
+        "cpu": _cpu(capability),
     }
 
 
