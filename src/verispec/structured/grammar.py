@@ -3,7 +3,8 @@
 
 Why xgrammar: measured on this project's CPU with SmolLM2's tokenizer (V = 49,152) over a 58-token JSON document
 under a 5-field schema, xgrammar 0.2.9 fills a token mask in 10.6 us on average (llguidance 1.9.1: 50 us), rolls
-back in ~8 us, and gives jump-forward tokens (`find_jump_forward_tokens`); `docs/bench/grammar-engines.md` has the comparison.
+back in ~8 us (jump-forward is read from its masks, `GrammarState.jump`: its own `find_jump_forward_tokens` never
+returns on an endless forced text); `docs/bench/grammar-engines.md` has the comparison.
 
 A state's masks are cached per path for one step (`advance` clears them): the draft model's q at draft j and the
 target's p at slot j read the same mask, computed once. A path with a token the grammar refuses is dead: its slots
@@ -19,6 +20,7 @@ import json
 import re
 import sys
 import threading
+import urllib.parse
 from collections.abc import Iterable, Sequence
 
 import numpy as np
@@ -27,13 +29,19 @@ from torch import Tensor
 
 from ..sampling.constraint import Constraint, ConstraintError
 
-__all__ = ["GrammarState", "Grammars"]
+__all__ = ["JUMP_CAP", "GrammarState", "Grammars"]
 
 # bit i of word w of xgrammar's bitmask is token 32 w + i: on a little-endian host byte k of word w holds tokens
 # 32 w + 8 k ... + 7, lowest bit first, which np.unpackbits(bitorder="little") reads in one C pass
 if sys.byteorder != "little":  # pragma: no cover - every platform torch ships wheels for is little-endian
     raise ImportError("verispec.structured unpacks xgrammar's bitmasks byte by byte: it needs a little-endian host")
 _CACHE_BYTES = 256 << 20  # xgrammar's compiled-grammar cache (the same schema every epoch compiles once)
+# Jump-forward is walked a token at a time and stops at the caller's limit (a row's remaining room, the spec's jump)
+# or at JUMP_CAP, whichever is first: a grammar that forces an endless text ("root ::= "a" root", a JSON schema whose
+# object requires itself) costs that many steps. (xgrammar's own find_jump_forward_tokens builds the whole forced text
+# first and never returns on such a grammar, eating memory until the process dies.)
+JUMP_CAP = 64
+_JUMP_SCAN = 1024  # a state allowing more tokens than this, all starting with one byte, is not read for forced text
 
 
 def _xgrammar():
@@ -58,6 +66,13 @@ class Grammars:
         size = max(self.vocab_size, len(tokenizer))
         self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=size, stop_token_ids=self.stop_ids)
         self.compiler = xgr.GrammarCompiler(self.info, max_threads=1, cache_limit_bytes=_CACHE_BYTES)
+        special = set(self.info.special_token_ids) | set(self.stop_ids)
+        # each sampled token's text (bytes; empty for special and stop tokens) and first byte (-1: none), for jump
+        self.texts = [
+            b"" if t in special else bytes(w) for t, w in enumerate(self.info.decoded_vocab[: self.vocab_size])
+        ]
+        self.texts += [b""] * (self.vocab_size - len(self.texts))
+        self.first = torch.tensor([w[0] if w else -1 for w in self.texts], dtype=torch.int16)
         self._lock = threading.Lock()  # compiles come from the server's threads and the engine's
 
     def compile(self, c: Constraint):
@@ -94,7 +109,7 @@ class Grammars:
         xgr = _xgrammar()
         stops = sorted(set(self.stop_ids) | {int(t) for t in stop_ids})
         matcher = xgr.GrammarMatcher(self.compile(c), override_stop_tokens=stops or None)
-        return GrammarState(matcher, self.info.vocab_size, self.vocab_size, xgr)
+        return GrammarState(matcher, self.info.vocab_size, self.vocab_size, xgr, self, stops)
 
 
 _TEMPERATURE = re.compile(r"\[\s*temperature\s*=")  # an EBNF rule attribute: rule[temperature=0.1] ::= ...
@@ -108,39 +123,113 @@ def _reason(e: Exception) -> str:
 
 
 # JSON-schema keywords a grammar cannot enforce, or that xgrammar 0.2.9 compiles without enforcing (it logs and drops
-# them): a schema with one is refused, so that "stop" keeps meaning "valid under the schema"
+# them, or drops them silently): a schema with one is refused, so that "stop" keeps meaning "valid under the schema"
 _UNENFORCED = (
     "not", "if", "then", "else", "dependentRequired", "dependentSchemas", "dependencies", "contains", "minContains",
     "maxContains", "propertyNames", "patternProperties", "unevaluatedProperties", "unevaluatedItems", "multipleOf",
+    "$dynamicRef", "$recursiveRef",
 )  # fmt: skip
 _SCHEMA_MAPS = ("properties", "$defs", "definitions")  # keyword -> {name: schema}
 _SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")  # keyword -> [schema, ...]
 _SCHEMAS = ("items", "additionalProperties", "additionalItems")  # keyword -> schema (items: or a list of them)
+# keywords that constrain a value: beside a $ref or an allOf, xgrammar 0.2.9 keeps one side and drops the other
+_ASSERTING = (
+    "type", "enum", "const", "properties", "required", "additionalProperties", "items", "prefixItems",
+    "additionalItems", "minItems", "maxItems", "minProperties", "maxProperties", "minLength", "maxLength", "pattern",
+    "format", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "anyOf", "oneOf", "allOf", "$ref",
+)  # fmt: skip
+# the string formats xgrammar 0.2.9 enforces (on a schema of type "string"); any other format is accepted unchecked
+_FORMATS = (
+    "date", "date-time", "duration", "email", "hostname", "ipv4", "ipv6", "json-pointer", "relative-json-pointer",
+    "time", "uri", "uri-reference", "uri-template", "uuid",
+)  # fmt: skip
 
 
-def _check_enforceable(schema, where: str = "#") -> None:
-    """ConstraintError naming the first keyword of `schema` (at its JSON pointer) the grammar would not enforce.
+def _check_enforceable(root) -> None:
+    """ConstraintError naming the first keyword of a JSON schema (at its JSON pointer) the grammar would not enforce.
+    Every schema position is read: keyword values, $defs / definitions, and the targets of local $refs (#/...).
     Only keyword positions are read: a property named "if" is a name, not the keyword."""
-    if not isinstance(schema, dict):
-        return
-    for key in _UNENFORCED:
-        if key in schema:
-            raise ConstraintError(f"the JSON schema's {key!r} (at {where}) cannot be enforced by the grammar engine")
-    if schema.get("uniqueItems") is True:
-        raise ConstraintError(f"the JSON schema's 'uniqueItems' (at {where}) cannot be enforced by the grammar engine")
-    if "pattern" in schema and ("minLength" in schema or "maxLength" in schema):
-        raise ConstraintError(
-            f"the JSON schema's 'pattern' beside 'minLength' / 'maxLength' (at {where}) cannot be enforced by the "
-            "grammar engine: put the length into the pattern (e.g. ^[a-z]{1,8}$)"
-        )
-    for key in _SCHEMA_MAPS:
-        if isinstance(schema.get(key), dict):
-            for name, sub in schema[key].items():
-                _check_enforceable(sub, f"{where}/{key}/{name}")
-    for key in (*_SCHEMA_LISTS, *_SCHEMAS):
-        value = schema.get(key)
-        for i, sub in enumerate(value) if isinstance(value, list) else [(None, value)]:
-            _check_enforceable(sub, f"{where}/{key}" + ("" if i is None else f"/{i}"))
+    seen: set[int] = set()
+
+    def refuse(what: str, where: str, hint: str = "") -> None:
+        raise ConstraintError(f"the JSON schema's {what} (at {where}) cannot be enforced by the grammar engine{hint}")
+
+    def check(schema, where: str) -> None:
+        if not isinstance(schema, dict) or id(schema) in seen:
+            return
+        seen.add(id(schema))
+        for key in _UNENFORCED:
+            if key in schema:
+                refuse(repr(key), where)
+        if schema.get("uniqueItems") is True:
+            refuse("'uniqueItems'", where)
+        for key in ("pattern", "format"):
+            for bound in ("minLength", "maxLength"):
+                if key in schema and bound in schema:
+                    refuse(f"{key!r} beside {bound!r}", where, ": put the length into a pattern (e.g. ^[a-z]{1,8}$)")
+        if isinstance(schema.get("pattern"), str) and _lookaround(schema["pattern"]):
+            refuse("'pattern' with a lookahead (?= / (?!", where)
+        if "format" in schema:
+            fmt, types = schema["format"], schema.get("type")
+            if "pattern" in schema:
+                refuse("'format' beside 'pattern'", where, ": the pattern would be dropped")
+            if fmt not in _FORMATS or not (types == "string" or (isinstance(types, list) and "string" in types)):
+                refuse(f"'format': {fmt!r}", where, f" (it enforces {', '.join(_FORMATS)} on strings, no other format)")
+        if isinstance(schema.get("allOf"), list):
+            beside = [k for k in _ASSERTING if k in schema and k != "allOf"]
+            if len(schema["allOf"]) > 1 or beside:
+                refuse("'allOf'", where, ": write it as one schema (allOf of one schema, beside annotations only)")
+        if "$ref" in schema:
+            ref = schema["$ref"]
+            if not isinstance(ref, str) or not (ref == "#" or ref.startswith("#/")):
+                refuse(f"'$ref': {ref!r}", where, ": only references into the same schema (#/...) are resolved")
+            beside = [k for k in _ASSERTING if k in schema and k != "$ref"]
+            if beside:
+                refuse(f"'$ref' beside {beside[0]!r}", where, ": move it into the referenced schema or an anyOf")
+            check(_pointer(root, ref), ref)
+        for key in _SCHEMA_MAPS:
+            if isinstance(schema.get(key), dict):
+                for name, sub in schema[key].items():
+                    check(sub, f"{where}/{key}/{name}")
+        for key in (*_SCHEMA_LISTS, *_SCHEMAS):
+            value = schema.get(key)
+            for i, sub in enumerate(value) if isinstance(value, list) else [(None, value)]:
+                check(sub, f"{where}/{key}" + ("" if i is None else f"/{i}"))
+
+    check(root, "#")
+
+
+def _pointer(root, ref: str):
+    """The value a local JSON pointer ("#/a/b") names in `root`; None where it names nothing (xgrammar says so)."""
+    node = root
+    for part in ref[2:].split("/") if ref.startswith("#/") else []:
+        part = urllib.parse.unquote(part).replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    return node
+
+
+def _lookaround(pattern: str) -> bool:
+    """Whether a regex has a lookahead group, (?= or (?!, outside a character class (xgrammar 0.2.9 compiles a JSON
+    schema's pattern without it, logging that it ignored it; a regex constraint with one it refuses itself)."""
+    i, n = 0, len(pattern)
+    while i < n:
+        if pattern[i] == "\\":
+            i += 2
+            continue
+        if pattern[i] == "[":  # a character class, to its closing "]" (a "]" first in it, or after "^", is a member)
+            i += 2 if pattern[i + 1 : i + 2] == "^" else 1
+            i += 1 if pattern[i : i + 1] == "]" else 0
+            while i < n and pattern[i] != "]":
+                i += 2 if pattern[i] == "\\" else 1
+        elif pattern.startswith(("(?=", "(?!"), i):
+            return True
+        i += 1
+    return False
 
 
 def _ebnf_string(s: str) -> str:
@@ -153,9 +242,12 @@ class GrammarState:
     it (`mask`, `accepts`, `jump`). One matcher does both: a walk accepts the path's tokens and rolls back to the
     common prefix for the next path (xgrammar's rollback), so no copy of the parser state is made."""
 
-    def __init__(self, matcher, full_vocab: int, vocab_size: int, xgr):
+    def __init__(self, matcher, full_vocab: int, vocab_size: int, xgr, grammars: Grammars, stops: Iterable[int]):
         self.matcher = matcher
         self.V = vocab_size
+        self._text, self._first = grammars.texts, grammars.first  # [V] bytes, [V] int16 (jump-forward's reading)
+        self._is_stop = torch.zeros(vocab_size, dtype=torch.bool)  # [V]
+        self._is_stop[[t for t in stops if 0 <= t < vocab_size]] = True
         self._bits = xgr.allocate_token_bitmask(1, full_vocab)  # [1, ceil(full_vocab / 32)] int32
         self._at: list[int] = []  # the walk: tokens accepted beyond the committed output
         self._masks: dict[tuple[int, ...], Tensor] = {}  # path -> [V] bool, this step's
@@ -229,13 +321,45 @@ class GrammarState:
         return m
 
     def jump(self, path: Sequence[int], limit: int) -> list[int]:
-        """Up to `limit` tokens the grammar forces after `path` (jump-forward: xgrammar's greedy tokenization of the
-        forced text, which the target may tokenize otherwise; they are proposals like any other, verified against p)."""
-        if limit <= 0 or self._walk(list(path)) < len(path) or self.matcher.is_terminated():
+        """Up to `limit` (and at most JUMP_CAP) tokens the grammar forces after `path` (jump-forward), walked one
+        token at a time (`_forced`), so a grammar that forces an endless text costs `limit` steps, not all memory.
+        They are proposals like any other, verified against p; the walk's masks are this step's masks of the slots
+        they fill, which the drafts' q and the target's p read next (cached, not computed twice)."""
+        key = tuple(int(t) for t in path)
+        if limit <= 0 or self._walk(key) < len(key):
             return []
-        out = []
-        for t in self.matcher.find_jump_forward_tokens()[:limit]:
-            if not 0 <= t < self.V:
+        out: list[int] = []
+        while len(out) < min(limit, JUMP_CAP):
+            t = self._forced(key + tuple(out))
+            if t is None:
                 break
-            out.append(int(t))
+            out.append(t)
         return out
+
+    def _forced(self, key: tuple[int, ...]) -> int | None:
+        """The next token of the text the grammar forces after a live path, or None: nothing forced (a choice next,
+        the output may end here, a dead end).
+
+        Read from the path's mask alone. Every token it allows is a prefix of the forced text F or extends F, and
+        every token that is a prefix of F is allowed. Where one allowed token extends all the others, it is
+        proposed: F reaches its end, or ends inside it with no other continuation the vocabulary spells. Otherwise
+        F is the common prefix of the allowed tokens no other extends, and the longest allowed token within F is
+        proposed (the next token of F's greedy tokenization) unless it ends exactly at F's end: a longer token may
+        spell F and what follows, so xgrammar's greedy tokenization omits that last token too."""
+        if self._walk(key) < len(key) or self.matcher.is_terminated():
+            return None
+        ids = torch.nonzero(self._fill(key)).flatten()
+        if len(ids) == 0 or bool(self._is_stop[ids].any()):
+            return None  # a dead end, or the output may end here
+        first = self._first[ids]
+        if bool((first < 0).any()) or bool((first != first[0]).any()) or len(ids) > _JUMP_SCAN:
+            return None  # no common first byte (or a token without text): nothing forced; or too many to read
+        words = sorted((self._text[t], t) for t in ids.tolist())
+        top = [(w, t) for i, (w, t) in enumerate(words) if i + 1 == len(words) or not words[i + 1][0].startswith(w)]
+        if len(top) == 1:
+            return top[0][1]  # every allowed token is a prefix of this one
+        a, b = top[0][0], top[-1][0]  # (sorted: the first and last have the least in common)
+        n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        forced = a[:n]
+        within = [(len(w), t) for w, t in words if len(w) < len(forced) and forced.startswith(w)]
+        return max(within)[1] if within else None
