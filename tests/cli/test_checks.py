@@ -83,7 +83,7 @@ SAMPLING = [
     (["--min-p", "1.5"], r"--min-p must be in \[0, 1\]"),
 ]
 GENERATE_ONLY = [
-    (["--repetition-penalty", "0"], r"--repetition-penalty must be > 0"),
+    (["--repetition-penalty", "0"], r"--repetition-penalty must be in \[0.01, 100\]"),
     (["--presence-penalty", "3"], r"--presence-penalty must be in \[-2, 2\]"),
     (["--frequency-penalty", "-2.5"], r"--frequency-penalty must be in \[-2, 2\]"),
     (["--seed", "-1"], r"--seed: must be an integer from 0"),

@@ -265,12 +265,12 @@ class _Probe:
             return wrapper
 
         def commit(old):
-            def wrapper(sess, view, draft, out):
+            def wrapper(sess, view, draft, out, *rest):
                 starts = fitted.pop(id(draft), None)
                 if starts is not None:
                     for (start, end), acc in zip(starts, out.accepted):
                         probe.jump_accepted += max(0, min(acc, end) - start)
-                return old(sess, view, draft, out)
+                return old(sess, view, draft, out, *rest)
 
             return wrapper
 

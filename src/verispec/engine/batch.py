@@ -24,6 +24,11 @@ from .randomness import RANDOMNESS, Randomness
 __all__ = ["BatchView", "NodeContext"]
 
 STREAM = RANDOMNESS["stream"]
+_NORM_TOL = 1e-3  # |sum - 1| a processed distribution may show in float32 (softmax of 10^5 tokens: ~1e-6)
+_FAULT = (
+    "the model's distribution for this request is not a finite probability distribution (NaN or inf in its "
+    "logits, or its options leave no token)"
+)
 
 
 class NodeContext(NamedTuple):
@@ -60,6 +65,7 @@ class BatchView:
     sampling: SamplingMetadata | None = None  # params as tensors, built once per batch membership; None: per call
     recent: Tensor | None = None  # [B, M] int64: last context tokens, most recent first (multi-token bad words)
     grammars: list | None = None  # per row: its structured-output GrammarState, or None; None: no row has one
+    faults: dict[int, str] = field(default_factory=dict)  # row -> why its distribution was no distribution (`probs`)
 
     @property
     def coupling(self) -> str | None:  # (the older name) "gumbel" or None (auto: per row, see `keyed`)
@@ -86,17 +92,40 @@ class BatchView:
         allowed: Tensor | None = None,
     ) -> Tensor:  # logits' shape ([B, V] or [B, T, V]), rows summing to 1
         """The processed distribution of these logits under the rows' params (`probs_from_logits`); output_counts,
-        recent and the grammar's mask `allowed` default to the root's (the position after the pending token)."""
+        recent and the grammar's mask `allowed` default to the root's (the position after the pending token).
+
+        One row's fault never fails the batch: a row whose distribution is not finite and normalised (NaN or inf
+        logits from the model, or options and grammar that leave no token) is recorded in `faults` and gets a
+        placeholder distribution (all mass on token 0), so the batch's math goes on for the other rows, whose
+        results do not depend on it (every row draws from its own generator); the engine ends that row with an
+        error (`GenerationSession`)."""
         if allowed is None and self.grammars is not None:
             allowed = root_allowed(self.grammars, logits.shape[-1], logits.device)
-        return probs_from_logits(
+        probs = probs_from_logits(
             logits,
             self.sampling if self.sampling is not None else self.params,
             prompt_mask=self.prompt_mask,
             output_counts=self.output_counts if output_counts is None else output_counts,
             recent_tokens=self.recent if recent is None else recent,
             allowed=allowed,
+            check=False,
         )
+        return self._guard(probs)
+
+    def _guard(self, probs: Tensor) -> Tensor:  # [B, V] or [B, T, V] -> the same, every row a distribution
+        """Rows of `probs` that are not finite and normalised (one sum: NaN and inf propagate into it) are
+        recorded in `faults` and replaced by a placeholder distribution; one host sync."""
+        total = probs.sum(-1)  # [B] or [B, T]
+        ok = (total - 1.0).abs() <= _NORM_TOL
+        if ok.dim() == 2:
+            ok = ok.all(-1)  # [B]
+        if bool(ok.all()):
+            return probs
+        for b in (~ok).nonzero().flatten().tolist():
+            self.faults.setdefault(b, _FAULT)
+        placeholder = torch.zeros_like(probs[:1])
+        placeholder[..., 0] = 1.0
+        return torch.where(ok.view(-1, *[1] * (probs.dim() - 1)), probs, placeholder)
 
     def node_context(self, token_ids: Tensor, parents: Tensor) -> NodeContext:
         """The context at the root (slot 0) and after every node n (slot n + 1) of a draft (token_ids, parents

@@ -29,7 +29,7 @@ the order below; draft, gamma, verify and random always, every other key only wh
   max_gamma     8 | 1..64: the most drafts per step gamma auto picks
   tree          none | widths per depth (4-2-2-1) | dynamic-D-K-M (EAGLE-2): a token tree per step (with
                 history: the trie's shape, dynamic-D-K-M, default dynamic-8-3-16)
-  jump          16 | 0..256: structured outputs: the most tokens the grammar forces that are appended to a row's
+  jump          16 | 0..64: structured outputs: the most tokens the grammar forces that are appended to a row's
                 chain per step (jump-forward, verified like any chosen draft; 0: off; needs a drafter)
   verify        the verification rule: token | block for chains (token-wise, block verification);
                 deterministic | iid | without_replacement for a tree (how children are drawn); mixed for
@@ -88,7 +88,7 @@ VERIFIES = (*CHAIN_VERIFY, *TREE_VERIFY, "mixed")
 RANDOMS = ("auto", "stream", "position", "gumbel")  # the default first
 CROSS_VOCABS = ("auto", "tli", "slem")  # the default first
 HISTORY_TREE = "dynamic-8-3-16"  # HistoryProposer's default trie
-MAX_JUMP = 256  # jump-forward tokens per step
+MAX_JUMP = 64  # jump-forward tokens per step (structured.grammar.JUMP_CAP: what a grammar state forces at most)
 
 
 @dataclass(frozen=True)

@@ -343,7 +343,10 @@ class SpeculativeGenerator:
     def _drive(self, sess: GenerationSession) -> Iterator[StreamEvent]:
         t_start = time.perf_counter()
         while not sess.idle:
-            yield from sess.step()
+            for event in sess.step():
+                if event.completion is not None and event.completion.error is not None:
+                    raise event.completion.error  # a RowFault: this request failed inside a step
+                yield event
         pooled = sess.stats
         pooled.wall_time = time.perf_counter() - t_start
         pooled.other_time = pooled.wall_time - pooled.draft_time - pooled.verify_time

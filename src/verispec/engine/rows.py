@@ -15,11 +15,17 @@ from ..sampling import SamplingParams
 from .stats import SpecStats
 from .stops import StopMatcher, matcher_of
 
-__all__ = ["Completion", "IncrementalDecoder", "Row", "StreamEvent"]
+__all__ = ["Completion", "IncrementalDecoder", "Row", "RowFault", "StreamEvent"]
 
 MAX_PENDING = 8  # tokens a decoding window may wait for (a UTF-8 character is at most 4 bytes): bounds each step's work
 MAX_WINDOW = 64  # the longest decoding window (context + new tokens) kept for runs of invisible tokens
 TopLogprobs = list[tuple[int, float]]  # (token id, raw target logprob), best first
+
+
+class RowFault(RuntimeError):
+    """One request failed inside an engine step (its distribution was no distribution; its grammar, stop strings or
+    detokenizer raised): it ends with finish_reason "error" and this as `Completion.error`, while the other rows of
+    the batch go on unchanged. A ValueError cause (a parameter the request set) is kept as `__cause__`."""
 
 
 @dataclass
@@ -37,7 +43,8 @@ class Completion:
         token_ids: The generated tokens (EOS excluded; cut at a stop string).
         text: The generated text (cut before the first stop string).
         finish_reason: "stop" (EOS, a stop token or a stop string), "length" (max_new_tokens or the end of the
-            context) or "abort" (cut short by its caller).
+            context), "abort" (cut short by its caller) or "error" (it failed inside a step: `error` says why; the
+            other requests of the batch went on).
         stop_reason: The stop string, stop token or EOS id that ended it (None otherwise).
         logprobs: log p(x) of each token under the processed target distribution.
         raw_logprobs: log softmax(target logits)(x) of each token, temperature 1, nothing truncated.
@@ -50,6 +57,7 @@ class Completion:
         text_offsets: Where each of `token_ids` starts in `text` (see `StreamEvent.text_offsets`); empty for a
             completion no row decoded.
         weight_version: The target's weight version it was drawn under.
+        error: With finish_reason "error": the exception (a RowFault, or what the request's own code raised).
     """
 
     index: int  # position of the request in the call
@@ -69,6 +77,7 @@ class Completion:
     text_offsets: list[int] = field(default_factory=list)  # where each of token_ids starts in text (cut at its
     # stop string; see `StreamEvent.text_offsets`); empty for a completion no row decoded
     weight_version: int | None = None  # the target's weight version it was drawn under (EngineCore.weight_version)
+    error: Exception | None = None  # finish_reason "error": why (the other rows of its batch went on)
 
 
 @dataclass
@@ -287,6 +296,13 @@ class Row:
             key=self.key,
             weight_version=self.weight_version,
         )
+
+    def fail(self, error: Exception) -> StreamEvent:
+        """End the row with finish_reason "error" (nothing decoded: the decoder may be what failed); its last event."""
+        self.finish("error", None)
+        self.done.error = error
+        self.done.token_ids = list(self.tokens)
+        return StreamEvent(self.index, "", [], completion=self.done, key=self.key)
 
     def event(self, tokenizer, before: int) -> StreamEvent:
         """This step's event: the text delta (stop strings applied) and the tokens kept since `before`.

@@ -1,7 +1,8 @@
 """The speculative step and the scheduler, with one home: a `GenerationSession` runs jobs of requests on an
 `EngineCore` — requests join the batch (whole groups, at most `max_batch` rows) and leave it (they finish, or are
 aborted) between steps: continuous batching — and runs `Barrier`s (weight updates) between jobs, so that every job
-is drawn under one weight version, which its completions report.
+is drawn under one weight version, which its completions report. While rows run, a prompt longer than
+`prefill_chunk` is prefilled outside the batch, one chunk per step, and joins once complete (chunked prefill).
 
     draft  -> the proposer's `Draft` (a token tree per row; a chain is the tree with parents -1, 0, 1, ...)
     verify -> one target forward over every row's pending token and draft nodes, p from the same processing as
@@ -28,11 +29,12 @@ from torch import Tensor
 
 from ..drafting import Draft
 from ..drafting.grammar import fit_draft
+from ..model.protocol import Staged, Staging
 from ..sampling import SamplingMetadata, SamplingParams
 from .batch import BatchView
-from .core import EngineCore
+from .core import EngineCore, check_prefill_chunk
 from .request import Barrier, Job, Request, check_limits
-from .rows import Completion, Row, StreamEvent
+from .rows import Completion, Row, RowFault, StreamEvent
 from .stats import SpecStats
 from .verify import Batch, StepOutput
 
@@ -48,18 +50,32 @@ class _Live:
     open: int = 0
 
 
+@dataclass(eq=False)
+class _Prefill:
+    """Admitted rows sharing one long prompt while it is prefilled outside the batch, a chunk per step (the runner's
+    `Staged`); they hold their batch slots and join it together once the prompt is complete."""
+
+    rows: list[Row]
+    staged: Staged
+
+
 class GenerationSession:
     """Continuous batching and scheduling over one EngineCore; `step()` admits what the queue allows and runs one
     draft + verify step for every row in the batch (see the module docstring). `max_batch`: the most rows at once
-    (None: no bound)."""
+    (None: no bound), rows being prefilled included. `prefill_chunk`: while rows run, a prompt longer than this is
+    prefilled outside the batch, at most this many prompt tokens per step in all, and joins once complete (chunked
+    prefill: the running rows wait one chunk per step, not a whole prompt); 0: every prompt whole at admission;
+    None: the core's (`EngineCore.prefill_chunk`)."""
 
-    def __init__(self, core: EngineCore, max_batch: int | None = None):
+    def __init__(self, core: EngineCore, max_batch: int | None = None, prefill_chunk: int | None = None):
         core = getattr(core, "core", core)  # a SpeculativeGenerator passes its core
         if max_batch is not None and (isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1):
             raise ValueError(f"max_batch must be None or an integer >= 1, got {max_batch!r}")
         self.core = core
         self.max_batch = max_batch
+        self.prefill_chunk = check_prefill_chunk(core.prefill_chunk if prefill_chunk is None else prefill_chunk)
         self.rows: list[Row] = []  # in the batch, in cache row order
+        self.prefilling: list[_Prefill] = []  # admitted rows whose prompts are being prefilled, in admission order
         self.queue: deque[_Live | Barrier] = deque()  # jobs not fully admitted and barriers, in submission order
         self.stats = SpecStats()  # pooled over this session
         self.prompt_mask: Tensor | None = None  # [B, V] bool: tokens in each row's prompt
@@ -72,8 +88,11 @@ class GenerationSession:
     # --- submitting ---------------------------------------------------------------------------------------
     @property
     def pending(self) -> list[Request]:
-        """Submitted requests that have not joined the batch yet, in the order they will."""
-        return [r for item in self.queue if isinstance(item, _Live) for r in item.job.requests[item.admitted :]]
+        """Submitted requests that have not joined the batch yet (being prefilled, then queued), in the order they
+        will."""
+        staged = [self._request(r.key) for p in self.prefilling for r in p.rows]
+        queued = [r for item in self.queue if isinstance(item, _Live) for r in item.job.requests[item.admitted :]]
+        return staged + queued
 
     @property
     def num_active(self) -> int:
@@ -82,8 +101,8 @@ class GenerationSession:
 
     @property
     def idle(self) -> bool:
-        """Nothing to run: no row, no queued job, no barrier."""
-        return not self.rows and not self.queue
+        """Nothing to run: no row, no prompt being prefilled, no queued job, no barrier."""
+        return not self.rows and not self.prefilling and not self.queue
 
     def submit(self, job: Job) -> object:
         """Queue a job (its requests checked against the core now); it starts once every barrier submitted before it
@@ -139,6 +158,7 @@ class GenerationSession:
                 row.finish("abort", None)
                 events.append(row.event(self.core.tokenizer, len(row.tokens)))
             self._closed(k)
+        self._unstage()
         self._keep([b for b, r in enumerate(self.rows) if r.key in self._owner])
         self.queue = deque(x for x in self.queue if isinstance(x, Barrier) or self._waiting(x))
         return events
@@ -156,19 +176,20 @@ class GenerationSession:
         view = self._view(penalties=any(r.params.uses_penalties for r in self.rows))
         draft = self._draft(view)
         out = self._verify(view, draft)
-        self._commit(view, draft, out)
-        return self._emit(out)
+        faults: dict[int, Exception] = {b: RowFault(why) for b, why in view.faults.items()}  # row -> its failure
+        self._commit(view, draft, out, faults)
+        return self._emit(out, faults)
 
     # --- scheduling ---------------------------------------------------------------------------------------
     def schedule(self) -> None:
         """Move queued requests into the batch in submission order while rows are free (a group whole when it fits,
-        in parts only into an empty batch); a barrier at the head runs once the batch is empty, and holds back
-        everything behind it until then."""
+        in parts only into an empty batch), then feed the prompts being prefilled one chunk (`_prefill`); a barrier
+        at the head runs once the batch is empty, and holds back everything behind it until then."""
         joining: list[Row] = []
         while self.queue:
             head = self.queue[0]
             if isinstance(head, Barrier):
-                if self.rows or joining:
+                if self.rows or self.prefilling or joining:
                     break
                 self.queue.popleft()
                 head.run()
@@ -178,16 +199,20 @@ class GenerationSession:
             self.queue.popleft()
         if joining:
             self._join(joining)
+        if self.prefilling:
+            self._prefill()
 
     def _take(self, live: _Live, joining: list[Row]) -> bool:
         """Rows for the job's next groups while they fit; True once every request of the job has joined."""
         job = live.job
         if job.weight_version is None:
             job.weight_version = self.core.weight_version
+        staged = sum(len(p.rows) for p in self.prefilling)  # rows being prefilled hold their slots
         while live.admitted < len(job.requests):
-            free = (self.max_batch or 1 << 30) - len(self.rows) - len(joining)
+            held = len(self.rows) + staged + len(joining)
+            free = (self.max_batch or 1 << 30) - held
             size = min(job.group - live.admitted % job.group, len(job.requests) - live.admitted)
-            if free <= 0 or (size > free and (self.rows or joining)):
+            if free <= 0 or (size > free and held):
                 return False
             for req in job.requests[live.admitted : live.admitted + min(size, free)]:
                 live.admitted += 1
@@ -203,6 +228,10 @@ class GenerationSession:
     def _waiting(self, live: _Live) -> bool:
         """Whether the job still has requests to admit (not aborted)."""
         return any(r.key in self._owner for r in live.job.requests[live.admitted :])
+
+    def _request(self, key: object) -> Request:
+        """An unfinished request, by its key."""
+        return next(r for r in self._owner[key].job.requests if r.key == key)
 
     def _closed(self, key: object) -> None:
         """A request ended (finished or aborted): its job ends with its last one."""
@@ -246,7 +275,54 @@ class GenerationSession:
         return capacity
 
     def _join(self, new: list[Row]) -> None:
-        """The rows join the batch: their prompts into the target's cache (and the drafter's)."""
+        """Rows admitted now join the batch, their prompts prefilled whole, except, while other rows run or are being
+        prefilled, those whose prompts are longer than one chunk: they are staged (`_stage`), each prompt once."""
+        chunk = self.prefill_chunk
+        staging = bool(chunk) and isinstance(self.core.runner, Staging)
+        now: list[Row] = []
+        long: list[Row] = []
+        for r in new:
+            (long if staging and len(r.seq) - 1 > chunk else now).append(r)  # seq[:-1]: the tokens to prefill
+        if now:
+            self._enter(now)
+        if long and not self.rows and not self.prefilling:
+            self._enter(long)  # no one to delay: whole
+        elif long:
+            self._stage(long)
+
+    def _stage(self, rows: list[Row]) -> None:
+        """The rows wait outside the batch while their prompts are prefilled; rows sharing a prompt (a group's
+        samples) share one staged row, computed once."""
+        groups: dict[tuple[int, ...], list[Row]] = {}
+        for r in rows:
+            groups.setdefault(tuple(r.seq[:-1]), []).append(r)
+        for prompt, same in groups.items():
+            self.prefilling.append(_Prefill(same, self.core.runner.stage(prompt, self._capacity(same))))
+
+    def _prefill(self) -> None:
+        """Feed the staged prompts, oldest first, at most `prefill_chunk` tokens in all while rows run (with none
+        running, whole: no one to delay), and let each group whose prompt is complete join the batch."""
+        budget = self.prefill_chunk
+        for p in list(self.prefilling):
+            if not self.rows:
+                p.staged.feed(p.staged.remaining)
+            elif budget > 0:
+                budget -= p.staged.feed(budget)
+            if p.staged.remaining == 0:
+                self.prefilling.remove(p)
+                self._enter(p.rows, p.staged)
+
+    def _unstage(self) -> None:
+        """Staged rows whose requests ended (aborted) leave; a staged prompt no row waits for is dropped."""
+        for p in list(self.prefilling):
+            p.rows = [r for r in p.rows if r.key in self._owner]
+            if not p.rows:
+                self.prefilling.remove(p)
+                p.staged.close()
+
+    def _enter(self, new: list[Row], staged: Staged | None = None) -> None:
+        """The rows join the batch: their prompts into the target's cache (prefilled now, or the complete staged
+        prompt they share) and the drafter's."""
         core = self.core
         V, dev = core.vocab_size, core.device
         mask = torch.zeros((len(new), V), dtype=torch.bool, device=dev)
@@ -258,15 +334,18 @@ class GenerationSession:
         # several steps: up to a whole output), and a ragged chunk is written up to the longest row + the longest chunk
         draft_capacity = capacity + max(core.controller.probe_every, max(r.max_new for r in new)) + 2
         view = self._view(new, True, mask, counts)
-        if not self.rows:
+        fresh = not self.rows  # the runner's rows, if any, are those that left: replaced
+        if staged is not None:
+            core.runner.join(staged, len(new), replace=fresh)
+        elif fresh:
             core.runner.fill([r.seq[:-1] for r in new], capacity)  # a group's shared prompt is computed once
-            if core.proposer is not None:
-                core.proposer.start(view, draft_capacity)
-            self.prompt_mask, self.counts = mask, counts
         else:
             core.runner.add_rows([r.seq[:-1] for r in new], capacity)
-            if core.proposer is not None:
-                core.proposer.add(view, draft_capacity)
+        if core.proposer is not None:
+            (core.proposer.start if fresh else core.proposer.add)(view, draft_capacity)
+        if fresh:
+            self.prompt_mask, self.counts = mask, counts
+        else:
             self.prompt_mask, self.counts = torch.cat([self.prompt_mask, mask]), torch.cat([self.counts, counts])
         now = time.perf_counter()
         for r in new:
@@ -346,15 +425,19 @@ class GenerationSession:
         return step
 
     # --- commit and emit ------------------------------------------------------------------------------
-    def _commit(self, view: BatchView, draft: Draft, out: StepOutput) -> None:
+    def _commit(self, view: BatchView, draft: Draft, out: StepOutput, faults: dict[int, Exception]) -> None:
         """Keep each row's pending token and accepted path in the target's cache (everything else is dropped),
-        append the emitted tokens, count the step, and let the proposer roll its own state forward."""
+        append the emitted tokens, count the step, and let the proposer roll its own state forward. A row whose
+        grammar raises joins `faults` (it ends in `_emit`; a faulty row's state stays consistent until then)."""
         core = self.core
         old_lengths = [len(r.seq) for r in self.rows]
         core.runner.keep_paths([n - 1 for n in old_lengths], [[0] + [n + 1 for n in path] for path in out.paths])
         for b, r in enumerate(self.rows):
-            if r.grammar is not None:
-                _cut(out, b, r.grammar.advance(out.tokens[b]))  # past a dead end: nothing (the row ends there)
+            if r.grammar is not None and b not in faults:
+                try:
+                    _cut(out, b, r.grammar.advance(out.tokens[b]))  # past a dead end: nothing (the row ends there)
+                except Exception as e:  # this request's grammar: it fails alone
+                    faults[b] = _row_fault("its grammar", e)
             r.seq.extend(out.tokens[b])  # view.seqs are these lists: the proposer sees the committed tokens
             r.observe(out.drafted[b], out.accepted[b], out.nodes[b])
             self.stats.observe(out.drafted[b], out.accepted[b], out.nodes[b])
@@ -364,11 +447,35 @@ class GenerationSession:
             core.proposer.update(view, old_lengths, draft, out.paths)
         self.last_step = list(zip(out.drafted, out.accepted))
 
-    def _emit(self, out: StepOutput) -> list[StreamEvent]:
-        core, dev = self.core, self.core.device
+    def _emit(self, out: StepOutput, faults: dict[int, Exception]) -> list[StreamEvent]:
+        """Each row takes its tokens and gives its event; a row in `faults`, or whose stop strings, grammar or
+        detokenizer raise now, ends with finish_reason "error" (`Row.fail`) and the others go on unchanged."""
         events: list[StreamEvent] = []
         keep: list[int] = []
         for b, r in enumerate(self.rows):
+            event = None if b in faults else self._take_tokens(b, r, out)
+            if isinstance(event, Exception):
+                faults[b] = event
+            if b in faults:
+                event = r.fail(faults[b])
+            if r.done is not None:
+                r.stats.output_tokens = len(r.done.token_ids)
+                r.stats.wall_time = time.perf_counter() - r.t_start  # this request's latency
+                self.stats.output_tokens += len(r.done.token_ids)
+                self._closed(r.key)
+                events.append(event)
+            else:
+                keep.append(b)
+                if event.delta or event.token_ids:
+                    events.append(event)
+        self._keep(keep)
+        return events
+
+    def _take_tokens(self, b: int, r: Row, out: StepOutput) -> StreamEvent | Exception:
+        """Row b takes this step's tokens (EOS, budget, stop strings, grammar end): its event, or the exception its
+        own code raised (stop strings, grammar, detokenizer) as a RowFault."""
+        core, dev = self.core, self.core.device
+        try:
             before = len(r.tokens)
             taken = r.take(
                 out.tokens[b],
@@ -382,19 +489,17 @@ class GenerationSession:
                 r.finish("length", None)  # no token of the vocabulary continues its grammar
             if taken:
                 self.counts[b].index_add_(0, torch.tensor(taken, device=dev), torch.ones(len(taken), device=dev))
-            event = r.event(core.tokenizer, before)
-            if r.done is not None:
-                r.stats.output_tokens = len(r.done.token_ids)
-                r.stats.wall_time = time.perf_counter() - r.t_start  # this request's latency
-                self.stats.output_tokens += len(r.done.token_ids)
-                self._closed(r.key)
-                events.append(event)
-            else:
-                keep.append(b)
-                if event.delta or event.token_ids:
-                    events.append(event)
-        self._keep(keep)
-        return events
+            return r.event(core.tokenizer, before)
+        except Exception as e:
+            r.done = None  # (a finish before the failure does not stand)
+            return _row_fault("taking its tokens", e)
+
+
+def _row_fault(where: str, e: Exception) -> RowFault:
+    """A request's own failure inside a step, as the RowFault that ends it (the cause kept)."""
+    fault = RowFault(f"{where} failed: {type(e).__name__}: {e}")
+    fault.__cause__ = e
+    return fault
 
 
 def _cut(out: StepOutput, b: int, keep: int) -> None:

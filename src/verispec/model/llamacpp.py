@@ -38,7 +38,7 @@ from torch import Tensor
 
 from .runner import check_forward_args
 
-__all__ = ["DECODE_CHUNK", "INSTALL_HINT", "LlamaCppModel", "LlamaCppRunner", "llamacpp_available"]
+__all__ = ["DECODE_CHUNK", "INSTALL_HINT", "LlamaCppModel", "LlamaCppRunner", "StagedPrompt", "llamacpp_available"]
 
 INSTALL_HINT = (
     'the llama.cpp runner needs llama-cpp-python: pip install -e ".[llamacpp]" (it compiles llama.cpp, ~10 min on '
@@ -51,6 +51,14 @@ _BATCH = 512  # tokens per llama_decode call in a prefill (n_batch = n_ubatch)
 # up to 0.06). Verifying in chunks of 3 keeps the target law exactly that of llama.cpp's own one-token decoding (and
 # the same for every batch size); its CPU cost curve is nearly linear, so the split costs little.
 DECODE_CHUNK = 3
+# llama.cpp's CPU kernels compute a llama_decode of >= 64 tokens one way and a smaller one another (measured here,
+# Q4_1 file: after a prefill whose last call holds 63 tokens or fewer, the next logits differ by up to 1.4 from one
+# whose last call holds 64 or more; calls of 64 to 720 tokens agree exactly). A staged prompt (`stage`) is therefore
+# fed in calls of >= _GEMM_MIN tokens inside unchunked prefill's _BATCH-token calls (a short last call whole): the
+# same kernels as unchunked prefill. (The larger calls' results also depend on where the row's cells lie in the
+# context — 0.5-1.1 off for a prompt placed 1 to 11 cells higher, calls of < 64 tokens not at all — so a prompt's
+# cache depends on the cells before it, chunked or not: identical to unchunked prefill's where the cells coincide.)
+_GEMM_MIN = 64
 
 
 def llamacpp_available() -> bool:
@@ -158,6 +166,7 @@ class LlamaCppRunner:
         self.ctx = None
         self.n_ctx = 0
         self.rows: list[_Row] = []
+        self._staged: list[StagedPrompt] = []  # rows being prefilled outside the batch (`stage`), in order
         self._free_seqs: list[int] = []
         self.grave = self.n_seq_max - 1  # the graveyard sequence (see the module docstring)
         self.taken = 0  # cells used since the cache was last cleared or compacted (live or in the graveyard)
@@ -210,10 +219,14 @@ class LlamaCppRunner:
         if self.n_ctx - self.taken < n:
             raise RuntimeError(f"llama.cpp context of {self.n_ctx} cells is full ({self.taken} taken, {n} more needed)")
 
+    def _live(self) -> list[_Row]:
+        """The rows whose cells are kept: the batch's, then the staged ones'."""
+        return self.rows + [st.row for st in self._staged]
+
     def _save(self) -> list:
-        """Every row's cells, copied out (llama_state_seq_get_data); rows must have no open tree."""
+        """Every live row's cells, copied out (llama_state_seq_get_data); rows must have no open tree."""
         lib, saved = self.lib, []
-        for r in self.rows:
+        for r in self._live():
             size = lib.llama_state_seq_get_size(self.ctx, r.seq)
             buf = (ctypes.c_ubyte * size)()
             if lib.llama_state_seq_get_data(self.ctx, buf, size, r.seq) != size:
@@ -222,21 +235,23 @@ class LlamaCppRunner:
         return saved
 
     def _restore(self, saved: list) -> None:
-        """The cache cleared and the rows' saved cells written back side by side, in position order."""
+        """The cache cleared and the live rows' saved cells written back side by side, in position order."""
         self.lib.llama_memory_clear(self.mem, True)
-        for r, buf in zip(self.rows, saved):
+        live = self._live()
+        for r, buf in zip(live, saved):
             if r.base and self.lib.llama_state_seq_set_data(self.ctx, buf, len(buf), r.seq) == 0:
                 raise RuntimeError("llama.cpp could not restore a row's KV cells")
-        self.taken = sum(r.base for r in self.rows)
+        self.taken = sum(r.base for r in live)
 
     # --- batch lifecycle -------------------------------------------------------------------------------
     def _reset(self, cells: int, capacity: int) -> None:
-        """No rows, and room for `cells` KV cells; the context is made anew only when it is too small."""
+        """No rows (staged ones dropped too), and room for `cells` KV cells; the context is made anew only when it is
+        too small."""
         if self.ctx is None or self.n_ctx < cells:
             self._context(cells)
         else:
             self.lib.llama_memory_clear(self.mem, True)
-        self.rows, self._free_seqs = [], list(range(self.n_seq_max - 2, -1, -1))
+        self.rows, self._staged, self._free_seqs = [], [], list(range(self.n_seq_max - 2, -1, -1))
         self.capacity, self.taken = capacity, 0
 
     def start(self, batch: int, capacity: int) -> None:
@@ -245,7 +260,11 @@ class LlamaCppRunner:
         self.rows = [_Row(self._seq()) for _ in range(batch)]
 
     def fill(self, seqs: Sequence[Sequence[int]], capacity: int) -> None:
-        """Rows with seqs[i] prefilled into row i; identical sequences are computed once and shared."""
+        """Rows with seqs[i] prefilled into row i; identical sequences are computed once and shared. Staged rows
+        (`stage`) keep their cells: then only the batch's rows are replaced."""
+        if self._staged:
+            self.select([])
+            return self.add_rows(seqs, capacity)
         self._reset(2 * len(seqs) * capacity, capacity)
         self._append_rows(seqs)
 
@@ -254,17 +273,22 @@ class LlamaCppRunner:
         batch is made anew (at least twice the size) and the existing rows' cells copied into it."""
         if self.ctx is None:
             return self.fill(seqs, capacity)
+        self._grow(len(seqs), capacity)
+        self._append_rows(seqs)
+
+    def _grow(self, rows: int, capacity: int) -> None:
+        """Room for `rows` more rows and `capacity` tokens per row (the larger of it and the current one), with two
+        cells per slot of every live row. A context too small is made anew (at least twice the size) and the live
+        rows' cells copied into it, not recomputed."""
         capacity = max(capacity, self.capacity)
-        need = 2 * (len(self.rows) + len(seqs)) * capacity
-        if need > self.n_ctx:  # a larger context; the rows' cells are copied over, not recomputed
+        need = 2 * (len(self._live()) + rows) * capacity
+        if need > self.n_ctx:
             if any(r.nodes for r in self.rows):
                 raise RuntimeError("rows cannot join while a tree is uncommitted")
-            rows, saved = self.rows, self._save()
+            saved = self._save()
             self._context(max(need, 2 * self.n_ctx))
-            self.rows = rows
             self._restore(saved)
         self.capacity = capacity
-        self._append_rows(seqs)
 
     def reserve(self, capacity: int) -> None:
         """Room for at least `capacity` tokens per row, the rows kept (`add_rows` with no new row)."""
@@ -287,6 +311,64 @@ class LlamaCppRunner:
             if first[key] != i:  # tag the first copy's cells with this row's sequence: nothing is computed
                 self.lib.llama_memory_seq_cp(self.mem, new[first[key]].seq, new[i].seq, -1, -1)
                 new[i].base = len(key)
+
+    # --- chunked prefill: a row's prompt computed outside the running batch, a chunk at a time --------------
+    def stage(self, tokens: Sequence[int], capacity: int) -> StagedPrompt:
+        """A row holding `tokens`, prefilled outside the batch by `StagedPrompt.feed` (a sequence of its own in the
+        same context, not among `rows`: forwards do not see it), then appended to the batch by `join`."""
+        tokens = self._check_tokens([tokens], 1)[0]
+        if self.ctx is None:
+            self._reset(2 * capacity, capacity)
+        self._grow(1, capacity)
+        staged = StagedPrompt(self, _Row(self._seq()), tokens, capacity)
+        self._staged.append(staged)
+        return staged
+
+    def join(self, staged: StagedPrompt, copies: int = 1, replace: bool = False) -> None:
+        """The staged row, complete, joins after the batch's rows as `copies` rows sharing its cells (seq_cp: no
+        recompute). replace: they become the batch (the runner's rows are dropped)."""
+        if staged not in self._staged or staged.remaining:
+            raise ValueError("only a staged prompt of this runner, completely fed, can join its batch")
+        if copies < 1:
+            raise ValueError(f"copies must be >= 1, got {copies}")
+        if replace:
+            self.select([])
+        if copies > len(self._free_seqs) + 1:
+            raise RuntimeError(f"llama.cpp runner: at most {self.n_seq_max - 1} sequences (rows x tree branches)")
+        self._grow(copies - 1, staged.capacity)
+        self._staged.remove(staged)
+        first = staged.row
+        self.rows.append(first)
+        for _ in range(copies - 1):
+            r = _Row(self._seq(), first.base)
+            self.lib.llama_memory_seq_cp(self.mem, first.seq, r.seq, -1, -1)
+            self.rows.append(r)
+
+    def _feed(self, staged: StagedPrompt, n: int) -> int:
+        """`StagedPrompt.feed`: the staged row's next min(n, remaining) tokens, up to _GEMM_MIN - 1 more: a call
+        never leaves fewer than _GEMM_MIN tokens of one of unchunked prefill's calls for later (see _GEMM_MIN)."""
+        if staged not in self._staged:
+            raise ValueError("this staged prompt has joined the batch or been dropped")
+        r, total = staged.row, len(staged.tokens)
+        start = pos = r.base
+        end = min(total, start + max(0, n))
+        calls = []  # [(first, end)] token positions of each llama_decode
+        while pos < end:
+            window = min(total, (pos // _BATCH + 1) * _BATCH)  # the end of unchunked prefill's call holding pos
+            stop = min(window, max(end, pos + _GEMM_MIN))
+            calls.append((pos, window if window - stop < _GEMM_MIN else stop))
+            pos = calls[-1][1]
+        if calls:
+            self._make_room(pos - start)
+        for a, b in calls:
+            self._decode([(staged.tokens[i], [r.seq], i, False) for i in range(a, b)])
+            r.base = b
+        return r.base - start
+
+    def _unstage(self, staged: StagedPrompt) -> None:
+        if staged in self._staged:
+            self._staged.remove(staged)
+            self._drop(staged.row.seq)
 
     @property
     def lengths(self) -> list[int]:
@@ -519,3 +601,27 @@ class LlamaCppRunner:
             self._decode(items[s : s + chunk])
         for row, r in zip(tokens, self.rows):
             r.base += len(row)
+
+
+@dataclass(eq=False)
+class StagedPrompt:
+    """One row's prompt being prefilled outside a `LlamaCppRunner`'s batch (`LlamaCppRunner.stage`)."""
+
+    runner: LlamaCppRunner
+    row: _Row  # its sequence; base: the prompt tokens computed so far
+    tokens: list[int]
+    capacity: int
+
+    @property
+    def remaining(self) -> int:
+        """Prompt tokens still to compute."""
+        return len(self.tokens) - self.row.base
+
+    def feed(self, n: int) -> int:
+        """Compute the next min(n, remaining) prompt tokens, or up to 63 more (whole calls of llama.cpp's batched
+        kernels, `_GEMM_MIN`); returns how many."""
+        return self.runner._feed(self, n)
+
+    def close(self) -> None:
+        """Give up the row (its request ended before it joined): its cells go to the graveyard, its sequence is free."""
+        self.runner._unstage(self)

@@ -11,7 +11,7 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
-__all__ = ["Runner"]
+__all__ = ["Runner", "Staged", "Staging"]
 
 
 @runtime_checkable
@@ -54,3 +54,32 @@ class Runner(Protocol):
 
     def prefill(self, tokens: Sequence[Sequence[int]], chunk: int = 512) -> None:
         """Feed tokens into the cache without computing logits."""
+
+
+@runtime_checkable
+class Staged(Protocol):
+    """A row's prompt being prefilled outside the batch (`Staging.stage`), a chunk at a time."""
+
+    @property
+    def remaining(self) -> int:
+        """Prompt tokens still to compute."""
+
+    def feed(self, n: int) -> int:
+        """Compute the next min(n, remaining) prompt tokens (a runner may compute a few more, to keep its kernels'
+        batches those of unchunked prefill); returns how many."""
+
+    def close(self) -> None:
+        """Drop the row without joining (its request ended): what it holds is freed."""
+
+
+@runtime_checkable
+class Staging(Protocol):
+    """A runner that can prefill a new row outside its running batch (chunked prefill: the session feeds a long
+    prompt one chunk per step while the batch decodes). `HFRunner`, `FastRunner` and `LlamaCppRunner` are."""
+
+    def stage(self, tokens: Sequence[int], capacity: int) -> Staged:
+        """A row holding `tokens` (fed by `Staged.feed`) with room for `capacity` tokens, outside the batch."""
+
+    def join(self, staged: Staged, copies: int = 1, replace: bool = False) -> None:
+        """The completely fed row joins after the batch's rows as `copies` rows sharing its prompt's cache entries
+        (replace: they become the batch), as rows `add_rows` (`fill`) prefilled."""

@@ -18,7 +18,7 @@ from torch import Tensor
 from ..sampling.tree import tree_ancestors
 from .cache import RowKVCache
 
-__all__ = ["NORMED", "HFRunner", "layer_inputs"]
+__all__ = ["NORMED", "HFRunner", "StagedPrompt", "layer_inputs"]
 
 NORMED = -1  # a capture id (`HFRunner.capture_hidden`): the final norm's output, what the output layer reads
 
@@ -120,8 +120,11 @@ class HFRunner:
     # --- batch lifecycle ------------------------------------------------------------------------------
     def start(self, batch: int, capacity: int) -> None:
         """Allocate a fresh cache for `batch` rows of up to `capacity` tokens each."""
+        self.cache = self._new_cache(batch, capacity)
+
+    def _new_cache(self, batch: int, capacity: int) -> RowKVCache:
         extras = (len(self.capture) * self.hidden_size,) if self.capture else ()
-        self.cache = RowKVCache(
+        return RowKVCache(
             self.num_layers, batch, self.num_kv_heads, self.head_dim, capacity, self.dtype, self.device, extras
         )
 
@@ -142,6 +145,28 @@ class HFRunner:
         if old is not None and old.batch_size:
             old.extend(self.cache)
             self.cache = old
+
+    # --- chunked prefill: a row's prompt computed outside the running batch, a chunk at a time --------------
+    def stage(self, tokens: Sequence[int], capacity: int) -> StagedPrompt:
+        """A row holding `tokens`, prefilled outside the batch (a cache of its own, `capacity` slots) by
+        `StagedPrompt.feed`, then appended to the batch by `join`; the batch runs meanwhile."""
+        return StagedPrompt(self, tokens, capacity)
+
+    def join(self, staged: StagedPrompt, copies: int = 1, replace: bool = False) -> None:
+        """The staged row, complete, joins after the batch's rows as `copies` rows sharing its cache entries (a
+        group's samples: computed once). replace: they become the batch (the runner's rows are dropped)."""
+        if staged.runner is not self or staged.cache is None or staged.remaining:
+            raise ValueError("only a staged prompt of this runner, completely fed, can join its batch")
+        if copies < 1:
+            raise ValueError(f"copies must be >= 1, got {copies}")
+        new = staged.cache
+        if copies > 1:
+            new.select([0] * copies)
+        staged.cache = None  # joined: it feeds no more
+        if replace or self.cache is None or not self.cache.batch_size:
+            self.cache = new
+        else:
+            self.cache.extend(new)
 
     @property
     def lengths(self) -> list[int]:
@@ -297,3 +322,40 @@ class HFRunner:
             part = [list(t[s : s + chunk]) for t in tokens]
             if any(part):
                 self._run(part)
+
+
+class StagedPrompt:
+    """One row's prompt being prefilled outside a torch runner's batch (`HFRunner.stage`): a cache of its own that
+    `feed` fills a chunk at a time, with the runner's forward (the batch's cache set aside meanwhile), until
+    `HFRunner.join` appends it to the batch."""
+
+    def __init__(self, runner: HFRunner, tokens: Sequence[int], capacity: int):
+        self.runner = runner
+        self.tokens = [int(t) for t in tokens]
+        self.cache: RowKVCache | None = runner._new_cache(1, capacity)  # [1 row]; None once joined
+
+    @property
+    def remaining(self) -> int:
+        """Prompt tokens still to compute."""
+        return len(self.tokens) - (self.cache.lengths[0] if self.cache is not None else len(self.tokens))
+
+    @torch.inference_mode()
+    def feed(self, n: int, chunk: int = 512) -> int:
+        """Compute the next min(n, remaining) prompt tokens (forwards of at most `chunk`, as `prefill`); returns
+        how many."""
+        if self.cache is None:
+            raise ValueError("this staged prompt has joined the batch")
+        done = self.cache.lengths[0]
+        todo = self.tokens[done : done + max(0, n)]
+        runner, batch = self.runner, self.runner.cache
+        runner.cache = self.cache
+        try:
+            for s in range(0, len(todo), chunk):
+                runner._run([todo[s : s + chunk]])
+        finally:
+            runner.cache = batch
+        return len(todo)
+
+    def close(self) -> None:
+        """Give up the row (its request ended before it joined): nothing to free beyond its own cache."""
+        self.cache = None

@@ -482,6 +482,8 @@ class RolloutEngine:
                     done[event.key] = self.rollout(event.completion, seed, record=False)
                 break
             for event in sess.step():
+                if event.completion is not None and event.completion.error is not None:
+                    raise event.completion.error  # a RowFault: a rollout failed inside a step (never a silent gap)
                 if event.completion is not None:
                     done[event.key] = self.rollout(event.completion, seed)
         self.last_stats = sess.stats

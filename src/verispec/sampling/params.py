@@ -17,6 +17,10 @@ from .constraint import Constraint
 __all__ = [
     "MAX_BAD_WORDS",
     "MAX_BAD_WORD_TOKENS",
+    "MAX_REPETITION_PENALTY",
+    "MAX_TEMPERATURE",
+    "MIN_REPETITION_PENALTY",
+    "MIN_TEMPERATURE",
     "ParamError",
     "SamplingParams",
     "bad_words_from_text",
@@ -26,6 +30,13 @@ __all__ = [
 MAX_BAD_WORDS = 256  # token sequences per request (vLLM allows 128 words; a string gives up to two sequences)
 MAX_BAD_WORD_TOKENS = 1024  # tokens over all of a request's bad words (vLLM's limit)
 MAX_LOGIT_BIAS = 100.0  # |bias| bound (OpenAI's)
+# A temperature t > 0 divides the logits: below MIN_TEMPERATURE a float32 logit / t can overflow (|logit| > 3.4e38 t),
+# which gives NaN probabilities; above MAX_TEMPERATURE the logits shrink towards float32's subnormal range. Both are
+# refused (0 is greedy). Within the bounds logits of magnitude < 3e34 stay finite: every model's do.
+MIN_TEMPERATURE = 1e-4
+MAX_TEMPERATURE = 1e4
+# repetition_penalty r divides (or multiplies) seen tokens' logits: within [1/100, 100] it cannot overflow either
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 1e-2, 1e2
 
 
 def check_seed(seed, field: str = "seed") -> int | None:
@@ -60,7 +71,7 @@ def _real(name: str, value: object) -> float:
     value = float(value)
     if not math.isfinite(value):
         raise ParamError(name, f"must be finite, got {value!r}")
-    return value
+    return value + 0.0  # -0.0 -> 0.0
 
 
 def _token_id(name: str, value: object) -> int:
@@ -163,12 +174,13 @@ class SamplingParams:
     (`check_vocab`).
 
     Attributes:
-        temperature: > 0 divides the logits; 0 means greedy (a one-hot distribution on the argmax, ties broken
-            towards the lowest token id).
+        temperature: In [1e-4, 1e4] divides the logits; 0 means greedy (a one-hot distribution on the argmax, ties
+            broken towards the lowest token id). Values in (0, 1e-4) or above 1e4 are refused: logits / temperature
+            would overflow to inf (NaN probabilities) or vanish in float32.
         top_k: Keep the k most probable tokens; 0 disables.
         top_p: Keep the smallest set of most probable tokens whose mass reaches top_p; in (0, 1], 1 disables.
         min_p: Drop tokens whose probability is below min_p times the largest one; in [0, 1], 0 disables.
-        repetition_penalty: > 0; tokens seen in the prompt or the output get logit / r if positive, logit * r
+        repetition_penalty: In [0.01, 100]; tokens seen in the prompt or the output get logit / r if positive, logit * r
             otherwise (the HF transformers / vLLM convention); 1 disables.
         presence_penalty: In [-2, 2]; subtracted once from the logit of every token already in the output.
         frequency_penalty: In [-2, 2]; subtracted once per occurrence in the output.
@@ -208,6 +220,12 @@ class SamplingParams:
         t = _real("temperature", self.temperature)
         if t < 0:
             raise ParamError("temperature", f"must be >= 0 (0 = greedy), got {t}")
+        if t != 0 and not MIN_TEMPERATURE <= t <= MAX_TEMPERATURE:
+            raise ParamError(
+                "temperature",
+                f"must be 0 (greedy) or in [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}] (beyond that logits / "
+                f"temperature overflows or vanishes in float32), got {t!r}",
+            )
         set_(self, "temperature", t)
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, Integral) or self.top_k < 0:
             raise ParamError("top_k", f"must be an integer >= 0 (0 = disabled), got {self.top_k!r}")
@@ -221,8 +239,11 @@ class SamplingParams:
             raise ParamError("min_p", f"must be in [0, 1], got {min_p}")
         set_(self, "min_p", min_p)
         rep = _real("repetition_penalty", self.repetition_penalty)
-        if rep <= 0:
-            raise ParamError("repetition_penalty", f"must be > 0 (1 = disabled), got {rep}")
+        if not MIN_REPETITION_PENALTY <= rep <= MAX_REPETITION_PENALTY:
+            raise ParamError(
+                "repetition_penalty",
+                f"must be in [{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}] (1 = disabled), got {rep!r}",
+            )
         set_(self, "repetition_penalty", rep)
         for name in ("presence_penalty", "frequency_penalty"):
             v = _real(name, getattr(self, name))

@@ -120,6 +120,8 @@ def probs_from_logits(
     greedy_probs = None
     if meta.any_greedy:
         greedy_probs = torch.zeros_like(x).scatter_(-1, x.argmax(dim=-1, keepdim=True), 1.0)
+        if not check:  # a position with a NaN or +inf logit, or none finite, stays no distribution (NaN), as below
+            greedy_probs = greedy_probs + 0.0 * x.amax(dim=-1, keepdim=True)
         if meta.all_greedy:
             return greedy_probs.squeeze(1) if squeeze else greedy_probs
 
