@@ -12,7 +12,7 @@ import pytest
 from verispec.engine.generator import SpeculativeGenerator
 from verispec.engine.request import Request
 from verispec.sampling import SamplingParams
-from verispec.serve.engine import Closing, EngineThread, Job, Overloaded
+from verispec.serve.engine import Closing, EngineThread, Job, Overloaded, TooLarge
 from verispec.serve.metrics import Metrics
 
 
@@ -184,9 +184,10 @@ def _broken():
     raise RuntimeError("injected device error")
 
 
-def test_max_queue_counts_the_requests_that_cannot_join_the_batch_now(tiny_target):
-    """--max-queue 0: a request is admitted if a row is free for it, else 429; N: N may wait for a row. (The
-    engine thread is not started: nothing leaves the queue.)"""
+def test_max_queue_counts_the_choices_that_cannot_join_the_batch_now(tiny_target):
+    """--max-queue 0: a request is admitted if a row is free for it, else 429; N: N choices (not requests) may wait
+    for a row; a request with more choices than --max-batch + --max-queue is TooLarge (400). (The engine thread is
+    not started: nothing leaves the queue.)"""
     loop = asyncio.new_event_loop()
     try:
         gen = SpeculativeGenerator(tiny_target, None)
@@ -195,11 +196,26 @@ def test_max_queue_counts_the_requests_that_cannot_join_the_batch_now(tiny_targe
         none_wait.submit(_job(loop, 1, 4, seed=2))  # the second row
         with pytest.raises(Overloaded):
             none_wait.submit(_job(loop, 1, 4, seed=3))
-        one_waits = EngineThread(gen, max_batch=1, max_queue=1)
-        one_waits.submit(_job(loop, 2, 4, seed=1))  # joins (in part: it has more choices than rows)
-        one_waits.submit(_job(loop, 1, 4, seed=2))  # waits
+        two_wait = EngineThread(gen, max_batch=1, max_queue=2)
+        with pytest.raises(TooLarge, match="4 choices"):
+            two_wait.submit(_job(loop, 4, 4, seed=9))  # 4 > 1 + 2: no wait would let it in
+        two_wait.submit(_job(loop, 2, 4, seed=1))  # joins in part (more choices than rows): one choice waits
+        two_wait.submit(_job(loop, 1, 4, seed=2))  # a second waiting choice
+        with pytest.raises(Overloaded, match="2 choices are waiting"):
+            two_wait.submit(_job(loop, 1, 4, seed=3))  # a third: the queue holds 2
+    finally:
+        loop.close()
+
+
+def test_max_queue_tokens_bounds_the_prompt_tokens_waiting(tiny_target):
+    """Waiting prompt tokens are bounded too (a job that waits alone is let in: it would never be otherwise)."""
+    loop = asyncio.new_event_loop()
+    try:
+        engine = EngineThread(SpeculativeGenerator(tiny_target, None), max_batch=1, max_queue=8, max_queue_tokens=4)
+        engine.submit(_job(loop, 1, 4, seed=1))  # runs
+        engine.submit(_job(loop, 1, 4, seed=2))  # waits alone: 3 prompt tokens
         with pytest.raises(Overloaded):
-            one_waits.submit(_job(loop, 1, 4, seed=3))
+            engine.submit(_job(loop, 1, 4, seed=3))  # 6 waiting tokens > 4
     finally:
         loop.close()
 

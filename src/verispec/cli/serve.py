@@ -7,6 +7,8 @@ import math
 import os
 import sys
 
+from ..engine.core import PREFILL_CHUNK
+from ..serve.limits import DEFAULT_MAX_QUEUE, DEFAULT_MAX_QUEUE_TOKENS, DEFAULT_REQUEST_TIMEOUT_S
 from .generate import build_generator
 from .options import (
     UsageError,
@@ -33,10 +35,27 @@ def add_parser(sub) -> None:
         (
             "--max-queue",
             0,
-            64,
-            "requests that may wait for a batch slot (0: none; a request is admitted if a row is free); beyond, "
-            "429 with Retry-After (default %(default)s)",
+            DEFAULT_MAX_QUEUE,
+            "choices (prompts x n) that may wait for a batch row (0: none; a request is admitted if a row is free); "
+            "beyond, 429 with Retry-After; a request with more than --max-batch + --max-queue choices gets 400 "
+            "(default %(default)s)",
         ),
+        (
+            "--max-queue-tokens",
+            1,
+            DEFAULT_MAX_QUEUE_TOKENS,
+            "prompt tokens the waiting choices may hold (a prompt shared by n choices counts once); beyond, 429 "
+            "(default %(default)s)",
+        ),
+    )
+    p.add_argument(
+        "--prefill-chunk",
+        type=int_range(0),
+        default=PREFILL_CHUNK,
+        metavar="N",
+        help="chunked prefill: while requests decode, a longer prompt is prefilled at most N tokens per step, between "
+        "their steps, so they wait one chunk per step instead of the whole prompt (0: off, every prompt prefilled "
+        "whole when it joins) (default %(default)s)",
     )
     p.add_argument(
         "--api-key",
@@ -98,7 +117,7 @@ def _add_exposure_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_operator_args(p: argparse.ArgumentParser) -> None:
-    from ..serve.transport import DEFAULT_READ_TIMEOUT_S
+    from ..serve.transport import DEFAULT_BODY_TIMEOUT_S, DEFAULT_READ_TIMEOUT_S
 
     p.add_argument(
         "--max-model-len",
@@ -111,8 +130,10 @@ def _add_operator_args(p: argparse.ArgumentParser) -> None:
         "--request-timeout",
         type=_seconds(0, inclusive=False),
         metavar="SECONDS",
+        default=DEFAULT_REQUEST_TIMEOUT_S,
         help="a request still running this long after it arrived is stopped at the next step, read by its client "
-        "or not: its unfinished choices end with finish_reason 'abort' and what they have (default: no limit)",
+        "or not: its unfinished choices end with finish_reason 'abort' and what they have (default %(default)s; "
+        "raise it for long RL rollout batches)",
     )
     p.add_argument(
         "--shutdown-timeout",
@@ -129,6 +150,20 @@ def _add_operator_args(p: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="a request's headers must arrive within this long, and its body may not go this long without bytes "
         "(then: the connection closed / 408) (default %(default)s)",
+    )
+    p.add_argument(
+        "--body-timeout",
+        type=_seconds(0, inclusive=False),
+        default=DEFAULT_BODY_TIMEOUT_S,
+        metavar="SECONDS",
+        help="a request's whole body must arrive within this long of its first read, plus 1 s per MiB received; "
+        "else 408 and the connection closed (a body trickled a byte at a time) (default %(default)s)",
+    )
+    p.add_argument(
+        "--max-connections",
+        type=int_range(1),
+        metavar="N",
+        help="open connections (and requests being answered) at most; beyond, uvicorn answers 503 (default: no cap)",
     )
     p.add_argument(
         "--chat-template",
@@ -176,10 +211,19 @@ def run(args: argparse.Namespace) -> int:
         template = None if args.chat_template is None else load_chat_template(args.chat_template)
     config = spec_config(args)
     gen = build_generator(args, config)
+    gen.core.prefill_chunk = args.prefill_chunk  # before the server's session is made: it reads it then
     name = args.served_model_name or args.target or DEFAULT_MODEL_NAME
     with user_errors():
-        limits = ("max_batch", "max_queue", "api_key", "cors_origins", "max_model_len", "request_timeout")
-        exposure = ("enable_weight_updates", "weight_dirs", "max_request_bytes", "read_timeout")
+        limits = (
+            "max_batch",
+            "max_queue",
+            "max_queue_tokens",
+            "api_key",
+            "cors_origins",
+            "max_model_len",
+            "request_timeout",
+        )
+        exposure = ("enable_weight_updates", "weight_dirs", "max_request_bytes", "read_timeout", "body_timeout")
         hosts = allowed_hosts(args.host, args.allowed_hosts)
         app = create_app(gen, name, **pick(args, *limits, *exposure), allowed_hosts=hosts, chat_template=template)
     logging.basicConfig(level=logging.INFO)
@@ -188,6 +232,13 @@ def run(args: argparse.Namespace) -> int:
         file=sys.stderr,
         flush=True,
     )
-    serve(app, host=args.host, port=args.port, log_level=args.log_level, shutdown_timeout=args.shutdown_timeout)
+    serve(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        shutdown_timeout=args.shutdown_timeout,
+        max_connections=args.max_connections,
+    )
     # (serve reads the read timeout from the app: create_app installed it)
     return 0

@@ -3,7 +3,8 @@
 Endpoints: GET /health, GET /v1/models, POST /v1/completions (`serve.completions`), POST /v1/chat/completions
 (`serve.chat`), GET /metrics (`serve.metrics`), the operators' routes (`serve.ops`), and the RL routes (TRL's
 /generate/, weight updates over HTTP: `serve.rl`). Requests are validated in the handler (400 with an OpenAI-style
-error object naming the field; 404 for an unknown model or route; see `serve.errors`), then run by the engine
+error object naming the field; 404 for an unknown model or route; see `serve.errors`; a large body is parsed and
+validated off the event loop, `serve.bodies`), then run by the engine
 thread with continuous batching (`serve.engine`); a shutdown drains them (`serve.shutdown`). Logprobs are the target model's raw log-softmax (temperature 1, nothing
 truncated) at each returned token — the same convention as vLLM's default and what RL importance ratios need.
 """
@@ -29,12 +30,13 @@ from .chat import check_chat_template
 from .engine import EngineThread
 from .errors import install_error_handlers
 from .jobs import Served
+from .limits import DEFAULT_MAX_QUEUE, DEFAULT_MAX_QUEUE_TOKENS, DEFAULT_REQUEST_TIMEOUT_S
 from .metrics import Metrics
 from .protocol import ModelCard, ModelList
 from .rl import WeightRoutes
 from .scoring import PromptScorer
 from .shutdown import Gate, GateState
-from .transport import DEFAULT_READ_TIMEOUT_S, install_transport
+from .transport import DEFAULT_BODY_TIMEOUT_S, DEFAULT_READ_TIMEOUT_S, install_transport
 
 __all__ = ["create_app", "served_model_id"]
 
@@ -71,19 +73,21 @@ def create_app(
     model_name: str,
     *,
     max_batch: int = 8,
-    max_queue: int = 64,
+    max_queue: int = DEFAULT_MAX_QUEUE,
+    max_queue_tokens: int = DEFAULT_MAX_QUEUE_TOKENS,
     retry_after_s: int = 1,
     strict_on_policy: bool = True,
     api_key: str | None = None,
     cors_origins: list[str] | None = None,
     max_model_len: int | None = None,
-    request_timeout: float | None = None,
+    request_timeout: float | None = DEFAULT_REQUEST_TIMEOUT_S,
     chat_template: str | None = None,
     enable_weight_updates: bool = False,
     weight_dirs: Sequence[str | os.PathLike] = (),
     allowed_hosts: Sequence[str] | None = LOOPBACK_HOSTS,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     read_timeout: float = DEFAULT_READ_TIMEOUT_S,
+    body_timeout: float = DEFAULT_BODY_TIMEOUT_S,
 ) -> FastAPI:
     """The OpenAI-compatible server over a generator (what `verispec serve` runs), as a FastAPI app.
 
@@ -95,7 +99,10 @@ def create_app(
         model_name: A name, path or display string; it becomes the plain id that clients send and /v1/models
             lists (`served_model_id`). A request naming `model_name` itself is accepted too.
         max_batch: Rows (choices) decoded together.
-        max_queue: Requests that may wait for a batch row; beyond, 429 with Retry-After.
+        max_queue: Choices (prompts x n) that may wait for a batch row; beyond, 429 with Retry-After. A request
+            with more choices than max_batch + max_queue is refused (400).
+        max_queue_tokens: Prompt tokens the waiting choices may hold (a prompt shared by n choices once); beyond,
+            429 (a request that would wait alone is let in; one that could never fit, 400).
         retry_after_s: The Retry-After of a 429 or 503.
         strict_on_policy: The RL routes refuse options whose logprobs a trainer cannot recompute (see
             RolloutEngine).
@@ -105,7 +112,7 @@ def create_app(
         max_model_len: The most tokens a request may hold, prompt and completion (at most the model's context;
             None: the model's).
         request_timeout: Seconds from a request's arrival after which its unfinished choices end with
-            finish_reason "abort" (None: no limit).
+            finish_reason "abort" (default 600; None: no limit).
         chat_template: A Jinja template's text (`serve.chat.load_chat_template` reads --chat-template's file) that
             replaces the tokenizer's, for chat completions and /tokenize (set on gen's tokenizer).
         enable_weight_updates: Let the weight routes change the model (off: they answer 403).
@@ -115,6 +122,8 @@ def create_app(
         max_request_bytes: Every body's cap but a weight upload's (the model's size).
         read_timeout: The seconds a body may go without bytes (then 408), and headers may take
             (`serve.shutdown.serve`).
+        body_timeout: The seconds a whole body may take from its first read, plus one per MiB received (then 408;
+            `serve.transport`).
 
     Returns:
         The app (its engine thread starts with the app's lifespan).
@@ -131,7 +140,14 @@ def create_app(
     model_id = served_model_id(model_name)
     metrics = Metrics(model_id)
     scorer = PromptScorer(gen)
-    engine = EngineThread(gen, max_batch=max_batch, max_queue=max_queue, metrics=metrics, scorer=scorer)
+    engine = EngineThread(
+        gen,
+        max_batch=max_batch,
+        max_queue=max_queue,
+        max_queue_tokens=max_queue_tokens,
+        metrics=metrics,
+        scorer=scorer,
+    )
     served = Served(
         gen, engine, metrics, model_id, frozenset({model_name}), retry_after_s, max_model_len, request_timeout, scorer
     )
@@ -155,7 +171,7 @@ def create_app(
     install_error_handlers(app)
     upload = {"/update_weights_from_tensor": lambda: routes.upload_cap(rollout) or max_request_bytes}
     ops.install_access(app, api_key, cors_origins, allowed_hosts, max_request_bytes, upload)
-    install_transport(app, read_timeout)  # outside the body cap: a stalled body ends 408, a shutdown's cut 503
+    install_transport(app, read_timeout, body_timeout)  # outside the body cap: a slow body ends 408, a shutdown 503
     app.add_middleware(Gate, state=app.state.gate, retry_after_s=retry_after_s)
     _routes(app)
     return app

@@ -3,7 +3,6 @@ streamed."""
 
 from __future__ import annotations
 
-import asyncio
 from functools import partial
 from pathlib import Path
 
@@ -13,6 +12,7 @@ from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from ..engine.generator import Completion, StreamEvent
+from .bodies import OffLoopRoute, offload
 from .errors import APIError
 from .jobs import Run, Served, usage
 from .protocol import (
@@ -30,7 +30,7 @@ from .protocol import (
 
 __all__ = ["check_chat_template", "encode_messages", "load_chat_template", "router"]
 
-router = APIRouter()
+router = APIRouter(route_class=OffLoopRoute)  # large bodies validated off the event loop
 
 
 def chat_logprobs(served: Served, ids: list[int], lps: list[float], tops, as_ids: bool = False) -> ChatLogprobs:
@@ -149,7 +149,8 @@ async def chat(req: ChatCompletionRequest, request: Request):
     as server-sent events when `stream` is true)."""
     served: Served = request.app.state.served
     messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-    ids = await asyncio.to_thread(encode_messages, served, messages)  # the template and tokenizer: off the loop
+    size = sum(len(m["content"]) for m in messages)
+    ids = await offload(size, encode_messages, served, messages)  # the template and tokenizer: off the loop
     if req.top_logprobs and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
     top_n = (req.top_logprobs or 0) if req.logprobs else 0

@@ -8,7 +8,6 @@ with the prompt's tokens (the first one's null), scored by one target forward (`
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable, Sequence
 from functools import partial
 
@@ -16,6 +15,7 @@ from fastapi import APIRouter, Request
 
 from ..engine.generator import Completion, StreamEvent
 from ..engine.rows import IncrementalDecoder
+from .bodies import OffLoopRoute, offload
 from .engine import PromptLogprobs
 from .errors import APIError
 from .jobs import Run, Served, usage
@@ -23,7 +23,7 @@ from .protocol import MAX_PROMPTS, CompletionChoice, CompletionLogprobs, Complet
 
 __all__ = ["LegacyLogprobs", "joiner", "prompt_list", "router"]
 
-router = APIRouter()
+router = APIRouter(route_class=OffLoopRoute)  # large bodies validated off the event loop
 _TAIL = 8  # echo: the prompt tokens decoded before a completion's first ones (its decoding context)
 _HEAD = 16  # echo: at most this many completion tokens are tried to find what joins it to the prompt
 
@@ -224,7 +224,8 @@ async def completions(req: CompletionRequest, request: Request):
     events when `stream` is true)."""
     served: Served = request.app.state.served
     prompts = prompt_list(req.prompt)
-    ids, echo = await asyncio.to_thread(_prepare, served, prompts, req.echo)  # tokenizing: off the event loop
+    size = sum(len(p) for p in prompts)  # characters or token ids
+    ids, echo = await offload(size, _prepare, served, prompts, req.echo)  # tokenizing: off the event loop
     score_top = None
     if req.echo and req.logprobs is not None:
         if (why := served.scorer.unavailable) is not None:

@@ -6,9 +6,10 @@ HTTP handlers run on the asyncio loop; the model runs on this one thread. A hand
 request: its typed `Request`s, prompt-major — an OpenAI request's choices, or a /generate/ rollout batch) and reads
 its events from `job.events` (an asyncio.Queue fed with `call_soon_threadsafe`). Admission is the session's: at most
 `max_batch` rows run (a job's choices join as rows free up, each prompt's choices together when they fit, so a
-request with more choices than that runs in parts), in submission order. At most `max_queue` jobs wait that cannot
-join the batch now (0: none; a job joins if a row is free for it); past that `submit` raises `Overloaded` (the
-handler answers 429). After `expire_all` (a shutdown's cut) `submit` raises `Closing` (503).
+request with more choices than that runs in parts), in submission order. Admission counts choices (prompts x n)
+and prompt tokens, not requests: at most `max_queue` choices wait that cannot join the batch now (0: none; a
+job joins if a row is free for it), holding at most `max_queue_tokens` prompt tokens; past that `submit` raises
+`Overloaded` (the handler answers 429), and a job larger than the whole budget raises `TooLarge` (400). After `expire_all` (a shutdown's cut) `submit` raises `Closing` (503).
 
 Weight updates (`between_jobs`) are the session's barriers: an update runs once every job submitted before it has
 finished — all its choices, not only those already in the batch — and jobs submitted after it start under the new
@@ -19,7 +20,9 @@ nobody is told. `expire` (its `deadline`, --request-timeout, passed: the engine 
 or not its handler reads its events; or a shutdown past --shutdown-timeout; or /abort_request for rollouts): its
 unfinished choices end at once with finish_reason "abort", each with the text and tokens it has so far.
 
-A fault on the engine thread never stops it: a failed step fails the running jobs, a failure handing a step's
+A fault on the engine thread never stops it. A fault of one request inside a step (its distribution, grammar, stop
+strings or detokenizer: `engine.rows.RowFault`) fails that request's job alone, and the other rows go on with the
+tokens they would have had without it; a failed step (the forward itself) fails the running jobs, a failure handing a step's
 output to a job (metrics, decoding) fails that job, and anything else fails every job; each gets an Exception
 event (the handler answers 500) and the thread serves on.
 
@@ -42,14 +45,27 @@ from ..engine import request as engine_request
 from ..engine.generator import SpeculativeGenerator, StreamEvent
 from ..engine.request import Barrier, Request
 from ..engine.session import GenerationSession
+from .limits import DEFAULT_MAX_QUEUE, DEFAULT_MAX_QUEUE_TOKENS
 
-__all__ = ["Closing", "EngineThread", "Job", "Overloaded", "PromptLogprobs", "kv_cache_usage"]
+__all__ = ["Closing", "EngineThread", "Job", "Overloaded", "PromptLogprobs", "TooLarge", "kv_cache_usage"]
 
 log = logging.getLogger("verispec.serve")
 
 
 class Overloaded(Exception):
     """The waiting queue is full."""
+
+
+class TooLarge(ValueError):
+    """A request larger than the server's whole budget (more choices than --max-batch + --max-queue, or more
+    prompt tokens than --max-queue-tokens): waiting would never let it in, so it is refused (the handler: 400).
+
+    Attributes:
+        field: The request field to name (`n`, `prompt`)."""
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        self.field = field
 
 
 class Closing(Exception):
@@ -99,6 +115,19 @@ class Job:
             self.loop.call_soon_threadsafe(self.events.put_nowait, item)
 
 
+def _prompt_tokens(job: Job, start: int) -> int:
+    """The prompt tokens of the job's choices from `start` on, each prompt once (its choices share it)."""
+    reqs, n = job.requests, job.per_prompt
+    return sum(len(reqs[i].prompt_token_ids) for i in range(start, len(reqs)) if i == start or i % n == 0)
+
+
+def _client_error(error: Exception) -> Exception:
+    """What the handler gets for a choice that failed inside a step: the cause when the request's own parameters
+    raised it (a ValueError: a 400 naming it), else the RowFault (a 500 with a request id)."""
+    cause = error.__cause__
+    return cause if isinstance(cause, ValueError) else error
+
+
 def kv_cache_usage(runner, active: bool) -> tuple[float, int]:
     """(fraction of the target cache's allocated slots holding committed tokens, slots allocated). A torch runner's
     RowKVCache holds rows x capacity slots; llama.cpp's context n_ctx cells, `taken` of them written."""
@@ -112,13 +141,21 @@ def kv_cache_usage(runner, active: bool) -> tuple[float, int]:
 
 class EngineThread:
     def __init__(
-        self, gen: SpeculativeGenerator, *, max_batch: int = 8, max_queue: int = 64, metrics=None, scorer=None
+        self,
+        gen: SpeculativeGenerator,
+        *,
+        max_batch: int = 8,
+        max_queue: int = DEFAULT_MAX_QUEUE,
+        max_queue_tokens: int = DEFAULT_MAX_QUEUE_TOKENS,
+        metrics=None,
+        scorer=None,
     ):
-        if max_batch < 1 or max_queue < 0:
-            raise ValueError("max_batch must be >= 1 and max_queue >= 0")
+        if max_batch < 1 or max_queue < 0 or max_queue_tokens < 1:
+            raise ValueError("max_batch must be >= 1, max_queue >= 0 and max_queue_tokens >= 1")
         self.gen = gen
         self.max_batch = max_batch
-        self.max_queue = max_queue
+        self.max_queue = max_queue  # choices that may wait for a batch row
+        self.max_queue_tokens = max_queue_tokens  # prompt tokens the waiting choices may hold
         self.metrics = metrics
         self.scorer = scorer  # prompt logprobs (serve.scoring.PromptScorer), for jobs with score_top
         self.session = GenerationSession(gen.core, max_batch)
@@ -158,13 +195,19 @@ class EngineThread:
         return len(self._jobs)
 
     def submit(self, job: Job) -> None:
-        """Queue the job: Closing after expire_all, Overloaded when it would wait behind max_queue waiting jobs."""
+        """Queue the job: TooLarge when it exceeds the whole budget, Closing after expire_all, Overloaded when its
+        waiting choices would take the waiting choices past max_queue or their prompt tokens past
+        max_queue_tokens (a job that waits alone is let in on tokens: it would never be otherwise)."""
+        self._check_size(job)
         with self._cond:
             if self._closing or self._stop:
                 raise Closing("the server is shutting down")
-            blocked = self._blocked(job)
-            if blocked is not None and blocked >= self.max_queue:
-                raise Overloaded(f"{blocked} requests are waiting for a batch slot (the queue holds {self.max_queue})")
+            (choices, tokens), (ahead, _) = self._waiting_after(job), self._waiting_after(None)
+            if choices > self.max_queue or (tokens > self.max_queue_tokens and ahead):
+                raise Overloaded(
+                    f"{ahead} choices are waiting for a batch row and this request would add {choices - ahead} "
+                    f"(the queue holds {self.max_queue} choices and {self.max_queue_tokens} prompt tokens)"
+                )
             self._inbox.append(job)
             self._waiting.append(job)
             self._open[job.id] = job
@@ -235,20 +278,41 @@ class EngineThread:
         """Under the lock: the jobs not yet ended (waiting, running, or cut short and not yet answered)."""
         return list(self._open.values())
 
-    def _blocked(self, new: Job) -> int | None:
-        """Under the lock: how many waiting jobs cannot join the batch now, as the session admits (first come, first
-        served; a prompt's choices together while rows are running, in parts only into an empty batch; nothing
-        while an update waits), or None when `new`, submitted now, would join at once."""
+    def _check_size(self, job: Job) -> None:
+        """TooLarge for a job no wait would let in: more choices than the batch and the queue hold together, or
+        more distinct prompt tokens than the queue holds while its choices cannot all join at once."""
+        n, budget = len(job.requests), self.max_batch + self.max_queue
+        if n > budget:
+            raise TooLarge(
+                f"the request has {n} choices (prompts x n); this server holds at most {budget} at once "
+                f"(--max-batch {self.max_batch} + --max-queue {self.max_queue}): send it in parts",
+                "n",
+            )
+        tokens = _prompt_tokens(job, 0)
+        if n > self.max_batch and tokens > self.max_queue_tokens:
+            raise TooLarge(
+                f"the request's prompts hold {tokens} tokens; at most {self.max_queue_tokens} may wait for a batch "
+                "row (--max-queue-tokens): send it in parts",
+                "prompt",
+            )
+
+    def _waiting_after(self, new: Job | None) -> tuple[int, int]:
+        """Under the lock: (choices, distinct prompt tokens) that would wait for a batch row with `new` submitted
+        now, as the session admits: first come, first served; a prompt's choices together while rows are running,
+        in parts only into an empty batch; nothing while an update waits."""
         free = 0 if self._barriers else self.max_batch - len(self._jobs)
-        running, blocked = bool(self._jobs), 0
-        for job in [*self._waiting, new]:
+        running, blocked, choices, tokens = bool(self._jobs), False, 0, 0
+        for job in [*self._waiting, *([new] if new is not None else [])]:
             rest = len(job.requests) - job.admitted
             group = min(job.per_prompt - job.admitted % job.per_prompt, rest)
-            if blocked or free <= 0 or (group > free and running):
-                blocked += 1
-                continue
-            free, running = free - rest, True
-        return None if not blocked else blocked - 1
+            take = 0 if blocked or free <= 0 or (group > free and running) else min(rest, free)
+            if take and take < rest and running:  # while rows run, only whole groups join
+                take -= (job.admitted + take) % job.per_prompt
+            free, running = free - take, running or take > 0
+            blocked = blocked or take < rest
+            choices += rest - take
+            tokens += _prompt_tokens(job, job.admitted + take)
+        return choices, tokens
 
     def _unwait(self, job: Job) -> None:
         """Under the lock: the job's choices no longer wait (it ended, or all of them joined the batch)."""
@@ -513,6 +577,11 @@ class EngineThread:
             if job is None:
                 continue
             try:
+                if ev.completion is not None and ev.completion.error is not None:  # this choice failed alone
+                    self._jobs.pop(ev.key, None)
+                    self._last.pop(ev.key, None)
+                    self._fail(job, _client_error(ev.completion.error))
+                    continue
                 self._observe(ev, job, now)
                 if ev.completion is not None:
                     self._jobs.pop(ev.key)

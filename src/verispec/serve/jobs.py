@@ -19,7 +19,7 @@ from pydantic import BaseModel
 from ..engine.generator import Completion, SpeculativeGenerator, StreamEvent
 from ..engine.request import Request as EngineRequest
 from ..sampling import ConstraintError, SamplingParams
-from .engine import Closing, EngineThread, Job, Overloaded, PromptLogprobs
+from .engine import Closing, EngineThread, Job, Overloaded, PromptLogprobs, TooLarge
 from .errors import APIError, internal_error
 from .metrics import Metrics
 from .protocol import Speculation, Usage
@@ -226,6 +226,8 @@ class Served:
         retry = {"Retry-After": str(self.retry_after_s)}
         try:
             self.engine.submit(job)
+        except TooLarge as e:
+            raise APIError(400, str(e), e.field) from None
         except Overloaded as e:
             self.metrics.rejected.inc()
             raise APIError(

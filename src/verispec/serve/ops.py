@@ -13,22 +13,25 @@ GET  /v1/models/{id} the model's card, 404 for another id
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Annotated
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import Response
 from jinja2 import TemplateError
 from pydantic import BaseModel, ConfigDict, Field
 
 from .. import __version__
 from .access import BodyLimit, HostCheck, KeyCheck
+from .bodies import OffLoopRoute, offload
 from .errors import APIError
 from .jobs import Served
-from .protocol import MAX_MESSAGES, MAX_TOKEN_LIST, Message, ModelCard, Text
+from .protocol import MAX_TOKEN_LIST, Messages, ModelCard, Text
 
 __all__ = ["install_access", "router"]
 
-router = APIRouter()
+router = APIRouter(route_class=OffLoopRoute)  # large bodies validated off the event loop
 
 
 def install_access(
@@ -56,7 +59,7 @@ class TokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     model: Text | None = None
     prompt: Text | None = None
-    messages: Annotated[list[Message], Field(min_length=1, max_length=MAX_MESSAGES)] | None = None
+    messages: Messages | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 
@@ -75,10 +78,20 @@ def _served(request: Request, model: str | None) -> Served:
 
 
 @router.post("/tokenize")
-async def tokenize(req: TokenizeRequest, request: Request):
-    """vLLM's /tokenize: a prompt or chat messages as token ids, with `count` and `max_model_len`."""
+async def tokenize(req: TokenizeRequest, request: Request) -> Response:
+    """vLLM's /tokenize: a prompt or chat messages as token ids, with `count` and `max_model_len`. Tokenized and
+    answered (its JSON text built) off the event loop; a long input in the heavy worker, one at a time, with the
+    memory handed back after it (`serve.bodies.offload`)."""
     served = _served(request, req.model)
-    return await asyncio.to_thread(_tokenize, served, req)  # off the event loop
+    size = len(req.prompt) if req.prompt is not None else sum(len(m.text()) for m in req.messages or ())
+    return Response(await offload(size, _tokenized, served, req), media_type="application/json")
+
+
+def _tokenized(served: Served, req: TokenizeRequest) -> bytes:
+    """`_tokenize`'s answer as JSON text, as FastAPI's JSONResponse writes it. Built here, not by FastAPI on the event
+    loop: its jsonable_encoder walks a list of 2M token ids for seconds."""
+    answer = _tokenize(served, req)
+    return json.dumps(answer, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
 
 
 def _tokenize(served: Served, req: TokenizeRequest) -> dict:

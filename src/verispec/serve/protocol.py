@@ -10,7 +10,16 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, ClassVar, Generic, Literal, TypeVar
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_serializer
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    model_serializer,
+)
 
 from ..sampling.constraint import MAX_CONSTRAINT_CHARS
 
@@ -24,6 +33,7 @@ MAX_WORD_CHARS = 1024  # characters in one bad word
 MAX_TOKEN_LIST = 1 << 18  # allowed_token_ids / stop_token_ids entries (more than any vocabulary)
 MAX_LOGIT_BIAS = 1024  # logit_bias entries
 MAX_MESSAGES = 4096  # chat messages in one request
+MAX_CONTENT_PARTS = 16384  # content parts over all of a request's messages (each part costs its validation)
 MAX_CHOICES = 4096  # guided_choice / structured_outputs.choice strings (their JSON text: MAX_CONSTRAINT_CHARS)
 
 
@@ -186,8 +196,24 @@ class Message(BaseModel):
         return self.content if isinstance(self.content, str) else "".join(c.text for c in self.content)
 
 
+def _content_parts(messages: Any) -> Any:
+    """Messages whose list contents hold at most MAX_CONTENT_PARTS parts in all, counted before any is validated."""
+    if isinstance(messages, list) and len(messages) <= MAX_MESSAGES:
+        lists = (m.get("content") for m in messages if isinstance(m, dict))
+        parts = sum(len(c) for c in lists if isinstance(c, list))
+        if parts > MAX_CONTENT_PARTS:
+            raise ValueError(
+                f"the messages hold {parts} content parts; a request may send at most {MAX_CONTENT_PARTS} "
+                "(join adjacent text parts)"
+            )
+    return messages
+
+
+Messages = Annotated[list[Message], Field(min_length=1, max_length=MAX_MESSAGES), BeforeValidator(_content_parts)]
+
+
 class ChatCompletionRequest(_Common):
-    messages: list[Message] = Field(min_length=1, max_length=MAX_MESSAGES)
+    messages: Messages
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False

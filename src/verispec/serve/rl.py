@@ -52,13 +52,14 @@ from starlette.requests import ClientDisconnect
 from ..model.weights import WeightUpdateError, load_safetensors_files
 from ..rollout import RolloutEngine, check_on_policy
 from ..sampling import ParamError, SamplingParams, check_seed
+from .bodies import OffLoopRoute
 from .engine import Closing, Job
 from .errors import APIError
 from .protocol import MAX_PROMPTS, MAX_TOKEN_LIST, StopList, Text
 
 __all__ = ["WeightRoutes", "router"]
 
-router = APIRouter()
+router = APIRouter(route_class=OffLoopRoute)  # large bodies (a rollout batch) validated off the event loop
 _NCCL_ROUTES = (
     "/init_communicator/",
     "/update_named_param/",

@@ -2,18 +2,20 @@
 
 On SIGTERM (or Ctrl-C) the server stops admitting requests: every route but /metrics answers 503 with
 `Retry-After` and `Connection: close` (an OpenAI-style error; /health too, so a load balancer takes the replica out of
-rotation) while the requests in flight go on. Once they have all been answered, or after --shutdown-timeout seconds,
-whichever comes first, the rest are cut short: their unfinished choices end with finish_reason "abort" and what
-they have so far (streams get their last chunks and [DONE]), the RL routes' rollouts end as /abort_request ends
-them, a request whose body is still arriving gets an OpenAI-style 503 (`serve.transport.BodyReads.cut`), and a
-request that passed the gate before the drain but reaches the engine after the cut gets 503. Then the listening
-socket closes and the process exits; the log's last line says how every choice ended. A second Ctrl-C exits at
-once.
+rotation), and a request whose body is still arriving gets an OpenAI-style 503 at once, as soon as its read finds no
+bytes at hand (`serve.transport.BodyReads.cut`): a body trickled a byte a second would otherwise hold the drain for
+all of --shutdown-timeout. The requests in flight go on. Once they have all been answered, or after
+--shutdown-timeout seconds, whichever comes first, the rest are cut short: their unfinished choices end with
+finish_reason "abort" and what they have so far (streams get their last chunks and [DONE]), the RL routes' rollouts
+end as /abort_request ends them, and a request that passed the gate before the drain but reaches the engine after
+the cut gets 503. Then the listening socket closes and the process exits; the log's last line says how every choice
+ended. A second Ctrl-C exits at once.
 
 Whatever the clients do, the process exits within --shutdown-timeout + 2 s of the signal: after the cut the
 requests get up to 1 s to send their last answers (`_STRAGGLERS_S`), and uvicorn's own shutdown (closing the
 connections, then cancelling what is left) has the rest of a `_AFTER_CUT_S` budget (at least `_CLOSE_MIN_S`).
-`serve()` also pins the read timeouts of `serve.transport` (--read-timeout).
+`serve()` also pins the read timeouts of `serve.transport` (--read-timeout) and uvicorn's cap on concurrent
+connections and requests (--max-connections: beyond it, 503).
 """
 
 from __future__ import annotations
@@ -86,22 +88,24 @@ async def _settled(gate: GateState, seconds: float, forced: Callable[[], bool]) 
 
 
 async def drain(app, timeout: float, forced: Callable[[], bool] = lambda: False) -> None:
-    """Refuse new requests, let those in flight finish for up to `timeout` seconds, then cut the rest short."""
+    """Refuse new requests and bodies still arriving (503), let the requests in flight finish for up to `timeout`
+    seconds, then cut the rest short."""
     gate: GateState = app.state.gate
     gate.draining = True
+    reads = getattr(app.state, "body_reads", None)
+    bodies = reads.cut() if reads is not None else 0  # a body still arriving would hold the drain: no waiting for it
     if gate.in_flight:
-        log.warning("shutting down: %d request(s) in flight get up to %gs; new ones get 503", gate.in_flight, timeout)
+        log.warning(
+            "shutting down: %d request(s) in flight get up to %gs, but %d still sending a body (503) end now; new ones "
+            "get 503",
+            gate.in_flight,
+            timeout,
+            bodies,
+        )
     if await _settled(gate, timeout, forced) or forced():
         return
     jobs = abort_everything(app)
-    reads = getattr(app.state, "body_reads", None)
-    bodies = reads.cut() if reads is not None else 0
-    log.warning(
-        "--shutdown-timeout %gs passed: cut %d request(s) short (finish_reason abort), %d still sending a body (503)",
-        timeout,
-        jobs,
-        bodies,
-    )
+    log.warning("--shutdown-timeout %gs passed: cut %d request(s) short (finish_reason abort)", timeout, jobs)
     if not await _settled(gate, _STRAGGLERS_S, forced):
         log.error("%d request(s) still unanswered; closing their connections", gate.in_flight)
 
@@ -131,10 +135,15 @@ def make_server(
     log_level: str = "warning",
     shutdown_timeout: float = 30.0,
     read_timeout: float | None = None,
+    max_connections: int | None = None,
 ) -> GracefulServer:
     """The server `serve` runs (`.run()`; tests run it in a thread and set `should_exit`). read_timeout: the
     seconds a request's headers may take and a body may go without bytes (`serve.transport`); None: the app's own
-    (`install_transport`, which create_app calls), else DEFAULT_READ_TIMEOUT_S. Given, it rules both."""
+    (`install_transport`, which create_app calls), else DEFAULT_READ_TIMEOUT_S. Given, it rules both.
+    max_connections: uvicorn's limit_concurrency (open connections, and requests being answered, at most; beyond,
+    uvicorn answers 503); None: no cap."""
+    if max_connections is not None and (type(max_connections) is not int or max_connections < 1):
+        raise ValueError(f"max_connections must be an integer >= 1, got {max_connections!r}")
     reads = getattr(app.state, "body_reads", None)
     if reads is None:  # an app without BodyTimeout yet: install it here, before the app starts
         reads = install_transport(app, DEFAULT_READ_TIMEOUT_S if read_timeout is None else read_timeout)
@@ -146,6 +155,7 @@ def make_server(
         port=port,
         log_level=log_level,
         http=header_deadline_protocol(reads.read_timeout),
+        limit_concurrency=max_connections,
         timeout_graceful_shutdown=_CLOSE_MIN_S,  # GracefulServer.shutdown sets it to what the drain left
     )
     return GracefulServer(config, shutdown_timeout)
@@ -159,11 +169,18 @@ def serve(
     log_level: str = "warning",
     shutdown_timeout: float = 30.0,
     read_timeout: float | None = None,
+    max_connections: int | None = None,
 ) -> None:
     """Run `app` (from `create_app`) until SIGTERM / Ctrl-C, then shut down gracefully (see the module docstring).
-    read_timeout: see `make_server`."""
+    read_timeout, max_connections: see `make_server`."""
     server = make_server(
-        app, host=host, port=port, log_level=log_level, shutdown_timeout=shutdown_timeout, read_timeout=read_timeout
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        shutdown_timeout=shutdown_timeout,
+        read_timeout=read_timeout,
+        max_connections=max_connections,
     )
     server.run()
     if not server.started:

@@ -7,14 +7,18 @@ holds a connection (and, mid-body, a request in flight) for at most `read_timeou
   dribbled a byte at a time were never timed out (slowloris); this deadline does not move. `serve()` pins it
   (h11; httptools, were it installed, would need a subclass of its own).
 - Bodies: `BodyTimeout`, ASGI middleware. While a request's body is being read, each `receive` waits at most
-  `read_timeout` seconds for bytes; past that the client gets an OpenAI-style 408 (if no response has started)
-  and the app sees the client leave (`http.disconnect`). When a shutdown cuts the requests in flight
-  (`serve.shutdown.drain`), the body reads still waiting end the same way with 503 (`BodyReads.cut`), instead of
-  waiting for uvicorn to cancel them (a text/plain 500 and a traceback).
+  `read_timeout` seconds for bytes, and the whole body must have come within `body_timeout` seconds of the first
+  read (--body-timeout), plus a second per MiB received (`BODY_RATE_BYTES_S`: an upload faster than 1 MiB/s is
+  never cut, however large). Past either, the client gets an OpenAI-style 408 with `Connection: close` (if no
+  response has started) and the app sees the client leave (`http.disconnect`). A body trickled a byte at a time
+  never goes `read_timeout` without bytes: the total bound is what lets it go. When a shutdown starts
+  (`serve.shutdown.drain`), the body reads still waiting for bytes end the same way with 503 (`BodyReads.cut`),
+  and so does every later read that finds no bytes at hand, instead of keeping the drain (and then uvicorn's
+  cancellation: a text/plain 500 and a traceback) waiting for a body that may never end.
 
-The default, 10 s: a healthy client's gaps are milliseconds; 10 s rides out a client that pauses (a GC, a busy
+The defaults: read 10 s: a healthy client's gaps are milliseconds; 10 s rides out a client that pauses (a GC, a busy
 host) and TCP's retransmission backoff (1 + 2 + 4 s for three lost segments) while a slow-loris connection is let
-go within 10 s.
+go within 10 s. Body 30 s: a 4 MiB body (--max-request-bytes) gets 34 s, the time of a 1 Mbit/s link.
 """
 
 from __future__ import annotations
@@ -29,16 +33,21 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from .errors import APIError
 
 __all__ = [
+    "BODY_RATE_BYTES_S",
+    "DEFAULT_BODY_TIMEOUT_S",
     "DEFAULT_READ_TIMEOUT_S",
     "BodyReads",
     "BodyTimeout",
     "HeaderDeadlineH11",
+    "check_body_timeout",
     "check_read_timeout",
     "header_deadline_protocol",
     "install_transport",
 ]
 
 DEFAULT_READ_TIMEOUT_S = 10.0
+DEFAULT_BODY_TIMEOUT_S = 30.0
+BODY_RATE_BYTES_S = 1 << 20  # each MiB received adds a second to body_timeout
 log = logging.getLogger("verispec.serve")
 
 
@@ -48,26 +57,37 @@ def check_read_timeout(read_timeout: float) -> float:
     return float(read_timeout)
 
 
-def install_transport(app, read_timeout: float = DEFAULT_READ_TIMEOUT_S) -> BodyReads:
+def check_body_timeout(body_timeout: float) -> float:
+    if isinstance(body_timeout, bool) or not isinstance(body_timeout, (int, float)) or not 0 < body_timeout < 1e9:
+        raise ValueError(f"body_timeout must be a number of seconds > 0, got {body_timeout!r}")
+    return float(body_timeout)
+
+
+def install_transport(
+    app, read_timeout: float = DEFAULT_READ_TIMEOUT_S, body_timeout: float = DEFAULT_BODY_TIMEOUT_S
+) -> BodyReads:
     """Install `BodyTimeout` on a FastAPI/Starlette app (before it starts) and keep its `BodyReads` as
     `app.state.body_reads` (what the shutdown cuts, and where `serve()` finds the app's read_timeout)."""
-    reads = BodyReads(check_read_timeout(read_timeout))
+    reads = BodyReads(check_read_timeout(read_timeout), check_body_timeout(body_timeout))
     app.state.body_reads = reads
     app.add_middleware(BodyTimeout, reads=reads)
     return reads
 
 
 class BodyReads:
-    """The app's read timeout and its body reads now waiting for bytes; `cut()` ends them (a shutdown's cut)."""
+    """The app's read and body timeouts and its body reads now waiting for bytes; `cut()` ends them (a shutdown's
+    cut)."""
 
-    def __init__(self, read_timeout: float = DEFAULT_READ_TIMEOUT_S):
+    def __init__(self, read_timeout: float = DEFAULT_READ_TIMEOUT_S, body_timeout: float = DEFAULT_BODY_TIMEOUT_S):
         self.read_timeout = check_read_timeout(read_timeout)
+        self.body_timeout = check_body_timeout(body_timeout)
         self.is_cut = False
         self._waiting: set[asyncio.Future] = set()
 
     def cut(self) -> int:
-        """From now on every body read ends at once with 503: those waiting now, and any begun later. Returns how
-        many were waiting. Call it on the server's event loop."""
+        """From now on every body read that has to wait for bytes ends at once with 503: those waiting now, and any
+        begun later (a read whose bytes are already at hand still gets them). Returns how many were waiting. Call it
+        on the server's event loop."""
         self.is_cut = True
         woken = [w for w in self._waiting if not w.done()]
         for w in woken:
@@ -76,10 +96,12 @@ class BodyReads:
 
 
 class BodyTimeout:
-    """ASGI middleware: a request body that goes `reads.read_timeout` seconds without bytes ends with 408 (503 once
-    `reads.cut()`), answered here if no response has started; the app then sees `http.disconnect`. Reads after the
-    body is complete (a route watching for the client to leave) pass through untimed. What the app raises on that
-    disconnect (Starlette's ClientDisconnect) ends here, logged at debug level."""
+    """ASGI middleware: a request body that goes `reads.read_timeout` seconds without bytes, or is not complete
+    `reads.body_timeout` seconds (plus a second per MiB received) after its first read, ends with 408 (503 once
+    `reads.cut()`, when no bytes are at hand), answered here if no response has started; the app then sees
+    `http.disconnect`. Reads after the body is complete (a route watching for the client to leave) pass through
+    untimed. What the app raises on that disconnect (Starlette's ClientDisconnect) ends here, logged at debug
+    level."""
 
     def __init__(self, app, reads: BodyReads):
         self.app, self.reads = app, reads
@@ -108,6 +130,8 @@ class _Reading:
         self.body_done = False  # the last body message (or a disconnect) has been handed to the app
         self.started = False  # a response has started (the app's or ours)
         self.answered = False  # the request ended here (our error, or a stall past the start): drop the app's sends
+        self.began: float | None = None  # the loop's time at the body's first read
+        self.received = 0  # body bytes so far
 
     async def send(self, message):
         if self.answered:
@@ -116,41 +140,66 @@ class _Reading:
             self.started = True
         await self._send(message)
 
+    def _left(self, now: float) -> float:
+        """Seconds left for the whole body: body_timeout from the first read, plus a second per MiB received."""
+        return self.began + self.reads.body_timeout + self.received / BODY_RATE_BYTES_S - now
+
     async def receive(self):
         if self.answered:
             return {"type": "http.disconnect"}
         if self.body_done:
             return await self._receive()
-        if self.reads.is_cut:
-            return await self._give_up(cut=True)
         loop = asyncio.get_running_loop()
+        if self.began is None:
+            self.began = loop.time()
+        if self.reads.is_cut:
+            # A shutdown: bytes at hand are taken (one turn of the loop runs the read, which returns at once when
+            # uvicorn holds a message), none is waited for.
+            message = loop.create_task(self._receive())
+            await asyncio.sleep(0)
+            if not message.done():
+                message.cancel()
+                return await self._give_up("cut")
+            return self._got(message.result())
+        left = self._left(loop.time())
+        if left <= 0:
+            return await self._give_up("total")
         message, woken = loop.create_task(self._receive()), loop.create_future()
         self.reads._waiting.add(woken)
         try:
-            await asyncio.wait((message, woken), timeout=self.reads.read_timeout, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(
+                (message, woken), timeout=min(self.reads.read_timeout, left), return_when=asyncio.FIRST_COMPLETED
+            )
         finally:
             self.reads._waiting.discard(woken)
             if not message.done():
                 message.cancel()
         if message.done() and not message.cancelled():
-            result = message.result()
-            if result["type"] != "http.request" or not result.get("more_body", False):
-                self.body_done = True
-            return result
-        return await self._give_up(cut=woken.done())
+            return self._got(message.result())
+        if woken.done():
+            return await self._give_up("cut")
+        return await self._give_up("total" if left < self.reads.read_timeout else "stall")  # the wait that ran out
 
-    async def _give_up(self, cut: bool):
+    def _got(self, message):
+        if message["type"] == "http.request":
+            self.received += len(message.get("body", b""))
+        if message["type"] != "http.request" or not message.get("more_body", False):
+            self.body_done = True
+        return message
+
+    async def _give_up(self, why: str):
+        """End the body: why is "cut" (a shutdown: 503), "stall" (read_timeout without bytes: 408) or "total"
+        (not complete within body_timeout: 408)."""
         self.body_done = True
         if not self.started:
-            if cut:
+            if why == "cut":
                 error = APIError(
                     503,
-                    "the server is shutting down: the request body was still incomplete when --shutdown-timeout "
-                    "passed; retry later",
+                    "the server is shutting down: the request body was still incomplete; retry later",
                     kind="server_error",
                     headers={"Connection": "close"},
                 )
-            else:
+            elif why == "stall":
                 error = APIError(
                     408,
                     f"the request body stalled: no bytes for {self.reads.read_timeout:g} s (the server's "
@@ -158,10 +207,18 @@ class _Reading:
                     code="request_timeout",
                     headers={"Connection": "close"},
                 )
+            else:
+                error = APIError(
+                    408,
+                    f"the request body took too long: {self.received} bytes in {self.reads.body_timeout:g} s and "
+                    "more (the server's --body-timeout, plus 1 s per MiB); send the whole body at once",
+                    code="request_timeout",
+                    headers={"Connection": "close"},
+                )
             self.started = True
             await error.response()(self.scope, _disconnected, self._send)
         else:
-            log.warning("a request body stalled after its response started; the client is treated as gone")
+            log.warning("a request body stalled after its response started (%s); the client is treated as gone", why)
         self.answered = True
         return {"type": "http.disconnect"}
 
