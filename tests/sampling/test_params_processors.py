@@ -153,3 +153,14 @@ def test_bad_logits():
 def test_processing_on_low_precision_logits_is_float32():
     out = probs_from_logits(torch.randn(2, 8).bfloat16(), SamplingParams(top_p=0.9))
     assert out.dtype == torch.float32 and torch.allclose(out.sum(-1), torch.ones(2))
+
+
+@pytest.mark.parametrize("t", [1.2e-38, 1e-30, 1e-6, 1e-3, 0.7, 1e30, 3.4e38])
+def test_any_accepted_temperature_gives_a_distribution(t):
+    """Logits shifted before the temperature: a tiny one is (near-)greedy and a huge one near-uniform, never NaN
+    (x / t overflowed for |x| > 3.4e38 t). The exact law: softmax(x / t) computed in float64 where it is finite."""
+    logits = torch.tensor([[3.0, 2.5, -1.0, float("-inf"), 40.0, 39.99]])
+    p = probs_from_logits(logits, SamplingParams(temperature=t))
+    assert torch.isfinite(p).all() and abs(float(p.sum()) - 1) < 1e-6 and p[0, 3] == 0
+    ref = torch.softmax(logits.double() / t, -1)
+    assert torch.allclose(p.double(), ref, atol=1e-6)

@@ -173,11 +173,11 @@ def test_hostile_requests_among_well_behaved_clients(tmp_path):
         assert statuses["endless schema"] == statuses["endless grammar"] == 200
         assert statuses["tiny temperature"] == statuses["remote $ref"] == statuses["16,384 choices"] == 400
         assert statuses["3,000-token prompt"] == statuses["8,000-token prompt"] == 200
-        assert statuses["100k content parts"] in (200, 400, 413)
-        assert statuses["3.9 MB /tokenize"] in (200, 413)
-        assert statuses["trickled body"] in (0, 408)
-        assert p99 < 0.2
-        assert peak < rss_before + 1024
+        assert statuses["100k content parts"] == 400  # more content parts than a request may hold
+        assert statuses["3.9 MB /tokenize"] == 200
+        assert statuses["trickled body"] == 408  # --body-timeout (30 s) closed it half-way through its 60 s
+        assert p99 < 0.5  # (the bound is 0.2 s; measured ~0.02 s: margin for a loaded CI machine)
+        assert peak < rss_before + 2048  # bounded (the endless grammar grew ~300 MB/s until the OOM killer)
     finally:
         proc.terminate()
         proc.wait(timeout=60)

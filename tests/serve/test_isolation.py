@@ -52,11 +52,11 @@ def poisoned():
 @pytest.mark.parametrize(
     "field, value",
     [
-        ("temperature", 1e-38),
+        ("temperature", 1e-38),  # subnormal in float32
         ("temperature", 1e-45),
         ("temperature", 5e-324),
-        ("temperature", 1e-5),
-        ("temperature", 1e38),
+        ("temperature", 3.5e38),  # inf in float32
+        ("temperature", 1e300),
         ("repetition_penalty", 1e-30),
         ("repetition_penalty", 1e30),
     ],
@@ -68,14 +68,16 @@ def test_degenerate_numbers_are_refused_naming_the_field(field, value):
 
 
 def test_the_boundaries_themselves_are_accepted_and_negative_zero_is_zero():
-    assert SamplingParams(temperature=1e-4).temperature == 1e-4
-    assert SamplingParams(temperature=1e4).temperature == 1e4
+    assert SamplingParams(temperature=1.2e-38).temperature == 1.2e-38
+    assert SamplingParams(temperature=3.4e38).temperature == 3.4e38
     t = SamplingParams(temperature=-0.0)
     assert t.greedy and math.copysign(1.0, t.temperature) == 1.0
     assert SamplingParams(repetition_penalty=0.01).repetition_penalty == 0.01
 
 
-edge = st.sampled_from([0.0, -0.0, 5e-324, 1e-320, 1e-45, 1e-40, 1e-38, 1e-5, 1e-4, 0.5, 1.0, 2.0, 100.0, 1e4, 1e38])
+edge = st.sampled_from(
+    [0.0, -0.0, 5e-324, 1e-320, 1e-45, 1e-40, 1e-38, 1.2e-38, 1e-6, 1e-4, 0.5, 1.0, 2.0, 100.0, 1e4, 1e38, 3.5e38]
+)
 number = edge | st.floats(allow_nan=False, allow_infinity=False, width=64) | edge.map(lambda x: -x)
 FIELDS = st.fixed_dictionaries(
     {},

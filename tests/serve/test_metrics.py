@@ -293,3 +293,20 @@ def test_a_fault_outside_the_step_fails_its_jobs_and_the_engine_serves_on(tiny_t
 
 def _raising(*args, **kwargs):
     raise RuntimeError("injected metrics bug")
+
+
+def test_the_queue_count_admits_as_the_session_does(tiny_target):
+    """4 prompts x n = 3 into an empty batch of 8: the session admits two whole groups (a group joins in parts only
+    into an empty batch), so 6 choices wait; the engine's count says the same as the session's own admission."""
+    loop = asyncio.new_event_loop()
+    try:
+        engine = EngineThread(SpeculativeGenerator(tiny_target, None), max_batch=8, max_queue=64)
+        requests = [Request((5, 6, 7 + i // 3), SamplingParams(seed=i), max_new_tokens=4) for i in range(12)]
+        job = Job(id="groups", requests=requests, loop=loop, per_prompt=3)
+        engine.submit(job)
+        assert engine._waiting_after(None) == (6, 6)  # two prompts of 3 tokens wait
+        engine._take_inbox()
+        engine.session.schedule()
+        assert len(engine.session.rows) + sum(len(p.rows) for p in engine.session.prefilling) == 6
+    finally:
+        loop.close()

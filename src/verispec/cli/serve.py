@@ -130,10 +130,10 @@ def _add_operator_args(p: argparse.ArgumentParser) -> None:
         "--request-timeout",
         type=_seconds(0, inclusive=False),
         metavar="SECONDS",
-        default=DEFAULT_REQUEST_TIMEOUT_S,
         help="a request still running this long after it arrived is stopped at the next step, read by its client "
-        "or not: its unfinished choices end with finish_reason 'abort' and what they have (default %(default)s; "
-        "raise it for long RL rollout batches)",
+        f"or not: its unfinished choices end with finish_reason 'abort' and what they have (default "
+        f"{DEFAULT_REQUEST_TIMEOUT_S:g} on the OpenAI routes; the RL route /generate/ has a deadline only when this "
+        "is given: a rollout cut short would be trained on)",
     )
     p.add_argument(
         "--shutdown-timeout",
@@ -221,11 +221,16 @@ def run(args: argparse.Namespace) -> int:
             "api_key",
             "cors_origins",
             "max_model_len",
-            "request_timeout",
         )
         exposure = ("enable_weight_updates", "weight_dirs", "max_request_bytes", "read_timeout", "body_timeout")
         hosts = allowed_hosts(args.host, args.allowed_hosts)
-        app = create_app(gen, name, **pick(args, *limits, *exposure), allowed_hosts=hosts, chat_template=template)
+        timeouts = {  # the default on the OpenAI routes; /generate/ only when given
+            "request_timeout": DEFAULT_REQUEST_TIMEOUT_S if args.request_timeout is None else args.request_timeout,
+            "rollout_timeout": args.request_timeout,
+        }
+        app = create_app(
+            gen, name, **pick(args, *limits, *exposure), **timeouts, allowed_hosts=hosts, chat_template=template
+        )
     logging.basicConfig(level=logging.INFO)
     print(
         f"serving {name!r} on http://{args.host}:{args.port}/v1 (spec {config})",

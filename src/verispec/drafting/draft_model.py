@@ -88,7 +88,8 @@ class DraftModelProposer(Proposer):
             if j == 0:
                 self._start = list(self.runner.lengths)
             ctx = view.node_context(ids[:, :j], chain_parents(B, j, dev)).at(j)  # the context after draft j - 1
-            q = view.probs(logits, *ctx)  # [B, V]: penalties, bad words and the grammar see the drafts before j
+            active_rows = torch.tensor([g > j for g in gammas], device=dev)  # [B]: rows drafting at j (others: junk)
+            q = view.probs(logits, *ctx, valid=active_rows)  # [B, V]: penalties, bad words, grammar see drafts before j
             if probs is None:
                 probs = torch.zeros((B, k + 1, q.shape[-1]), dtype=q.dtype, device=dev)
             probs[:, j] = q

@@ -90,6 +90,7 @@ class BatchView:
         output_counts: Tensor | None = None,
         recent: Tensor | None = None,
         allowed: Tensor | None = None,
+        valid: Tensor | None = None,  # [B] or [B, T] bool: the rows / slots whose distribution is used (None: all)
     ) -> Tensor:  # logits' shape ([B, V] or [B, T, V]), rows summing to 1
         """The processed distribution of these logits under the rows' params (`probs_from_logits`); output_counts,
         recent and the grammar's mask `allowed` default to the root's (the position after the pending token).
@@ -98,7 +99,7 @@ class BatchView:
         logits from the model, or options and grammar that leave no token) is recorded in `faults` and gets a
         placeholder distribution (all mass on token 0), so the batch's math goes on for the other rows, whose
         results do not depend on it (every row draws from its own generator); the engine ends that row with an
-        error (`GenerationSession`)."""
+        error (`GenerationSession`). `valid` limits the check to the slots that are read (padding slots hold junk)."""
         if allowed is None and self.grammars is not None:
             allowed = root_allowed(self.grammars, logits.shape[-1], logits.device)
         probs = probs_from_logits(
@@ -110,13 +111,15 @@ class BatchView:
             allowed=allowed,
             check=False,
         )
-        return self._guard(probs)
+        return self._guard(probs, valid)
 
-    def _guard(self, probs: Tensor) -> Tensor:  # [B, V] or [B, T, V] -> the same, every row a distribution
-        """Rows of `probs` that are not finite and normalised (one sum: NaN and inf propagate into it) are
-        recorded in `faults` and replaced by a placeholder distribution; one host sync."""
+    def _guard(self, probs: Tensor, valid: Tensor | None) -> Tensor:  # [B, V] or [B, T, V] -> the same
+        """Rows of `probs` with a read slot that is not finite and normalised (one sum: NaN and inf propagate into
+        it) are recorded in `faults` and replaced by a placeholder distribution; one host sync."""
         total = probs.sum(-1)  # [B] or [B, T]
         ok = (total - 1.0).abs() <= _NORM_TOL
+        if valid is not None:
+            ok = ok | ~valid.to(ok.device)
         if ok.dim() == 2:
             ok = ok.all(-1)  # [B]
         if bool(ok.all()):

@@ -342,11 +342,14 @@ class SpeculativeGenerator:
 
     def _drive(self, sess: GenerationSession) -> Iterator[StreamEvent]:
         t_start = time.perf_counter()
-        while not sess.idle:
-            for event in sess.step():
-                if event.completion is not None and event.completion.error is not None:
-                    raise event.completion.error  # a RowFault: this request failed inside a step
-                yield event
+        try:
+            while not sess.idle:
+                for event in sess.step():
+                    if event.completion is not None and event.completion.error is not None:
+                        raise event.completion.error  # a RowFault: this request failed inside a step
+                    yield event
+        finally:
+            sess.close()  # (a raise, or a caller that stopped iterating: staged prompts freed)
         pooled = sess.stats
         pooled.wall_time = time.perf_counter() - t_start
         pooled.other_time = pooled.wall_time - pooled.draft_time - pooled.verify_time

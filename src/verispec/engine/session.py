@@ -283,9 +283,10 @@ class GenerationSession:
         long: list[Row] = []
         for r in new:
             (long if staging and len(r.seq) - 1 > chunk else now).append(r)  # seq[:-1]: the tokens to prefill
+        busy = bool(self.rows or self.prefilling)  # before `now` joins: rows admitted together delay no one
         if now:
             self._enter(now)
-        if long and not self.rows and not self.prefilling:
+        if long and not busy:
             self._enter(long)  # no one to delay: whole
         elif long:
             self._stage(long)
@@ -311,6 +312,13 @@ class GenerationSession:
             if p.staged.remaining == 0:
                 self.prefilling.remove(p)
                 self._enter(p.rows, p.staged)
+
+    def close(self) -> None:
+        """Free what the session holds outside the batch (prompts being prefilled: on llama.cpp, sequences and cells
+        of the shared context); call it when dropping a session that has not run to idle."""
+        for p in self.prefilling:
+            p.staged.close()
+        self.prefilling.clear()
 
     def _unstage(self) -> None:
         """Staged rows whose requests ended (aborted) leave; a staged prompt no row waits for is dropped."""
@@ -439,6 +447,8 @@ class GenerationSession:
                 except Exception as e:  # this request's grammar: it fails alone
                     faults[b] = _row_fault("its grammar", e)
             r.seq.extend(out.tokens[b])  # view.seqs are these lists: the proposer sees the committed tokens
+            if b in faults:  # its step verified a placeholder: not counted anywhere
+                continue
             r.observe(out.drafted[b], out.accepted[b], out.nodes[b])
             self.stats.observe(out.drafted[b], out.accepted[b], out.nodes[b])
             if draft.chain:

@@ -59,7 +59,9 @@ def score(batch: Batch, chunk, ids: Tensor, par: Tensor, parents=None) -> tuple[
     and the processed p at the root and after every node, [B, N + 1, V] each."""
     logits = batch.runner.forward(chunk, parents=parents)[:, : ids.shape[1] + 1]
     ctx = batch.view.node_context(ids, par)  # each slot's own path: what the drafter's q saw there
-    return logits, batch.view.probs(logits, *ctx)
+    fed = torch.tensor([len(c) for c in chunk], device=logits.device)  # [B]: slots < fed[b] are row b's, the rest junk
+    valid = torch.arange(logits.shape[1], device=logits.device) < fed.unsqueeze(1)  # [B, N + 1]
+    return logits, batch.view.probs(logits, *ctx, valid=valid)
 
 
 class Verification:

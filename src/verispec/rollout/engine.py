@@ -476,6 +476,16 @@ class RolloutEngine:
         sess.submit(job)
         done: dict[tuple[int, int], Rollout] = {}
         t0 = time.perf_counter()
+        try:
+            self._drive(sess, job, seed, cancel, done)
+        finally:
+            sess.close()  # (a RowFault raised: staged prompts freed)
+        self.last_stats = sess.stats
+        self.last_stats.wall_time = time.perf_counter() - t0
+        return [done[k] for k in sorted(done)]
+
+    def _drive(self, sess: GenerationSession, job: Job, seed: int, cancel: threading.Event, done: dict) -> None:
+        """Step the session until idle (or aborted), collecting each finished request's Rollout in `done`."""
         while not sess.idle:
             if self._aborting.is_set() or cancel.is_set():
                 for event in sess.abort(job.key):
@@ -486,9 +496,6 @@ class RolloutEngine:
                     raise event.completion.error  # a RowFault: a rollout failed inside a step (never a silent gap)
                 if event.completion is not None:
                     done[event.key] = self.rollout(event.completion, seed)
-        self.last_stats = sess.stats
-        self.last_stats.wall_time = time.perf_counter() - t0
-        return [done[k] for k in sorted(done)]
 
     def rollout(self, c: Completion, seed: int, record: bool = True, key: tuple[int, int] | None = None) -> Rollout:
         """A finished request of a rollout job (`job`) as a Rollout; `record` adds it to the history (not for an

@@ -30,11 +30,11 @@ __all__ = [
 MAX_BAD_WORDS = 256  # token sequences per request (vLLM allows 128 words; a string gives up to two sequences)
 MAX_BAD_WORD_TOKENS = 1024  # tokens over all of a request's bad words (vLLM's limit)
 MAX_LOGIT_BIAS = 100.0  # |bias| bound (OpenAI's)
-# A temperature t > 0 divides the logits: below MIN_TEMPERATURE a float32 logit / t can overflow (|logit| > 3.4e38 t),
-# which gives NaN probabilities; above MAX_TEMPERATURE the logits shrink towards float32's subnormal range. Both are
-# refused (0 is greedy). Within the bounds logits of magnitude < 3e34 stay finite: every model's do.
-MIN_TEMPERATURE = 1e-4
-MAX_TEMPERATURE = 1e4
+# A temperature t > 0 divides the logits, shifted so their largest is 0 (`probs_from_logits`: nothing overflows, for
+# any t); t itself is a float32 scalar there, so it must be a normal float32: below MIN_TEMPERATURE it is subnormal
+# or 0 (0 / 0 = NaN at the largest logit), above MAX_TEMPERATURE inf (-inf / inf = NaN). 0 is greedy.
+MIN_TEMPERATURE = 1.1754943508222875e-38  # float32's smallest normal number
+MAX_TEMPERATURE = 3.4028234663852886e38  # float32's largest finite number
 # repetition_penalty r divides (or multiplies) seen tokens' logits: within [1/100, 100] it cannot overflow either
 MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 1e-2, 1e2
 
@@ -174,9 +174,9 @@ class SamplingParams:
     (`check_vocab`).
 
     Attributes:
-        temperature: In [1e-4, 1e4] divides the logits; 0 means greedy (a one-hot distribution on the argmax, ties
-            broken towards the lowest token id). Values in (0, 1e-4) or above 1e4 are refused: logits / temperature
-            would overflow to inf (NaN probabilities) or vanish in float32.
+        temperature: > 0 divides the logits (shifted so their largest is 0: nothing overflows); 0 means greedy (a
+            one-hot distribution on the argmax, ties broken towards the lowest token id). It must be a normal
+            float32 number, [1.18e-38, 3.40e38]: a subnormal or larger value is refused (NaN probabilities).
         top_k: Keep the k most probable tokens; 0 disables.
         top_p: Keep the smallest set of most probable tokens whose mass reaches top_p; in (0, 1], 1 disables.
         min_p: Drop tokens whose probability is below min_p times the largest one; in [0, 1], 0 disables.
@@ -223,8 +223,8 @@ class SamplingParams:
         if t != 0 and not MIN_TEMPERATURE <= t <= MAX_TEMPERATURE:
             raise ParamError(
                 "temperature",
-                f"must be 0 (greedy) or in [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}] (beyond that logits / "
-                f"temperature overflows or vanishes in float32), got {t!r}",
+                f"must be 0 (greedy) or a normal float32 number in [{MIN_TEMPERATURE:.4g}, {MAX_TEMPERATURE:.4g}] "
+                f"(beyond it the temperature is subnormal or inf in float32 and the probabilities NaN), got {t!r}",
             )
         set_(self, "temperature", t)
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, Integral) or self.top_k < 0:

@@ -10,7 +10,8 @@ Processing order (vLLM's for the grammar mask and the token options, then HF tra
     0. token options: allowed_token_ids (the others -> -inf), bad_words (one-token words -> -inf everywhere;
        a longer word's last token -> -inf where the context ends with its other tokens), logit_bias (added)
     1. repetition penalty (prompt + output tokens), presence and frequency penalties (output tokens)
-    2. temperature (0 = greedy: one-hot on the argmax of the logits after 0 and 1, lowest id on ties)
+    2. temperature (0 = greedy: one-hot on the argmax of the logits after 0 and 1, lowest id on ties), applied to the
+       logits shifted so that their largest is 0 (the same distribution; no temperature overflows)
     3. top_k   (ties at the k-th value are broken by token id, via a stable sort)
     4. top_p   (keep a token while the mass of the more probable tokens before it is < top_p)
     5. min_p   (drop tokens with probability < min_p * max probability)
@@ -125,7 +126,9 @@ def probs_from_logits(
         if meta.all_greedy:
             return greedy_probs.squeeze(1) if squeeze else greedy_probs
 
-    x = x / meta.col("temperature", dtype)
+    # temperature on logits shifted so that their largest is 0: softmax and the warpers below are shift-invariant, and
+    # no temperature overflows (x / t did past |x| > 3.4e38 t: NaN); a greedy row's column is 1 (never read)
+    x = (x - x.amax(dim=-1, keepdim=True)) / meta.col("temperature", dtype)
     if meta.any_truncation:
         x = _truncate(x, meta)
     if meta.any_min_p:

@@ -81,6 +81,7 @@ def create_app(
     cors_origins: list[str] | None = None,
     max_model_len: int | None = None,
     request_timeout: float | None = DEFAULT_REQUEST_TIMEOUT_S,
+    rollout_timeout: float | None = None,
     chat_template: str | None = None,
     enable_weight_updates: bool = False,
     weight_dirs: Sequence[str | os.PathLike] = (),
@@ -112,7 +113,9 @@ def create_app(
         max_model_len: The most tokens a request may hold, prompt and completion (at most the model's context;
             None: the model's).
         request_timeout: Seconds from a request's arrival after which its unfinished choices end with
-            finish_reason "abort" (default 600; None: no limit).
+            finish_reason "abort", on the OpenAI routes (default 600; None: no limit).
+        rollout_timeout: The same for the RL route /generate/ (default None: no limit; a rollout cut at a deadline
+            comes back "abort" and a trainer would train on it).
         chat_template: A Jinja template's text (`serve.chat.load_chat_template` reads --chat-template's file) that
             replaces the tokenizer's, for chat completions and /tokenize (set on gen's tokenizer).
         enable_weight_updates: Let the weight routes change the model (off: they answer 403).
@@ -132,6 +135,7 @@ def create_app(
         ValueError: A limit out of range, or a chat template that does not compile.
     """
     _check_limits(gen, max_model_len, request_timeout)
+    _check_limits(gen, max_model_len, rollout_timeout)
     if isinstance(max_request_bytes, bool) or not isinstance(max_request_bytes, int) or max_request_bytes < 1:
         raise ValueError(f"max_request_bytes must be an integer >= 1, got {max_request_bytes!r}")
     routes = WeightRoutes(enable_weight_updates, _weight_dirs(weight_dirs))
@@ -149,7 +153,16 @@ def create_app(
         scorer=scorer,
     )
     served = Served(
-        gen, engine, metrics, model_id, frozenset({model_name}), retry_after_s, max_model_len, request_timeout, scorer
+        gen,
+        engine,
+        metrics,
+        model_id,
+        frozenset({model_name}),
+        retry_after_s,
+        max_model_len,
+        request_timeout,
+        rollout_timeout,
+        scorer,
     )
 
     @asynccontextmanager

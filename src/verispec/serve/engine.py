@@ -45,6 +45,7 @@ from ..engine import request as engine_request
 from ..engine.generator import SpeculativeGenerator, StreamEvent
 from ..engine.request import Barrier, Request
 from ..engine.session import GenerationSession
+from ..sampling import ConstraintError, ParamError
 from .limits import DEFAULT_MAX_QUEUE, DEFAULT_MAX_QUEUE_TOKENS
 
 __all__ = ["Closing", "EngineThread", "Job", "Overloaded", "PromptLogprobs", "TooLarge", "kv_cache_usage"]
@@ -123,9 +124,10 @@ def _prompt_tokens(job: Job, start: int) -> int:
 
 def _client_error(error: Exception) -> Exception:
     """What the handler gets for a choice that failed inside a step: the cause when the request's own parameters
-    raised it (a ValueError: a 400 naming it), else the RowFault (a 500 with a request id)."""
+    raised it (a ParamError or ConstraintError: a 400 naming it), else the RowFault (a 500 with a request id: no
+    internal text reaches the client)."""
     cause = error.__cause__
-    return cause if isinstance(cause, ValueError) else error
+    return cause if isinstance(cause, (ParamError, ConstraintError)) else error
 
 
 def kv_cache_usage(runner, active: bool) -> tuple[float, int]:
@@ -298,20 +300,21 @@ class EngineThread:
 
     def _waiting_after(self, new: Job | None) -> tuple[int, int]:
         """Under the lock: (choices, distinct prompt tokens) that would wait for a batch row with `new` submitted
-        now, as the session admits: first come, first served; a prompt's choices together while rows are running,
-        in parts only into an empty batch; nothing while an update waits."""
+        now, as the session admits (`GenerationSession._take`): first come, first served; a prompt's choices
+        together while any row is held, in parts only into an empty batch; nothing while an update waits."""
         free = 0 if self._barriers else self.max_batch - len(self._jobs)
-        running, blocked, choices, tokens = bool(self._jobs), False, 0, 0
+        held, blocked, choices, tokens = len(self._jobs), False, 0, 0
         for job in [*self._waiting, *([new] if new is not None else [])]:
-            rest = len(job.requests) - job.admitted
-            group = min(job.per_prompt - job.admitted % job.per_prompt, rest)
-            take = 0 if blocked or free <= 0 or (group > free and running) else min(rest, free)
-            if take and take < rest and running:  # while rows run, only whole groups join
-                take -= (job.admitted + take) % job.per_prompt
-            free, running = free - take, running or take > 0
-            blocked = blocked or take < rest
-            choices += rest - take
-            tokens += _prompt_tokens(job, job.admitted + take)
+            at = job.admitted
+            while not blocked and at < len(job.requests):
+                size = min(job.per_prompt - at % job.per_prompt, len(job.requests) - at)
+                if free <= 0 or (size > free and held):
+                    blocked = True
+                    break
+                take = min(size, free)
+                at, free, held = at + take, free - take, held + take
+            choices += len(job.requests) - at
+            tokens += _prompt_tokens(job, at)
         return choices, tokens
 
     def _unwait(self, job: Job) -> None:
@@ -498,6 +501,7 @@ class EngineThread:
         new session in order, so the next iteration ends or runs them."""
         with self._cond:
             old = self.session
+            old.close()  # its prompts being prefilled (their jobs fail below or carry over and start anew)
             self.session = GenerationSession(self.gen.core, self.max_batch)
             for job in self._live():
                 if everything or job.admitted:

@@ -29,6 +29,8 @@ from .token_options import check_token_options, token_options
 
 __all__ = ["Run", "Served", "usage"]
 
+_REQUEST_TIMEOUT = object()  # `Served.enqueue`'s default deadline: --request-timeout
+
 _POLL_S = 0.5  # how often a request's client is checked for having gone away
 _GONE = object()  # put on a job's events once its client has gone away: the handler stops waiting
 
@@ -45,6 +47,7 @@ class Served:
     retry_after_s: int = 1
     max_model_len: int | None = None  # --max-model-len: below the model's own context
     request_timeout: float | None = None  # --request-timeout: seconds from a request's arrival to its end
+    rollout_timeout: float | None = None  # the same for /generate/ (only when set: a cut rollout trains on a stub)
     scorer: PromptScorer | None = None  # prompt logprobs (completions' echo with logprobs); None: the engine's
 
     def __post_init__(self) -> None:
@@ -214,20 +217,29 @@ class Served:
             score_top=score_top,
         )
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return self.enqueue(job, request, [len(p) for p in prompts], req.stream, include_usage)
+        return self.enqueue(job, request, [len(p) for p in prompts], req.stream, include_usage, prompt_field)
 
     def enqueue(
-        self, job: Job, request: Request, prompt_tokens: list[int], stream: bool = False, include_usage: bool = False
+        self,
+        job: Job,
+        request: Request,
+        prompt_tokens: list[int],
+        stream: bool = False,
+        include_usage: bool = False,
+        prompt_field: str = "prompt",
+        timeout: float | object | None = _REQUEST_TIMEOUT,
     ) -> Run:
-        """Queue a job with the request's deadline (--request-timeout); 429 when the queue is full, 503 once a
-        shutdown has cut the requests short. Its Run."""
-        if self.request_timeout is not None:
-            job.deadline = job.arrived + self.request_timeout  # the engine thread expires the job there
+        """Queue a job with its deadline (`timeout` seconds, None: none; by default --request-timeout); 400 when it
+        exceeds the whole queue (naming `prompt_field` or `n`), 429 when the queue is full, 503 once a shutdown has
+        cut the requests short. Its Run."""
+        timeout = self.request_timeout if timeout is _REQUEST_TIMEOUT else timeout
+        if timeout is not None:
+            job.deadline = job.arrived + timeout  # the engine thread expires the job there
         retry = {"Retry-After": str(self.retry_after_s)}
         try:
             self.engine.submit(job)
         except TooLarge as e:
-            raise APIError(400, str(e), e.field) from None
+            raise APIError(400, str(e), prompt_field if e.field == "prompt" else e.field) from None
         except Overloaded as e:
             self.metrics.rejected.inc()
             raise APIError(

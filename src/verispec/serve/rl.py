@@ -238,7 +238,9 @@ async def generate(req: GenerateRequest, request: Request) -> GenerateResponse:
     except ValueError as e:
         raise APIError.bad_value(e) from None
     job = Job(id=uuid.uuid4().hex, requests=spec.requests, loop=asyncio.get_running_loop(), per_prompt=req.n)
-    run = served.enqueue(job, request, [len(p) for p in ids])  # --request-timeout and the queue's limits, as /v1
+    # the queue's limits, as /v1; a deadline only where --request-timeout was set (a rollout cut at a default deadline
+    # would come back "abort" and be trained on)
+    run = served.enqueue(job, request, [len(p) for p in ids], prompt_field="prompts", timeout=served.rollout_timeout)
     jobs: set = request.app.state.rl_jobs
     jobs.add(job)  # /abort_request ends it
     try:

@@ -138,7 +138,8 @@ _ASSERTING = (
     "additionalItems", "minItems", "maxItems", "minProperties", "maxProperties", "minLength", "maxLength", "pattern",
     "format", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "anyOf", "oneOf", "allOf", "$ref",
 )  # fmt: skip
-# the string formats xgrammar 0.2.9 enforces (on a schema of type "string"); any other format is accepted unchecked
+# the string formats xgrammar 0.2.9 enforces (on a schema of type "string"); any other format is an annotation only
+# (JSON Schema's default: a validator need not assert formats), accepted unchecked
 _FORMATS = (
     "date", "date-time", "duration", "email", "hostname", "ipv4", "ipv6", "json-pointer", "relative-json-pointer",
     "time", "uri", "uri-reference", "uri-template", "uuid",
@@ -163,18 +164,17 @@ def _check_enforceable(root) -> None:
                 refuse(repr(key), where)
         if schema.get("uniqueItems") is True:
             refuse("'uniqueItems'", where)
-        for key in ("pattern", "format"):
-            for bound in ("minLength", "maxLength"):
-                if key in schema and bound in schema:
-                    refuse(f"{key!r} beside {bound!r}", where, ": put the length into a pattern (e.g. ^[a-z]{1,8}$)")
+        for bound in ("minLength", "maxLength"):
+            if "pattern" in schema and bound in schema:
+                refuse(f"'pattern' beside {bound!r}", where, ": put the length into the pattern (e.g. ^[a-z]{1,8}$)")
+            if "format" in schema and bound in schema:
+                refuse(f"'format' beside {bound!r}", where, ": drop one of them (the format would win)")
         if isinstance(schema.get("pattern"), str) and _lookaround(schema["pattern"]):
             refuse("'pattern' with a lookahead (?= / (?!", where)
-        if "format" in schema:
-            fmt, types = schema["format"], schema.get("type")
-            if "pattern" in schema:
-                refuse("'format' beside 'pattern'", where, ": the pattern would be dropped")
-            if fmt not in _FORMATS or not (types == "string" or (isinstance(types, list) and "string" in types)):
-                refuse(f"'format': {fmt!r}", where, f" (it enforces {', '.join(_FORMATS)} on strings, no other format)")
+        # a format xgrammar does not check, or one on a non-string (OpenAPI's int32, pydantic's password), is an
+        # annotation, as JSON Schema's default vocabulary makes every format: alone it leaves nothing unenforced
+        if "format" in schema and "pattern" in schema:
+            refuse("'format' beside 'pattern'", where, ": the pattern would be dropped (drop the format)")
         if isinstance(schema.get("allOf"), list):
             beside = [k for k in _ASSERTING if k in schema and k != "allOf"]
             if len(schema["allOf"]) > 1 or beside:
