@@ -55,6 +55,7 @@ class SamplingMetadata:
     any_truncation: bool
     any_top_p: bool
     any_min_p: bool
+    any_temperature: bool  # a sampled row's temperature is not 1 (else the temperature step is skipped)
     any_constraint: bool  # a row has a structured-output constraint (its grammar's mask must be passed)
     all_identity: bool  # every row samples softmax(logits) itself (SamplingParams.is_identity)
     _cast: dict = field(default_factory=dict, repr=False)  # (name, dtype) -> a column in a logits dtype
@@ -99,6 +100,7 @@ class SamplingMetadata:
             any_truncation=any(r.uses_truncation for r in rows),
             any_top_p=any(r.top_p < 1.0 for r in rows),
             any_min_p=any(r.min_p > 0 for r in rows),
+            any_temperature=any(r.temperature not in (0.0, 1.0) for r in rows),
             any_constraint=any(r.constraint is not None for r in rows),
             all_identity=all(r.is_identity for r in rows),
         )

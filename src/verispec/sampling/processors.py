@@ -122,13 +122,14 @@ def probs_from_logits(
     if meta.any_greedy:
         greedy_probs = torch.zeros_like(x).scatter_(-1, x.argmax(dim=-1, keepdim=True), 1.0)
         if not check:  # a position with a NaN or +inf logit, or none finite, stays no distribution (NaN), as below
-            greedy_probs = greedy_probs + 0.0 * x.amax(dim=-1, keepdim=True)
+            greedy_probs.add_(0.0 * x.amax(dim=-1, keepdim=True))
         if meta.all_greedy:
             return greedy_probs.squeeze(1) if squeeze else greedy_probs
 
     # temperature on logits shifted so that their largest is 0: softmax and the warpers below are shift-invariant, and
     # no temperature overflows (x / t did past |x| > 3.4e38 t: NaN); a greedy row's column is 1 (never read)
-    x = (x - x.amax(dim=-1, keepdim=True)) / meta.col("temperature", dtype)
+    if meta.any_temperature:  # (all 1: nothing to divide)
+        x = (x - x.amax(dim=-1, keepdim=True)) / meta.col("temperature", dtype)
     if meta.any_truncation:
         x = _truncate(x, meta)
     if meta.any_min_p:
