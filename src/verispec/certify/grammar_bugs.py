@@ -119,9 +119,9 @@ class _UnmaskedView(BatchView):
     def of(cls, view: BatchView) -> _UnmaskedView:
         return cls(**{f.name: getattr(view, f.name) for f in fields(view)})
 
-    def probs(self, logits, output_counts=None, recent=None, allowed=None):
+    def probs(self, logits, output_counts=None, recent=None, allowed=None, valid=None):
         everything = torch.ones(logits.shape, dtype=torch.bool, device=logits.device)
-        return super().probs(logits, output_counts, recent, everything)
+        return super().probs(logits, output_counts, recent, everything, valid)
 
 
 class UnmaskedDraft:
