@@ -39,8 +39,8 @@ def _req(prompt, params, key, max_new=12, index=0) -> Request:
     return Request(prompt, params, max_new_tokens=max_new, ignore_eos=True, key=key, index=index)
 
 
-def _drive(sess: GenerationSession, arrivals: dict[int, list[Job]]) -> dict:
-    """Step until idle, submitting arrivals[i] before step i; {request key: token ids}."""
+def _drive(sess: GenerationSession, arrivals: dict[int, list[Job]], after_step=None) -> dict:
+    """Step until idle, submitting arrivals[i] before step i (after_step(sess) after each); {key: token ids}."""
     done, step = {}, 0
     while not sess.idle or any(k >= step for k in arrivals):
         for job in arrivals.get(step, []):
@@ -48,6 +48,8 @@ def _drive(sess: GenerationSession, arrivals: dict[int, list[Job]]) -> dict:
         for e in sess.step():
             if e.completion is not None:
                 done[e.key] = e.completion.token_ids
+        if after_step is not None:
+            after_step(sess)
         step += 1
     return done
 
@@ -71,18 +73,12 @@ def _scenario(params: SamplingParams) -> dict[int, list[Job]]:
 @pytest.mark.parametrize("params", [GREEDY, SamplingParams(temperature=1.0, seed=7)], ids=["greedy", "seeded"])
 def test_chunked_prefill_gives_the_tokens_of_unchunked_prefill(gen, params):
     whole = _drive(GenerationSession(gen.core, prefill_chunk=0), _scenario(params))
-    sess = GenerationSession(gen.core, prefill_chunk=CHUNK)
     staged_seen = []
-    arrivals = _scenario(params)
-    done, step = {}, 0
-    while not sess.idle or any(k >= step for k in arrivals):
-        for job in arrivals.get(step, []):
-            sess.submit(job)
-        for e in sess.step():
-            if e.completion is not None:
-                done[e.key] = e.completion.token_ids
-        staged_seen.append(len(sess.prefilling))
-        step += 1
+    done = _drive(
+        GenerationSession(gen.core, prefill_chunk=CHUNK),
+        _scenario(params),
+        lambda s: staged_seen.append(len(s.prefilling)),
+    )
     assert max(staged_seen) >= 1  # the long prompts were staged, not prefilled whole
     assert set(done) == set(whole) == {"running", "long", "short", ("group", 0), ("group", 1), ("group", 2)}
     assert done == whole

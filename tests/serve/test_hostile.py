@@ -23,7 +23,7 @@ import httpx
 import pytest
 
 from ..helpers.json_tok import json_model, make_json_tokenizer
-from ..helpers.server import HANG_GUARD_S, free_port
+from ..helpers.server import HANG_GUARD_S, free_port, wait_for_health
 
 pytestmark = pytest.mark.slow
 
@@ -48,15 +48,8 @@ def _start(tmp_path) -> tuple[subprocess.Popen, str]:
             "--served-model-name", MODEL, "--draft", "ngram", "--gamma", "2", "--max-batch", "8"]  # fmt: skip
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=open(tmp_path / "server.log", "w"))  # noqa: SIM115
     url = f"http://127.0.0.1:{port}"
-    stop = time.monotonic() + HANG_GUARD_S
-    while time.monotonic() < stop:
-        assert proc.poll() is None, (tmp_path / "server.log").read_text()
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            time.sleep(0.1)
-    raise RuntimeError("the server did not start")
+    wait_for_health(url, proc, "verispec serve")  # polls /health; fails at once if the process exits
+    return proc, url
 
 
 def _good(i: int) -> dict:
@@ -71,7 +64,8 @@ async def _well_behaved(c: httpx.AsyncClient) -> list[str]:
 
 
 def _trickle(url: str, seconds: float) -> int:
-    """A body sent a byte at a time: the server closes it (408) long before it is done; the status (0: closed)."""
+    """A body sent a byte at a time over `seconds` (the sleeps are the hostile client's pace, not an ordering: the
+    server's --body-timeout, 30 s, ends it half-way, a margin of 30 s either side); the status (0: closed)."""
     host, port = url.removeprefix("http://").split(":")
     body = json.dumps({"model": MODEL, "prompt": "a b", "max_tokens": 2}).encode()
     head = "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"

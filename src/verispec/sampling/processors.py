@@ -118,18 +118,12 @@ def probs_from_logits(
     if meta.any_penalties:
         x = _penalise(x, meta, prompt_mask, output_counts)
 
-    greedy_probs = None
-    if meta.any_greedy:
-        greedy_probs = torch.zeros_like(x).scatter_(-1, x.argmax(dim=-1, keepdim=True), 1.0)
-        if not check:  # a position with a NaN or +inf logit, or none finite, stays no distribution (NaN), as below
-            greedy_probs.add_(0.0 * x.amax(dim=-1, keepdim=True))
-        if meta.all_greedy:
-            return greedy_probs.squeeze(1) if squeeze else greedy_probs
+    greedy_probs = _greedy(x, check) if meta.any_greedy else None
+    if meta.all_greedy:
+        return greedy_probs.squeeze(1) if squeeze else greedy_probs
 
-    # temperature on logits shifted so that their largest is 0: softmax and the warpers below are shift-invariant, and
-    # no temperature overflows (x / t did past |x| > 3.4e38 t: NaN); a greedy row's column is 1 (never read)
     if meta.any_temperature:  # (all 1: nothing to divide)
-        x = (x - x.amax(dim=-1, keepdim=True)) / meta.col("temperature", dtype)
+        x = _temperature(x, meta)
     if meta.any_truncation:
         x = _truncate(x, meta)
     if meta.any_min_p:
@@ -139,6 +133,20 @@ def probs_from_logits(
     if greedy_probs is not None:
         probs = torch.where(meta.greedy.view(B, 1, 1), greedy_probs, probs)
     return probs.squeeze(1) if squeeze else probs
+
+
+def _greedy(x: Tensor, check: bool) -> Tensor:  # [B, T, V] -> [B, T, V]
+    """Step 2 for greedy rows: one-hot on the argmax (lowest id on ties). Without `check`, a position with a NaN or
+    +inf logit, or none finite, stays no distribution (NaN), as a sampled row's softmax does."""
+    onehot = torch.zeros_like(x).scatter_(-1, x.argmax(dim=-1, keepdim=True), 1.0)
+    return onehot if check else onehot.add_(0.0 * x.amax(dim=-1, keepdim=True))
+
+
+def _temperature(x: Tensor, meta: SamplingMetadata) -> Tensor:  # [B, T, V] -> [B, T, V]
+    """Step 2: the logits shifted so that their largest is 0, divided by the temperature. Softmax and the warpers
+    after it are shift-invariant, and no temperature overflows (x / t did past |x| > 3.4e38 t: NaN); a greedy row's
+    column is 1 (its result is never read)."""
+    return (x - x.amax(dim=-1, keepdim=True)) / meta.col("temperature", x.dtype)
 
 
 def _with_positions(logits) -> tuple[Tensor, bool]:  # ([B, T, V] logits, whether the input was [B, V])

@@ -141,29 +141,9 @@ def create_app(
     routes = WeightRoutes(enable_weight_updates, _weight_dirs(weight_dirs))
     if chat_template is not None:
         gen.tokenizer.chat_template = check_chat_template(chat_template)
-    model_id = served_model_id(model_name)
-    metrics = Metrics(model_id)
-    scorer = PromptScorer(gen)
-    engine = EngineThread(
-        gen,
-        max_batch=max_batch,
-        max_queue=max_queue,
-        max_queue_tokens=max_queue_tokens,
-        metrics=metrics,
-        scorer=scorer,
-    )
-    served = Served(
-        gen,
-        engine,
-        metrics,
-        model_id,
-        frozenset({model_name}),
-        retry_after_s,
-        max_model_len,
-        request_timeout,
-        rollout_timeout,
-        scorer,
-    )
+    served = _served(gen, model_name, (max_batch, max_queue, max_queue_tokens), retry_after_s, max_model_len)
+    served.request_timeout, served.rollout_timeout = request_timeout, rollout_timeout
+    engine, metrics, model_id = served.engine, served.metrics, served.model_id
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -188,6 +168,18 @@ def create_app(
     app.add_middleware(Gate, state=app.state.gate, retry_after_s=retry_after_s)
     _routes(app)
     return app
+
+
+def _served(gen, model_name: str, queue: tuple[int, int, int], retry_after_s: int, max_model_len) -> Served:
+    """The handlers' shared state: the engine thread (queue: max_batch, max_queue, max_queue_tokens), metrics and
+    prompt scorer under the served model id."""
+    model_id = served_model_id(model_name)
+    metrics, scorer = Metrics(model_id), PromptScorer(gen)
+    max_batch, max_queue, max_queue_tokens = queue
+    engine = EngineThread(
+        gen, max_batch=max_batch, max_queue=max_queue, max_queue_tokens=max_queue_tokens, metrics=metrics, scorer=scorer
+    )
+    return Served(gen, engine, metrics, model_id, frozenset({model_name}), retry_after_s, max_model_len, scorer=scorer)
 
 
 def _routes(app: FastAPI) -> None:
