@@ -17,7 +17,7 @@ import torch
 
 from verispec.bench import provenance
 from verispec.engine import SpeculativeGenerator
-from verispec.heads.train import default_aux_layers, init_head, save_eagle3
+from verispec.training.heads import default_aux_layers, init_head, save_eagle3
 from verispec.model.loading import load_model
 from verispec.strict_json import dumps
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 
 from verispec.drafting import DraftModelProposer
-from verispec.engine.batch import BatchView
-from verispec.engine.randomness import RANDOMNESS
+from verispec.drafting.batch import BatchView
+from verispec.sampling.randomness import RANDOMNESS
 from verispec.sampling import SamplingParams, probs_from_logits
 
 from ..helpers.tiny import loaded

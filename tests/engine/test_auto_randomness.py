@@ -22,9 +22,9 @@ import pytest
 import torch
 
 from verispec.drafting import Draft, DraftModelProposer
-from verispec.engine.batch import BatchView
+from verispec.drafting.batch import BatchView
 from verispec.engine.generator import SpeculativeGenerator
-from verispec.engine.randomness import RANDOMNESS
+from verispec.sampling.randomness import RANDOMNESS
 from verispec.sampling import SamplingParams
 
 from ..helpers import sequences as dist

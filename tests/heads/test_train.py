@@ -1,4 +1,4 @@
-"""`verispec train-draft` (verispec.heads.train): the training-time test attends as drafting does, the draft
+"""`verispec train-draft` (verispec.training.heads): the training-time test attends as drafting does, the draft
 vocabulary, the saved layout, resuming, and the command's errors. A tiny 8-layer target (aux layers 2, 4, 5)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 
 from verispec.engine import SpeculativeGenerator
 from verispec.heads import LoadedHead, PairRunner, bind_head, load_head
-from verispec.heads.train import (
+from verispec.training.heads import (
     TrainConfig,
     _TargetTap,
     _ttt_masks,
@@ -217,7 +217,7 @@ def test_train_draft_resume_and_the_trained_head_drafts_exactly(
     assert again.returncode == 2 and "holds a training run already: pass --resume" in again.stderr
 
     # --resume: continues the step count from the checkpoint, on the same data (no sampling)
-    import verispec.heads.train as train
+    import verispec.training.heads as train
 
     def no_sampling(*a, **k):
         raise AssertionError("a resumed run sampled again")
@@ -279,7 +279,7 @@ def test_a_target_of_fewer_than_7_layers_is_refused_before_sampling(prompts_file
     small = tmp_path / "t6"
     make_model(0, layers=6).save_pretrained(small)
     make_tokenizer().save_pretrained(small)
-    import verispec.heads.train as train
+    import verispec.training.heads as train
 
     monkeypatch.setattr(train, "sample_data", lambda *a, **k: pytest.fail("sampled for a target it cannot train on"))
     r = run_verispec(train_args(small, prompts_file, tmp_path / "h"), capsys)

@@ -38,7 +38,7 @@ from verispec.certify.stats import detectable_tv
 from verispec.drafting import Proposer
 from verispec.drafting.base import Draft
 from verispec.engine import session as session_module
-from verispec.engine.batch import BatchView
+from verispec.drafting.batch import BatchView
 from verispec.engine.config import SpecConfig
 from verispec.engine.generator import SpeculativeGenerator
 from verispec.sampling import Constraint, SamplingParams

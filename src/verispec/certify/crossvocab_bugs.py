@@ -21,7 +21,7 @@ import torch
 
 from ..drafting.base import Draft
 from ..drafting.draft_model import DraftModelProposer
-from ..engine.batch import BatchView
+from ..drafting.batch import BatchView
 from ..sampling.tree import chain_parents
 
 __all__ = ["CROSS_VOCAB_BUGS", "LastWriteDraft", "check_cross_vocab_bug", "inject_cross_vocab_bug"]

@@ -31,7 +31,7 @@ import torch
 
 from ..drafting.base import Draft
 from ..drafting.draft_model import DraftModelProposer
-from ..engine.batch import BatchView
+from ..drafting.batch import BatchView
 from .bugs import GRAMMAR_BUGS, GRAMMAR_NON_BUGS
 
 __all__ = ["StaleMaskGrammar", "UnmaskedDraft", "check_grammar_bug", "inject_grammar_bug", "stream_config"]

@@ -29,7 +29,7 @@ import torch
 
 from ..drafting.base import Draft
 from ..drafting.draft_model import DraftModelProposer
-from ..engine.batch import BatchView
+from ..drafting.batch import BatchView
 from ..sampling.tree import chain_parents
 
 __all__ = ["HEAD_BUGS", "HandedQDraft", "check_head_bug", "inject_head_bug"]

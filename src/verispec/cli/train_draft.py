@@ -61,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from ..bench.e2e import load_prompts
-    from ..heads.train import TrainConfig, default_aux_layers, sample_data, train_eagle3
+    from ..training.heads import TrainConfig, default_aux_layers, sample_data, train_eagle3
 
     with user_errors():
         cfg = TrainConfig(

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..engine.batch import BatchView  # the engine's batch (re-exported here for drafters)
+from .batch import BatchView
 from ..sampling.tree import VERIFY_RULES, chain_parents, tree_ancestors
 
 __all__ = ["BatchView", "Draft", "Proposer"]

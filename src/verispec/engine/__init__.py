@@ -3,7 +3,7 @@ step), the typed request, the speculation configuration (`SpecConfig`), the gamm
 
 (Models — loading, KV cache, runners — live in `verispec.model`; `load_model` and `LoadedModel` are re-exported
 here for convenience.) The names that need the drafters are imported on first use (drafters import
-`verispec.engine.batch`, so this package must not import them while it initialises).
+`verispec.drafting.batch`, so this package must not import them while it initialises).
 """
 
 from importlib import import_module

@@ -18,7 +18,7 @@ from ..model.weights import update_weights
 from ..sampling import ConstraintError, SamplingParams
 from ..structured import Grammars, GrammarState
 from .adaptive import GammaController, check_gamma
-from .randomness import RANDOMNESS, Randomness
+from ..sampling.randomness import RANDOMNESS, Randomness
 from .request import Request
 from .verify import make_verification
 

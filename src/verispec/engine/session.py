@@ -31,7 +31,7 @@ from ..drafting import Draft
 from ..drafting.grammar import fit_draft
 from ..model.protocol import Staged, Staging
 from ..sampling import SamplingMetadata, SamplingParams
-from .batch import BatchView
+from ..drafting.batch import BatchView
 from .core import EngineCore, check_prefill_chunk
 from .request import Barrier, Job, Request, check_limits
 from .rows import Completion, Row, RowFault, StreamEvent

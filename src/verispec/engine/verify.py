@@ -23,8 +23,8 @@ from torch import Tensor
 from ..drafting.base import Draft
 from ..sampling.positional import ACCEPT, FINAL, keyed_uniforms, verify_positional
 from ..sampling.tree import chain_parents
-from .batch import BatchView
-from .randomness import Randomness
+from ..drafting.batch import BatchView
+from ..sampling.randomness import Randomness
 from .rows import Row, TopLogprobs
 
 __all__ = ["PositionalVerification", "StepOutput", "Verification", "make_verification"]

@@ -1,6 +1,6 @@
 """Hidden-state drafters: EAGLE-3, EAGLE-1/2, Medusa and MTP heads that read the target's own hidden states
 (`formats`: the published layouts; `modules`: the forwards; `runner`: the runner protocol over them, so the draft
-model's proposer drafts chains and EAGLE-2 trees with a head; `train`: `verispec train-draft`)."""
+model's proposer drafts chains and EAGLE-2 trees with a head)."""
 
 from __future__ import annotations
 

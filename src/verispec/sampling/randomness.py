@@ -28,9 +28,9 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from ..sampling import sample_from_weights
-from ..sampling.coupling import coupled_draws, coupled_targets
-from ..sampling.positional import DRAFT, keyed_uniforms
+from .chain import sample_from_weights
+from .coupling import coupled_draws, coupled_targets
+from .positional import DRAFT, keyed_uniforms
 
 __all__ = ["RANDOMNESS", "Randomness", "randomness", "slot_positions"]
 

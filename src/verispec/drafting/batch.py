@@ -19,7 +19,7 @@ from ..sampling import (
     recent_tokens,
 )
 from ..structured.masks import allowed_at_nodes, root_allowed
-from .randomness import RANDOMNESS, Randomness
+from ..sampling.randomness import RANDOMNESS, Randomness
 
 __all__ = ["BatchView", "NodeContext"]
 

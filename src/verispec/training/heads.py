@@ -32,7 +32,7 @@ from torch import Tensor
 from transformers import LlamaConfig
 
 from ..model.runner import layer_inputs
-from .modules import PairHead
+from ..heads.modules import PairHead
 
 __all__ = ["TrainConfig", "choose_vocab", "init_head", "save_eagle3", "train_eagle3", "ttt_logits", "ttt_loss"]
 
