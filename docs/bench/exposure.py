@@ -197,7 +197,7 @@ def main() -> None:
     env = dict(os.environ)
     if args.pythonpath:
         env["PYTHONPATH"] = args.pythonpath
-    cmd = [sys.executable, "-m", "verispec.cli", "serve", "--port", str(args.port), "--runner", "fast"]
+    cmd = [sys.executable, "-m", "verispec.cli", "serve", "--port", str(args.port), "--spec", "runner=fast"]
     cmd += args.serve_args.split()
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     url = URL.format(port=args.port)

@@ -16,10 +16,11 @@ from pathlib import Path
 import torch
 
 from verispec.bench import provenance
-from verispec.engine import SpeculativeGenerator
-from verispec.training.heads import default_aux_layers, init_head, save_eagle3
+from verispec.engine import SpecConfig, SpeculativeGenerator
+from verispec.engine.drafters import load_draft
 from verispec.model.loading import load_model
 from verispec.strict_json import dumps
+from verispec.training.heads import default_aux_layers, init_head, save_eagle3
 
 
 def main() -> None:
@@ -37,7 +38,7 @@ def main() -> None:
     target = load_model(args.target)
     cfg = target.model.config.get_text_config()
     out = {**origin, "target": args.target, "context": args.context, "threads": args.threads}
-    plain = SpeculativeGenerator(target, None, runner="fast")
+    plain = SpeculativeGenerator(target, config=SpecConfig(draft="none", runner="fast"))
     t1 = plain.calibrate(batches=(1,), context=args.context)[1]["curve"][0]
     out["target_step_s"] = t1
     for width in args.intermediate.split(","):
@@ -45,14 +46,13 @@ def main() -> None:
         head = init_head(target.model, torch.arange(args.draft_vocab), default_aux_layers(cfg.num_hidden_layers), inter)
         with tempfile.TemporaryDirectory() as d:
             save_eagle3(head, Path(d), target.model.get_output_embeddings().weight.shape[0], cfg.num_hidden_layers)
-            gen = SpeculativeGenerator(target, load_model(d), runner="fast", gamma="auto")
+            gen = SpeculativeGenerator(target, load_draft(d), config=SpecConfig(draft="model", runner="fast"))
             step = gen.calibrate(batches=(1,), context=args.context)[1]["draft_step"]
         name = f"head_I{inter or cfg.intermediate_size}_Vd{args.draft_vocab}"
         out[name + "_step_s"], out[name + "_ratio"] = step, step / t1
     if args.draft:
-        gen = SpeculativeGenerator(
-            target, load_model(args.draft), runner="fast", gamma="auto", draft_quant=args.draft_quant
-        )
+        config = SpecConfig(draft="model", runner="fast", quant=args.draft_quant)
+        gen = SpeculativeGenerator(target, load_model(args.draft), config=config)
         step = gen.calibrate(batches=(1,), context=args.context)[1]["draft_step"]
         out[f"draft_{args.draft_quant}_step_s"], out[f"draft_{args.draft_quant}_ratio"] = step, step / t1
     print(dumps(out, indent=2))

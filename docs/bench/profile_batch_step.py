@@ -10,6 +10,7 @@ import time
 import torch
 
 from verispec.bench.e2e import load_prompts
+from verispec.engine.config import SpecConfig
 from verispec.engine.generator import SpeculativeGenerator
 from verispec.model.loading import load_model
 from verispec.sampling import SamplingParams
@@ -26,7 +27,7 @@ PROMPTS = sys.argv[2] if len(sys.argv) > 2 else "../shared/data/prompts/code.jso
 target = load_model(f"{MODELS}/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf")
 draft = load_model(f"{MODELS}/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf")
 prompts = load_prompts([PROMPTS])["code"]
-gen = SpeculativeGenerator(target, draft, gamma=4, runner="fast", draft_quant="int4")
+gen = SpeculativeGenerator(target, draft, config=SpecConfig.parse("draft=model,quant=int4,gamma=4,runner=fast"))
 acc = {}
 
 
@@ -42,8 +43,8 @@ def timed(obj, name):
     obj.forward = wrapper
 
 
-timed(gen.runner, "target")
-timed(gen.proposer.runner, "draft")
+timed(gen.core.runner, "target")
+timed(gen.core.proposer.runner, "draft")
 MODEL = ("fast.py", "linear.py", "cache.py", "mkldnn", "int4pack", "scaled_dot", "_rms_norm", "silu", "runner.py")
 for B in (4, 8):
     sess = gen.session()

@@ -5,8 +5,8 @@
 On the built-in default model (SmolLM2-135M), with the target's own int4 weights as the draft, n-gram drafting and
 plain decoding, chains (token-wise, block), a tree, positional seeding and Gumbel coupling, at T = 0 and T = 1, two
 prompts in one batch: prints one line per configuration with a SHA-256 of every token id it generated, and the
-tokens of the first prompt. Uses only the SpeculativeGenerator keywords that every version since the server landed
-takes, so the same script runs on an older checkout (PYTHONPATH=OLD/src)."""
+tokens of the first prompt. Uses only `SpeculativeGenerator(target, config=SpecConfig.parse(...))`, which every
+version since the configuration landed takes, so the same script runs on an older checkout (PYTHONPATH=OLD/src)."""
 
 import argparse
 import hashlib
@@ -14,20 +14,20 @@ import sys
 
 import torch
 
-from verispec.engine import SpeculativeGenerator
+from verispec.engine import SpecConfig, SpeculativeGenerator
 from verispec.model.loading import default_model_path, load_model
 from verispec.sampling import SamplingParams
 
 PROMPTS = ["Write a Python function that reverses a string.", "What is 17 * 23? Think step by step."]
 CONFIGS = {
-    "plain": dict(draft=None),
-    "ngram@3": dict(draft="ngram", gamma=3),
-    "self-int4@4": dict(draft="self", draft_quant="int4", gamma=4, draft_stop_below=None),
-    "self-int4@4/block": dict(draft="self", draft_quant="int4", gamma=4, draft_stop_below=None, verify="block"),
-    "self-int4@4/position": dict(draft="self", draft_quant="int4", gamma=4, draft_stop_below=None, seeding="position"),
-    "self-int4@4/gumbel": dict(draft="self", draft_quant="int4", gamma=4, draft_stop_below=None, coupling="gumbel"),
-    "self-int4-tree@2-2-1/iid": dict(draft="self", draft_quant="int4", tree="2-2-1", tree_rule="iid"),
-    "ngram-tree@2-2": dict(draft="ngram", tree="2-2"),
+    "plain": "draft=none",
+    "ngram@3": "draft=ngram,gamma=3",
+    "self-int4@4": "draft=self,quant=int4,gamma=4,stop_below=none",
+    "self-int4@4/block": "draft=self,quant=int4,gamma=4,stop_below=none,verify=block",
+    "self-int4@4/position": "draft=self,quant=int4,gamma=4,stop_below=none,random=position",
+    "self-int4@4/gumbel": "draft=self,quant=int4,gamma=4,stop_below=none,random=gumbel",
+    "self-int4-tree@2-2-1/iid": "draft=self,quant=int4,tree=2-2-1,verify=iid",
+    "ngram-tree@2-2": "draft=ngram,tree=2-2",
 }
 
 
@@ -47,9 +47,8 @@ def main() -> None:
     torch.set_num_threads(2)
     print(_made_by(), file=sys.stderr)  # on stderr: stdout stays comparable across checkouts
     target = load_model(str(default_model_path()))
-    for name, kw in CONFIGS.items():
-        kw = dict(kw)
-        gen = SpeculativeGenerator(target, kw.pop("draft"), **kw)
+    for name, spec in CONFIGS.items():
+        gen = SpeculativeGenerator(target, config=SpecConfig.parse(spec))
         for t in (0.0, 1.0):
             params = [SamplingParams(temperature=t, seed=11 + i) for i in range(len(PROMPTS))]
             outs = gen.generate(PROMPTS, params, max_new_tokens=args.max_new_tokens, chat=True)

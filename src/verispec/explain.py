@@ -30,10 +30,10 @@ class TokenRow:
     label: str
     p: Fraction
     q: Fraction
-    accept_prob: Fraction | None  # min(1, p/q); None where q = 0 (the draft never proposes x)
-    accept_mass: Fraction  # min(p, q)
-    residual_mass: Fraction  # (p - q)+
-    output_prob: Fraction  # accept_mass + P(reject) * residual(x)
+    accept_prob: Fraction | None
+    accept_mass: Fraction
+    residual_mass: Fraction
+    output_prob: Fraction
 
 
 @dataclass(frozen=True)
@@ -49,9 +49,9 @@ class ExplainResult:
     """
 
     tokens: list[TokenRow]
-    p_accept: Fraction  # alpha = sum min(p, q)
-    z: Fraction  # sum (p - q)+ = 1 - alpha
-    wrong: dict[str, dict[str, Fraction]] | None  # mistake -> label -> output probability
+    p_accept: Fraction
+    z: Fraction
+    wrong: dict[str, dict[str, Fraction]] | None
 
 
 def parse_distribution(text: str, name: str) -> list[Fraction]:
@@ -118,34 +118,22 @@ def explain(
     """
     if len(p) != len(q):
         raise ValueError(f"p and q must have the same length, got {len(p)} and {len(q)}")
-    if labels is None:
-        labels = [f"t{i}" for i in range(len(p))]
+    labels = [f"t{i}" for i in range(len(p))] if labels is None else labels
     if len(labels) != len(p):
         raise ValueError(f"--labels has {len(labels)} names for {len(p)} tokens")
     accept = [min(pi, qi) for pi, qi in zip(p, q)]
     resid = [max(pi - qi, Fraction(0)) for pi, qi in zip(p, q)]
     p_accept = sum(accept, Fraction(0))
-    z = sum(resid, Fraction(0))
-    p_reject = 1 - p_accept  # equals z
 
-    def output(weights: list[Fraction]) -> list[Fraction]:
+    def output(weights: list[Fraction]) -> list[Fraction]:  # a rejection (probability 1 - p_accept) draws by weights
         total = sum(weights, Fraction(0))
         if total == 0:  # p == q: never rejected, the resampling rule is never used
             return list(accept)
-        return [a + p_reject * w / total for a, w in zip(accept, weights)]
+        return [a + (1 - p_accept) * w / total for a, w in zip(accept, weights)]
 
-    out = output(resid)
     rows = [
-        TokenRow(
-            label=lab,
-            p=pi,
-            q=qi,
-            accept_prob=None if qi == 0 else min(Fraction(1), pi / qi),
-            accept_mass=a,
-            residual_mass=r,
-            output_prob=o,
-        )
-        for lab, pi, qi, a, r, o in zip(labels, p, q, accept, resid, out)
+        TokenRow(lab, pi, qi, None if qi == 0 else min(Fraction(1), pi / qi), a, r, o)
+        for lab, pi, qi, a, r, o in zip(labels, p, q, accept, resid, output(resid))
     ]
     wrong_out = None
     if wrong:
@@ -153,27 +141,17 @@ def explain(
             "resample_from_p": dict(zip(labels, output(list(p)))),
             "resample_from_abs_diff": dict(zip(labels, output([abs(pi - qi) for pi, qi in zip(p, q)]))),
         }
-    return ExplainResult(tokens=rows, p_accept=p_accept, z=z, wrong=wrong_out)
+    return ExplainResult(tokens=rows, p_accept=p_accept, z=sum(resid, Fraction(0)), wrong=wrong_out)
 
 
 def to_json(result: ExplainResult) -> dict:
-    f = format_fraction
-    doc: dict = {
-        "tokens": [
-            {
-                "label": r.label,
-                "p": f(r.p),
-                "q": f(r.q),
-                "accept_prob": None if r.accept_prob is None else f(r.accept_prob),
-                "accept_mass": f(r.accept_mass),
-                "residual_mass": f(r.residual_mass),
-                "output_prob": f(r.output_prob),
-            }
-            for r in result.tokens
-        ],
-        "p_accept": f(result.p_accept),
-        "z": f(result.z),
-    }
+    """The result with every fraction as `format_fraction`'s string (`verispec explain --json`)."""
+
+    def f(x):
+        return None if x is None else format_fraction(x) if isinstance(x, Fraction) else x
+
+    doc: dict = {"tokens": [{k: f(v) for k, v in vars(r).items()} for r in result.tokens]}
+    doc.update(p_accept=f(result.p_accept), z=f(result.z))
     if result.wrong is not None:
         doc["wrong"] = {name: {lab: f(v) for lab, v in dist.items()} for name, dist in result.wrong.items()}
     return doc

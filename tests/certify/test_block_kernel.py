@@ -18,10 +18,9 @@ from verispec.certify.kernel import (
     KernelCase,
     certify_kernel,
     default_cases,
-    verispec_block_sampler,
-    verispec_sampler,
 )
 from verispec.cli import main
+from verispec.sampling import verify_block, verify_chain
 
 # 100k steps per case (the default certificate) in the slow tier, 20k in the default tier: every block bug still
 # FAILS there (Holm p <= 1e-12 at seed 0; checked at seeds 0-2 when the battery gained its two block cases)
@@ -31,7 +30,7 @@ SIZES = [pytest.param(DEFAULT_SAMPLES, 0.02, marks=pytest.mark.slow, id="100k"),
 @pytest.mark.statistical
 @pytest.mark.parametrize("samples, tv", SIZES)
 def test_block_verification_passes_the_sequence_laws(samples, tv):
-    report = certify_kernel(verispec_block_sampler, samples=samples, laws="sequence")
+    report = certify_kernel(verify_block, samples=samples, laws="sequence")
     assert report.passed, report.to_markdown()
     assert report.laws == "sequence" and "completed sequence" in report.to_markdown()
     assert report.headline_tv() < tv
@@ -41,14 +40,14 @@ def test_block_verification_passes_the_sequence_laws(samples, tv):
 @pytest.mark.statistical
 def test_token_wise_verification_passes_the_sequence_laws_too():
     """The sequence laws hold for every lossless rule, not only for block verification."""
-    assert certify_kernel(verispec_sampler, samples=20_000, laws="sequence").passed
+    assert certify_kernel(verify_chain, samples=20_000, laws="sequence").passed
 
 
 @pytest.mark.statistical
 def test_block_verification_is_not_token_wise_in_one_step():
     """Its accepted counts follow another law than token-wise verification's: the step laws reject it, which is
     why it is certified by the sequence laws."""
-    report = certify_kernel(verispec_block_sampler, samples=20_000, laws="step")
+    report = certify_kernel(verify_block, samples=20_000, laws="step")
     assert not report.passed and not report.errors
     assert any(t.test == "num_accepted" for t in report.failing)
 
@@ -82,7 +81,7 @@ def test_sequence_laws_false_positive_rate_within_binomial_bound():
     level, seeds = 0.05, 60
     fails = sum(
         not certify_kernel(
-            verispec_block_sampler, cases=_cheap_case(s), samples=3000, level=level, seed=s, laws="sequence"
+            verify_block, cases=_cheap_case(s), samples=3000, level=level, seed=s, laws="sequence"
         ).passed
         for s in range(seeds)
     )
@@ -91,7 +90,7 @@ def test_sequence_laws_false_positive_rate_within_binomial_bound():
 
 def test_unknown_laws_are_an_error():
     with pytest.raises(ValueError, match="laws"):
-        certify_kernel(verispec_sampler, cases=default_cases()[:1], samples=1000, laws="block")
+        certify_kernel(verify_chain, cases=default_cases()[:1], samples=1000, laws="block")
 
 
 @pytest.mark.statistical

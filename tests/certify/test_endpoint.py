@@ -18,12 +18,13 @@ import httpx
 import numpy as np
 import pytest
 
-from verispec.certify.bugs import broken_verifier
 from verispec.certify.endpoint import Endpoint, EndpointError, TokenMapper
 from verispec.certify.generate import certify_generate
 from verispec.certify.methods import MethodSpec, _load, build_method
+from verispec.certify.mutants import mutant
 from verispec.certify.stats import tolerant_tv_test
 from verispec.cli import main
+from verispec.engine.config import SpecConfig
 from verispec.engine.generator import SpeculativeGenerator
 from verispec.sampling import SamplingParams
 
@@ -34,10 +35,13 @@ PARAMS = SamplingParams(temperature=0.7, top_k=10)
 N, L = 400, 4
 
 
-def _server(models, verifier=None, draft=True):
-    target, draft_path = (_load(p, "float32") for p in models)
-    kw = {"verifier": verifier} if verifier else {}
-    gen = SpeculativeGenerator(target, draft_path if draft else None, gamma=3 if draft else 0, **kw)
+def _server(models, inject=None, draft=True):
+    target, draft_model = (_load(p, "float32") for p in models)
+    cfg = SpecConfig(draft="model", gamma=3) if draft else SpecConfig(draft="none")
+    if inject:  # the mutant's engine (certify.mutants)
+        gen = mutant(inject, cfg).generator(target, draft_model, cfg)
+    else:
+        gen = SpeculativeGenerator(target, draft_model if draft else None, config=cfg)
     return LiveServer(gen, max_batch=8, max_queue=256)
 
 
@@ -78,7 +82,7 @@ def test_broken_server_fails_and_two_sample_against_a_reference_endpoint(models)
     against a second endpoint (plain decoding) is part of the run and the reference endpoint's samples are drawn
     through the same client."""
     spec_off = _server(models, draft=False)
-    with _server(models, verifier=broken_verifier("resample_from_p")) as bad, spec_off as ref:
+    with _server(models, inject="resample_from_p") as bad, spec_off as ref:
         ref_fn = build_method(_spec(models, ref.url))
         r = certify_generate(
             _spec(models, bad.url),

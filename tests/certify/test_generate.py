@@ -509,16 +509,3 @@ def test_verification_modes_pass(models, mode):
     )
     assert r.passed, r.to_markdown()
     assert r.acceptance and r.acceptance_rate > 0.1
-
-
-def test_old_import_paths_still_work():
-    """The split of certify.generate (methods / scoring / report) keeps every name importable from generate."""
-    from verispec.certify import generate, methods, report, scoring
-
-    for mod, names in (
-        (methods, ("LOSSY_VERIFIERS", "METHODS", "MethodSpec", "SampleFn", "_load", "_verifier", "build_method")),
-        (scoring, ("Scores", "score", "exact_sequence_law", "top_deviations", "logprob_parity", "PARITY_THRESHOLD")),
-        (report, ("GenerateReport", "TestResult", "write_report")),
-    ):
-        for name in names:
-            assert getattr(generate, name) is getattr(mod, name), name

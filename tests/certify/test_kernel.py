@@ -26,12 +26,12 @@ from verispec.certify.kernel import (
     certify_kernel,
     default_cases,
     load_sampler,
-    verispec_sampler,
     write_report,
 )
 from verispec.certify.kernel import TestRow as Row
 from verispec.certify.stats import chisquare_gof, chisquare_power, detectable_tv, samples_to_detect
 from verispec.cli import main
+from verispec.sampling import verify_chain
 
 # Sizes (steps per case, and the TV to which every case's first-position law is then checked at power 0.99): the
 # default certificate, DEFAULT_SAMPLES = 100k (TV 0.02), in the slow tier; 20k (TV 0.035) in the default tier, where
@@ -42,7 +42,7 @@ SIZES = [pytest.param(DEFAULT_SAMPLES, 0.02, marks=pytest.mark.slow, id="100k"),
 @pytest.mark.statistical
 @pytest.mark.parametrize("samples, tv", SIZES)
 def test_verispec_passes_with_stated_strength(samples, tv):
-    report = certify_kernel(verispec_sampler, samples=samples)
+    report = certify_kernel(verify_chain, samples=samples)
     assert report.passed, report.to_markdown()
     assert report.samples_per_case == samples and report.level == DEFAULT_LEVEL
     assert len(report.cases) == 14 and len(report.tests) > 100
@@ -106,7 +106,7 @@ def test_false_positive_rate_within_binomial_bound():
     """60 seeds of a correct sampler at family-wise level 0.05: FAIL count <= the 99.9% binomial quantile."""
     level, seeds = 0.05, 60
     fails = sum(
-        not certify_kernel(verispec_sampler, cases=_cheap_case(s), samples=3000, level=level, seed=s).passed
+        not certify_kernel(verify_chain, cases=_cheap_case(s), samples=3000, level=level, seed=s).passed
         for s in range(seeds)
     )
     assert fails <= stats.binom.ppf(0.999, seeds, level), fails
@@ -145,7 +145,7 @@ def test_detectable_tv_is_detected():
 
 @pytest.mark.statistical
 def test_user_samplers_load_by_name(tmp_path):
-    assert load_sampler("verispec.certify.kernel:verispec_sampler") is verispec_sampler
+    assert load_sampler("verispec.sampling:verify_chain") is verify_chain
     f = tmp_path / "engine_adapter.py"
     f.write_text(
         "from verispec.sampling import verify_chain\n"
@@ -160,7 +160,7 @@ def test_user_samplers_load_by_name(tmp_path):
 
 def test_structural_violation_fails_with_reason():
     def cheat(t, ids, q, nd):  # reports acceptances but emits other tokens there
-        out = verify_chain_ = verispec_sampler(t, ids, q, nd)
+        out = verify_chain_ = verify_chain(t, ids, q, nd)
         tok = verify_chain_.token_ids.clone()
         tok[:, 0] = torch.where(out.num_accepted > 0, (ids[:, 0] + 1) % t.shape[-1], tok[:, 0])
         return tok, out.num_accepted
@@ -241,7 +241,7 @@ def _strict(text: str):
 
 def test_report_json_is_strict(tmp_path):
     """Tests without power state an infinite detectable TV: written as null, never Infinity / NaN."""
-    report = certify_kernel(verispec_sampler, cases=default_cases()[:1], samples=2000)
+    report = certify_kernel(verify_chain, cases=default_cases()[:1], samples=2000)
     assert report.passed and any(t.detectable_tv == float("inf") for t in report.tests)
     md, js = write_report(report, tmp_path)
     data = _strict(js.read_text())

@@ -19,10 +19,9 @@ from verispec.certify.tree_kernel import (
     draft_trees,
     mixed_case,
     mixed_layout,
-    verispec_tree_sampler,
 )
 from verispec.cli import main
-from verispec.sampling.tree import TREE_RULES, VERIFY_RULES
+from verispec.sampling.tree import TREE_RULES, VERIFY_RULES, verify_tree
 
 from ..helpers.mixed_root import MIX_P, mixed_root_law
 
@@ -46,7 +45,7 @@ SIZES = [
 @pytest.mark.statistical
 @pytest.mark.parametrize("samples, tv", SIZES)
 def test_verispec_passes_every_rule(samples, tv):
-    report = certify_tree_kernel(verispec_tree_sampler, samples=samples)
+    report = certify_tree_kernel(verify_tree, samples=samples)
     assert report.passed, report.to_markdown()
     assert report.samples_per_case == samples
     assert {c["name"].split("-")[0] for c in report.cases} == {"iid", "without_replacement", "deterministic", "mixed"}
@@ -206,7 +205,7 @@ def test_the_sampler_gets_sampled_for_mixed_cases_only():
 
     def spy(*args, rule, **kw):
         calls.append((rule, kw.get("sampled")))
-        return verispec_tree_sampler(*args, rule=rule, **kw)
+        return verify_tree(*args, rule=rule, **kw)
 
     cases = [c for c in default_tree_cases() if c.name in ("iid-4-1", "mixed-ccss-cs")]
     assert certify_tree_kernel(spy, cases=cases, samples=500).passed

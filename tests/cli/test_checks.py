@@ -41,33 +41,28 @@ GAMMA = ["0", "-3", "65", "1000000", "abc", "2.5"]
 SPECULATION = [  # options of generate and serve
     (["--tree", "0-1"], r"--tree 0-1: .*widths >= 1"),
     (["--tree", "dynamic-x"], r"--tree dynamic-x: .*must look like"),
-    (["--tree", "dynamic-2-2-4", "--tree-rule", "iid"], r"--tree dynamic-2-2-4: .*'deterministic'"),
+    (["--tree", "dynamic-2-2-4", "--spec", "verify=iid"], r"--tree dynamic-2-2-4: .*'deterministic'"),
     (["--tree", "64-64"], r"--tree 64-64: .*at most 256"),
-    (["--tree-rule", "iid"], r"--tree-rule iid is a tree rule: it needs --tree"),
-    (["--tree", "2-1", "--verify", "block"], r"--verify block verifies chains"),
-    (["--tree", "2-1", "--verify", "block", "--tree-rule", "iid"], r"--verify block verifies chains and --tree-rule"),
-    (["--seeding", "position"], r"--seeding position needs a draft model"),  # the default draft is ngram
-    (["--seeding", "position", "--draft", "none", "--coupling", "gumbel"], r"--seeding position works with"),
-    (["--seeding", "keyed"], r"--seeding: invalid choice"),
-    (["--coupling", "normal"], r"--coupling: invalid choice"),
-    (["--draft", "none", "--tree", "2-1"], r"--tree needs a drafter"),
-    (["--draft", "ngram", "--draft-quant", "int4"], r"--draft-quant applies to a draft model"),
-    (["--draft", "none", "--draft-quant", "int8"], r"--draft-quant applies to a draft model"),
-    (["--draft", "self"], r"--draft self needs --draft-quant \(int8 or int4\)"),
-    (["--draft-quant", "int2"], r"--draft-quant: invalid choice"),
-    (["--runner", "turbo"], r"--runner: invalid choice"),
+    (["--spec", "verify=iid"], r"--spec verify=iid: verify=iid is a tree rule: it needs --tree"),
+    (["--tree", "2-1", "--spec", "verify=block"], r"--spec verify=block: verify=block verifies chains; a --tree"),
+    (["--spec", "random=position"], r"random=position needs a draft model .* not --draft ngram"),  # the default
+    (["--draft", "none", "--tree", "2-1"], r"--tree needs a drafter \(--draft PATH, --draft self or --draft ngram\)"),
+    (["--draft", "ngram", "--spec", "quant=int4"], r"--spec quant=int4: quant applies to a draft model"),
+    (["--draft", "self"], r"^verispec: error: --draft self needs --spec quant \(int8 or int4\)"),
+    (["--spec", "quant=int2"], r"--spec quant=int2: quant must be int8, int4 or none"),
+    (["--spec", "runner=turbo"], r"runner must be one of auto, fast, hf, llamacpp"),
     (["--threads", "0"], r"--threads: must be an integer >= 1"),
-    (["--max-gamma", "0"], r"--max-gamma: must be an integer from 1 to 64"),
-    (["--ngram-sizes", "3,x"], r"--ngram-sizes: must be comma-separated integers >= 1"),
-    (["--ngram-sizes", "3,0"], r"--ngram-sizes: must be comma-separated integers >= 1"),
+    (["--spec", "max_gamma=0"], r"max_gamma must be an integer from 1 to 64"),
+    (["--spec", "ngram=3-x"], r"ngram must be integers >= 1"),
     (["--dtype", "int3"], r"--dtype: unknown dtype"),
     (["--spec", "gamma=x"], r"--spec gamma=x: gamma must be auto or an integer from 0 to 64, got 'x'"),
     (["--spec", "draft=ngram,speed=9"], r"--spec draft=ngram,speed=9: unknown key 'speed'"),
     (["--spec", "gamma=2,gamma=3"], r"gamma is given twice"),
     (["--spec", "draft=none", "--draft", "ngram"], r"--draft ngram disagrees with --spec draft=none: give it once"),
     (["--spec", "tree=2-1", "--tree", "2-2"], r"--tree 2-2 disagrees with --spec tree=2-1"),
-    (["--spec", "random=gumbel", "--seeding", "stream"], r"--seeding stream disagrees with --spec random=gumbel"),
-    (["--spec", "draft=self"], r"--spec draft=self: draft=self needs --draft-quant \(int8 or int4\)"),
+    (["--spec", "gamma=4", "--gamma", "3"], r"--gamma 3 disagrees with --spec gamma=4"),
+    (["--spec", "model=a/b", "--draft", "c/d"], r"--draft c/d disagrees with --spec model=a/b"),
+    (["--spec", "draft=self"], r"--spec draft=self: draft=self needs quant \(int8 or int4\)"),
     (["--spec", "draft=ngram,random=position"], r"--spec .*: random=position needs a draft model"),
     (["--spec", "draft=history"], r"draft=history is drafted by objects the command line cannot give"),
     (["--spec", "draft=model"], r"draft=model needs the draft model: --draft PATH, or model=PATH in --spec"),
@@ -96,6 +91,25 @@ def test_generate_checks_options_before_loading(extra, msg, capsys):
     assert re.search(msg, usage_error(["generate", "a b", *extra], capsys))
 
 
+REMOVED = [  # the speculation flags of earlier versions: --spec keys now, the flags refused as any unknown option
+    ["--seeding", "position"],
+    ["--coupling", "gumbel"],
+    ["--tree-rule", "iid"],
+    ["--verify", "block"],
+    ["--draft-quant", "int4"],
+    ["--runner", "hf"],
+    ["--max-gamma", "4"],
+    ["--ngram-sizes", "2,1"],
+    ["--cross-vocab", "slem"],
+]
+
+
+@pytest.mark.parametrize("command", [["generate", "a b"], ["serve"]])
+@pytest.mark.parametrize("removed", REMOVED, ids=[r[0] for r in REMOVED])
+def test_the_older_speculation_flags_are_refused(command, removed, capsys):
+    assert f"unrecognized arguments: {' '.join(removed)}" in usage_error([*command, *removed], capsys)
+
+
 @pytest.mark.parametrize(
     "extra,msg",
     [
@@ -115,12 +129,12 @@ def test_serve_checks_options_before_loading(extra, msg, capsys):
     "extra,msg",
     [
         (["--tree", "0-1"], r"--tree 0-1:"),
-        (["--tree-rule", "iid"], r"--tree-rule iid is a tree rule: it needs --tree"),
+        (["--spec", "verify=iid"], r"verify=iid is a tree rule: it needs --tree"),
         (["--method", "hf", "--tree", "2-1"], r"--tree applies to --method verispec"),
         (["--method", "hf", "--spec", "draft=ngram,tree=2-1"], r"--tree applies to --method verispec"),
         (["--spec", "gamma=auto", "--gamma", "3"], r"--gamma 3 disagrees with --spec gamma=auto"),
-        (["--draft", "self"], r"--draft self needs --draft-quant"),
-        (["--draft-quant", "int4"], r"--draft-quant applies to a draft model"),
+        (["--draft", "self"], r"--draft self needs --spec quant"),
+        (["--spec", "quant=int4"], r"--spec quant=int4: quant applies to a draft model"),
         (["--method", "hf-assisted"], r"--method hf-assisted needs --draft"),
         (["--method", "callable"], r"--method callable needs --callable"),
         (["--gamma", "0"], r"--gamma:"),
@@ -136,9 +150,9 @@ def test_serve_checks_options_before_loading(extra, msg, capsys):
         (["--inject", "tree_stale_residual"], r"--inject tree_stale_residual: .*needs a tree"),
         (["--inject", "swap_p_q", "--tree", "2-1"], r"--inject swap_p_q: .*must be a tree bug"),
         (["--inject", "block_first_rejection"], r"--inject block_first_rejection: .*needs verify='block'"),
-        (["--verify", "block", "--inject", "swap_p_q"], r"--inject swap_p_q: .*must be a block bug"),
-        (["--verify", "block", "--tree", "2-1"], r"--verify block verifies chains"),
-        (["--verify", "block", "--method", "hf"], r"verify='block' applies to method 'verispec'"),
+        (["--spec", "verify=block", "--inject", "swap_p_q"], r"--inject swap_p_q: .*must be a block bug"),
+        (["--spec", "verify=block", "--tree", "2-1"], r"verify=block verifies chains"),
+        (["--spec", "verify=block", "--method", "hf"], r"verify='block' applies to method 'verispec'"),
         *SAMPLING,
     ],
 )
@@ -170,8 +184,8 @@ def test_certify_study_checks_options_before_loading(extra, msg, capsys, tmp_pat
         (["--temperatures", "0,-1"], r"--temperatures: each temperature must be >= 0"),
         (["--temperatures", "0,x"], r"--temperatures: must be comma-separated numbers"),
         (["--methods", "verispec-plain,nope"], r"--methods: unknown method 'nope'"),
-        (["--methods", "verispec-tree@0-1"], r"--methods: .*widths >= 1"),
-        (["--methods", "verispec-draft@x/block"], r"--methods: .*needs an integer draft length"),
+        (["--methods", "verispec:draft=model,tree=0-1"], r"--methods: .*widths >= 1"),
+        (["--methods", "verispec-draft@2/block"], r"--methods: unknown method 'verispec-draft@2/block'"),
         (["--methods", "verispec-ngram/block"], r"--methods: unknown method 'verispec-ngram/block'"),
         (["--draft", "self"], r"--draft takes a draft model"),
         (["--draft-quant", "int4"], r"--draft-quant quantizes the --draft model"),
@@ -201,8 +215,8 @@ def test_bench_runner_checks_options_before_loading(extra, msg, capsys):
 @pytest.mark.parametrize(
     "argv",
     [
-        ["generate", "a b", "--draft", "self", "--draft-quant", "int4", "--tree", "dynamic-3-2-6", "--gamma", "64"],
-        ["serve", "--draft", "some/draft", "--draft-quant", "int8", "--gamma", "auto", "--max-gamma", "16"],
+        ["generate", "a b", "--draft", "self", "--spec", "quant=int4", "--tree", "dynamic-3-2-6", "--gamma", "64"],
+        ["serve", "--draft", "some/draft", "--spec", "quant=int8,max_gamma=16", "--gamma", "auto"],
         ["generate", "a b", "--spec", "draft=model,model=some/draft,gamma=4,verify=block,random=gumbel"],
         ["certify", "generate", "--target", "some/target", "--method", "hf-assisted", "--draft", "some/draft"],
         ["certify", "study", "--target", "some/target", "--draft", "some/draft", "--certify-samples", "20"],
@@ -221,15 +235,18 @@ def test_valid_options_reach_the_loader(argv, tmp_path):
     "argv, spec",
     [
         ([], "draft=ngram,gamma=auto,verify=token,random=auto"),
-        (["--draft", "self", "--draft-quant", "int4"], "draft=self,quant=int4,gamma=auto,verify=token,random=auto"),
+        (["--draft", "self", "--spec", "quant=int4"], "draft=self,quant=int4,gamma=auto,verify=token,random=auto"),
         (["--draft", "m/d", "--gamma", "3"], "draft=model,model=m/d,gamma=3,verify=token,random=auto"),
-        (["--tree", "2-1", "--verify", "token"], "draft=ngram,gamma=auto,tree=2-1,verify=deterministic,random=auto"),
+        (["--tree", "2-1"], "draft=ngram,gamma=auto,tree=2-1,verify=deterministic,random=auto"),
         (["--spec", "draft=model", "--draft", "m/d"], "draft=model,model=m/d,gamma=auto,verify=token,random=auto"),
-        (["--coupling", "gumbel", "--seeding", "stream"], "draft=ngram,gamma=auto,verify=token,random=gumbel"),
-        (["--seeding", "stream"], "draft=ngram,gamma=auto,verify=token,random=stream"),
+        (["--draft", "m/d", "--spec", "model=m/d"], "draft=model,model=m/d,gamma=auto,verify=token,random=auto"),
         (
-            ["--spec", "gamma=4", "--gamma", "4", "--runner", "hf"],
-            "draft=ngram,gamma=4,verify=token,random=auto,runner=hf",
+            ["--tree", "dynamic-4-2-8", "--spec", "tree=dynamic-4-2-8"],
+            "draft=ngram,gamma=auto,tree=dynamic-4-2-8,verify=deterministic,random=auto",
+        ),
+        (
+            ["--spec", "gamma=4,random=stream,runner=hf", "--gamma", "4"],
+            "draft=ngram,gamma=4,verify=token,random=stream,runner=hf",
         ),
     ],
 )
@@ -268,11 +285,11 @@ def test_runner_llamacpp_without_the_extra_says_how_to_install(monkeypatch, caps
     import verispec.model.llamacpp as llamacpp
 
     monkeypatch.setattr(llamacpp, "llamacpp_available", lambda: False)
-    msg = usage_error(["generate", "a b", "--runner", "llamacpp"], capsys)
-    assert "--runner llamacpp" in msg and 'pip install -e ".[llamacpp]"' in msg
+    msg = usage_error(["generate", "a b", "--spec", "runner=llamacpp"], capsys)
+    assert "--spec runner=llamacpp" in msg and 'pip install -e ".[llamacpp]"' in msg
 
 
-@pytest.mark.parametrize("command", [["bench", "rollout"], ["bench", "acceptance"], ["certify", "generate"]])
+@pytest.mark.parametrize("command", [["bench", "rollout"], ["bench", "acceptance"]])
 def test_commands_that_need_torch_models_offer_no_llamacpp_runner(command, capsys):
     assert "invalid choice: 'llamacpp'" in usage_error([*command, "--runner", "llamacpp"], capsys)
 

@@ -8,6 +8,7 @@ import re
 import pytest
 
 from verispec.cli import main
+from verispec.engine.config import SpecConfig
 
 from ..helpers.cli import PROCESS, run_verispec
 from ..helpers.tiny import greedy_reference, make_model, make_tokenizer
@@ -45,8 +46,8 @@ def test_generate_json_greedy_matches_reference(model_dirs, capsys, verify):
         "--gamma",
         "3",
         "--json",
-        "--verify",
-        verify,
+        "--spec",
+        f"verify={verify}",
     ]
     assert main(argv) == 0
     doc = json.loads(capsys.readouterr().out)
@@ -73,11 +74,11 @@ def test_generate_streams_and_prints_stats(model_dirs, process, capsys):
 @pytest.mark.parametrize(
     "extra,msg",
     [  # options checked before loading: tests/cli/test_checks.py
-        (["--draft", "OTHER", "--cross-vocab", "slem", "--tree", "2-1"], "--cross-vocab slem drafts chains"),
+        (["--draft", "OTHER", "--spec", "cross_vocab=slem", "--tree", "2-1"], "cross_vocab=slem drafts chains"),
         (["--temperature", "-1"], "--temperature must be >= 0"),
         (["--gamma", "x"], "--gamma: must be auto or an integer"),
         (["--device", "cuda:7"], "CUDA|cuda"),
-        (["--draft", "self"], "--draft self needs --draft-quant"),
+        (["--draft", "self"], "--draft self needs --spec quant"),
     ],
 )
 @pytest.mark.parametrize("process", PROCESS)
@@ -97,8 +98,8 @@ def test_generate_with_an_int4_self_draft(model_dirs, capsys):
         str(model_dirs["target"]),
         "--draft",
         "self",
-        "--draft-quant",
-        "int4",
+        "--spec",
+        "quant=int4",
         "--temperature",
         "0",
         "--max-new-tokens",
@@ -121,8 +122,8 @@ def test_self_draft_summary_names_the_self_draft(model_dirs, capsys):
         str(model_dirs["target"]),
         "--draft",
         "self",
-        "--draft-quant",
-        "int8",
+        "--spec",
+        "quant=int8",
         "--max-new-tokens",
         "4",
         "--gamma",
@@ -166,15 +167,19 @@ def test_default_model_for_real():
     target = load_model(None)
     prompt = "def add(a, b):\n    return a + b\n\ndef sub(a, b):"
     greedy = SamplingParams(temperature=0)
-    plain = SpeculativeGenerator(target, None).generate(prompt, greedy, max_new_tokens=32)[0]
-    spec = SpeculativeGenerator(target, "ngram", gamma=4).generate(prompt, greedy, max_new_tokens=32)[0]
+    plain = SpeculativeGenerator(target, config=SpecConfig(draft="none")).generate(prompt, greedy, max_new_tokens=32)[0]
+    spec = SpeculativeGenerator(target, config=SpecConfig(draft="ngram", gamma=4)).generate(
+        prompt, greedy, max_new_tokens=32
+    )[0]
     assert spec.token_ids == plain.token_ids and len(plain.token_ids) > 0
     assert "return" in spec.text
 
 
-@pytest.mark.parametrize("mode", [["--seeding", "position"], ["--coupling", "gumbel"]], ids=["position", "gumbel"])
+@pytest.mark.parametrize(
+    "mode", [["--spec", "random=position"], ["--spec", "random=gumbel"]], ids=["position", "gumbel"]
+)
 def test_seeded_output_does_not_depend_on_gamma(model_dirs, capsys, mode):
-    """--seeding position and --coupling gumbel: one seed gives the same tokens under --gamma 1, 5 and auto."""
+    """random=position and random=gumbel: one seed gives the same tokens under --gamma 1, 5 and auto."""
     outs = []
     for gamma in ("1", "5", "auto"):
         argv = ["generate", "a b c a b", "--target", str(model_dirs["target"]), "--draft", str(model_dirs["draft"])]

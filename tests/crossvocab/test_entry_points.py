@@ -1,5 +1,5 @@
 """A draft with another tokenizer through every entry point: `verispec generate --draft` (chosen automatically,
-`--cross-vocab` to force one, a bad value refused before any model loads), the OpenAI server, `RolloutEngine`, `bench
+`--spec cross_vocab=` to force one, a bad value refused before any model loads), the OpenAI server, `RolloutEngine`, `bench
 e2e` (a method naming its own draft model beside the run's), and `certify generate` (PASS for the exact drafters,
 FAIL for --inject tli-last-write) — on the tiny pair of tests/helpers/cross_tok.py saved to disk."""
 
@@ -12,6 +12,7 @@ from fastapi.testclient import TestClient
 
 from verispec.bench.e2e import E2EConfig, run_e2e
 from verispec.cli import main
+from verispec.engine.config import SpecConfig
 from verispec.engine.generator import SpeculativeGenerator
 from verispec.rollout import RolloutEngine
 from verispec.sampling import SamplingParams
@@ -37,7 +38,7 @@ def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
     return code, out.out, out.err
 
 
-@pytest.mark.parametrize("flags", [(), ("--cross-vocab", "slem"), ("--cross-vocab", "tli", "--tree", "2-2")])
+@pytest.mark.parametrize("flags", [(), ("--spec", "cross_vocab=slem"), ("--spec", "cross_vocab=tli", "--tree", "2-2")])
 def test_generate_with_a_draft_of_another_tokenizer_equals_plain_greedy(saved, capsys, flags):
     target, draft = map(str, saved)
     common = ["generate", SAMPLES[0], "--target", target, "--temperature", "0", "--max-new-tokens", "12", "--json"]
@@ -51,26 +52,29 @@ def test_generate_with_a_draft_of_another_tokenizer_equals_plain_greedy(saved, c
 
 def test_a_bad_cross_vocab_is_a_usage_error(saved, capsys):
     target, draft = map(str, saved)
-    with pytest.raises(SystemExit) as e:
-        main(["generate", "ab", "--target", target, "--draft", draft, "--cross-vocab", "bytes"])
-    assert e.value.code == 2
-    code, _, err = run_cli(capsys, "generate", "ab", "--target", target, "--draft", "ngram", "--cross-vocab", "tli")
-    assert code == 2 and "--cross-vocab" in err and "draft model" in err
     code, _, err = run_cli(
-        capsys, "generate", "ab", "--target", target, "--draft", draft, "--cross-vocab", "slem", "--tree", "2-1"
+        capsys, "generate", "ab", "--target", target, "--draft", draft, "--spec", "cross_vocab=bytes"
+    )
+    assert code == 2 and "cross_vocab must be one of auto, tli, slem" in err
+    code, _, err = run_cli(
+        capsys, "generate", "ab", "--target", target, "--draft", "ngram", "--spec", "cross_vocab=tli"
+    )
+    assert code == 2 and "cross_vocab applies to a draft model" in err
+    code, _, err = run_cli(
+        capsys, "generate", "ab", "--target", target, "--draft", draft, "--spec", "cross_vocab=slem", "--tree", "2-1"
     )
     assert code == 2 and "chains" in err
 
 
 def test_the_server_serves_a_cross_vocabulary_draft(pair):
     target, draft = pair
-    gen = SpeculativeGenerator(target, draft, gamma=3)
-    assert type(gen.proposer.runner).__name__ == "BridgedRunner"
+    gen = SpeculativeGenerator(target, draft, config=SpecConfig(draft="model", gamma=3))
+    assert type(gen.core.proposer.runner).__name__ == "BridgedRunner"
     with TestClient(create_app(gen, MODEL, max_batch=4), base_url="http://localhost") as client:
         body = {"model": MODEL, "prompt": SAMPLES[0], "max_tokens": 10, "temperature": 0, "seed": 1}
         r = client.post("/v1/completions", json=body)
         assert r.status_code == 200, r.text
-        plain = SpeculativeGenerator(target, None).generate(
+        plain = SpeculativeGenerator(target, config=SpecConfig(draft="none")).generate(
             SAMPLES[0], SamplingParams(temperature=0), max_new_tokens=10
         )
         assert r.json()["choices"][0]["text"] == plain[0].text
@@ -78,7 +82,9 @@ def test_the_server_serves_a_cross_vocabulary_draft(pair):
 
 def test_rollouts_with_a_cross_vocabulary_draft_are_seeded_and_carry_logprobs(pair):
     target, draft = pair
-    eng = RolloutEngine(target, draft=draft, history=False, gamma=3, max_batch_size=4)
+    eng = RolloutEngine(
+        target, draft, config=SpecConfig(draft="model", stop_below=None, gamma=3, random="stream"), max_batch_size=4
+    )
     prompts = [target.tokenizer(s)["input_ids"] for s in SAMPLES[:2]]
     a = eng.generate(prompts, n=2, params=SamplingParams(temperature=1.0), max_new_tokens=8, seed=3)
     b = eng.generate(prompts, n=2, params=SamplingParams(temperature=1.0), max_new_tokens=8, seed=3)

@@ -45,7 +45,7 @@ def _outcomes(completions):
 def plain():
     """The target's own greedy outputs (plain decoding) of PROMPTS and CHATS."""
     target, _ = pair(0, True)
-    gen = SpeculativeGenerator(target, None)
+    gen = SpeculativeGenerator(target, config=SpecConfig(draft="none"))
     return (
         _outcomes(gen.generate(PROMPTS, GREEDY, max_new_tokens=MAX_NEW)),
         _outcomes(gen.generate(CHATS, GREEDY, max_new_tokens=MAX_NEW, chat=True)),
@@ -65,7 +65,7 @@ def test_prompts_cover_eos_and_length(plain):
 def test_greedy_equals_plain(name, agree, plain):
     target, draft = pair(0, agree)
     gen = SpeculativeGenerator(target, draft, config=SpecConfig.parse(CONFIGS[name]))
-    assert isinstance(gen.proposer.runner, BridgedRunner)
+    assert isinstance(gen.core.proposer.runner, BridgedRunner)
     assert _outcomes(gen.generate(PROMPTS, GREEDY, max_new_tokens=MAX_NEW)) == plain[0]
     stats = gen.last_stats
     assert stats.drafted > 0  # speculation happened ...
@@ -79,7 +79,7 @@ def test_greedy_chat_equals_plain(name, plain):
     target's templated prompt spelled in draft ids: the same text, the specials by content)."""
     target, draft = pair(0, True)
     gen = SpeculativeGenerator(target, draft, config=SpecConfig.parse(CONFIGS[name]))
-    runner = gen.proposer.runner
+    runner = gen.core.proposer.runner
     filled = []
     fill = runner.inner.fill
 

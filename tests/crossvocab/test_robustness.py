@@ -31,7 +31,9 @@ def test_token_options_that_leave_only_target_only_tokens(spec, temperature):
     out = gen.generate([SAMPLES[0], SAMPLES[1]], params, max_new_tokens=8, ignore_eos=True)
     assert all(set(o.token_ids) <= set(TARGET_ONLY) and len(o.token_ids) == 8 for o in out)
     if temperature == 0:
-        plain = SpeculativeGenerator(target, None).generate([SAMPLES[0], SAMPLES[1]], params, max_new_tokens=8)
+        plain = SpeculativeGenerator(target, config=SpecConfig(draft="none")).generate(
+            [SAMPLES[0], SAMPLES[1]], params, max_new_tokens=8
+        )
         assert [o.token_ids for o in out] == [o.token_ids for o in plain]
 
 

@@ -257,7 +257,7 @@ def test_disjoint_pair_is_refused():
             SpeculativeGenerator(target, draft, config=SpecConfig(draft="model", cross_vocab=mode))
     # string-level exact match needs no shared token: it re-tokenizes the draft's text (here never the target's)
     gen = SpeculativeGenerator(target, draft, config=SpecConfig(draft="model", cross_vocab="slem", gamma=2))
-    plain = SpeculativeGenerator(target, None)
+    plain = SpeculativeGenerator(target, config=SpecConfig(draft="none"))
     greedy = SamplingParams(temperature=0.0)
     assert (
         gen.generate(SAMPLES[0], greedy, max_new_tokens=6)[0].token_ids
@@ -270,9 +270,9 @@ def test_same_tokenizer_is_not_bridged(tiny_target, tiny_draft, pair):
     target, draft = pair
     assert same_tokenizer(tiny_target, tiny_draft) and not same_tokenizer(target, draft)
     gen = SpeculativeGenerator(tiny_target, tiny_draft, config=SpecConfig(draft="model"))
-    assert gen.proposer.vocab is None
+    assert not isinstance(gen.core.proposer.runner, BridgedRunner)
     gen = SpeculativeGenerator(target, draft, config=SpecConfig(draft="model"))
-    assert isinstance(gen.proposer.runner, BridgedRunner)
+    assert isinstance(gen.core.proposer.runner, BridgedRunner)
     vm = VocabMap.build(tiny_target.tokenizer, tiny_target.tokenizer, 32, 32)
     assert all(vm.spell(t) == [t] for t in range(32))
     assert vm.d2t.tolist() == vm.t2d.tolist() == list(range(32))

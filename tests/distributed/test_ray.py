@@ -3,7 +3,6 @@ with one engine, weight broadcasts, recovery from a killed replica, errors on th
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import shutil
@@ -97,6 +96,8 @@ def test_equal_to_one_engine_for_the_same_seed(cluster, reference, monkeypatch):
     assert {o.finish_reason for o in ref} == {"stop", "length"}  # both kinds compared
     text = cluster.generate(["a b c a b", "x0 d e d"], n=2, params=T1, max_new_tokens=6, seed=1)  # tokenized remotely
     _assert_same(text, reference.generate(["a b c a b", "x0 d e d"], n=2, params=T1, max_new_tokens=6, seed=1))
+    part = dict(params=T1, max_new_tokens=8, seed=11, prompt_indices=[4, 1, 7])  # a shard of a larger batch
+    _assert_same(cluster.generate(PROMPTS[:3], n=2, **part), reference.generate(PROMPTS[:3], n=2, **part))
     unseeded = cluster.generate(PROMPTS, n=2, params=T1, max_new_tokens=4)  # one seed, drawn here, for every shard
     assert [o.seed for o in unseeded] == [sample_seed(drawn[0], i, j) for i in range(len(PROMPTS)) for j in range(2)]
 
@@ -108,7 +109,8 @@ def test_bad_requests_raise_on_the_driver(cluster):
         (dict(n=17), "n must be"),
         (dict(prompts=[]), "non-empty list"),
         (dict(prompts="a b"), "non-empty list"),
-        (dict(prompts=[[3, 4], []]), "prompt 1 is empty"),
+        (dict(prompts=[[3, 4], []]), "prompt 1: a prompt must be a non-empty"),
+        (dict(prompts=[[3, True]]), "prompt 0: token ids must be integers"),
         (dict(prompts=[[3, 99]]), r"lie in \[0, 32\)"),
         (dict(prompts=["a b", ""]), "prompt is empty"),  # text: checked by a replica's tokenizer, before any shard
         (dict(params=SamplingParams(seed=3)), "request seed"),
@@ -201,18 +203,6 @@ def test_payload_round_trip_keeps_dtypes_and_bits():
     for bad, match in [([], "empty"), ([("a", torch.zeros(1))] * 2, "given twice"), ([("a", [1.0])], "torch.Tensor")]:
         with pytest.raises(ValueError, match=match):
             tensors_payload(bad)
-
-
-def test_the_old_module_path_still_works():
-    import verispec.rollout
-
-    with pytest.warns(DeprecationWarning, match="verispec.distributed is deprecated"):
-        import verispec.distributed as old
-
-        importlib.reload(old)  # warns again if an earlier import already ran it
-    assert old.RolloutCluster is RolloutCluster and old.EngineSpec is verispec.rollout.EngineSpec
-    assert old.ReplicaLostError is verispec.rollout.ReplicaLostError
-    assert (old.tensors_payload, old.from_payload) == (tensors_payload, from_payload)
 
 
 def test_ray_must_be_initialized(monkeypatch):

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from verispec.drafting import BatchView, CombinedProposer, DraftModelProposer, HistoryProposer, RolloutHistory, TreeSpec
+from verispec.engine.config import SpecConfig
 from verispec.engine.generator import SpeculativeGenerator
 from verispec.sampling import SamplingParams, probs_from_logits
 from verispec.sampling.tree import verify_tree
@@ -136,7 +137,7 @@ def test_greedy_generation_equals_the_target_and_counts_both_parts(tiny_target, 
         combined = CombinedProposer(
             HistoryProposer(history, tree=TRIE), DraftModelProposer(draft.model, V, stop_below=None), 2
         )
-        gen = SpeculativeGenerator(tiny_target, combined)
+        gen = SpeculativeGenerator(tiny_target, combined, config=SpecConfig(draft="custom"))
         out = gen.generate(prompt, SamplingParams(temperature=0), max_new_tokens=12)[0]
         assert out.token_ids == want
         part = "branches" if known else "chain"

@@ -4,12 +4,15 @@ and catches up on a backlog. Tiny models, exact assertions."""
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 
 from verispec.drafting import DraftModelProposer
 from verispec.drafting.batch import BatchView
-from verispec.sampling.randomness import RANDOMNESS
+from verispec.model.fast import make_runner
 from verispec.sampling import SamplingParams, probs_from_logits
+from verispec.sampling.randomness import RANDOMNESS
 
 from ..helpers.tiny import loaded
 
@@ -126,7 +129,7 @@ def test_draft_catches_up_a_backlog_after_plain_steps(tiny_draft):
 
 def test_a_quantized_self_draft_is_rebuilt_after_a_weight_update():
     model = loaded(0).model
-    prop = DraftModelProposer(model, 32, stop_below=None, quant="int8")
+    prop = DraftModelProposer(model, 32, stop_below=None, runner=partial(make_runner, quant="int8"))
     runner = prop.runner
     assert prop.weights_changed(loaded(9).model) == 0.0 and prop.runner is runner  # another model: untouched
     assert prop.weights_changed(model) > 0.0 and prop.runner is not runner

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from verispec.engine.adaptive import GammaController
+from verispec.engine.config import SpecConfig
 from verispec.sampling import optimal_gamma_cost_curve
 
 
@@ -98,12 +99,14 @@ def test_generator_calibrate_measures_every_batch_size(tiny_target, tiny_draft):
     from verispec.engine.generator import SpeculativeGenerator
     from verispec.sampling import SamplingParams
 
-    gen = SpeculativeGenerator(tiny_target, tiny_draft, gamma="auto", max_gamma=3, runner="hf")
+    gen = SpeculativeGenerator(
+        tiny_target, tiny_draft, config=SpecConfig(draft="model", gamma="auto", max_gamma=3, runner="hf")
+    )
     out = gen.calibrate((1, 2), context=8, repeats=1)
     assert set(out) == {1, 2} and all(len(v["curve"]) == 4 and v["draft_step"] > 0 for v in out.values())
-    assert set(gen.controller.verify_costs) == {1, 2} and set(gen.controller.draft_costs) == {1, 2}
-    fixed = SpeculativeGenerator(tiny_target, tiny_draft, gamma=2, runner="hf")
-    fresh = SpeculativeGenerator(tiny_target, tiny_draft, gamma=2, runner="hf")
+    assert set(gen.core.controller.verify_costs) == {1, 2} and set(gen.core.controller.draft_costs) == {1, 2}
+    fixed = SpeculativeGenerator(tiny_target, tiny_draft, config=SpecConfig(draft="model", gamma=2, runner="hf"))
+    fresh = SpeculativeGenerator(tiny_target, tiny_draft, config=SpecConfig(draft="model", gamma=2, runner="hf"))
     fixed.calibrate((2,), context=8, repeats=1)
 
     def run(g):

@@ -23,9 +23,10 @@ import torch
 
 from verispec.drafting import Draft, DraftModelProposer
 from verispec.drafting.batch import BatchView
+from verispec.engine.config import SpecConfig
 from verispec.engine.generator import SpeculativeGenerator
-from verispec.sampling.randomness import RANDOMNESS
 from verispec.sampling import SamplingParams
+from verispec.sampling.randomness import RANDOMNESS
 
 from ..helpers import sequences as dist
 from ..helpers.tiny import V
@@ -38,10 +39,16 @@ NEW = 16
 SEEDS = (0, 1, 2, 3, 4, 5)
 GAMMAS = [1, 3, 6, "auto"]
 
-DRAFTERS = {  # gamma (the tree's shape sets its draft; gamma only switches it on), random's keywords -> generator
-    "draft-chain": lambda t, d, g, **kw: SpeculativeGenerator(t, d, gamma=g, draft_stop_below=None, **kw),
-    "ngram": lambda t, d, g, **kw: SpeculativeGenerator(t, "ngram", gamma=g, **kw),
-    "tree-iid": lambda t, d, g, **kw: SpeculativeGenerator(t, d, gamma=g, tree="2-1", tree_rule="iid", **kw),
+DRAFTERS = {  # gamma (the tree's shape sets its draft; gamma only switches it on), random -> generator
+    "draft-chain": lambda t, d, g, random="auto": SpeculativeGenerator(
+        t, d, config=SpecConfig(draft="model", stop_below=None, gamma=g, random=random)
+    ),
+    "ngram": lambda t, d, g, random="auto": SpeculativeGenerator(
+        t, config=SpecConfig(draft="ngram", gamma=g, random=random)
+    ),
+    "tree-iid": lambda t, d, g, random="auto": SpeculativeGenerator(
+        t, d, config=SpecConfig(draft="model", gamma=g, tree="2-1", verify="iid", random=random)
+    ),
 }
 
 
@@ -73,7 +80,7 @@ def _in_a_busy_batch(gen: SpeculativeGenerator, seed: int) -> list[int]:
 @pytest.fixture(scope="module")
 def coupled_plain(tiny_target):
     """Plain decoding under the coupling (random=gumbel): what every seeded request must give."""
-    gen = SpeculativeGenerator(tiny_target, None, coupling="gumbel")
+    gen = SpeculativeGenerator(tiny_target, config=SpecConfig(draft="none", random="gumbel"))
     return {
         s: gen.generate([PROMPT], replace(T1, seed=s), max_new_tokens=NEW, ignore_eos=True)[0].token_ids for s in SEEDS
     }
@@ -106,8 +113,8 @@ def test_a_draft_models_tree_is_coupled_too(rule, tiny_target, tiny_noisy):
     reqs = [(PROMPT if i % 2 else OTHERS[1], replace(T1, seed=i)) for i in range(16)]
     tau = {}
     for random in ("auto", "stream"):
-        kw = {} if random == "auto" else {"seeding": "stream"}
-        gen = SpeculativeGenerator(tiny_target, tiny_noisy, tree="2-2-1", tree_rule=rule, **kw)
+        config = SpecConfig(draft="model", tree="2-2-1", verify=rule, random=random)
+        gen = SpeculativeGenerator(tiny_target, tiny_noisy, config=config)
         gen.generate([p for p, _ in reqs], [sp for _, sp in reqs], max_new_tokens=24, ignore_eos=True)
         tau[random] = gen.stats.tau
     assert tau["auto"] > 0.85 * tau["stream"] and tau["auto"] > 2.5, tau
@@ -126,9 +133,9 @@ def test_unseeded_requests_draw_what_the_stream_draws(drafter, tiny_target, tiny
     """Beside seeded rows (coupled) the unseeded ones give random=stream's tokens exactly, and alone too; the seeded
     rows give the coupling's."""
     build = DRAFTERS[drafter]
-    stream_gen = build(tiny_target, tiny_noisy, 3, seeding="stream")
+    stream_gen = build(tiny_target, tiny_noisy, 3, "stream")
     auto = _mixed(build(tiny_target, tiny_noisy, 3))
-    stream, gumbel = _mixed(stream_gen), _mixed(build(tiny_target, tiny_noisy, 3, coupling="gumbel"))
+    stream, gumbel = _mixed(stream_gen), _mixed(build(tiny_target, tiny_noisy, 3, "gumbel"))
     assert [auto[b] for b in (1, 3, 5)] == [stream[b] for b in (1, 3, 5)]  # unseeded: the stream's
     assert [auto[b] for b in (0, 2, 4)] == [gumbel[b] for b in (0, 2, 4)]  # seeded: the coupling's
     assert [auto[b] for b in (0, 2, 4)] != [stream[b] for b in (0, 2, 4)]  # ... which is not the stream's
@@ -143,8 +150,8 @@ def test_unseeded_requests_draw_what_the_stream_draws(drafter, tiny_target, tiny
 def test_seeded_greedy_requests_are_not_coupled_and_unchanged(tiny_target, tiny_noisy):
     """A greedy row is the argmax either way: auto leaves it to the stream (no coupling work)."""
     greedy = SamplingParams(temperature=0.0, seed=5)
-    auto = SpeculativeGenerator(tiny_target, tiny_noisy, gamma=3)
-    stream = SpeculativeGenerator(tiny_target, tiny_noisy, gamma=3, seeding="stream")
+    auto = SpeculativeGenerator(tiny_target, tiny_noisy, config=SpecConfig(draft="model", gamma=3))
+    stream = SpeculativeGenerator(tiny_target, tiny_noisy, config=SpecConfig(draft="model", gamma=3, random="stream"))
     a = auto.generate([PROMPT, OTHERS[0]], greedy, max_new_tokens=NEW, ignore_eos=True)
     b = stream.generate([PROMPT, OTHERS[0]], greedy, max_new_tokens=NEW, ignore_eos=True)
     assert [o.token_ids for o in a] == [o.token_ids for o in b]
@@ -156,15 +163,18 @@ def test_seeded_greedy_requests_are_not_coupled_and_unchanged(tiny_target, tiny_
     assert sess._view().keyed == [False, True, False]
 
 
-def test_an_overridden_verifier_runs_the_stream(tiny_target, tiny_noisy):
-    """certify's injected bugs and the lossy study replace the verification functions: under auto they see p (the
-    stream for every row), not one-hot coupled targets where most bugs verify exactly."""
+def test_a_verification_override_keeps_the_configs_randomness(tiny_target, tiny_noisy):
+    """certify's injected bugs and the lossy study replace the verification functions; the randomness stays the
+    config's (an override changes no other setting): a caller that wants p for every row says random=stream."""
+    from verispec.engine.verify import Verification
     from verispec.sampling import verify_chain
 
-    gen = SpeculativeGenerator(tiny_target, tiny_noisy, gamma=3, verifier=verify_chain)
-    assert gen.config.random == "auto" and gen.core.randomness.name == "stream"
-    explicit = SpeculativeGenerator(tiny_target, tiny_noisy, gamma=3, verifier=verify_chain, coupling="gumbel")
-    assert explicit.core.randomness.name == "gumbel"
+    for random in ("auto", "stream", "gumbel"):
+        config = SpecConfig(draft="model", gamma=3, random=random)
+        gen = SpeculativeGenerator(
+            tiny_target, tiny_noisy, config=config, verification=Verification(chain=verify_chain)
+        )
+        assert gen.core.randomness.name == random
 
 
 # --- the randomness on its own ---------------------------------------------------------------------------------
@@ -220,7 +230,7 @@ def _mixed_samples(gen: SpeculativeGenerator, params: SamplingParams, n: int = d
 @pytest.mark.statistical
 def test_a_mixed_batch_keeps_the_targets_distribution(tiny_target, tiny_draft):
     params = dist.SETTINGS["top_k_top_p"]
-    gen = SpeculativeGenerator(tiny_target, tiny_draft, gamma=2)
+    gen = SpeculativeGenerator(tiny_target, tiny_draft, config=SpecConfig(draft="model", gamma=2))
     assert gen.config.random == "auto"
     result = dist.gof(_mixed_samples(gen, params), dist.exact_sequence_probs(tiny_target.model, dist.PROMPT, params))
     assert not result.rejects(dist.LEVEL), result
@@ -246,6 +256,7 @@ def test_the_broken_engine_fails_in_a_mixed_batch(tiny_target, tiny_draft):
     cores); the same test's power at the same N is shown in the default tier by
     tests/engine/test_distribution.py::test_broken_engine_fails."""
     params = dist.SETTINGS["top_k_top_p"]
-    gen = SpeculativeGenerator(tiny_target, FlatQ(DraftModelProposer(tiny_draft.model, V)), gamma=2)
+    flat = FlatQ(DraftModelProposer(tiny_draft.model, V))
+    gen = SpeculativeGenerator(tiny_target, flat, config=SpecConfig(draft="custom", gamma=2))
     result = dist.gof(_mixed_samples(gen, params), dist.exact_sequence_probs(tiny_target.model, dist.PROMPT, params))
     assert result.rejects(dist.LEVEL), result

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from verispec.engine import GenerationSession, Job, Request, SpeculativeGenerator
+from verispec.engine.config import SpecConfig
 from verispec.model import make_runner
 from verispec.sampling import SamplingParams
 
@@ -32,7 +33,7 @@ def target():
 
 @pytest.fixture(scope="module", params=["fast", "hf"])
 def gen(request, target):
-    return SpeculativeGenerator(target, "ngram", gamma=2, runner=request.param)
+    return SpeculativeGenerator(target, config=SpecConfig(draft="ngram", gamma=2, runner=request.param))
 
 
 def _req(prompt, params, key, max_new=12, index=0) -> Request:
@@ -87,7 +88,7 @@ def test_chunked_prefill_gives_the_tokens_of_unchunked_prefill(gen, params):
 def test_a_running_row_gets_a_token_every_step_while_a_long_prompt_is_staged(target):
     """Plain decoding (one token per step): a prompt of 10 chunks takes 10 steps to join, and the running row gets
     its token at each of them."""
-    gen = SpeculativeGenerator(target, "none", runner="fast")
+    gen = SpeculativeGenerator(target, config=SpecConfig(draft="none", runner="fast"))
     sess = GenerationSession(gen.core, prefill_chunk=CHUNK)
     sess.submit(Job([_req(_prompt(4, 0), GREEDY, "running", max_new=40)]))
     sess.step()
@@ -114,7 +115,7 @@ def test_a_running_row_gets_a_token_every_step_while_a_long_prompt_is_staged(tar
 
 
 def test_a_staged_request_holds_its_slot_counts_as_pending_and_can_be_aborted(target):
-    gen = SpeculativeGenerator(target, "ngram", gamma=2, runner="fast")
+    gen = SpeculativeGenerator(target, config=SpecConfig(draft="ngram", gamma=2, runner="fast"))
     sess = GenerationSession(gen.core, max_batch=2, prefill_chunk=CHUNK)
     sess.submit(Job([_req(_prompt(4, 0), GREEDY, "running", max_new=30)]))
     sess.step()
@@ -135,7 +136,7 @@ def test_a_staged_request_holds_its_slot_counts_as_pending_and_can_be_aborted(ta
 
 
 def test_with_no_row_running_a_long_prompt_is_prefilled_whole(target):
-    gen = SpeculativeGenerator(target, "ngram", gamma=2, runner="fast")
+    gen = SpeculativeGenerator(target, config=SpecConfig(draft="ngram", gamma=2, runner="fast"))
     sess = GenerationSession(gen.core, prefill_chunk=CHUNK)
     sess.submit(Job([_req(_prompt(60, 1), GREEDY, "long", max_new=2)]))
     sess.step()
@@ -144,7 +145,7 @@ def test_with_no_row_running_a_long_prompt_is_prefilled_whole(target):
 
 def test_staged_rows_finish_whole_once_the_running_rows_are_gone(target):
     """The running row ends while a prompt is staged: the next step prefills the rest at once (no one to delay)."""
-    gen = SpeculativeGenerator(target, "none", runner="fast")
+    gen = SpeculativeGenerator(target, config=SpecConfig(draft="none", runner="fast"))
     sess = GenerationSession(gen.core, prefill_chunk=CHUNK)
     sess.submit(Job([_req(_prompt(4, 0), GREEDY, "running", max_new=3)]))
     sess.step()
@@ -160,7 +161,7 @@ def test_staged_rows_finish_whole_once_the_running_rows_are_gone(target):
 
 
 def test_prefill_chunk_is_checked(target):
-    gen = SpeculativeGenerator(target, "ngram", gamma=2)
+    gen = SpeculativeGenerator(target, config=SpecConfig(draft="ngram", gamma=2))
     for bad in (-1, 1.5, True):
         with pytest.raises(ValueError, match="prefill_chunk"):
             GenerationSession(gen.core, prefill_chunk=bad)

@@ -1,7 +1,8 @@
-"""Gumbel coupling in the engine (`coupling="gumbel"`): the output of a seeded request is plain decoding's under
+"""Gumbel coupling in the engine (`random=gumbel`): the output of a seeded request is plain decoding's under
 the same coupling, token for token — exact equality, no statistics — for every drafter (draft-model chains at a
 fixed and an adaptive gamma, block verification, prompt lookup, an int4 self-draft, deterministic and i.i.d. trees),
-at temperature 1 and 0.7 with top-p 0.9, over 200 seeds, in batches of 8 and alone; and through RolloutEngine."""
+at temperature 1 and 0.7 with top-p 0.9, over 200 seeds in batches of 8 and 32-64 alone; and through
+RolloutEngine."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from dataclasses import replace
 
 import pytest
 
+from verispec.engine.config import SpecConfig
 from verispec.engine.generator import SpeculativeGenerator
 from verispec.sampling import SamplingParams
 
@@ -21,13 +23,25 @@ SETTINGS = {
     "t0.7-top-p": SamplingParams(temperature=0.7, top_p=0.9),
 }
 DRAFTERS = {
-    "draft-chain": lambda t, d: SpeculativeGenerator(t, d, gamma=3, draft_stop_below=None, coupling="gumbel"),
-    "draft-auto": lambda t, d: SpeculativeGenerator(t, d, gamma="auto", coupling="gumbel"),
-    "draft-block": lambda t, d: SpeculativeGenerator(t, d, gamma=4, verify="block", coupling="gumbel"),
-    "ngram": lambda t, d: SpeculativeGenerator(t, "ngram", gamma=3, coupling="gumbel"),
-    "self-int4": lambda t, d: SpeculativeGenerator(t, "self", draft_quant="int4", gamma=2, coupling="gumbel"),
-    "tree-deterministic": lambda t, d: SpeculativeGenerator(t, d, tree="2-2-1", coupling="gumbel"),
-    "tree-iid": lambda t, d: SpeculativeGenerator(t, d, tree="2-1", tree_rule="iid", coupling="gumbel"),
+    "draft-chain": lambda t, d: SpeculativeGenerator(
+        t, d, config=SpecConfig(draft="model", stop_below=None, gamma=3, random="gumbel")
+    ),
+    "draft-auto": lambda t, d: SpeculativeGenerator(
+        t, d, config=SpecConfig(draft="model", gamma="auto", random="gumbel")
+    ),
+    "draft-block": lambda t, d: SpeculativeGenerator(
+        t, d, config=SpecConfig(draft="model", gamma=4, verify="block", random="gumbel")
+    ),
+    "ngram": lambda t, d: SpeculativeGenerator(t, config=SpecConfig(draft="ngram", gamma=3, random="gumbel")),
+    "self-int4": lambda t, d: SpeculativeGenerator(
+        t, config=SpecConfig(draft="self", quant="int4", gamma=2, random="gumbel")
+    ),
+    "tree-deterministic": lambda t, d: SpeculativeGenerator(
+        t, d, config=SpecConfig(draft="model", tree="2-2-1", random="gumbel")
+    ),
+    "tree-iid": lambda t, d: SpeculativeGenerator(
+        t, d, config=SpecConfig(draft="model", tree="2-1", verify="iid", random="gumbel")
+    ),
 }
 
 
@@ -50,7 +64,7 @@ class _Plain(dict):
 
     def __init__(self, target):
         super().__init__()
-        self.gen = SpeculativeGenerator(target, None, coupling="gumbel")
+        self.gen = SpeculativeGenerator(target, config=SpecConfig(draft="none", random="gumbel"))
 
     def __missing__(self, setting):
         self[setting] = _run(self.gen, _requests(setting), 8)
@@ -85,35 +99,33 @@ def test_speculative_output_is_plain_output(drafter, setting, tiny_target, tiny_
 )
 def test_alone_as_in_a_batch_of_eight(drafter, tiny_target, tiny_noisy, plain_outputs):
     """Batch 1 (each seed alone) gives plain decoding's tokens too: the default tier with a draft model at gamma
-    auto over the first 32 seeds, the slow tier with every drafter over all 200."""
+    auto over the first 32 seeds, the slow tier with every other drafter over the first 64 (a batch-1 path that
+    differs does so on most seeds, not on rare ones; the batches of 8 above run all 200)."""
     gen = DRAFTERS[drafter](tiny_target, tiny_noisy)
-    n = 32 if drafter == "draft-auto" else len(SEEDS)
+    n = 32 if drafter == "draft-auto" else 64
     assert _run(gen, _requests("t1-top-p")[:n], 1) == plain_outputs["t1-top-p"][:n]
 
 
 def test_coupling_differs_from_the_stream_sampler_but_is_seeded(tiny_target):
     """Not a different name for the same draw: coupled plain decoding is its own seeded stream (and what the
     default, random=auto, gives a seeded request)."""
-    a = SpeculativeGenerator(tiny_target, None, coupling="gumbel")
-    b = SpeculativeGenerator(tiny_target, None, seeding="stream")
+    a = SpeculativeGenerator(tiny_target, config=SpecConfig(draft="none", random="gumbel"))
+    b = SpeculativeGenerator(tiny_target, config=SpecConfig(draft="none", random="stream"))
     reqs = _requests("t1-top-p")[:16]
     assert _run(a, reqs, 8) == _run(a, reqs, 4)
     assert _run(a, reqs, 8) != _run(b, reqs, 8)
-    assert _run(SpeculativeGenerator(tiny_target, None), reqs, 8) == _run(a, reqs, 8)
+    assert _run(SpeculativeGenerator(tiny_target, config=SpecConfig(draft="none")), reqs, 8) == _run(a, reqs, 8)
 
 
 def test_rollout_engine_with_coupling_matches_plain_rollouts(tiny_target, tiny_noisy):
     from verispec.rollout import RolloutEngine
 
     params = SamplingParams(temperature=1.0)
-    spec = RolloutEngine(tiny_target, tiny_noisy, history=False, gamma=3, coupling="gumbel")
-    plain = RolloutEngine(tiny_target, None, history=False, coupling="gumbel")
+    spec = RolloutEngine(
+        tiny_target, tiny_noisy, config=SpecConfig(draft="model", stop_below=None, gamma=3, random="gumbel")
+    )
+    plain = RolloutEngine(tiny_target, config=SpecConfig(draft="none", stop_below=None, gamma=4, random="gumbel"))
     a = spec.generate(PROMPTS, n=4, params=params, max_new_tokens=NEW, seed=11, ignore_eos=True)
     b = plain.generate(PROMPTS, n=4, params=params, max_new_tokens=NEW, seed=11, ignore_eos=True)
     assert [r.completion_token_ids for r in a] == [r.completion_token_ids for r in b]
     assert spec.last_stats.accepted > 0
-
-
-def test_bad_coupling_is_an_error(tiny_target):
-    with pytest.raises(ValueError, match="coupling"):
-        SpeculativeGenerator(tiny_target, None, coupling="normal")

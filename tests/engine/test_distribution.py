@@ -16,7 +16,9 @@ import dataclasses
 import pytest
 
 from verispec.drafting import DraftModelProposer, Proposer
+from verispec.engine.config import SpecConfig
 from verispec.engine.generator import SpeculativeGenerator
+from verispec.engine.verify import Verification
 
 from ..helpers.sequences import LEVEL, PROMPT, SETTINGS, exact_sequence_probs, gof, sample_sequences
 from ..helpers.tiny import V
@@ -80,10 +82,11 @@ def test_engine_matches_target_sequence_distribution(drafter, setting, tiny_targ
     drafter, block, _ = drafter.partition("-block")
     verify = "block" if block else "token"
     if drafter == "self-int4":
-        gen = SpeculativeGenerator(tiny_target, "self", draft_quant="int4", gamma=2, seeding="stream")
+        gen = SpeculativeGenerator(tiny_target, config=SpecConfig(draft="self", quant="int4", gamma=2, random="stream"))
     else:
-        draft = tiny_draft if drafter == "draft-model" else "ngram"
-        gen = SpeculativeGenerator(tiny_target, draft, gamma=2, verify=verify, seeding="stream")
+        draft, kind = (tiny_draft, "model") if drafter == "draft-model" else (None, "ngram")
+        config = SpecConfig(draft=kind, gamma=2, verify=verify, random="stream")
+        gen = SpeculativeGenerator(tiny_target, draft, config=config)
     seqs = sample_sequences(gen, params)
     result = gof(seqs, exact_sequence_probs(tiny_target.model, PROMPT, params))
     assert not result.rejects(LEVEL), result
@@ -99,7 +102,7 @@ def test_engine_matches_target_sequence_distribution(drafter, setting, tiny_targ
 def test_plain_decoding_matches_target_sequence_distribution(tiny_target):
     params = SETTINGS["temperature"]
     result = gof(
-        sample_sequences(SpeculativeGenerator(tiny_target, None), params),
+        sample_sequences(SpeculativeGenerator(tiny_target, config=SpecConfig(draft="none")), params),
         exact_sequence_probs(tiny_target.model, PROMPT, params),
     )
     assert not result.rejects(LEVEL), result
@@ -108,7 +111,7 @@ def test_plain_decoding_matches_target_sequence_distribution(tiny_target):
 def test_broken_engine_fails(tiny_target, tiny_draft):
     params = SETTINGS["temperature"]
     broken = QBeforeTemperature(DraftModelProposer(tiny_draft.model, V))
-    gen = SpeculativeGenerator(tiny_target, broken, gamma=2, seeding="stream")
+    gen = SpeculativeGenerator(tiny_target, broken, config=SpecConfig(draft="custom", gamma=2, random="stream"))
     result = gof(sample_sequences(gen, params), exact_sequence_probs(tiny_target.model, PROMPT, params))
     assert result.rejects(LEVEL), result
 
@@ -122,7 +125,10 @@ def test_broken_block_engine_fails(tiny_target, tiny_draft):
     params = SETTINGS["top_k_top_p"]
     broken = broken_block_verifier("block_first_rejection")
     gen = SpeculativeGenerator(
-        tiny_target, tiny_draft, gamma=2, verifier=broken, draft_stop_below=None, seeding="stream"
+        tiny_target,
+        tiny_draft,
+        config=SpecConfig(draft="model", stop_below=None, gamma=2, random="stream"),
+        verification=Verification(chain=broken),
     )
     result = gof(sample_sequences(gen, params), exact_sequence_probs(tiny_target.model, PROMPT, params))
     assert result.rejects(LEVEL), result

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from verispec.engine import GenerationSession, Job, Request, SpeculativeGenerator
+from verispec.engine.config import SpecConfig
 from verispec.engine.rows import RowFault
 from verispec.model.loading import LoadedModel
 from verispec.rollout import RolloutEngine
@@ -33,8 +34,8 @@ def _poisoned(seed: int = 0) -> LoadedModel:
 def _gen(drafter: str) -> SpeculativeGenerator:
     target = _poisoned()
     if drafter == "model":  # the draft reads the same NaN embedding: its q is no distribution either
-        return SpeculativeGenerator(target, _poisoned(1), gamma=3)
-    return SpeculativeGenerator(target, drafter, gamma=3)
+        return SpeculativeGenerator(target, _poisoned(1), config=SpecConfig(draft="model", gamma=3))
+    return SpeculativeGenerator(target, config=SpecConfig(draft=drafter, gamma=3))
 
 
 def _requests(prompts, params: list[SamplingParams]) -> list[Request]:
@@ -81,7 +82,7 @@ def test_a_poisoned_row_fails_alone_and_the_others_keep_their_tokens(drafter, wh
 
 def test_a_row_whose_detokenizer_raises_fails_alone():
     """A fault in a row's own host code (here its tokenizer's decode raises on the row's tokens) fails that row."""
-    gen = SpeculativeGenerator(loaded(0), "ngram", gamma=2)
+    gen = SpeculativeGenerator(loaded(0), config=SpecConfig(draft="ngram", gamma=2))
     alone = _run(gen, _requests(GOOD[:2], PARAMS[:2]))
     decode = gen.core.tokenizer.decode
 
@@ -103,6 +104,6 @@ def test_the_library_raises_the_fault():
     gen = _gen("ngram")
     with pytest.raises(RowFault, match="not a finite probability distribution"):
         gen.generate([list(GOOD[0]), list(BAD)], SamplingParams(temperature=0.0), max_new_tokens=4)
-    eng = RolloutEngine(_poisoned(), draft="ngram")
+    eng = RolloutEngine(_poisoned(), config=SpecConfig(draft="ngram", stop_below=None, gamma=4, random="stream"))
     with pytest.raises(RowFault):
         eng.generate([list(BAD)], n=2, params=SamplingParams(temperature=1.0), max_new_tokens=4, seed=0)

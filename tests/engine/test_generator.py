@@ -7,6 +7,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from verispec.engine.config import SpecConfig
 from verispec.engine.generator import SpeculativeGenerator
 from verispec.model.loading import LoadedModel
 from verispec.sampling import SamplingParams
@@ -20,10 +21,8 @@ GREEDY = SamplingParams(temperature=0)
 @pytest.mark.parametrize("draft", ["ngram", "model", "noisy", "self"])
 @pytest.mark.parametrize("batch", [1, 4])
 def test_greedy_equals_target_greedy(draft, batch, tiny_target, tiny_draft, tiny_noisy):
-    d = {"ngram": "ngram", "model": tiny_draft, "noisy": tiny_noisy, "self": tiny_target}[
-        draft
-    ]  # "self": the target drafts for itself
-    gen = SpeculativeGenerator(tiny_target, d, gamma=3)
+    d = {"ngram": None, "model": tiny_draft, "noisy": tiny_noisy, "self": tiny_target}[draft]  # self: the target
+    gen = SpeculativeGenerator(tiny_target, d, config=SpecConfig(draft="ngram" if d is None else "model", gamma=3))
     prompts = PROMPTS[:batch]
     outs = gen.generate(prompts, GREEDY, max_new_tokens=24)
     for prompt, out in zip(prompts, outs):
@@ -37,7 +36,7 @@ def test_greedy_equals_target_greedy(draft, batch, tiny_target, tiny_draft, tiny
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
 def test_greedy_equals_target_greedy_per_family(family):
     target = loaded(3, family)
-    gen = SpeculativeGenerator(target, loaded(4, family, layers=1), gamma=4)
+    gen = SpeculativeGenerator(target, loaded(4, family, layers=1), config=SpecConfig(draft="model", gamma=4))
     outs = gen.generate(PROMPTS, GREEDY, max_new_tokens=16)
     for prompt, out in zip(PROMPTS, outs):
         assert out.token_ids == greedy_reference(target.model, prompt, 16)
@@ -45,8 +44,8 @@ def test_greedy_equals_target_greedy_per_family(family):
 
 @pytest.mark.parametrize("draft", ["ngram", "model", "noisy", "none"])
 def test_seeded_rows_are_batch_invariant(draft, tiny_target, tiny_draft, tiny_noisy):
-    d = {"ngram": "ngram", "model": tiny_draft, "noisy": tiny_noisy, "none": None}[draft]
-    gen = SpeculativeGenerator(tiny_target, d, gamma=3)
+    d = {"model": tiny_draft, "noisy": tiny_noisy}.get(draft)
+    gen = SpeculativeGenerator(tiny_target, d, config=SpecConfig(draft="model" if d else draft, gamma=3))
     params = [SamplingParams(temperature=1.0, top_p=0.95, seed=s) for s in (11, 12, 13, 14)]
     batch = gen.generate(PROMPTS, params, max_new_tokens=20, ignore_eos=True)
     alone = [gen.generate([p], [sp], max_new_tokens=20, ignore_eos=True)[0] for p, sp in zip(PROMPTS, params)]
@@ -57,7 +56,7 @@ def test_seeded_rows_are_batch_invariant(draft, tiny_target, tiny_draft, tiny_no
 
 
 def test_same_seed_same_output_other_seed_other_output(tiny_target, tiny_draft):
-    gen = SpeculativeGenerator(tiny_target, tiny_draft, gamma=2)
+    gen = SpeculativeGenerator(tiny_target, tiny_draft, config=SpecConfig(draft="model", gamma=2))
     sp = SamplingParams(temperature=1.0, seed=7)
     a = gen.generate(PROMPTS[0], sp, max_new_tokens=30, ignore_eos=True)[0]
     b = gen.generate(PROMPTS[0], sp, max_new_tokens=30, ignore_eos=True)[0]
@@ -66,7 +65,7 @@ def test_same_seed_same_output_other_seed_other_output(tiny_target, tiny_draft):
 
 
 def test_max_new_tokens_eos_and_finish_reasons(tiny_target, tiny_draft):
-    gen = SpeculativeGenerator(tiny_target, tiny_draft, gamma=4)
+    gen = SpeculativeGenerator(tiny_target, tiny_draft, config=SpecConfig(draft="model", gamma=4))
     out = gen.generate(PROMPTS[0], SamplingParams(seed=1), max_new_tokens=5, ignore_eos=True)[0]
     assert len(out.token_ids) == 5 and out.finish_reason == "length"
     # find a seed whose sample hits EOS, then check the EOS token ends the row and is not returned
@@ -81,7 +80,7 @@ def test_max_new_tokens_eos_and_finish_reasons(tiny_target, tiny_draft):
 
 
 def test_stop_strings_cut_text_and_tokens(tiny_target):
-    gen = SpeculativeGenerator(tiny_target, "ngram", gamma=3)
+    gen = SpeculativeGenerator(tiny_target, config=SpecConfig(draft="ngram", gamma=3))
     full = gen.generate(PROMPTS[2], GREEDY, max_new_tokens=20, ignore_eos=True)[0]
     words = full.text.split()
     assert len(words) >= 4
@@ -93,7 +92,7 @@ def test_stop_strings_cut_text_and_tokens(tiny_target):
 
 
 def test_streaming_deltas_add_up_to_the_text(tiny_target, tiny_draft):
-    gen = SpeculativeGenerator(tiny_target, tiny_draft, gamma=3)
+    gen = SpeculativeGenerator(tiny_target, tiny_draft, config=SpecConfig(draft="model", gamma=3))
     params = [SamplingParams(seed=s) for s in (1, 2)]
     texts = {0: "", 1: ""}
     finals = {}
@@ -107,7 +106,7 @@ def test_streaming_deltas_add_up_to_the_text(tiny_target, tiny_draft):
 
 
 def test_logprobs_conventions(tiny_target, tiny_draft):
-    gen = SpeculativeGenerator(tiny_target, tiny_draft, gamma=3)
+    gen = SpeculativeGenerator(tiny_target, tiny_draft, config=SpecConfig(draft="model", gamma=3))
     out = gen.generate(PROMPTS[0], SamplingParams(temperature=0.5, seed=3), max_new_tokens=6, ignore_eos=True)[0]
     seq = PROMPTS[0] + out.token_ids
     with torch.no_grad():
@@ -128,20 +127,22 @@ def test_logprobs_conventions(tiny_target, tiny_draft):
 
 
 def test_stats(tiny_target):
-    gen = SpeculativeGenerator(tiny_target, tiny_target, gamma=3, draft_stop_below=None)  # perfect draft, full gamma
+    gen = SpeculativeGenerator(
+        tiny_target, tiny_target, config=SpecConfig(draft="model", stop_below=None, gamma=3)
+    )  # perfect draft, full gamma
     out = gen.generate(PROMPTS[0], SamplingParams(seed=2), max_new_tokens=12, ignore_eos=True)[0]
     s = out.stats
     assert s.acceptance_rate == 1.0 and s.tau == pytest.approx(4.0) and s.per_position_acceptance == [1, 1, 1]
     assert s.output_tokens == 12 and s.target_passes == 3
-    plain = SpeculativeGenerator(tiny_target, None).generate(
+    plain = SpeculativeGenerator(tiny_target, config=SpecConfig(draft="none")).generate(
         PROMPTS[0], SamplingParams(seed=2), max_new_tokens=5, ignore_eos=True
     )[0]
     assert plain.stats.tau == 1.0 and plain.stats.drafted == 0
 
 
 def test_draft_stops_early_when_unsure(tiny_target, tiny_draft):
-    sure = SpeculativeGenerator(tiny_target, tiny_draft, gamma=4, draft_stop_below=None)
-    unsure = SpeculativeGenerator(tiny_target, tiny_draft, gamma=4, draft_stop_below=0.9)
+    sure = SpeculativeGenerator(tiny_target, tiny_draft, config=SpecConfig(draft="model", stop_below=None, gamma=4))
+    unsure = SpeculativeGenerator(tiny_target, tiny_draft, config=SpecConfig(draft="model", stop_below=0.9, gamma=4))
     for g in (sure, unsure):
         g.generate(PROMPTS, SamplingParams(seed=4), max_new_tokens=16, ignore_eos=True)
     full = sure.last_stats.drafted / sure.last_stats.target_passes
@@ -150,14 +151,14 @@ def test_draft_stops_early_when_unsure(tiny_target, tiny_draft):
 
 
 def test_adaptive_gamma_runs_and_stays_exact_under_greedy(tiny_target, tiny_draft):
-    gen = SpeculativeGenerator(tiny_target, tiny_draft, gamma="auto", max_gamma=6)
+    gen = SpeculativeGenerator(tiny_target, tiny_draft, config=SpecConfig(draft="model", gamma="auto", max_gamma=6))
     outs = gen.generate(PROMPTS, GREEDY, max_new_tokens=20)
     for prompt, out in zip(PROMPTS, outs):
         assert out.token_ids == greedy_reference(tiny_target.model, prompt, 20)
 
 
 def test_chat_prompts_use_the_template(tiny_target):
-    gen = SpeculativeGenerator(tiny_target, "ngram")
+    gen = SpeculativeGenerator(tiny_target, config=SpecConfig(draft="ngram"))
     assert gen.encode("a b", chat=True) == [3, 4, 29]  # template appends x0 (id 29)
 
 
@@ -165,7 +166,7 @@ def test_chat_prompts_use_the_template(tiny_target):
 
 
 def test_bad_input(tiny_target, tiny_draft):
-    gen = SpeculativeGenerator(tiny_target, tiny_draft)
+    gen = SpeculativeGenerator(tiny_target, tiny_draft, config=SpecConfig(draft="model"))
     with pytest.raises(ValueError, match="prompt is empty"):
         gen.generate("", GREEDY)
     with pytest.raises(ValueError, match="max_new_tokens"):
@@ -179,9 +180,7 @@ def test_bad_input(tiny_target, tiny_draft):
     with pytest.raises(ValueError, match="stop strings"):
         gen.generate("a", GREEDY, stop=[""])
     with pytest.raises(ValueError, match="gamma"):
-        SpeculativeGenerator(tiny_target, tiny_draft, gamma=-1)
-    with pytest.raises(ValueError, match="draft must be"):
-        SpeculativeGenerator(tiny_target, "medusa")
+        SpeculativeGenerator(tiny_target, tiny_draft, config=SpecConfig(draft="model", gamma=-1))
     with pytest.raises(ValueError, match=r"token ids must lie in \[0, 32\)"):
         gen.generate([[40, 1]], GREEDY)
 
@@ -192,13 +191,15 @@ def test_a_draft_with_another_tokenizer_is_bridged(tiny_target):
     from verispec.crossvocab import BridgedRunner
 
     other = make_tokenizer(["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(29)])
-    gen = SpeculativeGenerator(tiny_target, LoadedModel(make_model(1), other, "other"))
-    assert isinstance(gen.proposer.runner, BridgedRunner) and gen.proposer.runner.map.intersection == 3
+    gen = SpeculativeGenerator(
+        tiny_target, LoadedModel(make_model(1), other, "other"), config=SpecConfig(draft="model")
+    )
+    assert isinstance(gen.core.proposer.runner, BridgedRunner) and gen.core.proposer.runner.map.intersection == 3
 
 
 def test_padded_embeddings_are_sliced_to_the_shared_vocabulary(tiny_target):
     big = LoadedModel(make_model(6, vocab=40), make_tokenizer(), "padded-40")  # 40 embedding rows, 32 tokens
-    gen = SpeculativeGenerator(tiny_target, big, gamma=2)
-    assert gen.vocab_size == 32
+    gen = SpeculativeGenerator(tiny_target, big, config=SpecConfig(draft="model", gamma=2))
+    assert gen.core.vocab_size == 32
     out = gen.generate(PROMPTS[0], GREEDY, max_new_tokens=8)[0]
     assert out.token_ids == greedy_reference(tiny_target.model, PROMPTS[0], 8)

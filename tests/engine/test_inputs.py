@@ -5,6 +5,7 @@ import torch
 
 from verispec.engine import SpeculativeGenerator
 from verispec.engine.adaptive import MAX_GAMMA
+from verispec.engine.config import SpecConfig
 from verispec.sampling import SamplingParams, verify_chain
 
 PROMPTS = [[3, 4, 5, 3, 4, 5, 3, 4], [9, 10]]
@@ -14,7 +15,7 @@ GREEDY = SamplingParams(temperature=0)
 
 @pytest.fixture(scope="module")
 def gen(tiny_target, tiny_draft):
-    return SpeculativeGenerator(tiny_target, tiny_draft, gamma=2)
+    return SpeculativeGenerator(tiny_target, tiny_draft, config=SpecConfig(draft="model", gamma=2))
 
 
 @pytest.mark.parametrize("prompts", [None, 5, [1.7, 2.2], [], "", [[]], [True, False], b"abc", [["a"]]])
@@ -51,7 +52,7 @@ def test_a_string_stop_is_one_stop_string(gen):
 @pytest.mark.parametrize("gamma", [10**6, MAX_GAMMA + 1, -1, 2.5, True, "4"])
 def test_nonsense_gamma_is_refused(tiny_target, gamma):
     with pytest.raises(ValueError, match="gamma"):
-        SpeculativeGenerator(tiny_target, "ngram", gamma=gamma)
+        SpeculativeGenerator(tiny_target, config=SpecConfig(draft="ngram", gamma=gamma))
 
 
 def test_per_request_gamma_is_checked_and_capped(gen):
@@ -59,7 +60,7 @@ def test_per_request_gamma_is_checked_and_capped(gen):
     with pytest.raises(ValueError, match="gamma"):
         sess.add(PROMPTS[0], GREEDY, gamma=10**6)
     sess.add(PROMPTS[0], GREEDY, gamma=MAX_GAMMA, max_new_tokens=3)
-    assert sess.pending[0].gamma == gen.controller.max_gamma == 2
+    assert sess.pending[0].gamma == gen.core.controller.max_gamma == 2
 
 
 def test_params_and_budget(gen):

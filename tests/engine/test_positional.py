@@ -1,4 +1,4 @@
-"""seeding="position" in the engine: a seeded request's token ids are the same under gamma 1, 3, 8 and auto, alone
+"""random=position in the engine: a seeded request's token ids are the same under gamma 1, 3, 8 and auto, alone
 and in a batch of 8 unrelated requests (exact equality), and its output distribution is still the target's
 (chi-square over the first 3 tokens, level 1e-4, as tests/engine/test_distribution.py)."""
 
@@ -8,6 +8,7 @@ from dataclasses import replace
 
 import pytest
 
+from verispec.engine.config import SpecConfig
 from verispec.engine.generator import SpeculativeGenerator
 from verispec.sampling import SamplingParams
 
@@ -23,7 +24,9 @@ GAMMAS = [1, 3, 8, "auto"]
 def _gen(target, draft, gamma):
     # full chains (the tiny draft is rarely above the default confidence threshold, which would end every chain
     # after one draft: its step's last, never fed)
-    return SpeculativeGenerator(target, draft, gamma=gamma, seeding="position", draft_stop_below=None)
+    return SpeculativeGenerator(
+        target, draft, config=SpecConfig(draft="model", stop_below=None, gamma=gamma, random="position")
+    )
 
 
 # gamma 3 and auto in the default tier (each against gamma 1's output, alone and in a batch); gamma 1 itself (its
@@ -48,7 +51,9 @@ def test_same_tokens_under_every_gamma_alone_and_in_a_batch(gamma, tiny_target, 
 @pytest.mark.statistical
 def test_distribution_is_still_the_targets(tiny_target, tiny_draft):
     params = dist.SETTINGS["top_k_top_p"]
-    gen = SpeculativeGenerator(tiny_target, tiny_draft, gamma=2, seeding="position", draft_stop_below=None)
+    gen = SpeculativeGenerator(
+        tiny_target, tiny_draft, config=SpecConfig(draft="model", stop_below=None, gamma=2, random="position")
+    )
     result = dist.gof(
         dist.sample_sequences(gen, params), dist.exact_sequence_probs(tiny_target.model, dist.PROMPT, params)
     )
@@ -57,7 +62,7 @@ def test_distribution_is_still_the_targets(tiny_target, tiny_draft):
 
 
 def test_plain_decoding_with_position_seeding(tiny_target):
-    gen = SpeculativeGenerator(tiny_target, None, seeding="position")
+    gen = SpeculativeGenerator(tiny_target, config=SpecConfig(draft="none", random="position"))
     a = gen.generate([PROMPT, OTHERS[0]], [replace(PARAMS, seed=1), replace(PARAMS, seed=2)], max_new_tokens=8)
     b = gen.generate([PROMPT], replace(PARAMS, seed=1), max_new_tokens=8)
     assert a[0].token_ids == b[0].token_ids
@@ -66,31 +71,18 @@ def test_plain_decoding_with_position_seeding(tiny_target):
 def test_greedy_is_unchanged(tiny_target, tiny_noisy):
     greedy = SamplingParams(temperature=0.0)
     a = _gen(tiny_target, tiny_noisy, 3).generate([PROMPT], greedy, max_new_tokens=12, ignore_eos=True)[0]
-    b = SpeculativeGenerator(tiny_target, None).generate([PROMPT], greedy, max_new_tokens=12, ignore_eos=True)[0]
+    b = SpeculativeGenerator(tiny_target, config=SpecConfig(draft="none")).generate(
+        [PROMPT], greedy, max_new_tokens=12, ignore_eos=True
+    )[0]
     assert a.token_ids == b.token_ids
-
-
-@pytest.mark.parametrize(
-    "kwargs, match",
-    [
-        (dict(draft="ngram"), "needs a draft model"),
-        (dict(tree="2-1"), "needs a draft model"),
-        (dict(verify="block"), "token-wise"),
-        (dict(coupling="gumbel"), "drop seeding"),
-        (dict(seeding="keyed"), "seeding must be"),
-    ],
-)
-def test_bad_combinations_are_errors(kwargs, match, tiny_target, tiny_draft):
-    kwargs = dict(draft=tiny_draft, seeding="position") | kwargs
-    with pytest.raises(ValueError, match=match):
-        SpeculativeGenerator(tiny_target, **kwargs)
 
 
 def test_rollout_groups_do_not_depend_on_gamma(tiny_target, tiny_noisy):
     from verispec.rollout import RolloutEngine
 
     def run(gamma):
-        eng = RolloutEngine(tiny_target, tiny_noisy, history=False, gamma=gamma, seeding="position")
+        config = SpecConfig(draft="model", stop_below=None, gamma=gamma, random="position")
+        eng = RolloutEngine(tiny_target, tiny_noisy, config=config)
         params = SamplingParams(temperature=1.0)  # rollouts refuse top-p (not what a trainer recomputes)
         out = eng.generate([PROMPT, OTHERS[1]], n=4, params=params, max_new_tokens=NEW, seed=5, ignore_eos=True)
         return [r.completion_token_ids for r in out]

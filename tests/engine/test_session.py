@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from verispec.engine import EngineCore, GenerationSession, Job, Request, SpeculativeGenerator
+from verispec.engine.config import SpecConfig
 from verispec.sampling import SamplingParams
 
 from ..helpers.tiny import greedy_reference, loaded
@@ -36,7 +37,7 @@ def _reqs(tag: str, n: int, max_new: int = 5, prompt=PROMPT) -> list[Request]:
 @pytest.fixture
 def gen():
     """A generator over a target of its own (tests here replace its weights)."""
-    return SpeculativeGenerator(loaded(0), "ngram", gamma=2)
+    return SpeculativeGenerator(loaded(0), config=SpecConfig(draft="ngram", gamma=2))
 
 
 def test_request_checks_what_needs_no_model():
@@ -196,3 +197,67 @@ def test_weight_update_counts_versions_and_a_bad_one_changes_nothing(gen):
     assert all(torch.equal(before[k], v) for k, v in gen.core.model.state_dict().items())
     up = gen.core.update_weights(loaded(5).model.state_dict().items())
     assert up.version == 1 == gen.weight_version and up.tensors > 0
+
+
+def test_on_event_gets_every_event_of_its_job_and_the_books_say_where_it_is(gen):
+    """A job's on_event sees exactly its requests' events (each step's, then the abort's), after the books changed;
+    the session answers which jobs are unfinished, by job or request key, and how many requests run."""
+    sess = gen.session(max_batch=2)
+    seen, admitted = [], []
+    a = Job(_reqs("A", 3, max_new=20), key="A", on_admit=admitted.append, on_event=seen.append)
+    sess.submit(a)
+    sess.submit(Job(_reqs("B", 1, max_new=3), key="B"))
+    assert sess.jobs == [a, sess.job("B")] and sess.job(("A", 2)) is a and sess.job("nobody") is None
+    returned = [e for _ in range(3) for e in sess.step() if e.key[0] == "A"]
+    assert sess.num_running == 2 and a.admitted == 2 and [r.key for r in admitted] == [("A", 0), ("A", 1)]
+    returned += sess.abort("A")
+    assert seen == returned and {e.key for e in seen if e.completion is not None} == {("A", 0), ("A", 1), ("A", 2)}
+    assert sess.job("A") is None and a.open == 0 and [j.key for j in sess.jobs] == ["B"]
+
+
+def test_a_job_past_its_deadline_ends_abort_at_expire(gen):
+    sess = gen.session(max_batch=1)
+    job = Job(_reqs("A", 2, max_new=50), key="A", deadline=100.0)
+    sess.submit(job)
+    sess.step()
+    assert sess.expire(now=99.0) == [] and sess.job("A") is job
+    ends = {e.key: e.completion for e in sess.expire(now=100.0)}
+    assert set(ends) == {("A", 0), ("A", 1)} and {c.finish_reason for c in ends.values()} == {"abort"}
+    assert ends[("A", 0)].token_ids and ends[("A", 1)].token_ids == []  # running / never joined
+    assert sess.idle
+
+
+def test_reset_fails_the_started_jobs_and_keeps_the_queue(gen):
+    """After a failed step: the started job's requests end "error" (with the error, no tokens), the batch starts
+    afresh, and the job not started yet runs as it would have."""
+    sess = gen.session(max_batch=2)
+    sess.submit(Job(_reqs("A", 3, max_new=20), key="A"))  # two run, one waits: started
+    sess.submit(Job(_reqs("B", 1, max_new=4), key="B"))
+    sess.step()
+    error = RuntimeError("device fault")
+    ends = {e.key: e.completion for e in sess.reset(error)}
+    assert set(ends) == {("A", 0), ("A", 1), ("A", 2)} and not sess.rows
+    assert all(c.finish_reason == "error" and c.error is error and c.token_ids == [] for c in ends.values())
+    done = _drive(sess)
+    alone = _drive(_solo(gen, _reqs("B", 1, max_new=4)))
+    assert list(done) == [("B", 0)] and done[("B", 0)].token_ids == alone[("B", 0)].token_ids
+
+
+def _solo(gen, reqs) -> GenerationSession:
+    sess = gen.session()
+    sess.submit(Job(reqs))
+    return sess
+
+
+def test_a_request_is_checked_once(gen, monkeypatch):
+    """EngineCore.request checks a request and marks it (a new key keeps the mark); a session checks on submit only
+    what its core has not."""
+    core = gen.core
+    checked = core.request(list(PROMPT), GREEDY, max_new_tokens=2, key="core")
+    assert checked.checked is core and checked.keyed("again").checked is core
+    assert Request(PROMPT, GREEDY).checked is None
+    calls = []
+    monkeypatch.setattr(core, "check", lambda req: calls.append(req.key))
+    sess = gen.session()
+    sess.submit(Job([checked, Request(PROMPT, GREEDY, max_new_tokens=2, key="hand")]))
+    assert calls == ["hand"]

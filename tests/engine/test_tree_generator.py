@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from verispec.drafting import TreeSpec
+from verispec.engine.config import SpecConfig
 from verispec.engine.generator import SpeculativeGenerator
 from verispec.sampling import SamplingParams
 
@@ -29,7 +30,7 @@ TREES = ["3-2-1", "dynamic-3-3-8", "2-2-2-2"]
     ],
 )
 def test_greedy_tree_equals_plain_greedy(tree, rule, tiny_target, tiny_noisy):
-    gen = SpeculativeGenerator(tiny_target, tiny_noisy, tree=tree, tree_rule=rule)
+    gen = SpeculativeGenerator(tiny_target, tiny_noisy, config=SpecConfig(draft="model", tree=tree, verify=rule))
     outs = gen.generate(PROMPTS, GREEDY, max_new_tokens=20)
     for prompt, out in zip(PROMPTS, outs):
         assert out.token_ids == greedy_reference(tiny_target.model, prompt, 20)
@@ -39,7 +40,7 @@ def test_greedy_tree_equals_plain_greedy(tree, rule, tiny_target, tiny_noisy):
 
 
 def test_greedy_ngram_tree_equals_plain_greedy(tiny_target):
-    gen = SpeculativeGenerator(tiny_target, "ngram", tree="3-1-1-1")
+    gen = SpeculativeGenerator(tiny_target, config=SpecConfig(draft="ngram", tree="3-1-1-1"))
     outs = gen.generate(PROMPTS, GREEDY, max_new_tokens=20)
     for prompt, out in zip(PROMPTS, outs):
         assert out.token_ids == greedy_reference(tiny_target.model, prompt, 20)
@@ -47,7 +48,9 @@ def test_greedy_ngram_tree_equals_plain_greedy(tiny_target):
 
 @pytest.mark.parametrize("rule", ["deterministic", "without_replacement"])
 def test_seeded_rows_are_batch_invariant_with_trees(rule, tiny_target, tiny_noisy):
-    gen = SpeculativeGenerator(tiny_target, tiny_noisy, tree="3-2-1", tree_rule=rule, seeding="stream")
+    gen = SpeculativeGenerator(
+        tiny_target, tiny_noisy, config=SpecConfig(draft="model", tree="3-2-1", verify=rule, random="stream")
+    )
     params = [SamplingParams(temperature=1.0, top_p=0.95, seed=s) for s in (11, 12, 13, 14)]
     batch = gen.generate(PROMPTS, params, max_new_tokens=16, ignore_eos=True)
     alone = [gen.generate([p], [sp], max_new_tokens=16, ignore_eos=True)[0] for p, sp in zip(PROMPTS, params)]
@@ -57,7 +60,7 @@ def test_seeded_rows_are_batch_invariant_with_trees(rule, tiny_target, tiny_nois
 
 
 def test_logprobs_are_the_targets_at_the_emitted_positions(tiny_target, tiny_noisy):
-    gen = SpeculativeGenerator(tiny_target, tiny_noisy, tree="3-2-1", tree_rule="iid")
+    gen = SpeculativeGenerator(tiny_target, tiny_noisy, config=SpecConfig(draft="model", tree="3-2-1", verify="iid"))
     out = gen.generate([PROMPTS[0]], SamplingParams(temperature=0.8, seed=3), max_new_tokens=12, ignore_eos=True)[0]
     seq = PROMPTS[0] + out.token_ids
     with torch.no_grad():
@@ -70,13 +73,17 @@ def test_logprobs_are_the_targets_at_the_emitted_positions(tiny_target, tiny_noi
 
 def test_penalties_with_trees_match_plain_greedy(tiny_target, tiny_noisy):
     params = SamplingParams(temperature=0, repetition_penalty=1.3, frequency_penalty=0.5)
-    plain = SpeculativeGenerator(tiny_target, None).generate(PROMPTS, params, max_new_tokens=16)
-    tree = SpeculativeGenerator(tiny_target, tiny_noisy, tree="3-2-1").generate(PROMPTS, params, max_new_tokens=16)
+    plain = SpeculativeGenerator(tiny_target, config=SpecConfig(draft="none")).generate(
+        PROMPTS, params, max_new_tokens=16
+    )
+    tree = SpeculativeGenerator(tiny_target, tiny_noisy, config=SpecConfig(draft="model", tree="3-2-1")).generate(
+        PROMPTS, params, max_new_tokens=16
+    )
     assert [o.token_ids for o in plain] == [o.token_ids for o in tree]
 
 
 def test_per_request_speculation_off_and_budget_caps(tiny_target, tiny_noisy):
-    gen = SpeculativeGenerator(tiny_target, tiny_noisy, tree="2-2-2-2")
+    gen = SpeculativeGenerator(tiny_target, tiny_noisy, config=SpecConfig(draft="model", tree="2-2-2-2"))
     sess = gen.session()
     sess.add(PROMPTS[0], GREEDY, max_new_tokens=3, gamma=0, key="off")
     sess.add(PROMPTS[1], GREEDY, max_new_tokens=5, key="on")
@@ -92,15 +99,17 @@ def test_per_request_speculation_off_and_budget_caps(tiny_target, tiny_noisy):
 
 def test_bad_tree_options(tiny_target, tiny_noisy):
     with pytest.raises(ValueError, match="tree spec must look like"):
-        SpeculativeGenerator(tiny_target, tiny_noisy, tree="4-x")
+        SpeculativeGenerator(tiny_target, tiny_noisy, config=SpecConfig(draft="model", tree="4-x"))
     with pytest.raises(ValueError, match="biases sampled children"):
-        SpeculativeGenerator(tiny_target, tiny_noisy, tree="dynamic-3-3-8", tree_rule="iid")
+        SpeculativeGenerator(
+            tiny_target, tiny_noisy, config=SpecConfig(draft="model", tree="dynamic-3-3-8", verify="iid")
+        )
     with pytest.raises(ValueError, match="rule must be one of"):
         TreeSpec.parse("2-2", "greedy")
     with pytest.raises(ValueError, match="needs a drafter"):
-        SpeculativeGenerator(tiny_target, None, tree="2-2")
+        SpeculativeGenerator(tiny_target, config=SpecConfig(draft="none", tree="2-2"))
     with pytest.raises(ValueError, match="deterministic"):
-        SpeculativeGenerator(tiny_target, "ngram", tree="2-2", tree_rule="iid")
+        SpeculativeGenerator(tiny_target, config=SpecConfig(draft="ngram", tree="2-2", verify="iid"))
     with pytest.raises(ValueError, match="at most 256"):
         TreeSpec.parse("8-8-8")
 
@@ -109,7 +118,10 @@ def test_bad_tree_options(tiny_target, tiny_noisy):
 def test_wide_trees_fit_their_caches_to_the_end(draft, tree, tiny_target, tiny_noisy):
     """A dynamic draft computes up to topk nodes per depth before the budget prunes them, and prompt-lookup tries
     obey the node budget: both fit the KV caches through a whole generation (review finding)."""
-    gen = SpeculativeGenerator(tiny_target, tiny_noisy if draft == "noisy" else "ngram", tree=tree)
+    if draft == "noisy":
+        gen = SpeculativeGenerator(tiny_target, tiny_noisy, config=SpecConfig(draft="model", tree=tree))
+    else:
+        gen = SpeculativeGenerator(tiny_target, config=SpecConfig(draft="ngram", tree=tree))
     prompt = list(range(3, 19))
     out = gen.generate([prompt], SamplingParams(temperature=1.0, seed=0), max_new_tokens=40, ignore_eos=True)[0]
     assert len(out.token_ids) == 40
@@ -121,9 +133,13 @@ def test_single_branch_tree_is_the_chain_token_for_token(rule, tiny_target, tiny
     level, then num_nodes + 1 for verification), so seeded sampling gives the chain's tokens exactly: the tree
     drafter's cache, masks and positions reproduce the chain's draft distributions, not only losslessness."""
     params = [SamplingParams(temperature=1.0, seed=s) for s in (1, 2)]
-    stream = dict(seeding="stream")  # the uniforms in draw order (auto would couple these seeded rows)
-    chain = SpeculativeGenerator(tiny_target, tiny_noisy, gamma=6, draft_stop_below=None, **stream)
-    tree = SpeculativeGenerator(tiny_target, tiny_noisy, tree="1-1-1-1-1-1", tree_rule=rule, **stream)
+    # random=stream: the uniforms in draw order (auto would couple these seeded rows)
+    chain = SpeculativeGenerator(
+        tiny_target, tiny_noisy, config=SpecConfig(draft="model", stop_below=None, gamma=6, random="stream")
+    )
+    tree = SpeculativeGenerator(
+        tiny_target, tiny_noisy, config=SpecConfig(draft="model", tree="1-1-1-1-1-1", verify=rule, random="stream")
+    )
     a = chain.generate(PROMPTS[:2], params, max_new_tokens=40, ignore_eos=True)
     b = tree.generate(PROMPTS[:2], params, max_new_tokens=40, ignore_eos=True)
     assert [o.token_ids for o in a] == [o.token_ids for o in b]

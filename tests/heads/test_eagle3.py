@@ -31,6 +31,7 @@ from safetensors.torch import load_file, save_file
 from verispec.crossvocab.vocab import FLOOR
 from verispec.engine import SpeculativeGenerator
 from verispec.engine.config import SpecConfig
+from verispec.engine.drafters import load_draft
 from verispec.heads import HeadLoadError, PairRunner, bind_head, load_head
 from verispec.model.fast import make_runner
 from verispec.model.loading import LoadedModel, ModelLoadError, load_model
@@ -121,17 +122,19 @@ def test_drafted_chain_and_tree_unroll_the_head_on_its_own_output(target, head_d
 
 @pytest.mark.parametrize("runner", RUNNERS)
 def test_the_generators_runner_reads_the_targets_verification_forwards(target, head_dir, reference, runner):
-    """Through the engine: after a greedy generate, the head's runner (`gen.proposer.runner`) holds pairs fed with
+    """Through the engine: after a greedy generate, the head's runner (`gen.core.proposer.runner`) holds pairs fed with
     the target's hidden states of the verification forwards; a forward of the next pending token matches the
     reference over the whole output."""
     head = load_head(head_dir)
-    gen = SpeculativeGenerator(target, head, gamma=3, runner=runner)
-    assert isinstance(gen.proposer.runner, PairRunner) and gen.proposer.runner.features.target is gen.runner
+    gen = SpeculativeGenerator(target, head, config=SpecConfig(draft="model", gamma=3, runner=runner))
+    assert (
+        isinstance(gen.core.proposer.runner, PairRunner) and gen.core.proposer.runner.features.target is gen.core.runner
+    )
     prompt = SEQS[0][:5]
     out = gen.generate([prompt], SamplingParams(temperature=0), max_new_tokens=9, ignore_eos=True)[0]
     assert gen.last_stats.drafted > 0
     seq = prompt + list(out.token_ids)
-    pr, tr = gen.proposer.runner, gen.runner
+    pr, tr = gen.core.proposer.runner, gen.core.runner
     held = tr.lengths[0]  # the target holds all but the pending token
     assert held == len(seq) - 1
     pending = pr.forward([seq[pr.lengths[0] :]], logits_at="last")
@@ -216,7 +219,7 @@ def test_greedy_after_a_weight_update(trained_head_dir):
     """`update_weights` on the target (in place): the head reads the new target's hidden states and embedding and
     the output is the new target's greedy output."""
     fresh = four_layer_target("updated")
-    gen = SpeculativeGenerator(fresh, load_head(trained_head_dir), gamma=3)
+    gen = SpeculativeGenerator(fresh, load_head(trained_head_dir), config=SpecConfig(draft="model", gamma=3))
     params = SamplingParams(temperature=0)
     before = gen.generate(GREEDY_PROMPTS[1:3], params, max_new_tokens=GREEDY_NEW)
     assert [list(o.token_ids) for o in before] == [
@@ -305,15 +308,17 @@ def test_bad_checkpoints_fail_to_load_with_the_problem_named(tmp_path, cfg, edit
     folder = _saved(tmp_path, edit, **cfg)
     with pytest.raises(HeadLoadError, match=message):
         load_head(folder)
-    with pytest.raises(ModelLoadError, match=message):  # through load_model too (HeadLoadError is one)
+    with pytest.raises(ModelLoadError, match=message):  # through load_draft too (HeadLoadError is one)
+        load_draft(str(folder))
+    with pytest.raises(ModelLoadError, match="is a draft head, not a model"):  # load_model loads models only
         load_model(str(folder))
 
 
 @pytest.mark.parametrize("cfg, edit, message", BIND_ERRORS)
 def test_heads_that_do_not_fit_the_target_are_refused_with_the_problem_named(target, tmp_path, cfg, edit, message):
-    head = load_model(str(_saved(tmp_path, edit, **cfg)))
+    head = load_draft(str(_saved(tmp_path, edit, **cfg)))
     with pytest.raises(HeadLoadError, match=message):
-        SpeculativeGenerator(target, head, gamma=3)
+        SpeculativeGenerator(target, head, config=SpecConfig(draft="model", gamma=3))
 
 
 def test_a_head_needs_a_torch_target(target, head_dir, tmp_path):
@@ -323,7 +328,7 @@ def test_a_head_needs_a_torch_target(target, head_dir, tmp_path):
     with pytest.raises(HeadLoadError, match=r"llama\.cpp runner does not expose"):
         bind_head(load_head(head_dir), gguf_like)
     with pytest.raises(ModelLoadError, match="draft head, not a GGUF model"):
-        load_model(str(head_dir), backend="llamacpp")
+        load_draft(str(head_dir), backend="llamacpp")
     with pytest.raises(ValueError, match="must run on the fast or the transformers runner"):
         PairRunner(load_head(head_dir).model, object(), V)
 
@@ -344,7 +349,7 @@ def test_a_float32_head_drafts_for_a_bfloat16_target(head_dir):
     embedding: a bf16 target drafts with an fp32 head, and the head's logits are finite."""
     target = LoadedModel(make_model(0, layers=4, dtype=torch.bfloat16), make_tokenizer(), "bf16")
     head = load_head(head_dir)
-    gen = SpeculativeGenerator(target, head, gamma=3)
+    gen = SpeculativeGenerator(target, head, config=SpecConfig(draft="model", gamma=3))
     out = gen.generate(["a b c", "d e"], SamplingParams(temperature=1.0, seed=1), max_new_tokens=12)
     assert all(len(o.token_ids) > 0 for o in out) and gen.last_stats.drafted > 0
     assert next(head.model.parameters()).dtype == torch.float32
@@ -374,4 +379,4 @@ def test_safeailab_ids_name_layer_outputs(tmp_path):
 
 def test_a_head_is_not_a_target(head_dir):
     with pytest.raises(ValueError, match="not a model: pass it as the draft"):
-        SpeculativeGenerator(load_head(head_dir), None)
+        SpeculativeGenerator(load_head(head_dir), config=SpecConfig(draft="none"))

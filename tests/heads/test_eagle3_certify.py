@@ -1,6 +1,6 @@
 """`verispec certify generate` with an EAGLE-3 head as the draft (`--draft HEAD_DIR`): the generator certificate PASSES
 the head's chains and trees and FAILS the injected head bugs (`--inject head-no-d2t | head-full-vocab`,
-verispec.certify.head_bugs), which are refused where they do not apply (no head, a tree, coupled randomness).
+verispec.certify.mutants), which are refused where they do not apply (no head, a tree, coupled randomness).
 
 Sizes: the tiny 4-layer target saved to disk, the distilled head of conftest.py (drafts accepted ~60% of the time
 at temperature 1), one prompt, N = 600 continuations of L = 2 tokens, family-wise level 0.01, the two-sample test
@@ -11,13 +11,16 @@ power 0.99 (asserted); the bugs are far beyond it (first-token p-values ~1e-19 a
 from __future__ import annotations
 
 import json
+from typing import ClassVar
 
 import pytest
 
 from verispec.certify.generate import certify_generate
-from verispec.certify.head_bugs import HEAD_BUGS
 from verispec.certify.methods import MethodSpec
+from verispec.certify.mutants import HEAD_BUGS, HeadQ, Mutant, with_q
 from verispec.cli import main
+from verispec.engine.config import SpecConfig
+from verispec.heads import load_head, scatter_logits
 from verispec.sampling import SamplingParams
 
 from .conftest import four_layer_target, one_thread
@@ -93,3 +96,30 @@ def test_the_cli_refuses_a_head_bug_without_a_head(target_dir, capsys):
     argv = ["certify", "generate", "--target", str(target_dir), "--draft", str(target_dir), "--prompt", "a b"]
     code = main(argv + ["--inject", "head-full-vocab"])
     assert code == 2 and "not an EAGLE-3 head directory" in capsys.readouterr().err
+
+
+class _Exact(HeadQ):
+    """The head mutant's observer rebuilding q from the logits it reads back, scattered the right way: it must give
+    back the drafted q (the slots it reads are those the drafts were drawn from)."""
+
+    gaps: ClassVar[list[float]] = []
+
+    def after_draft(self, view, draft):
+        if draft.probs is None:
+            return None
+        right = scatter_logits(self.head_logits(draft), self.ids, self.runner.vocab_size)
+        rebuilt = with_q(view, draft, right)
+        for b, n in enumerate(draft.num_nodes):
+            if n:
+                _Exact.gaps.append(float((rebuilt.probs[b, :n] - draft.probs[b, :n]).abs().max()))
+        return None
+
+
+def test_the_head_mutant_reads_the_drafting_logits(trained_head_dir):
+    target = four_layer_target()
+    cfg = SpecConfig.parse("draft=model,gamma=3,stop_below=none,random=stream")
+    gen = Mutant("head-no-d2t", observer=_Exact).generator(target, load_head(trained_head_dir), cfg)
+    prompts = [PROMPT, [1, 3, 7, 2, 5], [1]] * 2
+    params = [SamplingParams(temperature=t, top_k=k, seed=i) for i, (t, k) in enumerate([(1.0, 0), (0.8, 5)] * 3)]
+    gen.generate(prompts, params, max_new_tokens=6)
+    assert len(_Exact.gaps) >= 6 and max(_Exact.gaps) < 1e-5

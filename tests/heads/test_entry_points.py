@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 
 from verispec.engine import SpeculativeGenerator
+from verispec.engine.config import SpecConfig
+from verispec.engine.drafters import load_draft
 from verispec.model.loading import load_model
 from verispec.sampling import SamplingParams
 
@@ -34,7 +36,7 @@ def saved(tmp_path_factory) -> tuple[Path, Path]:
 @pytest.fixture(scope="module")
 def plain_tokens(saved) -> list[int]:
     """Plain greedy decoding of PROMPT, 12 tokens (EOS ignored)."""
-    gen = SpeculativeGenerator(load_model(str(saved[0])), None)
+    gen = SpeculativeGenerator(load_model(str(saved[0])), config=SpecConfig(draft="none"))
     return gen.generate(PROMPT, SamplingParams(temperature=0), max_new_tokens=12, ignore_eos=True)[0].token_ids
 
 
@@ -42,7 +44,7 @@ def test_generate_drafts_with_a_head_directory(saved, plain_tokens, capsys):
     target, head = saved
     argv = ["generate", PROMPT, "--target", target, "--draft", head, *GREEDY, "--max-new-tokens", "12", "--json"]
     for runner in ("fast", "hf"):
-        r = run_verispec([*argv, "--runner", runner], capsys)
+        r = run_verispec([*argv, "--spec", f"runner={runner}"], capsys)
         assert r.returncode == 0, r.stderr
         out = json.loads(r.stdout)
         n = len(out["token_ids"])
@@ -59,20 +61,20 @@ def test_a_head_on_llamacpp_is_a_clear_error_before_anything_loads(saved, tmp_pa
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"prompt": PROMPT}) + "\n")
     for argv in (
-        ["generate", PROMPT, "--target", target, "--draft", head, "--runner", "llamacpp"],
+        ["generate", PROMPT, "--target", target, "--draft", head, "--spec", "runner=llamacpp"],
         ["generate", PROMPT, "--target", target, "--spec", f"draft=model,model={head},runner=llamacpp"],
-        ["serve", "--target", target, "--draft", head, "--runner", "llamacpp"],
+        ["serve", "--target", target, "--draft", head, "--spec", "runner=llamacpp"],
         ["bench", "e2e", "--target", target, "--prompts", prompts, "--runner", "llamacpp",
          "--methods", f"verispec-plain,verispec:draft=model,model={head}"],
     ):  # fmt: skip
         r = run_verispec(argv, capsys)
         assert r.returncode == 2 and "Traceback" not in r.stderr
         assert f"--draft {head} is a hidden-state head (eagle3)" in r.stderr
-        assert "llama.cpp does not expose" in r.stderr and "--runner fast or hf" in r.stderr
+        assert "llama.cpp does not expose" in r.stderr and "the fast or hf runner" in r.stderr
 
 
 def test_runner_auto_loads_a_gguf_target_with_torch_beside_a_head(saved, monkeypatch):
-    """--runner auto would run a .gguf target on llama.cpp; with a head as --draft, the target loads with torch."""
+    """runner auto would run a .gguf target on llama.cpp; with a head as --draft, the target loads with torch."""
     import verispec.model.llamacpp as llamacpp
     from verispec.cli.generate import check_heads
     from verispec.cli.options import backend_for
@@ -88,7 +90,7 @@ def test_runner_auto_loads_a_gguf_target_with_torch_beside_a_head(saved, monkeyp
 
 def test_a_head_refuses_a_draft_quantization(saved, capsys):
     target, head = saved
-    r = run_verispec(["generate", PROMPT, "--target", target, "--draft", head, "--draft-quant", "int8"], capsys)
+    r = run_verispec(["generate", PROMPT, "--target", target, "--draft", head, "--spec", "quant=int8"], capsys)
     assert r.returncode == 2 and "quantizes a draft model's weights" in r.stderr
 
 
@@ -119,21 +121,22 @@ def test_serve_with_a_head_drafts_and_answers_plain_greedy_text(saved, plain_tok
 
 
 def test_bench_e2e_runs_a_head_method_beside_plain(saved, tmp_path, capsys):
-    """A head as a method's own model= and as --draft (verispec-draft@2); hf-assisted cannot run a head: skipped."""
+    """A head as a method's own model= and as --draft (verispec-draft, --gamma 2); hf-assisted cannot run a head:
+    skipped."""
     target, head = saved
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"prompt": PROMPT, "category": "x"}) + "\n")
     method = f"verispec:draft=model,model={head},gamma=2"
     argv = ["bench", "e2e", "--target", target, "--draft", head, "--prompts", prompts, "--out", tmp_path / "out",
-            "--methods", f"verispec-plain,{method},verispec-draft@2,hf-assisted", "--num-prompts", "1",
+            "--methods", f"verispec-plain,{method},verispec-draft,hf-assisted", "--gamma", "2", "--num-prompts", "1",
             "--max-new-tokens", "6", "--temperatures", "0", "--batch", "1"]  # fmt: skip
     r = run_verispec(argv, capsys)
     assert r.returncode == 0, r.stderr
     assert "hf-assisted skipped: the draft is a hidden-state head (eagle3)" in r.stderr
     result = json.loads((tmp_path / "out" / "e2e.json").read_text())
     rows = {rec["method"]: rec for rec in result["records"]}
-    assert set(rows) == {"verispec-plain", method, "verispec-draft@2"}
-    for m in (method, "verispec-draft@2"):
+    assert set(rows) == {"verispec-plain", method, "verispec-draft"}
+    for m in (method, "verispec-draft"):
         assert rows[m]["tau"] >= 1 and rows[m]["drafted_per_step"] > 0
     assert result["method_drafts"] == {str(head): str(head)}
 
@@ -154,8 +157,10 @@ def test_calibrating_a_head_times_its_draft_step(saved, plain_tokens):
     """gamma auto's calibration times the head's draft step (its target runner holds the context it reads); the
     generator then decodes as plain decoding does."""
     target, head = saved
-    gen = SpeculativeGenerator(load_model(str(target)), load_model(str(head)), gamma="auto")
+    gen = SpeculativeGenerator(
+        load_model(str(target)), load_draft(str(head)), config=SpecConfig(draft="model", gamma="auto")
+    )
     costs = gen.calibrate((1, 2), context=16, repeats=1)
-    assert all(c["draft_step"] > 0 and len(c["curve"]) == gen.controller.max_gamma + 1 for c in costs.values())
+    assert all(c["draft_step"] > 0 and len(c["curve"]) == gen.core.controller.max_gamma + 1 for c in costs.values())
     out = gen.generate(PROMPT, SamplingParams(temperature=0), max_new_tokens=12, ignore_eos=True)[0]
     assert out.token_ids == plain_tokens

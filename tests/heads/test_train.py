@@ -10,7 +10,12 @@ import pytest
 import torch
 
 from verispec.engine import SpeculativeGenerator
+from verispec.engine.config import SpecConfig
+from verispec.engine.drafters import load_draft
 from verispec.heads import LoadedHead, PairRunner, bind_head, load_head
+from verispec.model.fast import make_runner
+from verispec.model.loading import LoadedModel, load_model
+from verispec.sampling import SamplingParams
 from verispec.training.heads import (
     TrainConfig,
     _TargetTap,
@@ -21,9 +26,6 @@ from verispec.training.heads import (
     save_eagle3,
     ttt_logits,
 )
-from verispec.model.fast import make_runner
-from verispec.model.loading import LoadedModel, load_model
-from verispec.sampling import SamplingParams
 
 from ..helpers.cli import run_verispec
 from ..helpers.heads import save_eagle3 as save_random_eagle3
@@ -91,7 +93,7 @@ def test_ttt_logits_equal_the_runners_when_the_head_drafts_s_deep(tmp_path, runn
     head = load_head(save_random_eagle3(tmp_path / "head", V, aux=AUX))
     bind_head(head, target)
     ids_of = torch.arange(len(head.model.d2t)) + head.model.d2t
-    gen = SpeculativeGenerator(target, None)  # the target's own continuations (sampled)
+    gen = SpeculativeGenerator(target, config=SpecConfig(draft="none"))  # the target's own continuations (sampled)
     prompts = ["a b c d", "x0 e"]
     seqs = [
         gen.encode(p) + gen.generate(p, SamplingParams(seed=k), max_new_tokens=m, ignore_eos=True)[0].token_ids
@@ -166,7 +168,7 @@ def test_a_saved_head_loads_binds_and_computes_what_it_did(tmp_path):
     cfg = json.loads((tmp_path / "h" / "config.json").read_text())
     assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["draft_vocab_size"] == 8
     assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [i - 1 for i in AUX]  # layer outputs
-    loaded = load_model(str(tmp_path / "h"))
+    loaded = load_draft(str(tmp_path / "h"))
     assert isinstance(loaded, LoadedHead) and loaded.kind == "eagle3" and not loaded.embedded
     assert bind_head(loaded, target) == V
     assert loaded.model.layers_read == AUX
@@ -233,13 +235,15 @@ def test_train_draft_resume_and_the_trained_head_drafts_exactly(
 
     # the trained head: speculation with it gives plain decoding's greedy tokens
     target = load_model(str(target_dir))
-    head = load_model(str(out))
+    head = load_draft(str(out))
     assert isinstance(head, LoadedHead)
     prompts = ["a b c", "d e", "x0 h i"]
     params = SamplingParams(temperature=0)
-    spec = SpeculativeGenerator(target, head, gamma=3)
+    spec = SpeculativeGenerator(target, head, config=SpecConfig(draft="model", gamma=3))
     outs = spec.generate(prompts, params, max_new_tokens=16, ignore_eos=True)
-    plain = SpeculativeGenerator(target, None).generate(prompts, params, max_new_tokens=16, ignore_eos=True)
+    plain = SpeculativeGenerator(target, config=SpecConfig(draft="none")).generate(
+        prompts, params, max_new_tokens=16, ignore_eos=True
+    )
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
     assert spec.last_stats.drafted > 0
 
@@ -247,11 +251,11 @@ def test_train_draft_resume_and_the_trained_head_drafts_exactly(
 def test_train_draft_errors(target_dir, prompts_file, tmp_path, capsys, monkeypatch):
     out = tmp_path / "h"
     cases = [
-        (["--ttt", "0"], "ttt must be an integer >= 1"),
+        (["--ttt", "0"], "--ttt: must be an integer >= 1"),
         (["--lr", "0"], "lr, minutes and temperature must be > 0"),
         (["--holdout", "8"], "no prompts left after --holdout"),
-        (["--max-prompts", "0"], "--max-prompts must be >= 1"),
-        (["--holdout", "-1"], "--holdout must be >= 0"),
+        (["--max-prompts", "0"], "--max-prompts: must be an integer >= 1"),
+        (["--holdout", "-1"], "--holdout: must be an integer >= 0"),
     ]
     for extra, msg in cases:
         r = run_verispec(train_args(target_dir, prompts_file, out, *extra), capsys)

@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from verispec.engine.config import SpecConfig
 from verispec.model.loading import LoadedModel
 from verispec.rollout import RolloutEngine
 from verispec.sampling import SamplingParams
@@ -49,6 +50,5 @@ class TinyEngine:
     def __call__(self) -> FaultyEngine:
         target = loaded(0)
         draft = LoadedModel(noisy_copy(target.model, 0.3), target.tokenizer, "noisy")
-        return FaultyEngine(
-            target, draft, history=False, gamma=3, max_batch_size=self.max_batch_size, crash_dir=self.crash_dir
-        )
+        config = SpecConfig(draft="model", gamma=3, stop_below=None, random="stream")
+        return FaultyEngine(target, draft, config=config, max_batch_size=self.max_batch_size, crash_dir=self.crash_dir)

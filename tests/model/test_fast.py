@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from verispec.engine.config import SpecConfig
 from verispec.engine.generator import SpeculativeGenerator
 from verispec.model.fast import FastRunner, fast_path_unsupported, make_runner
 from verispec.model.linear import (
@@ -132,9 +133,9 @@ def test_quantized_self_draft_keeps_greedy_output(runner, quant, tiny_target):
     agrees with the target often (it is the same model, slightly perturbed)."""
     if runner == "hf":
         with pytest.raises(ValueError, match="need the fast runner"):
-            SpeculativeGenerator(tiny_target, "self", draft_quant=quant, runner=runner)
+            SpeculativeGenerator(tiny_target, config=SpecConfig(draft="self", quant=quant, runner=runner))
         return
-    gen = SpeculativeGenerator(tiny_target, "self", draft_quant=quant, gamma=3, runner=runner)
+    gen = SpeculativeGenerator(tiny_target, config=SpecConfig(draft="self", quant=quant, gamma=3, runner=runner))
     outs = gen.generate(PROMPTS, SamplingParams(temperature=0), max_new_tokens=20)
     for prompt, out in zip(PROMPTS, outs):
         assert out.token_ids == greedy_reference(tiny_target.model, prompt, 20)
@@ -142,19 +143,19 @@ def test_quantized_self_draft_keeps_greedy_output(runner, quant, tiny_target):
 
 
 def test_generator_runner_options_and_errors(tiny_target):
-    assert type(SpeculativeGenerator(tiny_target, None, runner="hf").runner) is HFRunner
-    assert type(SpeculativeGenerator(tiny_target, None).runner) is FastRunner
-    with pytest.raises(ValueError, match="needs draft_quant"):
-        SpeculativeGenerator(tiny_target, "self")
+    assert type(SpeculativeGenerator(tiny_target, config=SpecConfig(draft="none", runner="hf")).core.runner) is HFRunner
+    assert type(SpeculativeGenerator(tiny_target, config=SpecConfig(draft="none")).core.runner) is FastRunner
+    with pytest.raises(ValueError, match="draft=self needs quant"):
+        SpeculativeGenerator(tiny_target, config=SpecConfig(draft="self"))
     with pytest.raises(ValueError, match="applies to a draft model"):
-        SpeculativeGenerator(tiny_target, "ngram", draft_quant="int4")
+        SpeculativeGenerator(tiny_target, config=SpecConfig(draft="ngram", quant="int4"))
     with pytest.raises(ValueError, match="quant must be"):
-        SpeculativeGenerator(tiny_target, "self", draft_quant="int2")
+        SpeculativeGenerator(tiny_target, config=SpecConfig(draft="self", quant="int2"))
 
 
 @pytest.mark.parametrize("runner", ["fast", "hf"])
 def test_both_runners_give_the_target_greedy_output(runner, tiny_target, tiny_draft):
-    gen = SpeculativeGenerator(tiny_target, tiny_draft, gamma=3, runner=runner)
+    gen = SpeculativeGenerator(tiny_target, tiny_draft, config=SpecConfig(draft="model", gamma=3, runner=runner))
     outs = gen.generate(PROMPTS, SamplingParams(temperature=0), max_new_tokens=16)
     for prompt, out in zip(PROMPTS, outs):
         assert out.token_ids == greedy_reference(tiny_target.model, prompt, 16)

@@ -14,8 +14,10 @@ import pytest
 import torch
 
 from verispec.certify.bugs import broken_verifier
-from verispec.certify.stats import chisquare_two_sample
+from verispec.certify.stats import chisquare_two_sample, detectable_tv
 from verispec.engine import SpeculativeGenerator
+from verispec.engine.config import SpecConfig
+from verispec.engine.verify import Verification
 from verispec.model import make_runner
 from verispec.model.loading import default_model_path, load_model
 from verispec.sampling import SamplingParams
@@ -132,10 +134,19 @@ def test_llamacpp_reused_cells_below_a_sequence_give_wrong_logits(lc, prompt):
 def test_greedy_speculation_gives_plain_decodings_tokens(lc):
     prompts = ["def fib(n):", "def fib(n):", "Write a haiku about the sea."]
     params = SamplingParams(temperature=0)
-    plain = SpeculativeGenerator(lc, None).generate(prompts, params, max_new_tokens=32, chat=True)
-    for draft, kwargs in [("ngram", {}), (lc, {}), (lc, {"tree": "2-2-1"}), (lc, {"tree": "dynamic-3-2-6"})]:
-        got = SpeculativeGenerator(lc, draft, **kwargs).generate(prompts, params, max_new_tokens=32, chat=True)
-        assert [c.token_ids for c in got] == [c.token_ids for c in plain], (draft, kwargs)
+    plain = SpeculativeGenerator(lc, config=SpecConfig(draft="none")).generate(
+        prompts, params, max_new_tokens=32, chat=True
+    )
+    model = "draft=model"
+    for draft, spec in [
+        (None, "draft=ngram"),
+        (lc, model),
+        (lc, f"{model},tree=2-2-1"),
+        (lc, f"{model},tree=dynamic-3-2-6"),
+    ]:
+        got = SpeculativeGenerator(lc, draft, config=SpecConfig.parse(spec))
+        got = got.generate(prompts, params, max_new_tokens=32, chat=True)
+        assert [c.token_ids for c in got] == [c.token_ids for c in plain], spec
 
 
 def first_tokens(gen, prompt, n, m, seed):
@@ -150,13 +161,16 @@ def first_tokens(gen, prompt, n, m, seed):
 
 @pytest.mark.statistical
 def test_speculation_matches_plain_decoding_on_this_runner(lc):
-    """Two-sample chi-square homogeneity per position (0, 1, 2), Bonferroni at level 0.01, N = 1500 a side, prompt
-    lookup on a repetitive prompt (drafts at every position, often rejected). The same test on a verifier that
-    accepts every draft token (swap_p_q: u * p < q = 1 for a one-hot q) must reject: it is the power check."""
+    """Two-sample chi-square homogeneity per position (0, 1, 2), Bonferroni at level 0.01, N = 512 a side, prompt
+    lookup on a repetitive prompt (drafts at every position, often rejected). Power: each position's test detects a
+    law at TV >= 0.26 from plain decoding's with probability 0.99 (`detectable_tv` on plain's own frequencies, the
+    effective size N / 2; asserted), and the same test on a verifier that accepts every draft token (swap_p_q:
+    u * p < q = 1 for a one-hot q) must reject (measured p ~1e-94, 1e-139, 1e-20 at this N). This runner's logits
+    are checked exactly by the tests above; the output laws of the rules, at full power, by the torch runner's."""
     V = len(lc.tokenizer)
     prompt = lc.tokenizer("one two three one two three one two three one two", add_special_tokens=True)["input_ids"]
-    n, m, level = 1500, 3, 0.01
-    plain = first_tokens(SpeculativeGenerator(lc, None), prompt, n, m, seed=0)
+    n, m, level = 512, 3, 0.01  # 8 batches of 64
+    plain = first_tokens(SpeculativeGenerator(lc, config=SpecConfig(draft="none")), prompt, n, m, seed=0)
 
     def pvalues(gen):
         got = first_tokens(gen, prompt, n, m, seed=10**6)
@@ -168,10 +182,17 @@ def test_speculation_matches_plain_decoding_on_this_runner(lc):
             for j in range(m)
         ]
 
-    exact = SpeculativeGenerator(lc, "ngram", gamma=3)
+    for j in range(m):
+        freq = torch.bincount(torch.tensor([s[j] for s in plain]), minlength=V).numpy() / n
+        assert detectable_tv(freq, n / 2, level / m, 0.99) < 0.26, j
+    exact = SpeculativeGenerator(lc, config=SpecConfig(draft="ngram", gamma=3))
     assert min(pvalues(exact)) > level / m
     assert exact.stats.drafted > n and 0 < exact.stats.accepted < exact.stats.drafted
-    broken = SpeculativeGenerator(lc, "ngram", gamma=3, verifier=broken_verifier("swap_p_q"))
+    broken = SpeculativeGenerator(
+        lc,
+        config=SpecConfig(draft="ngram", gamma=3, random="stream"),
+        verification=Verification(chain=broken_verifier("swap_p_q")),
+    )
     assert min(pvalues(broken)) < level / m
 
 

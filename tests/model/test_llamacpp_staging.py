@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 
 from verispec.engine import GenerationSession, Job, Request, SpeculativeGenerator
+from verispec.engine.config import SpecConfig
 from verispec.model import make_runner
 from verispec.model.loading import default_model_path, load_model
 from verispec.sampling import SamplingParams
@@ -105,7 +106,7 @@ def test_a_staged_row_survives_a_fresh_fill_and_a_larger_context(lc, prompts):
 @pytest.mark.parametrize("params", [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=3)])
 def test_a_session_with_chunked_prefill_on_llamacpp(lc, prompts, params):
     short, long = prompts
-    gen = SpeculativeGenerator(lc, "ngram", gamma=2)
+    gen = SpeculativeGenerator(lc, config=SpecConfig(draft="ngram", gamma=2))
 
     def run(chunk: int) -> tuple[dict, int]:
         sess = GenerationSession(gen.core, prefill_chunk=chunk)

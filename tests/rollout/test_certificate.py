@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from verispec.certify.generate import MethodSpec, certify_generate
+from verispec.engine import SpecConfig
 from verispec.rollout import RolloutEngine
 from verispec.sampling import SamplingParams
 
@@ -38,7 +39,8 @@ def rollout_sampler(eng: RolloutEngine):
 @pytest.mark.slow  # the default tier's rollout distribution test covers the same setting (tests/rollout)
 def test_certificate_after_two_updates_with_stale_history_and_draft():
     policy, stale_draft = loaded(0), loaded(1, layers=1)
-    eng = RolloutEngine(policy, draft=stale_draft, history=True, gamma=2, max_batch_size=G)
+    cfg = SpecConfig.parse("draft=model+history,gamma=2,stop_below=none,random=stream")
+    eng = RolloutEngine(policy, stale_draft, config=cfg, max_batch_size=G)
     for version, seed in enumerate((5, 6), 1):
         eng.generate(PROMPTS, n=G, params=T1, max_new_tokens=8, seed=version)  # history under the old weights
         eng.update_weights(loaded(seed).model.state_dict().items())
@@ -56,4 +58,4 @@ def test_certificate_after_two_updates_with_stale_history_and_draft():
         show_progress=False,
     )
     assert report.verdict == "PASS", [(t.name, t.holm_pvalue) for t in report.tests]
-    assert sum(eng.gen.proposer.accepted_by_source.values()) > 0
+    assert sum(eng.gen.core.proposer.accepted_by_source.values()) > 0

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from verispec.drafting import RolloutHistory
-from verispec.engine import SpeculativeGenerator
+from verispec.engine import SpecConfig, SpeculativeGenerator
+from verispec.engine.verify import Verification
 from verispec.rollout import RolloutEngine
 from verispec.sampling import SamplingParams
 
@@ -31,7 +32,7 @@ T1 = SamplingParams(temperature=1.0)
 def foreign_history(model, n: int = 64) -> RolloutHistory:
     """Completions of PROMPT sampled by another model: what a stale history looks like at its worst."""
     history = RolloutHistory()
-    gen = SpeculativeGenerator(model, None)
+    gen = SpeculativeGenerator(model, config=SpecConfig(draft="none"))
     for o in gen.generate([PROMPT] * n, [SamplingParams(seed=i) for i in range(n)], max_new_tokens=8, ignore_eos=True):
         history.add(PROMPT, o.token_ids)
     return history
@@ -52,7 +53,14 @@ def test_rollouts_after_an_update_with_a_foreign_history_follow_the_new_target(w
     policy, updated = loaded(0), loaded(5)
     draft = tiny_draft if with_draft else None
     history = foreign_history(tiny_draft)
-    eng = RolloutEngine(policy, draft=draft, history=history, gamma=2, max_batch_size=256, choose_depth=choose_depth)
+    cfg = SpecConfig(
+        draft="model+history" if with_draft else "history",
+        gamma=2,
+        stop_below=None,
+        random="stream",
+        choose_depth=choose_depth,
+    )
+    eng = RolloutEngine(policy, draft, config=cfg, history=history, max_batch_size=256)
     eng.generate([PROMPT], n=G, params=T1, max_new_tokens=8, seed=99)  # rollouts of the old weights join the history
     eng.update_weights(updated.model.state_dict().items())
     outs = eng.generate([PROMPT] * (N // G), n=G, params=T1, max_new_tokens=3, seed=1, ignore_eos=True)
@@ -63,7 +71,7 @@ def test_rollouts_after_an_update_with_a_foreign_history_follow_the_new_target(w
     st = eng.last_stats
     assert 0 < st.accepted < st.nodes  # speculation accepted some drafts and rejected others
     if with_draft:
-        by_source = eng.gen.proposer.accepted_by_source
+        by_source = eng.gen.core.proposer.accepted_by_source
         assert by_source["chain"] > 0 and by_source["branches"] > 0
 
 
@@ -83,7 +91,8 @@ def test_spec_rl_reuse_rule_fails(tiny_draft):
     probs = exact_sequence_probs(updated.model, PROMPT, T1)
     results = {}
     for name, verifier in (("exact", verify_chain), ("spec-rl", spec_rl_verifier())):
-        gen = SpeculativeGenerator(updated, tiny_draft, gamma=2, verifier=verifier)
+        config = SpecConfig(draft="model", gamma=2, random="stream")
+        gen = SpeculativeGenerator(updated, tiny_draft, config=config, verification=Verification(chain=verifier))
         results[name] = gof(sample_sequences(gen, T1, n=N), probs)
         assert 0 < gen.last_stats.accepted < gen.last_stats.drafted, name  # drafts accepted and rejected
     assert not results["exact"].rejects(LEVEL), results["exact"]

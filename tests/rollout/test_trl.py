@@ -11,6 +11,7 @@ import datasets
 import torch
 import trl
 
+from verispec.engine.config import SpecConfig
 from verispec.engine.generator import SpeculativeGenerator
 from verispec.model import load_model
 from verispec.model.loading import LoadedModel
@@ -47,7 +48,7 @@ def test_grpo_trainer_on_verispec_rollouts_is_on_policy(tmp_path):
 
     served = load_model(str(policy_dir))  # the server's own copy of the initial policy
     draft = LoadedModel(noisy_copy(served.model, 0.3), served.tokenizer, "draft")  # stale after step 1: still exact
-    gen = SpeculativeGenerator(served, draft, gamma=3)
+    gen = SpeculativeGenerator(served, draft, config=SpecConfig(draft="model", gamma=3))
     ds = datasets.Dataset.from_dict({"prompt": ["a b c d", "e f g", "h i j k l", "m n"] * 3})
     args = trl.GRPOConfig(
         output_dir=str(tmp_path / "out"),

@@ -21,6 +21,7 @@ import httpx
 import psutil
 import pytest
 
+from verispec.engine.config import SpecConfig
 from verispec.engine.generator import SpeculativeGenerator
 from verispec.serve import create_app
 from verispec.serve import protocol as protocol_module
@@ -35,7 +36,7 @@ JSON = {"content-type": "application/json"}
 
 @pytest.fixture(scope="module")
 def server(tiny_target):
-    with LiveServer(SpeculativeGenerator(tiny_target, None)) as s:
+    with LiveServer(SpeculativeGenerator(tiny_target, config=SpecConfig(draft="none"))) as s:
         yield s
 
 
@@ -121,7 +122,7 @@ def test_a_trickled_body_ends_408_at_the_body_timeout(tiny_target):
     """A byte every 20 ms (never 5 s without bytes: the read timeout never fires) into a body of 400 bytes: with
     body_timeout 0.5 s it ends with an OpenAI-style 408 naming --body-timeout and the connection closes, well before
     the body could have been complete (8 s); the request leaves the gate."""
-    app = create_app(SpeculativeGenerator(tiny_target, None), MODEL, read_timeout=5.0)
+    app = create_app(SpeculativeGenerator(tiny_target, config=SpecConfig(draft="none")), MODEL, read_timeout=5.0)
     app.state.body_reads.body_timeout = 0.5  # as make_server pins read_timeout (create_app's body_timeout: below)
     with Served(app, read_timeout=5.0) as s, s.connect() as c:
         c.sendall(request_head("/v1/completions", 400))
@@ -142,7 +143,7 @@ def test_a_trickled_body_ends_408_at_the_body_timeout(tiny_target):
 def test_a_shutdown_answers_a_body_still_arriving_503_at_once(tiny_target):
     """A client trickling its body (a byte every 50 ms) when the shutdown starts: answered 503 (JSON) within a few
     seconds, not after --shutdown-timeout (20 s); the server then exits."""
-    app = create_app(SpeculativeGenerator(tiny_target, None), MODEL, read_timeout=5.0)
+    app = create_app(SpeculativeGenerator(tiny_target, config=SpecConfig(draft="none")), MODEL, read_timeout=5.0)
     reads = app.state.body_reads
     stop = threading.Event()
     with Served(app, read_timeout=5.0, shutdown_timeout=20.0) as s, s.connect() as c:
@@ -178,7 +179,7 @@ def test_a_shutdown_answers_a_body_still_arriving_503_at_once(tiny_target):
 
 
 def test_body_timeout_and_max_connections_are_checked_and_reach_the_server(tiny_target):
-    gen = SpeculativeGenerator(tiny_target, None)
+    gen = SpeculativeGenerator(tiny_target, config=SpecConfig(draft="none"))
     assert create_app(gen, MODEL, body_timeout=7.5).state.body_reads.body_timeout == 7.5
     for bad in (0, -1, float("nan"), True):
         with pytest.raises(ValueError, match="body_timeout"):

@@ -8,12 +8,14 @@ import asyncio
 import json
 import os
 import threading
+from dataclasses import replace
 
 import httpx
 import pytest
 import torch
 from safetensors.torch import save_file
 
+from verispec.engine.config import SpecConfig
 from verispec.engine.generator import SpeculativeGenerator
 from verispec.rollout.client import RolloutClient
 from verispec.serve import create_app
@@ -30,7 +32,7 @@ KEY = "k3y"
 @pytest.fixture(scope="module")
 def server(tiny_target):
     """The defaults: no weight updates, no key, loopback Host names only."""
-    with LiveServer(SpeculativeGenerator(tiny_target, None), max_batch=4) as s:
+    with LiveServer(SpeculativeGenerator(tiny_target, config=SpecConfig(draft="none")), max_batch=4) as s:
         yield s
 
 
@@ -67,7 +69,7 @@ def test_updates_from_disk_only_under_the_weight_dirs_with_one_message(tmp_path)
     unreadable = inside / "locked.safetensors"
     save_file(state, str(unreadable))
     unreadable.chmod(0)
-    gen = SpeculativeGenerator(target, None)
+    gen = SpeculativeGenerator(target, config=SpecConfig(draft="none"))
     with LiveServer(gen, enable_weight_updates=True, weight_dirs=[inside]) as s:
         messages = set()
         paths = [outside / "model.safetensors", outside, inside / "escape.safetensors", inside / "linked",
@@ -110,7 +112,7 @@ def test_a_loopback_server_answers_only_loopback_host_names(server):
 
 
 def test_allowed_hosts_with_wildcards(tiny_target):
-    gen = SpeculativeGenerator(tiny_target, None)
+    gen = SpeculativeGenerator(tiny_target, config=SpecConfig(draft="none"))
     with LiveServer(gen, allowed_hosts=("127.0.0.1", "*.example.com")) as s:
         assert httpx.get(s.url + "/health", headers={"host": "a.b.example.com"}).status_code == 200
         assert httpx.get(s.url + "/health", headers={"host": "example.com.evil"}).status_code == 400
@@ -127,7 +129,7 @@ def test_mutating_routes_take_json_bodies_only(server):
 
 
 def test_the_key_guards_the_docs_and_takes_the_scheme_in_any_case(tiny_target):
-    with LiveServer(SpeculativeGenerator(tiny_target, None), api_key=KEY) as s:
+    with LiveServer(SpeculativeGenerator(tiny_target, config=SpecConfig(draft="none")), api_key=KEY) as s:
         for path in ("/docs", "/openapi.json", "/redoc"):
             assert httpx.get(s.url + path).status_code == 401, path
             assert httpx.get(s.url + path, headers={"authorization": f"Bearer {KEY}"}).status_code == 200, path
@@ -179,7 +181,9 @@ def test_a_chunked_body_is_refused_once_it_passes_the_cap_not_after_reading_it()
 
 def test_uploads_are_read_one_at_a_time(tiny_target):
     """A second upload waits, unread, while another holds the upload lock: memory holds one body at a time."""
-    app = create_app(SpeculativeGenerator(tiny_target, None), MODEL, enable_weight_updates=True)
+    app = create_app(
+        SpeculativeGenerator(tiny_target, config=SpecConfig(draft="none")), MODEL, enable_weight_updates=True
+    )
     lock = app.state.weight_routes.lock
     headers = [(b"content-type", b"application/octet-stream"), (b"host", b"localhost")]
 
@@ -204,7 +208,7 @@ def test_uploads_are_read_one_at_a_time(tiny_target):
 
 
 def test_json_bodies_past_the_cap_are_413(tiny_target):
-    with LiveServer(SpeculativeGenerator(tiny_target, None), max_request_bytes=4096) as s:
+    with LiveServer(SpeculativeGenerator(tiny_target, config=SpecConfig(draft="none")), max_request_bytes=4096) as s:
         big = {"model": MODEL, "prompt": "a " * 5000, "max_tokens": 1}
 
         def chunks():
@@ -237,6 +241,9 @@ class _GatedTokenizer:
     def __call__(self, *a, **kw):
         return self._gated(self.tok, *a, **kw)
 
+    def __len__(self):  # the vocabulary's size, read when the engine is built (not a call)
+        return len(self.tok)
+
     def encode(self, *a, **kw):
         return self._gated(self.tok.encode, *a, **kw)
 
@@ -258,9 +265,8 @@ class _GatedTokenizer:
     ],
 )
 def test_health_answers_while_a_request_is_being_tokenized(tiny_target, path, body):
-    gen = SpeculativeGenerator(tiny_target, None)
     gated = _GatedTokenizer(tiny_target.tokenizer)
-    gen.core.tokenizer = gen.tokenizer = gated
+    gen = SpeculativeGenerator(replace(tiny_target, tokenizer=gated), config=SpecConfig(draft="none"))
     with LiveServer(gen) as s:
         result = {}
         t = threading.Thread(target=lambda: result.setdefault("r", httpx.post(s.url + path, json=body, timeout=None)))
@@ -286,10 +292,9 @@ def test_health_answers_while_a_request_is_being_tokenized(tiny_target, path, bo
     ],
 )
 def test_caps_are_checked_before_any_tokenizing(tiny_target, path, body, param):
-    gen = SpeculativeGenerator(tiny_target, None)
     gated = _GatedTokenizer(tiny_target.tokenizer)
     gated.gate.set()
-    gen.core.tokenizer = gen.tokenizer = gated
+    gen = SpeculativeGenerator(replace(tiny_target, tokenizer=gated), config=SpecConfig(draft="none"))
     with LiveServer(gen) as s:
         body = {"model": MODEL, **body} if path.startswith("/v1") else body
         _err(httpx.post(s.url + path, json=body), 400, param)
@@ -331,9 +336,19 @@ def test_generate_and_v1_refuse_the_same_seeds_alike(server, seed):
         assert m1.split(" ", 1)[1] == m2.split(" ", 1)[1]  # "must be None or an integer in [0, 2**63), got ..."
 
 
-def test_the_rollout_client_aborts_with_a_json_body(server):
+def test_the_rollout_client_aborts_with_a_json_body(server, monkeypatch):
+    """RolloutClient.abort sends what the JSON-only mutating routes take (`{}` as application/json, not a form):
+    the server acts on it (its rollout engine is told to abort) and answers success."""
+    rollout, aborted, replies = server.app.state.rollout, [], []
+    real_abort = rollout.abort
+    monkeypatch.setattr(rollout, "abort", lambda: aborted.append(True) or real_abort())
     with RolloutClient(server.url) as c:
-        c.abort()  # a 400 would raise
+        c._http.event_hooks["response"].append(lambda r: replies.append((r.request, r.read() and r.json())))
+        c.abort()
+    [(request, reply)] = replies
+    assert (request.method, request.url.path) == ("POST", "/abort_request")
+    assert request.headers["content-type"] == "application/json" and json.loads(request.content) == {}
+    assert reply == {"success": True} and aborted == [True]
 
 
 # --- 8. a seeded request repeats on a default server, whatever the load and gamma ---------------------------------
@@ -364,7 +379,8 @@ LOAD = {"model": MODEL, "prompt": "x0 d e", "max_tokens": 30, "temperature": 1.0
 # drafts is checked in the default tier by tests/engine/test_auto_randomness.py, alone and under load
 @pytest.mark.parametrize("draft", [pytest.param("ngram", marks=pytest.mark.slow), "model"])
 def test_a_seeded_request_repeats_on_a_default_server_under_load_and_any_gamma(tiny_target, tiny_noisy, draft):
-    gen = SpeculativeGenerator(tiny_target, tiny_noisy if draft == "model" else "ngram")  # default config otherwise
+    model = tiny_noisy if draft == "model" else None
+    gen = SpeculativeGenerator(tiny_target, model, config=SpecConfig(draft=draft))  # default config otherwise
     with LiveServer(gen, max_batch=8) as s:
         for seed in (1, 2):
             assert len(_seeded_texts(s, SEEDED | {"seed": seed}, LOAD)) == 1, seed
@@ -373,6 +389,6 @@ def test_a_seeded_request_repeats_on_a_default_server_under_load_and_any_gamma(t
 def test_the_stream_rule_does_not_repeat_so_the_test_above_bites(tiny_target, tiny_noisy):
     """Negative control: random=stream (the old default) gives a seeded request different texts under gamma 1/3/6
     (for one of seeds 1, 2, 3: the first that does ends the test)."""
-    gen = SpeculativeGenerator(tiny_target, tiny_noisy, seeding="stream")
+    gen = SpeculativeGenerator(tiny_target, tiny_noisy, config=SpecConfig(draft="model", random="stream"))
     with LiveServer(gen, max_batch=8) as s:
         assert any(len(_seeded_texts(s, SEEDED | {"seed": seed}, LOAD)) > 1 for seed in (1, 2, 3))

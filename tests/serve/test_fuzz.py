@@ -12,6 +12,7 @@ from hypothesis import HealthCheck, settings
 from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import response_schema_conformance
 
+from verispec.engine.config import SpecConfig
 from verispec.engine.generator import SpeculativeGenerator
 from verispec.serve.rl import _NCCL_ROUTES
 
@@ -26,7 +27,7 @@ STATUSES: Counter = Counter()  # the cases run, by status class (printed at the 
 
 @pytest.fixture(scope="module")
 def api(tiny_target):
-    gen = SpeculativeGenerator(tiny_target, None)
+    gen = SpeculativeGenerator(tiny_target, config=SpecConfig(draft="none"))
     with LiveServer(gen, max_batch=4, max_queue=64, enable_weight_updates=True) as s:
         yield schemathesis.openapi.from_url(s.url + "/openapi.json")
     print(f"\nfuzzed {sum(STATUSES.values())} cases: {dict(sorted(STATUSES.items()))}")

@@ -21,6 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from verispec.engine import SpeculativeGenerator
+from verispec.engine.config import SpecConfig
 from verispec.model.loading import LoadedModel
 from verispec.sampling import ParamError, SamplingParams
 
@@ -33,7 +34,7 @@ POISON = 30
 @pytest.fixture(scope="module")
 def served():
     """A server on a tiny model: max_batch 4, max_queue 6 (choices)."""
-    gen = SpeculativeGenerator(loaded(0), "ngram", gamma=2)
+    gen = SpeculativeGenerator(loaded(0), config=SpecConfig(draft="ngram", gamma=2))
     with LiveServer(gen, max_batch=4, max_queue=6, strict_on_policy=False) as s:
         yield s
 
@@ -44,7 +45,9 @@ def poisoned():
     model = make_model(0)
     with torch.no_grad():
         model.model.embed_tokens.weight[POISON] = float("nan")
-    gen = SpeculativeGenerator(LoadedModel(model, make_tokenizer(), "poisoned"), "ngram", gamma=2)
+    gen = SpeculativeGenerator(
+        LoadedModel(model, make_tokenizer(), "poisoned"), config=SpecConfig(draft="ngram", gamma=2)
+    )
     with LiveServer(gen, max_batch=4) as s:
         yield s
 

@@ -11,10 +11,12 @@ import uuid
 import pytest
 import torch
 
+from verispec.engine.config import SpecConfig
 from verispec.engine.generator import SpeculativeGenerator
+from verispec.engine.request import Job
 from verispec.rollout.client import RolloutClient
 from verispec.sampling import SamplingParams
-from verispec.serve.engine import EngineThread, Job, Overloaded
+from verispec.serve.engine import Call, EngineThread, Overloaded
 from verispec.serve.metrics import Metrics
 
 from ..helpers.server import HANG_GUARD_S, MODEL, LiveServer
@@ -52,7 +54,7 @@ def _new_weights(seed: int = 5) -> dict[str, torch.Tensor]:
 def served_small_batch():
     """A server with a batch of 2 over a target of its own (its weights are replaced), plain greedy-able decoding
     through the speculative loop (n-gram drafts)."""
-    gen = SpeculativeGenerator(loaded(0), "ngram", gamma=2)
+    gen = SpeculativeGenerator(loaded(0), config=SpecConfig(draft="ngram", gamma=2))
     with LiveServer(gen, max_batch=2, max_queue=8, enable_weight_updates=True) as s, RolloutClient(s.url) as c:
         yield s, c
 
@@ -103,7 +105,7 @@ def test_generate_runs_beside_openai_requests_and_honours_the_request_timeout():
     the rollout would run for many thousands of steps)."""
     long = 1 << 15
     target = loaded(0, max_positions=long)
-    gen = SpeculativeGenerator(target, "ngram", gamma=2)
+    gen = SpeculativeGenerator(target, config=SpecConfig(draft="ngram", gamma=2))
     with LiveServer(gen, max_batch=8, request_timeout=3.0, rollout_timeout=3.0) as s, RolloutClient(s.url) as client:
         gate = Gate(s.engine)
         result = {}
@@ -137,26 +139,28 @@ def test_generate_runs_beside_openai_requests_and_honours_the_request_timeout():
 
 
 def _engine(max_batch: int = 1, max_queue: int = 8):
-    gen = SpeculativeGenerator(loaded(0), "ngram", gamma=2)
+    gen = SpeculativeGenerator(loaded(0), config=SpecConfig(draft="ngram", gamma=2))
     metrics = Metrics("t")
     return gen, EngineThread(gen, max_batch=max_batch, max_queue=max_queue, metrics=metrics), metrics
 
 
-def _job(gen, loop, n: int = 1, max_new: int = 8):
+def _job(gen, loop, n: int = 1, max_new: int = 8) -> Call:
     reqs = [
-        gen.core.request(PROMPT, SamplingParams(temperature=1.0, seed=i), max_new_tokens=max_new, ignore_eos=True)
+        gen.core.request(
+            PROMPT, SamplingParams(temperature=1.0, seed=i), max_new_tokens=max_new, ignore_eos=True, index=i
+        )
         for i in range(n)
     ]
-    return Job(id=uuid.uuid4().hex, requests=reqs, loop=loop, per_prompt=n)
+    return Call(Job(reqs, key=uuid.uuid4().hex, group=n), loop)
 
 
 async def _answer(job) -> list:
     """The job's events until each choice has its last event (or the job its error)."""
     out, ended = [], 0
-    while ended < len(job.requests):
+    while ended < len(job.job.requests):
         ev = await asyncio.wait_for(job.events.get(), HANG_GUARD_S)
         out.append(ev)
-        ended += len(job.requests) if isinstance(ev, Exception) else int(ev.completion is not None)
+        ended += len(job.job.requests) if isinstance(ev, Exception) else int(ev.completion is not None)
     return out
 
 
@@ -200,11 +204,11 @@ def test_a_failed_hand_over_leaves_no_ghost_row():
         gen, engine, metrics = _engine(max_batch=1, max_queue=0)
         observe, armed = engine._observe, [True]
 
-        def faulty(ev, job, now):
+        def faulty(call, ev):
             if ev.completion is not None and armed:
                 armed.clear()
                 raise RuntimeError("metrics backend hiccup")
-            return observe(ev, job, now)
+            return observe(call, ev)
 
         engine._observe = faulty
         engine.start()
@@ -243,3 +247,22 @@ def test_max_queue_zero_refuses_a_group_that_cannot_join_whole():
         return done
 
     assert asyncio.run(main())[-1].completion.finish_reason == "length"
+
+
+def test_a_client_that_sends_its_next_request_as_the_last_one_ends_is_admitted():
+    """max_queue 0 (no waiting) on a batch of 1: a request sent as soon as the previous one's last event arrived is
+    admitted, every time; a handler hears its request end only once the engine's books say its row is free."""
+
+    async def main():
+        gen, engine, _ = _engine(max_batch=1, max_queue=0)
+        engine.start()
+        loop = asyncio.get_running_loop()
+        try:
+            for _ in range(5):
+                call = _job(gen, loop, max_new=2)
+                engine.submit(call)  # Overloaded if the previous request's row still counted as held
+                assert (await _answer(call))[-1].completion.finish_reason == "length"
+        finally:
+            engine.stop()
+
+    asyncio.run(main())

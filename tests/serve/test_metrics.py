@@ -9,10 +9,11 @@ import time
 
 import pytest
 
+from verispec.engine.config import SpecConfig
 from verispec.engine.generator import SpeculativeGenerator
-from verispec.engine.request import Request
+from verispec.engine.request import Job, Request
 from verispec.sampling import SamplingParams
-from verispec.serve.engine import Closing, EngineThread, Job, Overloaded, TooLarge
+from verispec.serve.engine import Call, Closing, EngineThread, Overloaded, TooLarge
 from verispec.serve.metrics import Metrics
 
 
@@ -32,8 +33,10 @@ def test_step_counters_follow_vllm_spec_decode_names():
 
 def test_requests_latency_queue_and_dropped_choices():
     m = Metrics("m")
-    m.observe_request(5, 7, "stop", 0.2)
-    m.observe_request(5, 16, "length", 3.0)
+    for prompt, generated, reason, seconds in ((5, 7, "stop", 0.2), (5, 16, "length", 3.0)):
+        m.observe_admitted(prompt, 0.0)
+        m.observe_tokens(generated, first=True, seconds=0.1)
+        m.observe_end(reason, seconds)
     m.observe_end("abort", 0.1, choices=2)
     m.observe_end("error", 0.5)
     m.set_queue(waiting=4, running=2)
@@ -72,16 +75,17 @@ def test_queue_time_ttft_and_inter_token_latency():
 
 def test_two_servers_keep_separate_registries():
     a, b = Metrics("m"), Metrics("m")
-    a.observe_request(1, 1, "stop", 0.1)
+    a.observe_end("stop", 0.1)
     assert value(a, "verispec:request_success_total", finished_reason="stop") == 1
     assert value(b, "verispec:request_success_total", finished_reason="stop") is None
 
 
-def _job(loop, n: int, max_new: int, seed: int = 0) -> Job:
+def _job(loop, n: int, max_new: int, seed: int = 0) -> Call:
     requests = [
-        Request((5, 6, 7), SamplingParams(seed=seed + i), max_new_tokens=max_new, ignore_eos=True) for i in range(n)
+        Request((5, 6, 7), SamplingParams(seed=seed + i), max_new_tokens=max_new, ignore_eos=True, index=i)
+        for i in range(n)
     ]
-    return Job(id=f"job-{seed}-{n}-{max_new}", requests=requests, loop=loop)
+    return Call(Job(requests, key=f"job-{seed}-{n}-{max_new}"), loop)
 
 
 async def _idle(engine: EngineThread, timeout: float = 20) -> None:
@@ -91,7 +95,7 @@ async def _idle(engine: EngineThread, timeout: float = 20) -> None:
         await asyncio.sleep(0.01)
 
 
-async def _last_event(job: Job, timeout: float = 60):
+async def _last_event(job: Call, timeout: float = 60):
     while True:
         item = await asyncio.wait_for(job.events.get(), timeout=timeout)
         if isinstance(item, Exception) or item.completion is not None:
@@ -102,7 +106,9 @@ def test_engine_counts_finished_aborted_and_failed_choices_once(tiny_target):
     async def main():
         loop = asyncio.get_running_loop()
         m = Metrics("m")
-        engine = EngineThread(SpeculativeGenerator(tiny_target, None), max_batch=2, max_queue=4, metrics=m)
+        engine = EngineThread(
+            SpeculativeGenerator(tiny_target, config=SpecConfig(draft="none")), max_batch=2, max_queue=4, metrics=m
+        )
         engine.start()
         try:
             running, waiting = _job(loop, 2, 200, seed=1), _job(loop, 1, 200, seed=3)
@@ -145,7 +151,9 @@ def test_expired_jobs_end_with_abort_and_what_they_have_and_big_jobs_run_in_part
     async def main():
         loop = asyncio.get_running_loop()
         m = Metrics("m")
-        engine = EngineThread(SpeculativeGenerator(tiny_target, None), max_batch=2, max_queue=4, metrics=m)
+        engine = EngineThread(
+            SpeculativeGenerator(tiny_target, config=SpecConfig(draft="none")), max_batch=2, max_queue=4, metrics=m
+        )
         engine.start()
         try:
             big = _job(loop, 3, 4, seed=1)  # 3 choices, 2 rows: the third joins when one leaves
@@ -190,7 +198,7 @@ def test_max_queue_counts_the_choices_that_cannot_join_the_batch_now(tiny_target
     not started: nothing leaves the queue.)"""
     loop = asyncio.new_event_loop()
     try:
-        gen = SpeculativeGenerator(tiny_target, None)
+        gen = SpeculativeGenerator(tiny_target, config=SpecConfig(draft="none"))
         none_wait = EngineThread(gen, max_batch=2, max_queue=0)
         none_wait.submit(_job(loop, 1, 4, seed=1))  # a row is free: admitted (was refused: 0 >= 0)
         none_wait.submit(_job(loop, 1, 4, seed=2))  # the second row
@@ -211,7 +219,12 @@ def test_max_queue_tokens_bounds_the_prompt_tokens_waiting(tiny_target):
     """Waiting prompt tokens are bounded too (a job that waits alone is let in: it would never be otherwise)."""
     loop = asyncio.new_event_loop()
     try:
-        engine = EngineThread(SpeculativeGenerator(tiny_target, None), max_batch=1, max_queue=8, max_queue_tokens=4)
+        engine = EngineThread(
+            SpeculativeGenerator(tiny_target, config=SpecConfig(draft="none")),
+            max_batch=1,
+            max_queue=8,
+            max_queue_tokens=4,
+        )
         engine.submit(_job(loop, 1, 4, seed=1))  # runs
         engine.submit(_job(loop, 1, 4, seed=2))  # waits alone: 3 prompt tokens
         with pytest.raises(Overloaded):
@@ -223,7 +236,9 @@ def test_max_queue_tokens_bounds_the_prompt_tokens_waiting(tiny_target):
 def test_after_the_shutdown_cut_nothing_is_admitted(tiny_target):
     loop = asyncio.new_event_loop()
     try:
-        engine = EngineThread(SpeculativeGenerator(tiny_target, None), max_batch=2, max_queue=4)
+        engine = EngineThread(
+            SpeculativeGenerator(tiny_target, config=SpecConfig(draft="none")), max_batch=2, max_queue=4
+        )
         engine.submit(_job(loop, 1, 4, seed=1))
         assert engine.expire_all() == 1
         with pytest.raises(Closing):  # a request that passed the gate before the drain: 503, never run
@@ -239,7 +254,9 @@ def test_the_engine_expires_a_job_at_its_deadline_though_nobody_reads_its_events
     async def main():
         loop = asyncio.get_running_loop()
         m = Metrics("m")
-        engine = EngineThread(SpeculativeGenerator(tiny_target, None), max_batch=2, max_queue=4, metrics=m)
+        engine = EngineThread(
+            SpeculativeGenerator(tiny_target, config=SpecConfig(draft="none")), max_batch=2, max_queue=4, metrics=m
+        )
         step = engine.session.run
 
         def slow():  # 200 tokens take more than 4 s
@@ -250,7 +267,7 @@ def test_the_engine_expires_a_job_at_its_deadline_though_nobody_reads_its_events
         engine.start()
         try:
             running, waiting = _job(loop, 2, 200, seed=1), _job(loop, 1, 200, seed=2)
-            running.deadline = waiting.deadline = time.perf_counter() + 0.3
+            running.job.deadline = waiting.job.deadline = time.perf_counter() + 0.3
             engine.submit(running)
             engine.submit(waiting)
             await _idle(engine)  # not a single event read; that it ended by the deadline is checked below
@@ -270,7 +287,9 @@ def test_a_fault_outside_the_step_fails_its_jobs_and_the_engine_serves_on(tiny_t
     async def main():
         loop = asyncio.get_running_loop()
         m = Metrics("m")
-        engine = EngineThread(SpeculativeGenerator(tiny_target, None), max_batch=2, max_queue=4, metrics=m)
+        engine = EngineThread(
+            SpeculativeGenerator(tiny_target, config=SpecConfig(draft="none")), max_batch=2, max_queue=4, metrics=m
+        )
         engine.start()
         try:
             setattr(m, broken, _raising)
@@ -300,13 +319,16 @@ def test_the_queue_count_admits_as_the_session_does(tiny_target):
     into an empty batch), so 6 choices wait; the engine's count says the same as the session's own admission."""
     loop = asyncio.new_event_loop()
     try:
-        engine = EngineThread(SpeculativeGenerator(tiny_target, None), max_batch=8, max_queue=64)
-        requests = [Request((5, 6, 7 + i // 3), SamplingParams(seed=i), max_new_tokens=4) for i in range(12)]
-        job = Job(id="groups", requests=requests, loop=loop, per_prompt=3)
-        engine.submit(job)
+        engine = EngineThread(
+            SpeculativeGenerator(tiny_target, config=SpecConfig(draft="none")), max_batch=8, max_queue=64
+        )
+        requests = [Request((5, 6, 7 + i // 3), SamplingParams(seed=i), max_new_tokens=4, index=i) for i in range(12)]
+        engine.submit(Call(Job(requests, key="groups", group=3), loop))
         assert engine._waiting_after(None) == (6, 6)  # two prompts of 3 tokens wait
         engine._take_inbox()
         engine.session.schedule()
-        assert len(engine.session.rows) + sum(len(p.rows) for p in engine.session.prefilling) == 6
+        assert engine.session.num_running == 6
+        engine._publish()  # the session's own books now: the same 6 choices (two prompts of 3 tokens) wait
+        assert engine._waiting_after(None) == (6, 6) and engine.num_waiting == 6 and engine.num_running == 6
     finally:
         loop.close()

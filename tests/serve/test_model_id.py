@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from fastapi.testclient import TestClient
 
+from verispec.engine.config import SpecConfig
 from verispec.engine.generator import SpeculativeGenerator
 from verispec.model.loading import DEFAULT_MODEL_NAME
 from verispec.serve import create_app
@@ -37,7 +38,7 @@ def test_the_default_model_and_local_folders(tmp_path):
 
 
 def test_the_server_lists_the_plain_id_and_accepts_the_name_it_was_given(tiny_target):
-    app = create_app(SpeculativeGenerator(tiny_target, None), "Tiny Llama (random weights)")
+    app = create_app(SpeculativeGenerator(tiny_target, config=SpecConfig(draft="none")), "Tiny Llama (random weights)")
     with TestClient(app, base_url="http://localhost") as client:
         assert [m["id"] for m in client.get("/v1/models").json()["data"]] == ["Tiny-Llama"]
         for model in ("Tiny-Llama", "Tiny Llama (random weights)"):

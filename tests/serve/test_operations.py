@@ -15,6 +15,7 @@ import openai
 import pytest
 import torch
 
+from verispec.engine.config import SpecConfig
 from verispec.engine.generator import SpeculativeGenerator
 from verispec.model.loading import LoadedModel
 from verispec.serve import create_app
@@ -29,7 +30,7 @@ CONTEXT = 128
 
 @pytest.fixture(scope="module")
 def server(tiny_target, tiny_draft):
-    gen = SpeculativeGenerator(tiny_target, tiny_draft, gamma=3)
+    gen = SpeculativeGenerator(tiny_target, tiny_draft, config=SpecConfig(draft="model", gamma=3))
     with LiveServer(gen, max_batch=8, max_queue=64, max_model_len=CONTEXT) as s:
         yield s
 
@@ -158,7 +159,7 @@ def test_max_model_len_limits_prompt_and_max_tokens(server, tiny_target):
     ok = _post(server, {"prompt": "a b", "max_tokens": CONTEXT - 2, "ignore_eos": True, "temperature": 0})
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == CONTEXT - 2
     with pytest.raises(ValueError, match="exceeds the model's context"):
-        create_app(SpeculativeGenerator(tiny_target, None), MODEL, max_model_len=10_000)
+        create_app(SpeculativeGenerator(tiny_target, config=SpecConfig(draft="none")), MODEL, max_model_len=10_000)
 
 
 def _slowed(s, seconds: float = 0.005) -> None:
@@ -173,7 +174,7 @@ def _slowed(s, seconds: float = 0.005) -> None:
 
 
 def test_request_timeout_ends_running_and_waiting_requests_with_abort(tiny_long_target):
-    gen = SpeculativeGenerator(tiny_long_target, None)
+    gen = SpeculativeGenerator(tiny_long_target, config=SpecConfig(draft="none"))
     with LiveServer(gen, max_batch=1, max_queue=8, request_timeout=1.0) as s:
         _slowed(s)  # 1000 tokens take over 5 s: both requests end by the timeout, never by their length
         body = {"prompt": "a b", "max_tokens": 1000, "ignore_eos": True}
@@ -201,7 +202,7 @@ def test_chat_template_overrides_the_tokenizers(tiny_target, tmp_path):
         with pytest.raises(ValueError, match="--chat-template"):
             load_chat_template(bad)
     tok = make_tokenizer()  # a tokenizer of its own: the app sets its template
-    gen = SpeculativeGenerator(LoadedModel(tiny_target.model, tok, "tiny"), None)
+    gen = SpeculativeGenerator(LoadedModel(tiny_target.model, tok, "tiny"), config=SpecConfig(draft="none"))
     with LiveServer(gen, chat_template=load_chat_template(str(tmp_path / "t.jinja"))) as s:
         msgs = [{"role": "user", "content": "a b"}]
         r = httpx.post(s.url + "/tokenize", json={"messages": msgs}).json()
@@ -211,7 +212,9 @@ def test_chat_template_overrides_the_tokenizers(tiny_target, tmp_path):
     refusing = (
         "{% if messages[0]['role'] != 'system' %}{{ raise_exception('a system message comes first') }}{% endif %}"
     )
-    gen = SpeculativeGenerator(LoadedModel(tiny_target.model, make_tokenizer(), "tiny"), None)
+    gen = SpeculativeGenerator(
+        LoadedModel(tiny_target.model, make_tokenizer(), "tiny"), config=SpecConfig(draft="none")
+    )
     with LiveServer(gen, chat_template=refusing) as s:
         for path in ("/v1/chat/completions", "/tokenize"):
             r = _post(s, {"messages": [{"role": "user", "content": "a"}]}, path)
@@ -261,7 +264,9 @@ def test_rl_generate_honours_max_model_len(server):
 
 def test_a_plain_request_whose_client_leaves_stops_though_its_events_come_fast(tiny_long_target):
     """Events every ~10 ms never let a 0.5 s wait time out: the client is watched on its own."""
-    with LiveServer(SpeculativeGenerator(tiny_long_target, None), max_batch=2, max_queue=4) as s:
+    with LiveServer(
+        SpeculativeGenerator(tiny_long_target, config=SpecConfig(draft="none")), max_batch=2, max_queue=4
+    ) as s:
         _slowed(s, 0.01)  # 3000 tokens take over 30 s: it ends by the hang-up, on any machine
         body = {"model": MODEL, "prompt": "a b", "max_tokens": 3000, "ignore_eos": True}
         with pytest.raises(httpx.ReadTimeout):  # the client gives up and hangs up
@@ -272,7 +277,7 @@ def test_a_plain_request_whose_client_leaves_stops_though_its_events_come_fast(t
 
 
 def test_a_failed_stream_ends_with_its_error_then_done_and_the_server_serves_on(tiny_target, caplog):
-    with LiveServer(SpeculativeGenerator(tiny_target, None)) as s:
+    with LiveServer(SpeculativeGenerator(tiny_target, config=SpecConfig(draft="none"))) as s:
 
         def broken():
             raise RuntimeError("injected device error")
@@ -289,7 +294,7 @@ def test_a_failed_stream_ends_with_its_error_then_done_and_the_server_serves_on(
 
 
 def test_served_without_a_scorer_shares_or_makes_one(tiny_target):
-    gen = SpeculativeGenerator(tiny_target, None)
+    gen = SpeculativeGenerator(tiny_target, config=SpecConfig(draft="none"))
     with LiveServer(gen) as s:
         s.engine.scorer = None
         s.app.state.served = served = Served(gen, s.engine, s.app.state.metrics, MODEL)
@@ -299,7 +304,7 @@ def test_served_without_a_scorer_shares_or_makes_one(tiny_target):
 
 
 def test_a_request_reaching_the_engine_after_the_shutdown_cut_gets_503(tiny_target):
-    with LiveServer(SpeculativeGenerator(tiny_target, None)) as s:
+    with LiveServer(SpeculativeGenerator(tiny_target, config=SpecConfig(draft="none"))) as s:
         s.engine.expire_all()  # what the drain does at --shutdown-timeout; the gate let this one through before
         r = _post(s, {"prompt": "a", "max_tokens": 2})
         assert r.status_code == 503 and r.headers["retry-after"] == "1" and r.json()["error"]["type"] == "server_error"

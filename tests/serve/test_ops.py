@@ -8,6 +8,7 @@ import openai
 import pytest
 
 import verispec
+from verispec.engine.config import SpecConfig
 from verispec.engine.generator import SpeculativeGenerator
 from verispec.rollout.client import RolloutClient, RolloutServerError
 
@@ -20,7 +21,7 @@ ORIGIN = "https://dash.example"
 
 @pytest.fixture(scope="module")
 def locked(tiny_target, tiny_draft):
-    gen = SpeculativeGenerator(tiny_target, tiny_draft, gamma=3)
+    gen = SpeculativeGenerator(tiny_target, tiny_draft, config=SpecConfig(draft="model", gamma=3))
     with LiveServer(gen, max_batch=4, api_key=KEY, cors_origins=[ORIGIN]) as s:
         yield s
 

@@ -12,13 +12,14 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from verispec.engine.config import SpecConfig
 from verispec.engine.generator import SpeculativeGenerator
-from verispec.engine.request import Request
+from verispec.engine.request import Job, Request
 from verispec.model.loading import LoadedModel
 from verispec.rollout import RolloutEngine
 from verispec.rollout.client import RolloutClient, RolloutServerError
 from verispec.sampling import SamplingParams
-from verispec.serve.engine import EngineThread, Job
+from verispec.serve.engine import Call, EngineThread
 
 from ..helpers.server import HANG_GUARD_S, MODEL, LiveServer, metric, wait_for_metric, wait_until
 from ..helpers.tiny import EOS, LONG_CONTEXT, loaded, noisy_copy
@@ -32,7 +33,7 @@ def _new_weights(seed: int = 5) -> dict[str, torch.Tensor]:
 
 def _generator(target: LoadedModel) -> SpeculativeGenerator:
     draft = LoadedModel(noisy_copy(target.model, 0.3), target.tokenizer, "noisy")  # separate: keeps its weights
-    return SpeculativeGenerator(target, draft, gamma=3)
+    return SpeculativeGenerator(target, draft, config=SpecConfig(draft="model", gamma=3))
 
 
 @pytest.fixture
@@ -293,13 +294,15 @@ def test_a_generate_whose_client_goes_away_is_aborted(served_long):
 
 def test_an_update_waiting_for_a_job_fails_when_the_server_stops(tiny_target, tiny_draft):
     """An update queued behind a running job when the engine stops gets an error instead of waiting forever."""
-    engine = EngineThread(SpeculativeGenerator(tiny_target, tiny_draft, gamma=3), max_batch=2)
+    engine = EngineThread(
+        SpeculativeGenerator(tiny_target, tiny_draft, config=SpecConfig(draft="model", gamma=3)), max_batch=2
+    )
     gate = threading.Event()
     run = engine.session.run
     engine.session.run = lambda: gate.wait(HANG_GUARD_S) and run()
     engine.start()
     loop = asyncio.new_event_loop()
-    engine.submit(Job(id="long", requests=[Request((3, 7), max_new_tokens=200, ignore_eos=True)], loop=loop))
+    engine.submit(Call(Job([Request((3, 7), max_new_tokens=200, ignore_eos=True)], key="long"), loop))
     wait_until(lambda: engine.num_running == 1, "the job to start")
     update = engine.between_jobs(lambda: "never")
     stopper = threading.Thread(target=engine.stop)

@@ -9,6 +9,7 @@ import httpx
 import openai
 import pytest
 
+from verispec.engine.config import SpecConfig
 from verispec.engine.generator import SpeculativeGenerator
 from verispec.sampling import SamplingParams
 
@@ -18,7 +19,11 @@ from ..helpers.tiny import LONG_CONTEXT
 
 @pytest.fixture(scope="module")
 def server(tiny_target, tiny_draft):
-    with LiveServer(SpeculativeGenerator(tiny_target, tiny_draft, gamma=3), max_batch=8, max_queue=256) as s:
+    with LiveServer(
+        SpeculativeGenerator(tiny_target, tiny_draft, config=SpecConfig(draft="model", gamma=3)),
+        max_batch=8,
+        max_queue=256,
+    ) as s:
         yield s
 
 
@@ -29,7 +34,7 @@ def test_models_and_health(server):
 
 def test_completion_greedy_equals_the_engine_and_reports_speculation(server, tiny_target):
     out = server.client().completions.create(model=MODEL, prompt="a b c a b", max_tokens=12, temperature=0)
-    ref = SpeculativeGenerator(tiny_target, None).generate(
+    ref = SpeculativeGenerator(tiny_target, config=SpecConfig(draft="none")).generate(
         "a b c a b", SamplingParams(temperature=0), max_new_tokens=12
     )[0]
     assert out.choices[0].text == ref.text and out.choices[0].finish_reason == ref.finish_reason
@@ -262,7 +267,11 @@ def test_load_32_clients_no_errors_no_lost_requests(server):
 
 
 def test_overload_returns_429_with_retry_after(tiny_target, tiny_draft):
-    with LiveServer(SpeculativeGenerator(tiny_target, tiny_draft, gamma=3), max_batch=1, max_queue=1) as s:
+    with LiveServer(
+        SpeculativeGenerator(tiny_target, tiny_draft, config=SpecConfig(draft="model", gamma=3)),
+        max_batch=1,
+        max_queue=1,
+    ) as s:
 
         def ask(_):
             return httpx.post(
@@ -280,7 +289,9 @@ def test_overload_returns_429_with_retry_after(tiny_target, tiny_draft):
 
 
 def test_client_disconnect_mid_stream_stops_the_request(tiny_long_target):
-    with LiveServer(SpeculativeGenerator(tiny_long_target, None), max_batch=4, max_queue=8) as s:
+    with LiveServer(
+        SpeculativeGenerator(tiny_long_target, config=SpecConfig(draft="none")), max_batch=4, max_queue=8
+    ) as s:
         endless = LONG_CONTEXT - 16  # thousands of steps: it ends only by the hang-up, on any machine
         body = {"model": MODEL, "prompt": "a b", "max_tokens": endless, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=60) as r:
@@ -348,15 +359,19 @@ def test_cli_serve_starts_and_answers(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "mode", [dict(coupling="gumbel"), dict(seeding="position", draft_stop_below=None)], ids=["gumbel", "position"]
+    "mode", [dict(random="gumbel"), dict(random="position", stop_below=None)], ids=["gumbel", "position"]
 )
 def test_seeded_requests_do_not_depend_on_gamma_auto_or_load(mode, tiny_target, tiny_noisy):
-    """The server's default gamma auto with --coupling gumbel (reference: plain decoding under the coupling) or
-    --seeding position (reference: the engine alone at gamma 1): seeded requests sent 16 at a time return the
+    """The server's default gamma auto with random=gumbel (reference: plain decoding under the coupling) or
+    random=position (reference: the engine alone at gamma 1): seeded requests sent 16 at a time return the
     reference's text, whatever batch they shared."""
-    gen = SpeculativeGenerator(tiny_target, tiny_noisy, gamma="auto", **mode)
-    plain = dict(coupling="gumbel") if "coupling" in mode else dict(seeding="position")  # default stop_below: ok
-    ref_gen = SpeculativeGenerator(tiny_target, None if "coupling" in mode else tiny_noisy, gamma=1, **plain)
+    gen = SpeculativeGenerator(tiny_target, tiny_noisy, config=SpecConfig(draft="model", gamma="auto", **mode))
+    if mode["random"] == "gumbel":
+        ref_gen = SpeculativeGenerator(tiny_target, config=SpecConfig(draft="none", gamma=1, random="gumbel"))
+    else:  # (the default stop_below: ok)
+        ref_gen = SpeculativeGenerator(
+            tiny_target, tiny_noisy, config=SpecConfig(draft="model", gamma=1, random="position")
+        )
     with LiveServer(gen, max_batch=8, max_queue=64) as s:
         c = s.client()
 

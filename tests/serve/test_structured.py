@@ -1,6 +1,6 @@
-"""Structured outputs on the OpenAI routes (`verispec.serve.structured`): OpenAI's response_format, vLLM's
-structured_outputs and guided_* fields, on a character-level tokenizer (tests/helpers/json_tok.py: a choice's text
-is its tokens joined) so the returned text can be checked against the constraint exactly. Every form of field
+"""Structured outputs on the OpenAI routes (`verispec.serve.jobs.request_constraint`): OpenAI's response_format,
+vLLM's structured_outputs and guided_* fields, on a character-level tokenizer (tests/helpers/json_tok.py: a choice's
+text is its tokens joined) so the returned text can be checked against the constraint exactly. Every form of field
 constrains the output (a random model left alone would not write these strings); every bad input is a 400 naming
 the field and saying what is wrong."""
 
@@ -12,6 +12,7 @@ import re
 import pytest
 from fastapi.testclient import TestClient
 
+from verispec.engine.config import SpecConfig
 from verispec.engine.generator import SpeculativeGenerator
 from verispec.model.loading import LoadedModel
 from verispec.sampling.constraint import MAX_CONSTRAINT_CHARS
@@ -35,7 +36,9 @@ def app():
     tok = make_json_tokenizer()
     target = LoadedModel(json_model(0), tok, "json-target")
     draft = LoadedModel(json_model(1, layers=1), tok, "json-draft")
-    return create_app(SpeculativeGenerator(target, draft, gamma=3), MODEL, max_batch=8)
+    return create_app(
+        SpeculativeGenerator(target, draft, config=SpecConfig(draft="model", gamma=3)), MODEL, max_batch=8
+    )
 
 
 @pytest.fixture(scope="module")

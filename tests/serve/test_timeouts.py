@@ -19,6 +19,7 @@ from types import SimpleNamespace
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
+from verispec.engine.config import SpecConfig
 from verispec.engine.generator import SpeculativeGenerator
 from verispec.serve import create_app
 from verispec.serve.shutdown import Gate, GateState, make_server
@@ -185,7 +186,7 @@ def test_a_response_longer_than_the_read_timeout_is_not_cut():
 def test_the_real_app_answers_a_stalled_body_408(tiny_target):
     """create_app's stack (its body cap reads the body, the Gate counts it): the stall is a 408 and the request
     leaves the gate; a request sent whole is answered as usual."""
-    app = create_app(SpeculativeGenerator(tiny_target, None), MODEL)
+    app = create_app(SpeculativeGenerator(tiny_target, config=SpecConfig(draft="none")), MODEL)
     reads = install_transport(app, read_timeout=0.5)
     assert app.state.body_reads is reads
     with Served(app, read_timeout=0.5) as s:

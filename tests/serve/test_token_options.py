@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from verispec.engine.config import SpecConfig
 from verispec.engine.generator import SpeculativeGenerator
 from verispec.sampling import SamplingParams
 
@@ -17,7 +18,11 @@ PARAMS = dict(logit_bias={5: 3.0, 6: -2.0}, allowed_token_ids=[3, 4, 5, 6, 7], b
 
 @pytest.fixture(scope="module")
 def server(tiny_target, tiny_noisy):
-    with LiveServer(SpeculativeGenerator(tiny_target, tiny_noisy, gamma=3), max_batch=8, max_queue=64) as s:
+    with LiveServer(
+        SpeculativeGenerator(tiny_target, tiny_noisy, config=SpecConfig(draft="model", gamma=3)),
+        max_batch=8,
+        max_queue=64,
+    ) as s:
         yield s
 
 
@@ -27,8 +32,8 @@ def test_token_options_give_the_engines_tokens(server, tiny_target, temperature)
     out = server.client().completions.create(
         **body, logit_bias=OPTIONS["logit_bias"], extra_body={k: OPTIONS[k] for k in ("allowed_token_ids", "bad_words")}
     )
-    ids = SpeculativeGenerator(tiny_target, None).encode("a c e")
-    ref = SpeculativeGenerator(tiny_target, None).generate(
+    ids = SpeculativeGenerator(tiny_target, config=SpecConfig(draft="none")).encode("a c e")
+    ref = SpeculativeGenerator(tiny_target, config=SpecConfig(draft="none")).generate(
         [ids], SamplingParams(temperature=temperature, seed=3, **PARAMS), max_new_tokens=12
     )[0]
     if temperature == 0.0:  # greedy: plain decoding's tokens exactly (sampled: the same law, other draws)

@@ -21,13 +21,14 @@ import xgrammar as xgr
 from verispec.engine.config import SpecConfig
 from verispec.engine.generator import SpeculativeGenerator
 from verispec.model.loading import LoadedModel
-from verispec.sampling import Constraint, SamplingParams
+from verispec.sampling import Constraint, ConstraintError, SamplingParams
 
 from ..helpers.grammar_law import compile_ebnf, fresh_mask
 from ..helpers.json_tok import EOS as JEOS
 from ..helpers.json_tok import V as JV
 from ..helpers.json_tok import json_model, make_json_tokenizer
 from ..helpers.tiny import EOS, V, noisy_copy
+from .test_bounded import xgrammar_accepts
 
 G_WORDS = 'root ::= ("a" | "b" | "c")+ "d" ("e" | "f" "g" "h")* "i"'
 SCHEMA = {
@@ -141,31 +142,28 @@ def test_sampled_json_is_valid_at_scale(each, json_models):
     assert reasons["stop"] >= 0.99 * 2 * each, reasons
 
 
-@pytest.mark.parametrize(
-    "schema",
-    [
-        {"type": "object", "properties": {"tag": {"type": "string", "pattern": "^[a-z]*$", "maxLength": 2}},
-         "required": ["tag"], "additionalProperties": False},
-    ],
-)  # fmt: skip
-def test_a_schema_keyword_the_grammar_engine_ignores_is_refused_or_kept(schema, json_models):
-    """BUG (src/verispec/structured/grammar.py, Grammars._compile): xgrammar 0.2.9 ignores minLength / maxLength
-    beside a pattern (it only logs "pattern combined with minLength/maxLength is not supported; ignoring
-    minLength/maxLength"), so the constraint compiles and outputs that end "stop" - claimed complete - break the
-    schema ({"tag": "abfalseifv..."}). A schema the engine cannot enforce should be refused (ConstraintError naming
-    the keyword), e.g. by checking for the combination before compiling, or by capturing xgrammar's warning."""
+@pytest.mark.parametrize(("bound", "breaking"), [({"maxLength": 2}, "abc"), ({"minLength": 1}, "")])
+def test_a_pattern_beside_a_length_bound_is_refused_before_any_output(bound, breaking, json_models):
+    """xgrammar 0.2.9 compiles a pattern beside minLength / maxLength and drops the bound (it only logs "pattern
+    combined with minLength/maxLength is not supported; ignoring minLength/maxLength"), so an output ending "stop" -
+    claimed complete - could break the schema. The generator refuses such a schema with a ConstraintError naming the
+    keyword and where it sits, before it produces anything; the refusal is needed: xgrammar alone accepts a value
+    that breaks the bound."""
+    schema = {
+        "type": "object",
+        "properties": {"tag": {"type": "string", "pattern": "^[a-z]*$", **bound}},
+        "required": ["tag"],
+        "additionalProperties": False,
+    }
+    text = json.dumps({"tag": breaking})
+    assert xgrammar_accepts(schema, text)  # the bound dropped ...
+    with pytest.raises(jsonschema.ValidationError):  # ... though the value breaks it
+        jsonschema.validate(json.loads(text), schema)
     target, _ = json_models
-    gen = SpeculativeGenerator(target, None)
-    c = Constraint.json_schema(schema)
-    try:
-        outs = gen.generate([[3]] * 50, [SamplingParams(temperature=1.0, seed=i, constraint=c) for i in range(50)],
-                            max_new_tokens=40)  # fmt: skip
-    except ValueError as e:
-        assert "maxLength" in str(e)
-        return
-    for o in outs:
-        if o.finish_reason == "stop":
-            jsonschema.validate(json.loads(o.text), schema)
+    gen = SpeculativeGenerator(target, config=SpecConfig(draft="none"))
+    params = [SamplingParams(temperature=1.0, seed=i, constraint=Constraint.json_schema(schema)) for i in range(4)]
+    with pytest.raises(ConstraintError, match=rf"'pattern' beside '{next(iter(bound))}' \(at #/properties/tag\)"):
+        gen.generate([[3]] * 4, params, max_new_tokens=40)
 
 
 def test_a_dead_end_ends_the_request_as_plain_decoding_does(tiny_target):

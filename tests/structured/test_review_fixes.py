@@ -63,7 +63,7 @@ def test_token_options_beside_a_constraint_are_refused():
 
 def test_the_keyword_check_reads_keyword_positions_only(models):
     target, _ = models
-    gen = SpeculativeGenerator(target, None)
+    gen = SpeculativeGenerator(target, config=SpecConfig(draft="none"))
     grammars = gen.core.grammars
     named = {"type": "object", "properties": {"if": {"type": "integer"}, "not": {"type": "boolean"}}}
     grammars.compile(Constraint.json_schema(named))  # property names, not keywords
@@ -83,7 +83,7 @@ def test_malformed_constraints_are_clear_errors(models):
     with pytest.raises(ConstraintError, match="nested too deeply"):
         Constraint.json_schema("[" * 5000 + "]" * 5000)
     target, _ = models
-    gen = SpeculativeGenerator(target, None)
+    gen = SpeculativeGenerator(target, config=SpecConfig(draft="none"))
     with pytest.raises(ConstraintError, match="temperature attribute"):  # xgrammar would read it, we would not
         gen.core.grammars.compile(Constraint.grammar('root ::= a "b"\na[temperature=0.1] ::= "a"'))
     with pytest.raises(ConstraintError, match="cannot be met"):  # the tokenizer has no upper-case letters

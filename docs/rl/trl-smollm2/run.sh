@@ -6,7 +6,7 @@ MODEL=${1:-$HOME/models/SmolLM2-135M-Instruct.Q4_1.gguf}
 PORT=8123
 POLICY=${POLICY_DIR:-/tmp/verispec-smollm2-fp32}   # TRL trains transformers checkpoints: the GGUF file as fp32
 [ -f "$POLICY/config.json" ] || python3 docs/rl/trl-smollm2/grpo.py --model "$MODEL" --convert-to "$POLICY"
-verispec serve --target "$POLICY" --runner fast --draft ngram --max-batch 16 --port $PORT --threads 1 &
+verispec serve --target "$POLICY" --spec runner=fast --draft ngram --max-batch 16 --port $PORT --threads 1 &
 SERVER=$!
 trap 'kill $SERVER 2>/dev/null || true' EXIT
 python3 docs/rl/trl-smollm2/grpo.py --server http://127.0.0.1:$PORT --model "$POLICY" \

@@ -1,21 +1,5 @@
 """Where a benchmark result came from: the one helper every result writer uses (`verispec bench *` and the scripts
-in docs/bench), so that a result file says which code measured it, when, and with which command.
-
-`provenance()` returns a dict to merge into the top level of a result:
-
-    commit    git rev-parse HEAD of the checkout verispec is imported from; None outside a git checkout (an
-              installed wheel), or where git is missing or fails
-    dirty     whether that checkout had uncommitted changes to tracked files (`git status --porcelain
-              --untracked-files=no` not empty: a result folder being written does not count); None without a commit
-    date      when the result was made, UTC, ISO 8601 to the second (2026-12-03T09:27:10+00:00)
-    command   the command line, as it would be typed (`verispec bench e2e ...`, `python3 docs/bench/x.py ...`)
-    verispec  the package version
-    python, torch, threads    the interpreter, torch's version and its intra-op threads in this process
-    cpu       the CPU's model name and the instruction set torch's CPU kernels use here ("... (AVX2)"): torch's
-              weight-only int4/int8 kernels, bfloat16 and oneDNN differ by it several-fold
-
-It never raises: a missing piece is None. `provenance_line(result)` is the same information as one line of a
-markdown report. Both are exported by `verispec.bench`."""
+in docs/bench), so that a result file says which code measured it, when, and how."""
 
 from __future__ import annotations
 
@@ -43,12 +27,11 @@ def _git(*args: str, cwd: Path = _HERE) -> str | None:
 def git_commit() -> tuple[str | None, bool | None]:
     """(HEAD, dirty) of the git checkout verispec is imported from, or (None, None) when this file is not tracked in
     one (an installed package; also a virtual environment inside some other project's repository)."""
-    if _git("ls-files", "--error-unmatch", "--", Path(__file__).name) is None:
+    tracked = _git("ls-files", "--error-unmatch", "--", Path(__file__).name) is not None
+    commit = _git("rev-parse", "HEAD") if tracked else None
+    if not commit:
         return None, None
-    commit = _git("rev-parse", "HEAD") or None
-    if commit is None:
-        return None, None
-    status = _git("status", "--porcelain", "--untracked-files=no")
+    status = _git("status", "--porcelain", "--untracked-files=no")  # a result folder being written does not count
     return commit, None if status is None else bool(status)
 
 
@@ -63,10 +46,8 @@ def command_line(argv: list[str] | None = None) -> str | None:
     head = Path(argv[0])
     if head.name == "verispec" or (head.name == "__main__.py" and "verispec" in head.parts):
         program = ["verispec"]
-    elif head.suffix == ".py":
-        program = ["python3", argv[0]]
     else:
-        program = [head.name]
+        program = ["python3", argv[0]] if head.suffix == ".py" else [head.name]
     return shlex.join(program + argv[1:])
 
 
@@ -75,16 +56,12 @@ def _cpu(capability: str | None) -> str | None:
     capability; None where neither is known."""
     name = None
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                name = line.split(":", 1)[1].strip()
-                break
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        name = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), None)
     except OSError:
         pass
     name = name or platform.processor() or None
-    if name and capability:
-        return f"{name} ({capability})"
-    return name or capability
+    return f"{name} ({capability})" if name and capability else name or capability
 
 
 def _torch() -> tuple[str | None, int | None, str | None]:
@@ -101,23 +78,17 @@ def _torch() -> tuple[str | None, int | None, str | None]:
 
 
 def provenance(argv: list[str] | None = None) -> dict:
-    """commit, dirty, date, command and the environment (see the module docstring), for the top level of a result.
-    argv: the command line to record (default sys.argv)."""
+    """The top level of a result: `commit` (git HEAD of the checkout verispec is imported from; None outside one),
+    `dirty` (uncommitted changes to tracked files), `date` (UTC, ISO 8601), `command` (argv as typed; default
+    sys.argv), `verispec`, `python`, `torch`, `threads` and `cpu` ("model name (AVX2)"). Never raises: None where
+    a piece is missing."""
     from .. import __version__
 
     commit, dirty = git_commit()
     torch_version, threads, capability = _torch()
-    return {
-        "commit": commit,
-        "dirty": dirty,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": command_line(argv),
-        "verispec": __version__,
-        "python": platform.python_version(),
-        "torch": torch_version,
-        "threads": threads,
-        "cpu": _cpu(capability),
-    }
+    date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    env = dict(python=platform.python_version(), torch=torch_version, threads=threads, cpu=_cpu(capability))
+    return dict(commit=commit, dirty=dirty, date=date, command=command_line(argv), verispec=__version__) | env
 
 
 def provenance_line(result: dict) -> str | None:
@@ -127,16 +98,11 @@ def provenance_line(result: dict) -> str | None:
         return None
     commit = result.get("commit")
     text = f"commit {commit[:12]}" if commit else "commit unknown (not a git checkout)"
-    if result.get("dirty"):
-        text += " (with uncommitted changes)"
-    if result.get("provenance"):
-        text += f" ({result['provenance']})"
+    text += " (with uncommitted changes)" if result.get("dirty") else ""
+    text += f" ({result['provenance']})" if result.get("provenance") else ""
     text += f", {result.get('date') or 'date unknown'}"
-    if result.get("cpu"):
-        text += f", on {result['cpu']}"
-    if result.get("command"):
-        text += f": `{result['command']}`"
-    return text
+    text += f", on {result['cpu']}" if result.get("cpu") else ""
+    return text + (f": `{result['command']}`" if result.get("command") else "")
 
 
 def provenance_lines(result: dict) -> list[str]:

@@ -1,39 +1,19 @@
-"""`verispec bench kernel`: verify_chain next to a plain reference and the memory limit, in one run.
-
-For each (B, k, V) it times, on the same inputs:
-  * read pass  — one read of target_probs and draft_probs (a sum), the memory-bandwidth floor;
-  * verispec   — verify_chain(check=False): the hot-path call an engine makes with trusted inputs, on p far
-                 from q (rows reject early: the residual path);
-  * p = q      — the same call with p = q at the draft positions: every draft accepted (the bonus path);
-  * +checks    — verify_chain(check=True): the default, with input validation;
-  * +per-row generators — check=False with one torch.Generator per row (per-request seeds);
-  * block      — verify_block(check=False): block verification (one more read of p and q, for the block masses);
-  * reference  — a plain implementation that builds the full residual at every position, row by row.
-and prints the ratios. Times are medians over repeats; ratios are what to read (shared, noisy machines).
-"""
+"""`verispec bench kernel`: verify_chain next to a plain reference and the memory limit, in one run (`time_shape`;
+docs/benchmarks.md, "What each benchmark measures")."""
 
 from __future__ import annotations
 
-import statistics
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
 from ..sampling.block import verify_block
 from ..sampling.chain import verify_chain
-from .table import markdown_table
+from .harness import Col, median_seconds, report_head, started, table
 
-DEFAULT_SHAPES: tuple[tuple[int, int, int], ...] = (
-    (1, 4, 32000),
-    (1, 4, 151936),
-    (2, 4, 151936),
-    (4, 4, 151936),
-    (8, 4, 151936),
-    (64, 8, 32000),
-    (32, 8, 151936),
-)
+DEFAULT_SHAPES: tuple[tuple[int, int, int], ...] = ((1, 4, 32000), (1, 4, 151936), (2, 4, 151936), (4, 4, 151936))
+DEFAULT_SHAPES += ((8, 4, 151936), (64, 8, 32000), (32, 8, 151936))
 
 
 def reference_verify_chain(target_probs: Tensor, draft_token_ids: Tensor, draft_probs: Tensor) -> Tensor:
@@ -58,18 +38,6 @@ def reference_verify_chain(target_probs: Tensor, draft_token_ids: Tensor, draft_
     return out
 
 
-def _time(fn: Callable[[], object], repeats: int, min_seconds: float = 0.2) -> float:
-    """Median seconds per call; warms up once, repeats at least `repeats` times or `min_seconds`."""
-    fn()
-    times: list[float] = []
-    start = time.perf_counter()
-    while len(times) < repeats or (time.perf_counter() - start < min_seconds and len(times) < 1000):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def make_inputs(B: int, k: int, V: int, device: str = "cpu", seed: int = 0):
     g = torch.Generator(device="cpu").manual_seed(seed)
     target_probs = torch.randn((B, k + 1, V), generator=g).mul_(3).softmax(-1).to(device)  # [B, k+1, V]
@@ -78,85 +46,55 @@ def make_inputs(B: int, k: int, V: int, device: str = "cpu", seed: int = 0):
     return target_probs, draft_ids, draft_probs
 
 
-def run(
-    shapes: Sequence[tuple[int, int, int]] = DEFAULT_SHAPES,
-    repeats: int = 10,
-    device: str = "cpu",
-    reference: bool = True,
-) -> list[dict]:
-    return [time_shape(B, k, V, repeats, device, reference) for B, k, V in shapes]
+def run(shapes: Sequence[tuple[int, int, int]] = DEFAULT_SHAPES, repeats=10, device="cpu", reference=True) -> dict:
+    """The result: the provenance, the device, and one row per shape (`time_shape`)."""
+    result = started(device=device)  # the code, date and command at the start of the run
+    return result | {"rows": [time_shape(B, k, V, repeats, device, reference) for B, k, V in shapes]}
 
 
 def time_shape(B: int, k: int, V: int, repeats: int = 10, device: str = "cpu", reference: bool = True) -> dict:
-    """One row of the benchmark: every timing in the module docstring at one (B, k, V)."""
-    target_probs, draft_ids, draft_probs = make_inputs(B, k, V, device)
+    """One row of the benchmark at one (B, k, V), the same inputs for all: one read of p and q (the memory floor);
+    verify_chain(check=False) on p far from q (the residual path) and on p = q (the bonus path); with checks; with
+    one generator per row; verify_block; and a plain per-row reference that builds the full residual."""
+    p, ids, q = make_inputs(B, k, V, device)
     gens = [torch.Generator(device=device).manual_seed(i) for i in range(B)]
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    same = torch.cat([q, p[:, -1:]], 1)  # [B, k + 1, V]: p = q at every draft position
 
     def timed(fn):
-        def call():
-            fn()
-            sync()
+        return median_seconds(lambda: (fn(), sync()), repeats, min_seconds=0.2)
 
-        return _time(call, repeats)
-
-    r = {
-        "B": B,
-        "k": k,
-        "V": V,
-        "bytes": target_probs.numel() * target_probs.element_size() + draft_probs.numel() * draft_probs.element_size(),
-    }
-    r["read_s"] = timed(lambda: (target_probs.sum(), draft_probs.sum()))
-    r["verispec_s"] = timed(lambda: verify_chain(target_probs, draft_ids, draft_probs, check=False))
-    same = torch.cat([draft_probs, target_probs[:, -1:]], 1)  # [B, k + 1, V]: p = q at every draft position
-    r["same_s"] = timed(lambda: verify_chain(same, draft_ids, draft_probs, check=False))
-    r["checked_s"] = timed(lambda: verify_chain(target_probs, draft_ids, draft_probs))
-    r["generators_s"] = timed(lambda: verify_chain(target_probs, draft_ids, draft_probs, generators=gens, check=False))
-    r["block_s"] = timed(lambda: verify_block(target_probs, draft_ids, draft_probs, check=False))
+    r = dict(B=B, k=k, V=V, bytes=p.numel() * p.element_size() + q.numel() * q.element_size())
+    r["read_s"] = timed(lambda: (p.sum(), q.sum()))
+    r["verispec_s"] = timed(lambda: verify_chain(p, ids, q, check=False))
+    r["same_s"] = timed(lambda: verify_chain(same, ids, q, check=False))
+    r["checked_s"] = timed(lambda: verify_chain(p, ids, q))
+    r["generators_s"] = timed(lambda: verify_chain(p, ids, q, generators=gens, check=False))
+    r["block_s"] = timed(lambda: verify_block(p, ids, q, check=False))
     if reference:
-        tp, di, dp = target_probs.cpu(), draft_ids.cpu(), draft_probs.cpu()
-        r["reference_s"] = _time(lambda: reference_verify_chain(tp, di, dp), max(2, repeats // 4), 0.0)
+        tp, di, dp = p.cpu(), ids.cpu(), q.cpu()
+        r["reference_s"] = median_seconds(lambda: reference_verify_chain(tp, di, dp), max(2, repeats // 4))
     return r
 
 
-def to_markdown(rows: list[dict]) -> str:
-    header = [
-        "B",
-        "k",
-        "V",
-        "read pass ms",
-        "verispec ms",
-        "x read",
-        "p = q ms",
-        "x read",
-        "+checks ms",
-        "x read",
-        "+generators ms",
-        "block ms",
-        "x read",
-        "reference ms",
-        "reference / verispec",
-    ]
-    cells = []
-    for r in rows:
-        ref = r.get("reference_s")
-        cells.append(
-            [
-                r["B"],
-                r["k"],
-                r["V"],
-                f"{r['read_s'] * 1e3:.3f}",
-                f"{r['verispec_s'] * 1e3:.3f}",
-                f"{r['verispec_s'] / r['read_s']:.2f}",
-                f"{r['same_s'] * 1e3:.3f}",
-                f"{r['same_s'] / r['read_s']:.2f}",
-                f"{r['checked_s'] * 1e3:.3f}",
-                f"{r['checked_s'] / r['read_s']:.2f}",
-                f"{r['generators_s'] * 1e3:.3f}",
-                f"{r['block_s'] * 1e3:.3f}",
-                f"{r['block_s'] / r['read_s']:.2f}",
-                f"{ref * 1e3:.1f}" if ref is not None else "-",
-                f"{ref / r['verispec_s']:.1f}" if ref is not None else "-",
-            ]
-        )
-    return "\n".join(markdown_table(header, cells))
+def _ms(header: str, key: str, spec: str = ".3f") -> Col:
+    return Col(header, lambda r: None if r.get(key) is None else 1e3 * r[key], spec)
+
+
+def _x(key: str, of: str = "read_s", header: str = "x read", spec: str = ".2f") -> Col:
+    return Col(header, lambda r: None if r.get(key) is None else r[key] / r[of], spec)
+
+
+COLUMNS = ["B", "k", "V", _ms("read pass ms", "read_s"), _ms("verispec ms", "verispec_s")]
+COLUMNS += [_x("verispec_s"), _ms("p = q ms", "same_s"), _x("same_s"), _ms("+checks ms", "checked_s"), _x("checked_s")]
+COLUMNS += [_ms("+generators ms", "generators_s"), _ms("block ms", "block_s"), _x("block_s")]
+COLUMNS += [_ms("reference ms", "reference_s", ".1f"), _x("reference_s", "verispec_s", "reference / verispec", ".1f")]
+
+
+def to_markdown(result: dict) -> str:
+    head = report_head(
+        result,
+        f"verify_chain on {result['device']}, torch {result['torch']}, {result['threads']} threads; median times; "
+        "'x read' = time / one read pass over the inputs",
+    )
+    return "\n".join(head + table(result["rows"], COLUMNS))

@@ -1,61 +1,26 @@
-"""`verispec bench rollout`: a GRPO-shaped rollout workload, every drafting method side by side in one run.
-
-Per category: the first `num_prompts` prompts, G samples each (one `RolloutEngine.generate` call: a batch of
-num_prompts * G rows), temperature 1, `max_new_tokens` per sample (EOS ignored so every method produces the same
-number of tokens), for `epochs` epochs over the same prompts. Between epochs the target's weights are perturbed
-as a stand-in for an optimizer step: every floating-point tensor with two or more dimensions gets Gaussian noise
-of `noise` times its RMS (seeded by epoch), sent to every engine through `update_weights` (the first engine writes
-it, the others write the same values and rebuild what they derived: their int4 self-drafts are re-quantized).
-
-Methods (one engine each, all over the same target object; they keep their history across epochs):
-    plain           plain batched decoding (the baseline)
-    draft           the draft model (quantized with `draft_quant`), chains of `gamma`
-    self            the target's own weights quantized (`self_quant`), chains of `gamma` (re-quantized after updates)
-    history         suffix decoding over the group's siblings and earlier epochs' rollouts (exact trie)
-    history+self    history branches beside a sampled self-draft chain in one tree (rule "mixed")
-    history+draft   history branches beside a sampled draft-model chain
-    history/self    per row and step, the history trie alone where it is at least `choose_depth` deep, else the
-    history/draft   self-draft's / draft model's chain alone
-Reported per method, epoch and category: rollout tokens/s, the ratio to plain (same epoch and category), tau
-(tokens per target pass), accepted tokens per draft source, and the update and re-quantization times.
-"""
+"""`verispec bench rollout`: a GRPO-shaped rollout workload over epochs with weight updates, every drafting method
+(METHODS) side by side in one run; what it measures: docs/benchmarks.md, "What each benchmark measures"."""
 
 from __future__ import annotations
 
-import time
 from dataclasses import asdict, dataclass
 
 import torch
 
 from ..drafting import TreeSpec
+from ..engine.config import DRAFTERS, SpecConfig
 from ..model.loading import LoadedModel
 from ..rollout import RolloutEngine
 from ..sampling import SamplingParams
-from ._provenance import provenance, provenance_lines
-from .config import SelfDraftBenchConfig
+from .harness import SelfDraftBenchConfig, bars, ratio_to, report_head, side_by_side, started, table, timed
+from .runner import measure_curve
 
-__all__ = [
-    "METHODS",
-    "RolloutBenchConfig",
-    "RolloutWorkloadConfig",
-    "engine_options",
-    "perturbed",
-    "plot",
-    "run_rollout_bench",
-    "timed_generate",
-    "to_markdown",
-]
+__all__ = ["METHODS", "RolloutBenchConfig", "RolloutWorkloadConfig", "method_config", "perturbed", "plot"]
+__all__ += ["run_rollout_bench", "timed_generate", "to_markdown"]
 
-METHODS = {  # name -> (draft: None / "self" / "model", history, one part per row: CombinedProposer's choose_depth)
-    "plain": (None, False, False),
-    "draft": ("model", False, False),
-    "self": ("self", False, False),
-    "history": (None, True, False),
-    "history+self": ("self", True, False),
-    "history+draft": ("model", True, False),
-    "history/self": ("self", True, True),
-    "history/draft": ("model", True, True),
-}
+METHODS = {"plain": "none", "draft": "model", "self": "self", "history": "history"}  # name -> SpecConfig's draft
+METHODS |= {"history+self": "self+history", "history+draft": "model+history"}  # one tree: branches beside a chain
+METHODS |= {"history/self": "self+history", "history/draft": "model+history"}  # per row and step, one (choose_depth)
 
 
 @dataclass(frozen=True)
@@ -79,8 +44,7 @@ class RolloutBenchConfig(RolloutWorkloadConfig):
     methods: tuple[str, ...] = ("plain", "draft", "self", "history", "history+self")
 
     def __post_init__(self):
-        spec = TreeSpec.parse(self.history_tree)
-        if not spec.dynamic:
+        if not TreeSpec.parse(self.history_tree).dynamic:
             raise ValueError(f"history_tree must be dynamic-D-K-M, got {self.history_tree!r}")
         if not 0.0 <= self.history_min_share <= 1.0:
             raise ValueError(f"history_min_share must be in [0, 1], got {self.history_min_share}")
@@ -102,186 +66,102 @@ def perturbed(model: torch.nn.Module, noise: float, seed: int) -> list[tuple[str
     return out
 
 
-def engine_options(method: str, draft, cfg: RolloutWorkloadConfig, trie: RolloutBenchConfig | None = None):
-    """A method's draft (None, "self" or `draft`) and its RolloutEngine keyword arguments under `cfg`; the history
-    trie's options from `trie` (default: cfg itself)."""
-    which, history, pick = METHODS[method]
-    if which == "model" and draft is None:
-        raise ValueError(f"method {method!r} needs --draft")
-    trie = cfg if trie is None else trie
-    kwargs = dict(
-        draft_quant=cfg.draft_quant if which == "model" else cfg.self_quant if which == "self" else None,
-        history=history,
-        history_tree=TreeSpec.parse(trie.history_tree),
-        history_min_share=trie.history_min_share,
-        choose_depth=trie.choose_depth if pick else None,
-        gamma=cfg.gamma,
-        max_batch_size=cfg.group * cfg.num_prompts,
-        runner=cfg.runner,
-    )
-    return (draft if which == "model" else which), kwargs
+def method_config(method: str, cfg: RolloutWorkloadConfig, trie: RolloutBenchConfig | None = None) -> SpecConfig:
+    """A method's SpecConfig under `cfg` (RL's: a fixed gamma run to its end, random=stream); the history trie's
+    shape from `trie` (default: cfg itself)."""
+    draft, trie = METHODS[method], cfg if trie is None else trie
+    items = dict(draft=draft, gamma=cfg.gamma, stop_below=None, random="stream", runner=cfg.runner)
+    if DRAFTERS[draft].history:
+        items |= dict(tree=trie.history_tree, min_share=trie.history_min_share)
+        items |= {"choose_depth": trie.choose_depth} if "/" in method else {}
+    return SpecConfig(**items, **cfg.quant_keys(draft))
 
 
-def _engine(method: str, target: LoadedModel, draft: LoadedModel | None, cfg: RolloutBenchConfig) -> RolloutEngine:
-    model, kwargs = engine_options(method, draft, cfg)
-    return RolloutEngine(target, model, **kwargs)
-
-
-@torch.inference_mode()
-def cost_curve(runner, batch: int, per_row: tuple[int, ...] = (1, 2, 3, 5, 9, 17), context: int = 64) -> list[dict]:
-    """Median seconds of one target forward over `batch` rows with n new tokens each, after `context` cached ones:
-    the price of verifying n - 1 drafts per row at this batch size (T_B(n) / T_B(1) is what a step must beat)."""
-    g = torch.Generator().manual_seed(0)
-    vocab = runner.vocab_size
-    runner.start(batch, context + max(per_row) + 1)
-    runner.prefill([torch.randint(0, vocab, (context,), generator=g).tolist() for _ in range(batch)])
-    out = []
-    for n in per_row:
-        times = []
-        for _ in range(3):
-            toks = [torch.randint(0, vocab, (n,), generator=g).tolist() for _ in range(batch)]
-            t0 = time.perf_counter()
-            runner.forward(toks)
-            times.append(time.perf_counter() - t0)
-            runner.truncate([context] * batch)
-        out.append(dict(batch=batch, tokens_per_row=n, seconds=sorted(times)[1]))
-    runner.cache = None
-    return out
-
-
-def run_rollout_bench(
-    target: LoadedModel, draft: LoadedModel | None, prompts: dict[str, list[str]], cfg: RolloutBenchConfig, log=print
-) -> dict:
-    origin = provenance()  # the code, date and command at the start of the run
-    engines = {m: _engine(m, target, draft, cfg) for m in cfg.methods}
-    first = next(iter(engines.values()))
-    ids = {c: [first.gen.encode(p, cfg.chat) for p in ps[: cfg.num_prompts]] for c, ps in prompts.items()}
-    params = SamplingParams(temperature=cfg.temperature)
-    records, updates = [], []
+def run_rollout_bench(target: LoadedModel, draft, prompts: dict[str, list[str]], cfg: RolloutBenchConfig, log=print):
+    """Every method's engine over every epoch and category (see the module docstring)."""
+    result = started()  # the code, date and command at the start of the run
     rows = cfg.group * cfg.num_prompts
-    curve = cost_curve(first.gen.runner, rows)
+    engines = {}
+    for m in cfg.methods:
+        config = method_config(m, cfg)
+        engines[m] = RolloutEngine(target, draft if config.drafter.model else None, config=config, max_batch_size=rows)
+    first = next(iter(engines.values())).gen.core
+    ids = {c: [first.encode(p, cfg.chat) for p in ps[: cfg.num_prompts]] for c, ps in prompts.items()}
+    per_row = [1, 2, 3, 5, 9, 17]
+    seconds = measure_curve({"target": first.runner}, first.vocab_size, per_row, repeats=3, batch=rows)["target"]
+    curve = [dict(batch=rows, tokens_per_row=n, seconds=s) for n, s in zip(per_row, seconds)]
     log(f"T_B(n) at batch {rows}: " + ", ".join(f"{c['tokens_per_row']}: {c['seconds']:.3f}s" for c in curve))
+    records, updates = [], []
     for epoch in range(cfg.epochs):
-        if epoch:
-            t0 = time.perf_counter()
-            new = perturbed(target.model, cfg.noise, cfg.seed * 1000 + epoch)
-            made = time.perf_counter() - t0
-            for m, eng in engines.items():
-                rep = eng.update_weights(new)
-                updates.append(dict(epoch=epoch, method=m, noise_seconds=made, **asdict(rep)))
-                log(f"epoch {epoch}: {m} update {rep.seconds:.2f}s, re-quantization {rep.requantize_seconds:.2f}s")
-            del new
-        for cat, cat_ids in ids.items():
-            for m, eng in engines.items():
-                records.append(_measure(eng, m, epoch, cat, cat_ids, params, cfg))
-                r = records[-1]
-                log(f"epoch {epoch} {cat:5s} {m:14s} {r['tokens_per_s']:6.2f} tok/s  tau {r['tau']:.2f}")
-    _ratios(records)
-    return dict(
-        **origin,  # commit, dirty, date, command, verispec, python, torch, threads
-        config=asdict(cfg),
-        target=target.name,
-        draft=draft.name if draft else None,
-        cost_curve=curve,
-        records=records,
-        updates=updates,
-    )
+        updates += _update(engines, target, epoch, cfg, log) if epoch else []
+        measure = lambda m, case: _measure(engines[m], case["epoch"], ids[case["category"]], cfg)  # noqa: E731
+        records += side_by_side([dict(epoch=epoch, category=c) for c in ids], cfg.methods, measure, log)
+    ratio_to(records, {"method": "plain"}, "tokens_per_s", ("epoch", "category"), "ratio_to_plain")
+    extra = dict(config=asdict(cfg), target=target.name, draft=draft.name if draft else None, cost_curve=curve)
+    return result | extra | dict(records=records, updates=updates)
+
+
+def _update(engines: dict, target: LoadedModel, epoch: int, cfg: RolloutBenchConfig, log) -> list[dict]:
+    """The perturbed weights of an epoch, sent to every engine: one record each."""
+    made, new = timed(perturbed, target.model, cfg.noise, cfg.seed * 1000 + epoch)
+    out = []
+    for m, eng in engines.items():
+        rep = eng.update_weights(new)
+        out.append(dict(epoch=epoch, method=m, noise_seconds=made, **asdict(rep)))
+        log(f"epoch {epoch}: {m} update {rep.seconds:.2f}s, re-quantization {rep.requantize_seconds:.2f}s")
+    return out
 
 
 def timed_generate(engine, prompts, **kwargs) -> tuple[list, dict]:
     """One `generate` call of a RolloutEngine or a RolloutCluster, timed: its rollouts, and their rows, tokens,
     seconds, tokens_per_s and tau (tokens per verification pass of a row, pooled over the rows)."""
-    t0 = time.perf_counter()
-    outs = engine.generate(prompts, **kwargs)
-    seconds = time.perf_counter() - t0
+    seconds, outs = timed(engine.generate, prompts, **kwargs)
     tokens = sum(len(o.completion_token_ids) for o in outs)
     tau = tokens / max(engine.last_stats.target_passes, 1)
     return outs, dict(rows=len(outs), tokens=tokens, seconds=seconds, tokens_per_s=tokens / seconds, tau=tau)
 
 
-def _measure(eng: RolloutEngine, method: str, epoch: int, cat: str, ids, params, cfg) -> dict:
-    before = dict(getattr(eng.gen.proposer, "accepted_by_source", {}))
+def _measure(eng: RolloutEngine, epoch: int, ids, cfg: RolloutBenchConfig) -> dict:
+    proposer = eng.gen.core.proposer
+    before = dict(getattr(proposer, "accepted_by_source", {}))
+    params = SamplingParams(temperature=cfg.temperature)
     kwargs = dict(n=cfg.group, params=params, max_new_tokens=cfg.max_new_tokens, seed=cfg.seed + epoch)
-    outs, timed = timed_generate(eng, ids, **kwargs, ignore_eos=True)
+    outs, figures = timed_generate(eng, ids, **kwargs, ignore_eos=True)
     st = eng.last_stats
-    after = getattr(eng.gen.proposer, "accepted_by_source", None)
-    by_source = (
-        {k: v - before.get(k, 0) for k, v in after.items()}
-        if after is not None
-        else {eng.gen.proposer.name: st.accepted}
-        if eng.gen.proposer is not None
-        else {}
-    )
-    return dict(
-        method=method,
-        epoch=epoch,
-        category=cat,
-        **timed,
-        drafted_per_step=st.drafted / max(st.target_passes, 1),
-        nodes_per_step=st.nodes / max(st.target_passes, 1),
-        accepted=st.accepted,
-        accepted_by_source=by_source,
-        weight_version=outs[0].weight_version,
-    )
+    after = getattr(proposer, "accepted_by_source", None)
+    by_source = {proposer.name: st.accepted} if proposer is not None else {}
+    by_source = {k: v - before.get(k, 0) for k, v in after.items()} if after is not None else by_source
+    passes = max(st.target_passes, 1)
+    out = dict(drafted_per_step=st.drafted / passes, nodes_per_step=st.nodes / passes, accepted=st.accepted)
+    return figures | out | dict(accepted_by_source=by_source, weight_version=outs[0].weight_version)
 
 
-def _ratios(records: list[dict]) -> None:
-    plain = {(r["epoch"], r["category"]): r["tokens_per_s"] for r in records if r["method"] == "plain"}
-    for r in records:
-        base = plain.get((r["epoch"], r["category"]))
-        r["ratio_to_plain"] = r["tokens_per_s"] / base if base else None
+COLUMNS = ["epoch", "category", "method", ("tokens/s", "tokens_per_s", ".2f"), ("x plain", "ratio_to_plain", ".2f")]
+COLUMNS += [("tau", "tau", ".2f"), ("drafted/step", "drafted_per_step", ".2f"), ("nodes/step", "nodes_per_step", ".2f")]
+COLUMNS += [("accepted by source", lambda r: ", ".join(f"{k} {v}" for k, v in r["accepted_by_source"].items()) or "-")]
 
 
 def to_markdown(result: dict) -> str:
     cfg = result["config"]
-    lines = [
-        *provenance_lines(result),
+    lines = report_head(
+        result,
         f"bench rollout: target {result['target']}, draft {result['draft']}, G = {cfg['group']} x "
         f"{cfg['num_prompts']} prompt(s) per category, {cfg['max_new_tokens']} new tokens, temperature "
         f"{cfg['temperature']:g}, {cfg['epochs']} epochs, weights + noise {cfg['noise']:g} x RMS between epochs",
-        "",
-        "| epoch | category | method | tokens/s | x plain | tau | drafted/step | nodes/step | accepted by source |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in result["records"]:
-        ratio = "-" if r["ratio_to_plain"] is None else f"{r['ratio_to_plain']:.2f}"
-        src = ", ".join(f"{k} {v}" for k, v in r["accepted_by_source"].items()) or "-"
-        lines.append(
-            f"| {r['epoch']} | {r['category']} | {r['method']} | {r['tokens_per_s']:.2f} | {ratio} | {r['tau']:.2f} "
-            f"| {r['drafted_per_step']:.2f} | {r['nodes_per_step']:.2f} | {src} |"
-        )
+    )
+    lines += table(result["records"], COLUMNS)
     curve = result.get("cost_curve") or []
     if curve:
-        t1 = curve[0]["seconds"]
         lines += ["", f"target cost curve at batch {curve[0]['batch']} (one forward, n new tokens per row):", ""]
-        lines += ["| n | seconds | x T(1) |", "|---|---|---|"]
-        lines += [f"| {c['tokens_per_row']} | {c['seconds']:.3f} | {c['seconds'] / t1:.2f} |" for c in curve]
+        x_t1 = ("x T(1)", lambda c: c["seconds"] / curve[0]["seconds"], ".2f")
+        lines += table(curve, [("n", "tokens_per_row"), ("seconds", "seconds", ".3f"), x_t1])
     if result["updates"]:
-        lines += ["", "| epoch | method | update s | re-quantization s |", "|---|---|---|---|"]
-        for u in result["updates"]:
-            lines.append(f"| {u['epoch']} | {u['method']} | {u['seconds']:.2f} | {u['requantize_seconds']:.2f} |")
+        cols = ["epoch", "method", ("update s", "seconds", ".2f"), ("re-quantization s", "requantize_seconds", ".2f")]
+        lines += ["", *table(result["updates"], cols)]
     return "\n".join(lines)
 
 
 def plot(result: dict, path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    recs = result["records"]
-    cats = list(dict.fromkeys(r["category"] for r in recs))
-    methods = [m for m in dict.fromkeys(r["method"] for r in recs) if m != "plain"]
-    fig, axes = plt.subplots(1, len(cats), figsize=(5 * len(cats), 4), squeeze=False)
-    for ax, cat in zip(axes[0], cats):
-        for m in methods:
-            pts = [(r["epoch"], r["ratio_to_plain"] or 0) for r in recs if r["category"] == cat and r["method"] == m]
-            ax.plot([e for e, _ in pts], [v for _, v in pts], marker="o", label=m)
-        ax.axhline(1.0, color="black", linewidth=0.8)
-        ax.set_title(f"{cat}: rollout tokens/s over plain")
-        ax.set_xlabel("epoch (weights perturbed before each)")
-        ax.set_xticks(range(result["config"]["epochs"]))
-    axes[0][0].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    recs = [r for r in result["records"] if r["method"] != "plain"]
+    title = lambda c: f"{c}: rollout tokens/s over plain, per epoch"  # noqa: E731
+    bars(path, recs, "category", "epoch", "method", "ratio_to_plain", title=title, ylabel="x plain")

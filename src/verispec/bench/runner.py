@@ -1,15 +1,5 @@
-"""`verispec bench runner`: the cost of decode(1) and verify(k) per model forward, side by side in one run.
-
-Paths (same model, same context, interleaved measurements so machine noise hits all alike):
-    hf          transformers' forward (`HFRunner`)
-    fast        verispec's fast runner (`FastRunner`: fused, oneDNN/cuBLAS linears)
-    int8-self   the fast runner on int8 weight-only copies of the same weights (a self-draft)
-    int4-self   the same with int4 weights
-    llamacpp    llama.cpp on the model's GGUF file, in the file's own quantization (`LlamaCppRunner`)
-For each path: median seconds of one forward over k = 1..max_k new tokens after `context` cached tokens
-(batch 1), the weight bytes one step reads, and the achieved read rate of decode(1), next to the machine's
-measured read bandwidth (a streaming sum over a buffer far larger than the caches).
-"""
+"""`verispec bench runner`: the cost of decode(1) and verify(k) per model forward for each path (PATHS), side by side
+in one run; what it measures: docs/benchmarks.md, "What each benchmark measures"."""
 
 from __future__ import annotations
 
@@ -19,9 +9,9 @@ import time
 import torch
 
 from ..model.fast import FastRunner
+from ..model.llamacpp import LlamaCppRunner
 from ..model.runner import HFRunner
-from ._provenance import provenance, provenance_lines
-from .table import markdown_table
+from .harness import report_head, started, table
 
 __all__ = ["PATHS", "measure_curve", "read_bandwidth", "run", "to_markdown"]
 
@@ -29,58 +19,49 @@ PATHS = ("hf", "fast", "int8-self", "int4-self", "llamacpp")
 TORCH_PATHS = PATHS[:4]
 
 
+def _timed(device, fn, *args, **kwargs) -> float:
+    """Seconds of fn(*args, **kwargs), a CUDA device synchronized before and after."""
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else lambda: None
+    sync()
+    t0 = time.perf_counter()
+    fn(*args, **kwargs)
+    sync()
+    return time.perf_counter() - t0
+
+
 def read_bandwidth(nbytes: int = 1 << 30, repeats: int = 9, device: str | torch.device = "cpu") -> tuple[float, float]:
     """(median, best) bytes per second of a streaming read: torch.sum over an nbytes float32 buffer of random
     values (not constants: a VM may deduplicate identical pages, which fakes the rate)."""
     buf = torch.rand(nbytes // 4, generator=torch.Generator().manual_seed(0)).to(device)
-    times = []
-    for rep in range(repeats + 1):
-        _sync(device)
-        t0 = time.perf_counter()
-        buf.sum()
-        _sync(device)
-        if rep:
-            times.append(time.perf_counter() - t0)
+    times = [_timed(device, buf.sum) for _ in range(repeats + 1)][1:]  # the first round warms up
     return buf.numel() * 4 / statistics.median(times), buf.numel() * 4 / min(times)
 
 
-def _sync(device) -> None:
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize()
-
-
-def _prepare(runner: HFRunner, vocab: int, context: int, max_k: int) -> None:
-    runner.start(1, context + max_k + 1)
+def _prepare(runner, vocab: int, context: int, max_k: int, batch: int = 1) -> None:
+    runner.start(batch, context + max_k + 1)
     g = torch.Generator().manual_seed(0)
-    runner.prefill([torch.randint(0, vocab, (context,), generator=g).tolist()])
+    runner.prefill([torch.randint(0, vocab, (context,), generator=g).tolist() for _ in range(batch)])
 
 
 @torch.inference_mode()
-def measure_curve(
-    runners: dict[str, HFRunner], vocab: int, ks: list[int], context: int = 64, repeats: int = 7
-) -> dict[str, list[float]]:
-    """Median seconds of a forward over k new tokens (each k in ks) after `context` cached tokens, per runner.
-    Measurements are interleaved: for each k and repeat, every runner runs once before the next repeat."""
+def measure_curve(runners: dict, vocab: int, ks: list[int], context: int = 64, repeats: int = 7, batch: int = 1):
+    """{name: median seconds of a forward over k new tokens per row (each k in ks) after `context` cached tokens, at
+    `batch` rows}. Interleaved: for each k and repeat, every runner runs once before the next repeat."""
     for r in runners.values():
-        _prepare(r, vocab, context, max(ks))
+        _prepare(r, vocab, context, max(ks), batch)
     g = torch.Generator().manual_seed(1)
     times: dict[str, dict[int, list[float]]] = {name: {k: [] for k in ks} for name in runners}
     for k in ks:
         for rep in range(repeats + 1):  # the first round warms up
-            toks = torch.randint(0, vocab, (k,), generator=g).tolist()
+            toks = [torch.randint(0, vocab, (k,), generator=g).tolist() for _ in range(batch)]
             for name, r in runners.items():
-                _sync(r.device)
-                t0 = time.perf_counter()
-                r.forward([toks], logits_at="all")
-                _sync(r.device)
-                if rep:
-                    times[name][k].append(time.perf_counter() - t0)
-                r.truncate([context])
+                times[name][k] += [_timed(r.device, r.forward, toks, logits_at="all")] if rep else []
+                r.truncate([context] * batch)
     return {name: [statistics.median(times[name][k]) for k in ks] for name in runners}
 
 
 @torch.inference_mode()
-def batch_consistency(runner: HFRunner, vocab: int, k: int, context: int = 64, trials: int = 4) -> dict:
+def batch_consistency(runner, vocab: int, k: int, context: int = 64, trials: int = 4) -> dict:
     """How far a verify pass's logits (k tokens in one forward) are from decoding the same tokens one at a time,
     over `trials` random token chains: max |logit difference| and max total variation between the two softmaxes."""
     g = torch.Generator().manual_seed(2)
@@ -92,16 +73,19 @@ def batch_consistency(runner: HFRunner, vocab: int, k: int, context: int = 64, t
         runner.truncate([context])
         single = torch.stack([runner.forward([[t]], logits_at="last")[0] for t in toks]).double()  # [k, V]
         worst_logit = max(worst_logit, (batched - single).abs().max().item())
-        tv = 0.5 * (batched.softmax(-1) - single.softmax(-1)).abs().sum(-1).max().item()
-        worst_tv = max(worst_tv, tv)
+        worst_tv = max(worst_tv, 0.5 * (batched.softmax(-1) - single.softmax(-1)).abs().sum(-1).max().item())
     return {"k": k, "max_abs_logit_diff": worst_logit, "max_tv": worst_tv}
 
 
-def _step_info(name: str, r, model, vocab: int, context: int) -> tuple[int, dict, str]:
+def _step_info(name: str, r, model, context: int) -> tuple[int, dict, str]:
     """(bytes one decode step reads, kernels, compute dtype) of a path's runner."""
     if name == "llamacpp":  # the file's tensors (~ what a step reads); its f16 KV cache is left out
         return r.model.path.stat().st_size, {"llama.cpp": 1}, "gguf"
-    wbytes = _hf_weight_bytes(model, vocab) if name == "hf" else r.weight_bytes()
+    if name == "hf":  # every parameter but the input embedding (one row is gathered); a tied output layer counts
+        emb, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+        wbytes = sum(p.numel() * p.element_size() for p in model.parameters() if p is not emb or p is head)
+    else:
+        wbytes = r.weight_bytes()
     kv = 2 * r.num_layers * r.num_kv_heads * r.head_dim * context * torch.tensor([], dtype=r.dtype).element_size()
     dtype = str(r.dtype).replace("torch.", "")
     if getattr(r, "quant", None) and dtype != "bfloat16":  # quantized layers compute in bfloat16 (model.linear)
@@ -109,26 +93,18 @@ def _step_info(name: str, r, model, vocab: int, context: int) -> tuple[int, dict
     return wbytes + kv, getattr(r, "kernels", {"transformers": 1}), dtype
 
 
-def _hf_weight_bytes(model, vocab: int) -> int:
-    """Bytes the transformers forward reads per decode step: every parameter except the input embedding
-    (a single row is gathered) — the output layer counts with all its rows."""
-    emb = model.get_input_embeddings().weight
-    head = model.get_output_embeddings().weight
-    # model.parameters() yields a tied embedding / output matrix once; it is read whole by the output layer
-    return sum(p.numel() * p.element_size() for p in model.parameters() if p is not emb or p is head)
+def _runner(name: str, model, vocab: int, llamacpp_model):
+    if name == "hf":
+        return HFRunner(model, vocab)
+    if name == "llamacpp":
+        if llamacpp_model is None:
+            raise ValueError("path llamacpp needs the model loaded by llama.cpp (a .gguf file)")
+        return LlamaCppRunner(llamacpp_model, vocab)
+    return FastRunner(model, vocab, quant={"fast": None, "int8-self": "int8", "int4-self": "int4"}[name])
 
 
 def run(
-    model,
-    vocab: int,
-    *,
-    max_k: int = 16,
-    context: int = 64,
-    repeats: int = 7,
-    paths: tuple[str, ...] = PATHS,
-    bandwidth_bytes: int = 1 << 30,
-    log=lambda m: None,
-    llamacpp_model=None,
+    model, vocab, *, max_k=16, context=64, repeats=7, paths=PATHS, bandwidth_bytes=2**30, log=None, llamacpp_model=None
 ) -> dict:
     """Build the runners for `paths` on one model (a torch model, None when only llamacpp runs; llamacpp_model: the
     same file loaded by llama.cpp, for the llamacpp path) and measure them side by side."""
@@ -137,21 +113,12 @@ def run(
         raise ValueError(f"unknown path(s) {sorted(unknown)}; choose from {', '.join(PATHS)}")
     if max_k < 1 or context < 1 or repeats < 1:
         raise ValueError("max_k, context and repeats must be >= 1")
-    origin = provenance()  # the code, date and command at the start of the run
-    runners: dict[str, HFRunner] = {}
+    result = started()  # the code, date and command at the start of the run
+    log = log or (lambda m: None)
+    runners = {}
     for name in paths:
         log(f"building {name} ...")
-        if name == "hf":
-            runners[name] = HFRunner(model, vocab)
-        elif name == "llamacpp":
-            from ..model.llamacpp import LlamaCppRunner
-
-            if llamacpp_model is None:
-                raise ValueError("path llamacpp needs the model loaded by llama.cpp (a .gguf file)")
-            runners[name] = LlamaCppRunner(llamacpp_model, vocab)
-        else:
-            quant = {"fast": None, "int8-self": "int8", "int4-self": "int4"}[name]
-            runners[name] = FastRunner(model, vocab, quant=quant)
+        runners[name] = _runner(name, model, vocab, llamacpp_model)
     device = next(model.parameters()).device if model is not None else torch.device("cpu")
     log("measuring read bandwidth ...")
     bandwidth, best_bandwidth = read_bandwidth(bandwidth_bytes, device=device)
@@ -160,89 +127,41 @@ def run(
     curves = measure_curve(runners, vocab, ks, context, repeats)
     info = {}
     for name, r in runners.items():
-        step_bytes, kernels, dtype = _step_info(name, r, model, vocab, context)
-        info[name] = {
-            "kernels": kernels,
-            "compute_dtype": dtype,
-            "bytes_per_step": step_bytes,
-            "decode_gbps": step_bytes / curves[name][0] / 1e9,
-            "fraction_of_bandwidth": step_bytes / curves[name][0] / bandwidth,
-            "batch_consistency": batch_consistency(r, vocab, min(max_k, 8), context),
-        }
-    return {
-        **origin,  # commit, dirty, date, command, verispec, python, torch, threads
-        "device": str(device),
-        "context": context,
-        "repeats": repeats,
-        "ks": ks,
-        "read_bandwidth_gbps": bandwidth / 1e9,
-        "read_bandwidth_best_gbps": best_bandwidth / 1e9,
-        "curves": curves,
-        "paths": info,
-    }
+        step_bytes, kernels, dtype = _step_info(name, r, model, context)
+        rate = step_bytes / curves[name][0]
+        info[name] = dict(kernels=kernels, compute_dtype=dtype, bytes_per_step=step_bytes, decode_gbps=rate / 1e9)
+        info[name]["fraction_of_bandwidth"] = rate / bandwidth
+        info[name]["batch_consistency"] = batch_consistency(r, vocab, min(max_k, 8), context)
+    result |= dict(device=str(device), context=context, repeats=repeats, ks=ks, read_bandwidth_gbps=bandwidth / 1e9)
+    return result | dict(read_bandwidth_best_gbps=best_bandwidth / 1e9, curves=curves, paths=info)
 
 
 def to_markdown(res: dict) -> str:
-    names = list(res["curves"])
-    curves = res["curves"]
+    curves, ks = res["curves"], res["ks"]
+    names = list(curves)
     ref = "fast" if "fast" in curves else names[0]
-    lines = [
-        *provenance_lines(res),
+    head = report_head(
+        res,
         f"Device {res['device']}, {res['threads']} threads, context {res['context']} tokens, median of "
         f"{res['repeats']} (interleaved). Measured read bandwidth (streaming sum over 1 GiB): median "
         f"{res['read_bandwidth_gbps']:.1f} GB/s, best {res.get('read_bandwidth_best_gbps', 0):.1f} GB/s; "
         "'of read bandwidth' below is relative to the median.",
-        "",
-    ]
-    lines += [*markdown_table(*_curve_table(res)), ""]
-    header = [
-        "path",
-        "compute dtype",
-        "kernels",
-        "MB read per step",
-        "decode GB/s",
-        "of read bandwidth",
-        "verify5 / decode1",
-        f"decode1 / {ref} decode1",
-        "verify(k) vs k decode(1): max |Δlogit| / max TV",
-    ]
-    rows = []
-    for n in names:
-        p = res["paths"][n]
-        rows.append(
-            [
-                n,
-                p["compute_dtype"],
-                ", ".join(f"{k}×{v}" for k, v in p["kernels"].items()),
-                f"{p['bytes_per_step'] / 1e6:.0f}",
-                f"{p['decode_gbps']:.1f}",
-                f"{p['fraction_of_bandwidth']:.0%}",
-                f"{curves[n][4] / curves[n][0]:.2f}" if len(res["ks"]) >= 5 else "-",
-                f"{curves[n][0] / curves[ref][0]:.2f}",
-                _consistency_cell(p.get("batch_consistency")),
-            ]
-        )
-    return "\n".join(lines + markdown_table(header, rows))
+    )
+    per_k = [{"k": k, **{n: c[i] for n, c in curves.items()}} for i, k in enumerate(ks)]  # seconds per path
+    cols = ["k"] + [(f"{n} ms", lambda r, n=n: 1e3 * r[n], ".1f") for n in names]
+    cols += [(f"{n} T(k)/T(1)", lambda r, n=n: r[n] / curves[n][0], ".2f") for n in names]
+    cols += [("hf / fast", lambda r: r["hf"] / r["fast"], ".2f")] if {"hf", "fast"} <= set(names) else []
+    paths = [{"path": n, "c": curves[n], **res["paths"][n]} for n in names]
+    kernels = ("kernels", lambda p: ", ".join(f"{k}×{v}" for k, v in p["kernels"].items()))
+    path_cols = ["path", ("compute dtype", "compute_dtype"), kernels]
+    path_cols += [("MB read per step", lambda p: p["bytes_per_step"] / 1e6, ".0f")]
+    path_cols += [("decode GB/s", "decode_gbps", ".1f"), ("of read bandwidth", "fraction_of_bandwidth", ".0%")]
+    path_cols += [("verify5 / decode1", lambda p: p["c"][4] / p["c"][0] if len(ks) >= 5 else None, ".2f")]
+    path_cols += [(f"decode1 / {ref} decode1", lambda p: p["c"][0] / curves[ref][0], ".2f")]
+    consistency = "verify(k) vs k decode(1): max |Δlogit| / max TV"
+    path_cols += [(consistency, lambda p: _consistency_cell(p.get("batch_consistency")))]
+    return "\n".join(head + table(per_k, cols) + [""] + table(paths, path_cols))
 
 
 def _consistency_cell(c: dict | None) -> str:
     return "-" if not c else f"k={c['k']}: {c['max_abs_logit_diff']:.2g} / {c['max_tv']:.2g}"
-
-
-def _curve_table(res: dict) -> tuple[list[str], list[list[str]]]:
-    """Per k: each path's milliseconds, each path's T(k) / T(1), and hf / fast when both ran."""
-    curves = res["curves"]
-    names = list(curves)
-    both = "hf" in curves and "fast" in curves
-    header = ["k"] + [f"{n} ms" for n in names] + [f"{n} T(k)/T(1)" for n in names] + (["hf / fast"] if both else [])
-    rows = []
-    for i, k in enumerate(res["ks"]):
-        row = (
-            [str(k)]
-            + [f"{curves[n][i] * 1e3:.1f}" for n in names]
-            + [f"{curves[n][i] / curves[n][0]:.2f}" for n in names]
-        )
-        if both:
-            row.append(f"{curves['hf'][i] / curves['fast'][i]:.2f}")
-        rows.append(row)
-    return header, rows

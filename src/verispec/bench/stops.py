@@ -1,30 +1,22 @@
-"""`verispec bench stops`: what a request's stop strings cost per step, side by side in one run.
-
-On a tiny random model (the engine's host work is the largest share of a step there: the strictest ratio) and the
-same greedy prompts, it times the engine with
-  * no stop strings;
-  * N random stop strings that never match (the automaton: `verispec.engine.stops`);
-  * the same N plus one that matches halfway through the first prompt's output (that request ends there);
-  * the same N with the loops over every string that the automaton replaced (optional: slow);
-and, apart from the engine, the matcher alone: its build, and one step's look-up and hold-back on a growing text.
-The outputs without a match are checked to be the same tokens in every case, so the time ratios are per step.
-"""
+"""`verispec bench stops`: what a request's stop strings cost per step, the engine and the matcher alone, side by side
+in one run; what it measures: docs/benchmarks.md, "What each benchmark measures"."""
 
 from __future__ import annotations
 
 import random
 import time
-from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from ..engine import rows
+from ..engine.config import SpecConfig
+from ..engine.generator import SpeculativeGenerator
 from ..engine.stops import StopMatcher, _matcher
 from ..model.loading import LoadedModel
 from ..sampling import SamplingParams
-from ._provenance import provenance, provenance_lines
-from .table import markdown_table
+from .harness import report_head, started, table, timed
 
 ALPHABET = "abcdefghijklmnopqrstuvwxyz"
 
@@ -36,7 +28,7 @@ class StopsConfig:
     max_new_tokens: int = 128  # per request
     repeats: int = 5  # timed runs per case (the fastest is kept: timeit's rule), cases interleaved
     gamma: int = 4  # prompt-lookup drafts per step
-    reference: bool = True  # also time the loops over every string (engine and matcher alone)
+    reference: bool = True  # also time the loops over every string (the matcher alone)
     seed: int = 0
 
     def __post_init__(self):
@@ -46,9 +38,8 @@ class StopsConfig:
 
 
 class LoopStops:
-    """The loops over every stop string that Row ran before `StopMatcher`, behind its interface (the reference).
-    Its hold-back is StopMatcher's rule (the longest suffix) at the old loop's cost (the old one trimmed again for
-    every later string that matched what was left)."""
+    """The loops over every stop string that rows ran before `StopMatcher`, behind its interface (the reference).
+    Its hold-back is StopMatcher's rule (the longest suffix) at the old loop's cost."""
 
     def __init__(self, stops):
         self.stops = tuple(stops)
@@ -66,18 +57,12 @@ class LoopStops:
     def held(self, text: str) -> int:
         best = 0
         for s in self.stops:
-            for m in range(min(len(s) - 1, len(text)), 0, -1):
-                if text.endswith(s[:m]):
-                    best = max(best, m)
-                    break
+            best = max(best, next((m for m in range(min(len(s) - 1, len(text)), 0, -1) if text.endswith(s[:m])), 0))
         return best
 
 
 def tiny_model(seed: int, words: int = 200) -> LoadedModel:
     """A random 2-layer Llama over `words` random lowercase words (decoded with spaces), built here: no download."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
     r = random.Random(seed)
     vocab = ["<unk>", "<s>", "</s>"] + sorted({"".join(r.choices(ALPHABET, k=r.randint(1, 6))) for _ in range(words)})
     tk = Tokenizer(models.WordLevel({w: i for i, w in enumerate(vocab)}, unk_token="<unk>"))
@@ -85,17 +70,9 @@ def tiny_model(seed: int, words: int = 200) -> LoadedModel:
     tk.decoder = decoders.WordPiece(prefix="##")
     tok = PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
     torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=len(vocab),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        eos_token_id=2,
-        bos_token_id=1,
-    )
+    sizes = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
+    sizes |= dict(num_key_value_heads=2, max_position_embeddings=512, eos_token_id=2, bos_token_id=1)
+    config = LlamaConfig(vocab_size=len(vocab), **sizes)
     return LoadedModel(LlamaForCausalLM(config).eval(), tok, f"tiny-random-llama-{len(vocab)}")
 
 
@@ -110,51 +87,33 @@ def random_stops(n: int, seed: int, avoid: list[str]) -> list[str]:
     return out
 
 
-@contextmanager
-def loop_stops():
-    """Rows match with LoopStops while inside (bench only)."""
-    saved = rows.matcher_of
-    rows.matcher_of = lambda stops: LoopStops(stops) if stops else None
-    try:
-        yield
-    finally:
-        rows.matcher_of = saved
-
-
-def _generate(gen, prompts, stops, budget: int, patch=None) -> tuple[float, list]:
+def _generate(gen, prompts, stops, budget: int) -> tuple[float, list]:
     """One timed batch, greedy, to the budget (its matchers built inside the time: the cache is cleared first)."""
     _matcher.cache_clear()
-    with patch() if patch is not None else nullcontext():
-        t0 = time.perf_counter()
-        out = gen.generate(prompts, SamplingParams(temperature=0.0), max_new_tokens=budget, stop=stops, ignore_eos=True)
-        return time.perf_counter() - t0, out
+    greedy = SamplingParams(temperature=0.0)
+    return timed(gen.generate, prompts, greedy, max_new_tokens=budget, stop=stops, ignore_eos=True)
 
 
 def engine_cases(cfg: StopsConfig) -> tuple[list[dict], list[str]]:
     """The engine on the same prompts, per case, at the budget and at twice it: best seconds per batch and batch
     steps; a step's cost is the difference over the difference (what a request's setup costs cancels out).
     Returns the table's rows and the texts without stop strings."""
-    from ..engine.generator import SpeculativeGenerator
-
     target = tiny_model(cfg.seed)
-    gen = SpeculativeGenerator(target, "ngram", gamma=cfg.gamma)
+    gen = SpeculativeGenerator(target, config=SpecConfig(draft="ngram", gamma=cfg.gamma))
     r = random.Random(cfg.seed)
     words = [w for w in target.tokenizer.get_vocab() if not w.startswith("<")]
     prompts = [" ".join(r.choices(words, k=12)) for _ in range(cfg.num_prompts)]
     budgets = (cfg.max_new_tokens, 2 * cfg.max_new_tokens)
     plain = {b: _generate(gen, prompts, (), b)[1] for b in budgets}  # a warm-up, and the texts to avoid
     stops = random_stops(cfg.num_stops, cfg.seed, [c.text for c in plain[budgets[1]]])
-    text0 = plain[budgets[0]][0].text
-    n = cfg.num_stops
-    cases = {"no stop strings": ((), None), f"{n} (automaton)": (stops, None)}
-    cases[f"{n} + 1 matching (automaton)"] = (stops + [text0[len(text0) // 2 :][:8]], None)
-    if cfg.reference:
-        cases[f"{n} (loops, before)"] = (stops, loop_stops)
+    text0, n = plain[budgets[0]][0].text, cfg.num_stops
+    cases = {"no stop strings": (), f"{n} (automaton)": stops}
+    cases[f"{n} + 1 matching (automaton)"] = [*stops, text0[len(text0) // 2 :][:8]]
     times = {(name, b): [] for name in cases for b in budgets}
     outs: dict[tuple[str, int], list] = {}
     for _ in range(cfg.repeats):  # interleaved: drift on a shared machine hits every case alike
         for (name, b), ts in times.items():
-            dt, outs[name, b] = _generate(gen, prompts, cases[name][0], b, cases[name][1])
+            dt, outs[name, b] = _generate(gen, prompts, cases[name], b)
             ts.append(dt)
     return _engine_rows(list(cases), budgets, times, outs, plain), [c.text for c in plain[budgets[0]]]
 
@@ -199,48 +158,36 @@ def matcher_alone(cfg: StopsConfig, texts: list[str], delta: int = 8) -> list[di
     """The matcher without the engine, on the engine's texts: build, one step, and `first` on a whole text."""
     stops = random_stops(cfg.num_stops, cfg.seed, texts)
     text = " ".join(texts)[:2000]
-    kinds = [("automaton", StopMatcher)] + ([("loops, before", LoopStops)] if cfg.reference else [])
     found = []
-    for name, kind in kinds:
-        t0 = time.perf_counter()
-        m = kind(stops)
-        build = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        m.first(text)
-        whole = time.perf_counter() - t0
-        found.append(
-            dict(matcher=name, build_ms=1e3 * build, step_us=1e6 * _per_step(m, text, delta), first_us=1e6 * whole)
-        )
+    for name, kind in [("automaton", StopMatcher)] + ([("loops, before", LoopStops)] if cfg.reference else []):
+        build, m = timed(kind, stops)
+        whole, step = timed(m.first, text)[0], _per_step(m, text, delta)
+        found.append(dict(matcher=name, build_ms=1e3 * build, step_us=1e6 * step, first_us=1e6 * whole))
     return found
 
 
 def run(cfg: StopsConfig) -> dict:
-    origin = provenance()  # the code, date and command at the start of the run
+    result = started()  # the code, date and command at the start of the run
     engine, texts = engine_cases(cfg)
-    return dict(**origin, config=cfg.__dict__, engine=engine, matcher=matcher_alone(cfg, texts))
+    return result | dict(config=asdict(cfg), engine=engine, matcher=matcher_alone(cfg, texts))
 
 
 def to_markdown(result: dict) -> str:
     cfg = result["config"]
     n1, n2 = cfg["max_new_tokens"], 2 * cfg["max_new_tokens"]
-    head = ["case", f"batch s ({n1} tok)", f"batch s ({n2} tok)", "batch steps", f"stopped ({n2})"]
-    head += ["ms / step (marginal)", "x none", "ms / step (whole)", "x none"]
-    rows_ = [
-        [r["case"], f"{r['seconds'][0]:.3f}", f"{r['seconds'][1]:.3f}", "{} / {}".format(*r["steps"]), r["stopped"]]
-        + [f"{r['ms_per_step']:.2f}", f"{r['ratio']:.2f}", f"{r['ms_per_step_whole']:.2f}", f"{r['ratio_whole']:.2f}"]
-        for r in result["engine"]
-    ]
-    lines = [
-        *provenance_lines(result),
+    lines = report_head(
+        result,
+        f"stop strings on cpu, torch {result['torch']}, {result['threads']} threads",
         f"engine: {cfg['num_prompts']} greedy prompts in one batch, {n1} and {n2} new tokens each, prompt lookup "
         f"gamma {cfg['gamma']}, tiny random model; best of {cfg['repeats']} interleaved runs; marginal = "
         f"(time({n2}) - time({n1})) / (steps({n2}) - steps({n1})), whole = time({n2}) / steps({n2})",
-        "",  # a markdown table needs a blank line before it
-    ]
-    lines += markdown_table(head, rows_)
-    head = ["matcher", f"build ms ({cfg['num_stops']} strings)", "us / step (8 new chars)", "first() on 2000 chars us"]
-    rows_ = [
-        [r["matcher"], f"{r['build_ms']:.1f}", f"{r['step_us']:.1f}", f"{r['first_us']:.1f}"] for r in result["matcher"]
-    ]
-    lines += ["", "matcher alone (no engine; one row)", ""] + markdown_table(head, rows_)
-    return "\n".join(lines)
+    )
+    engine = ["case", (f"batch s ({n1} tok)", lambda r: r["seconds"][0], ".3f")]
+    engine += [(f"batch s ({n2} tok)", lambda r: r["seconds"][1], ".3f")]
+    engine += [("batch steps", lambda r: "{} / {}".format(*r["steps"])), (f"stopped ({n2})", "stopped")]
+    engine += [("ms / step (marginal)", "ms_per_step", ".2f"), ("x none", "ratio", ".2f")]
+    engine += [("ms / step (whole)", "ms_per_step_whole", ".2f"), ("x none", "ratio_whole", ".2f")]
+    matcher = ["matcher", (f"build ms ({cfg['num_stops']} strings)", "build_ms", ".1f")]
+    matcher += [("us / step (8 new chars)", "step_us", ".1f"), ("first() on 2000 chars us", "first_us", ".1f")]
+    lines += table(result["engine"], engine) + ["", "matcher alone (no engine; one row)", ""]
+    return "\n".join(lines + table(result["matcher"], matcher))

@@ -1,73 +1,11 @@
-"""Deliberately broken chain verifiers: the bugs public engines have shipped, for proving that a certificate bites.
+"""Deliberately broken verification functions (the bugs public engines have shipped: docs/guides/certify.md), each
+a drop-in replacement for `verify_chain`, `verify_block` or `verify_tree` that differs from the exact rule in one
+place, for `certify kernel --inject BUG` and (through `certify.mutants`) `certify generate --inject BUG`.
 
-Each is a drop-in replacement for `verify_chain` (same arguments, same output), differing from the exact rule in
-one place. `verispec certify ... --inject BUG` runs the certificate on one of them; the test suite shows that
-every one FAILS at the default sample size. None of them is ever used outside certification.
-
-  resample_from_p         at a rejection, draw from p instead of the residual (p - q)+   (seed §8)
-  resample_from_abs_diff  draw from |p - q| instead of (p - q)+                          (seed §8)
-  swap_p_q                p and q exchanged in the acceptance test and the residual (gpt-fast naming trap)
-  q_before_temperature    the verifier's q is the draft's distribution before temperature 0.7 was applied
-                          (q^0.7, renormalized), while drafts were sampled after it (HF #32867, vLLM #9834)
-  le_zero_uniform         `u * q <= p` with a low-resolution uniform that can be exactly 0, so a p = 0 draft can
-                          be accepted (SGLang #35771)
-  reuse_accept_uniform    the rejected position's acceptance uniform reused for the residual draw (vLLM #9441)
-  bonus_ignores_temperature  the bonus token (every draft accepted) drawn from the target's distribution before
-                          temperature 0.7 (p^0.7, renormalized, since target_probs are the processed p at 0.7); the
-                          accepted and recovered positions are exact (EAGLE reference code, 2024-25: bonus token
-                          sampled without the request's temperature / top-p)
-  wrong_q_raw_logits      drafts sampled from the processed (top-k) q, the verifier given the raw q instead: Z q on
-                          q's support (Z = 0.8, the raw mass top-k kept) and 1 - Z spread evenly over the tokens q
-                          excludes (sub-normalized when q excludes none); acceptance ratio inflated by 1 / Z and the
-                          residual (p - q_raw)+ built from mass the drafter never proposes (HF transformers #47932,
-                          fixed by #47961)
-
-A broken categorical draw (for the known-bugs tail test, not a chain verifier):
-  fp32_exponential_race   argmax(w / E) with E ~ Exp(1) in float32 that never falls below 2^-24 (vLLM #43150):
-                          a token whose weight is below 2^-24 of the winner's loses most of its mass
-
-Broken tree verifiers (drop-in replacements for `verify_tree`, for `certify kernel --tree`):
-  tree_stale_residual     after a sibling is rejected, the next sibling is tested against the old residual
-                          (r is not updated to (r - q)+ / Z)
-  tree_topk_as_sampled    deterministic (top-k) children verified as if they had been sampled from q (rule "iid")
-  tree_wor_as_iid         children drawn without replacement verified with q instead of q minus earlier siblings
-  tree_mixed_dedup        (rule "mixed") a sampled child equal to an earlier chosen sibling is dropped, with its
-                          subtree, as a duplicate: whether the node exists then depends on its own sampled value
-                          (given it was rejected, a sampled x_i moves the residual to (r - q)+ / Z, not r: the
-                          rows that dropped it draw from r instead)
-  tree_mixed_chosen_as_sampled  (rule "mixed") chosen children tested with their slot's q, as if sampled from it
-                          (accepts a chosen x with probability min(1, r(x) / q(x)) instead of r(x))
-Broken block verifiers (drop-in replacements for `verify_block`, for `certify kernel --verify block`):
-  block_plain_residual    the block decision, then the token-wise residual (P - Q)+ instead of (rho P - Q)+
-                          (vllm-ascend #7807: "does not adjust the distribution according to the correct formula")
-  block_first_rejection   the block thresholds h_i read as a token-wise chain, stopping at the first u_i >= h_i
-                          (a contiguous accepted prefix, as a review bot asked of vllm-ascend #11985) instead of
-                          keeping the last i with u_i < h_i
-  block_placeholder_threshold  a row with fewer drafts than the batch's k tests its last real draft with the
-                          residual-mass threshold Z / (Z + 1 - rho) of the padding slot instead of rho (vLLM's
-                          placeholder-truncation test guards this)
-
-A broken coupled verifier (for `certify kernel --coupling gumbel`):
-  gumbel_position_unkeyed the race noise keyed by the request alone, not by (request, position): one noise vector
-                          for every position of a step, so the emitted tokens of a step are dependent
-
-Broken structured outputs (engine-level: `certify generate --inject NAME` with a constraint; grammar_bugs.py):
-  grammar-stale-mask      p and q at every slot of a step masked with the grammar's state at the step's root
-                          instead of after the path of drafts to the slot (an engine that fills one bitmask per
-                          step): the wrong law, and outputs the grammar refuses
-  grammar-q-unmasked      the draft model samples from its unmasked q, and verification is handed the masked,
-                          renormalized q (an engine that applies the grammar in verification but forgot the drafter)
-
-Not bugs, although they look like ones: i.i.d.-sampled children verified with the deterministic rule stay lossless
-(that rule accepts x_i with probability r(x_i) and removes it, which samples r exactly for any candidates drawn
-independently of the verifier's uniforms: P(emit y) = E_x[1{y = x} r(x) + 1{y != x} (1 - r(x)) r(y) / (1 - r(x))]
-= r(y), whatever x's law) — it only accepts less. `certify kernel --tree iid --inject tree_iid_as_deterministic`
-PASSES, and the tests check that it does; so does `--tree mixed --inject tree_mixed_sampled_as_chosen`, the
-sampled children of a mixed tree verified as chosen (every node one-hot: the same argument, node by node).
-And `grammar-q-unmasked-consistent`: the draft model samples from its unmasked q and verification is handed that
-same q ("masks p but not q", consistently): the rule is exact for any q the drafts were drawn from, so the output
-follows the constrained p (a draft the grammar refuses has p = 0 and is rejected; only acceptance drops). It
-PASSES where grammar-q-unmasked, which differs from it only in the q handed to verification, FAILS.
+Lossless look-alikes (TREE_NON_BUGS) PASS: i.i.d.-sampled children verified with the deterministic rule (that rule
+accepts x_i with probability r(x_i) and removes it, which samples r exactly for any candidates drawn independently
+of its uniforms: P(emit y) = E_x[1{y = x} r(x) + 1{y != x} (1 - r(x)) r(y) / (1 - r(x))] = r(y)), and a mixed
+tree's sampled children verified as chosen.
 """
 
 from __future__ import annotations
@@ -83,22 +21,8 @@ from ..sampling.coupling import onehot_winners
 from ..sampling.lossy import chain_interface, draft_q, finish_chain
 from ..sampling.tree import TreeVerifyOutput, _TreeWalk, tree_ancestors, verify_tree
 
-__all__ = [
-    "BLOCK_BUGS",
-    "BUGS",
-    "COUPLING_BUGS",
-    "GRAMMAR_BUGS",
-    "GRAMMAR_NON_BUGS",
-    "TREE_BUGS",
-    "TREE_NON_BUGS",
-    "broken_block_verifier",
-    "broken_coupled_verifier",
-    "broken_tree_verifier",
-    "broken_verifier",
-    "fp32_exponential_race",
-    "raw_q",
-    "verify_tree_with_uniforms_stale_residual",
-]
+__all__ = ["BLOCK_BUGS", "BUGS", "COUPLING_BUGS", "KINDS", "TREE_BUGS", "TREE_NON_BUGS", "broken_block_verifier"]
+__all__ += ["broken_coupled_verifier", "broken_tree_verifier", "broken_verifier", "fp32_exponential_race", "raw_q"]
 
 BUGS = (
     "resample_from_p",
@@ -110,7 +34,6 @@ BUGS = (
     "bonus_ignores_temperature",
     "wrong_q_raw_logits",
 )
-
 TREE_BUGS = (
     "tree_stale_residual",
     "tree_topk_as_sampled",
@@ -121,8 +44,6 @@ TREE_BUGS = (
 COUPLING_BUGS = ("gumbel_position_unkeyed",)
 BLOCK_BUGS = ("block_plain_residual", "block_first_rejection", "block_placeholder_threshold")
 TREE_NON_BUGS = ("tree_iid_as_deterministic", "tree_mixed_sampled_as_chosen")  # look wrong, are lossless (docstring)
-GRAMMAR_BUGS = ("grammar-stale-mask", "grammar-q-unmasked")  # engine-level, with a constraint (grammar_bugs.py)
-GRAMMAR_NON_BUGS = ("grammar-q-unmasked-consistent",)  # looks wrong, is lossless (docstring)
 
 _Q_TEMPERATURE = 0.7  # q_before_temperature: the draft sampled at this temperature, the verifier saw q at 1
 _U_LEVELS = 64  # le_zero_uniform: uniforms on the grid {0, 1/64, ..., 63/64}
@@ -285,31 +206,14 @@ def broken_tree_verifier(bug: str):
     return verify
 
 
-def _stale_residual(target_probs, ids, parents, draft_probs, nn, generators, rule, sampled):
-    """tree_stale_residual behind verify_tree's interface: the uniforms verify_tree would draw, then the broken walk."""
-    N = ids.shape[1]
-    accept_u, final_u = draw_uniforms(nn, N, generators, target_probs.device)
-    if N == 0 or draft_probs is None:
+def _stale_residual(target_probs, ids, parents, draft_probs, nn, generators, rule, sampled) -> TreeVerifyOutput:
+    """tree_stale_residual behind verify_tree's interface: the uniforms verify_tree would draw, then its walk with the
+    bug (after a sibling is rejected, the next one is tested against the old residual: r is not updated)."""
+    accept_u, final_u = draw_uniforms(nn, ids.shape[1], generators, target_probs.device)
+    if ids.shape[1] == 0 or draft_probs is None:
         rule = "deterministic"
-    return verify_tree_with_uniforms_stale_residual(
-        target_probs,
-        ids,
-        parents,
-        None if rule == "deterministic" else draft_probs,
-        nn,
-        rule,
-        accept_u,
-        final_u,
-        sampled=sampled if rule == "mixed" else None,
-    )
-
-
-def verify_tree_with_uniforms_stale_residual(
-    target_probs, draft_token_ids, parents, draft_probs, num_nodes, rule, accept_u, final_u, *, sampled=None
-) -> TreeVerifyOutput:
-    """verify_tree_with_uniforms (same arguments, same output) with the tree_stale_residual bug: after a sibling is
-    rejected, the next sibling is tested against the old residual (r is not updated to (r - q)+ / Z)."""
-    walk = _StaleResidualWalk(target_probs, draft_token_ids, parents, draft_probs, num_nodes, rule, accept_u, sampled)
+    q = None if rule == "deterministic" else draft_probs
+    walk = _StaleResidualWalk(target_probs, ids, parents, q, nn, rule, accept_u, sampled if rule == "mixed" else None)
     return walk.run(final_u)
 
 
@@ -356,17 +260,8 @@ def _mixed_dedup(target_probs, ids, parents, draft_probs, nn, generators, sample
     def take(t: Tensor) -> Tensor:  # [B, N + 1, V], slots renumbered
         return t.gather(1, slots.unsqueeze(-1).expand(-1, -1, t.shape[-1]))
 
-    out = verify_tree(
-        take(target_probs),
-        ids.gather(1, new_to_old),
-        new_par,
-        take(q),
-        keep.sum(1),
-        generators,
-        rule="mixed",
-        check=False,
-        sampled=sampled.gather(1, new_to_old),
-    )
+    kept = (take(target_probs), ids.gather(1, new_to_old), new_par, take(q), keep.sum(1))
+    out = verify_tree(*kept, generators, rule="mixed", check=False, sampled=sampled.gather(1, new_to_old))
     path = torch.where(out.path >= 0, new_to_old.gather(1, out.path.clamp(min=0)), -1)
     return TreeVerifyOutput(token_ids=out.token_ids, num_accepted=out.num_accepted, path=path)
 
@@ -375,4 +270,12 @@ _MIXED_BUGS = {
     "tree_mixed_dedup": _mixed_dedup,
     "tree_mixed_chosen_as_sampled": _mixed_chosen_as_sampled,
     "tree_mixed_sampled_as_chosen": _mixed_sampled_as_chosen,
+}
+
+
+KINDS = {  # the verifier each kind of bug replaces -> (its bugs and look-alikes, the broken verifier's factory)
+    "chain": (BUGS, broken_verifier),
+    "block": (BLOCK_BUGS, broken_block_verifier),
+    "coupling": (COUPLING_BUGS, broken_coupled_verifier),
+    "tree": (TREE_BUGS + TREE_NON_BUGS, broken_tree_verifier),
 }

@@ -1,43 +1,11 @@
 """Continuations from an OpenAI-compatible HTTP endpoint (vLLM, SGLang, llama.cpp, `verispec serve`), for
-`verispec certify generate --method openai`.
-
-One completions request per continuation, each with its own seed, so that any sample can be replayed alone:
-the prompt as token ids, `max_tokens` = L, temperature, top-p, and every other sampling knob an engine may default
-to something else set explicitly to the request's value or to its neutral one (top-k 0, min-p 0, repetition
-penalty 1 under vLLM's and llama.cpp's names: llama.cpp's server defaults to top-k 40, min-p 0.05 and a
-repetition penalty 1.1), `logprobs: 1` (the sampled tokens' own logprobs; llama.cpp's native server gives none at
-0), and vLLM's `return_tokens_as_token_ids`. No `ignore_eos`: llama.cpp's means "EOS at -inf", another law, so a
-continuation may stop at an end-of-sequence token (see below). Requests run in a bounded pool (`max_in_flight`);
-429, 5xx and connection errors are retried with exponential backoff (a Retry-After header is honoured, up to 30 s).
-When the server refuses a field (400 / 422 naming it, or a "validation" error answered with 500), an optional
-one, or a knob at its neutral value, is dropped for the rest of the run and the refusal is reported; a refused
-sampling field the request needs is an error, since the certificate would then test another law than the one it
-states. A server that refuses token-id prompts (llama-cpp-python's: it validates the prompt as a string) gets the
-prompt's text, and must then report as many prompt tokens as the certifier's tokenizer made
-(`usage.prompt_tokens`), else the run stops with an error: the two would be conditioning on different prompts.
-
-Token ids: the "token_id:N" strings of `return_tokens_as_token_ids`, or the ids of llama.cpp's native logprobs
-(`content: [{id, logprob}]`), where the server gives them; otherwise each token's text is mapped back through the
-tokenizer (every id's own text, as servers print it). A text that no id or several ids have (the pieces of a
-character split over byte-level tokens) cannot be mapped back: such samples are reported (`unmappable`), and the
-certificate that drops them is INCONCLUSIVE (dropping them conditions the law under test).
-
-Structured outputs: a request's constraint is sent as vLLM's `structured_outputs` ({"json": schema}, {"json_object":
-true}, {"regex"}, {"choice"}, {"grammar": EBNF}; `verispec serve` reads it too), and a server that refuses it is
-an error. The law the certificate tests is verispec's compilation of the constraint (xgrammar; JSON with one space
-after ':' and ',' and none elsewhere; the EBNF in xgrammar's dialect): a server that compiles it otherwise (vLLM's
-default JSON whitespace is looser, another EBNF dialect) samples another law, and a server that ignores the field
-samples the unconstrained one; both FAIL, rightly for what was asked, and the report cannot tell them from a
-speculation bug.
-
-End of sequence: which EOS id a server stopped at is often not returned, so every id of the EOS set (the
-tokenizer's and the generation config's) is one outcome, written as the set's first id: a continuation that
-stops before L tokens with finish_reason "stop" gets it appended, a returned EOS id is replaced by it, and the
-scores merge the set's probabilities into it (generate.py).
-"""
+`verispec certify generate --method openai`: one seeded completions request per continuation, every sampling knob
+set explicitly (NEUTRAL), refused optional fields dropped and reported, ids read from "token_id:N", llama.cpp's
+native ids or the token's text; every id of the EOS set one outcome (for users: docs/guides/certify.md)."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Sequence
@@ -71,13 +39,10 @@ class EndpointLog:
 
 
 def structured_outputs(c) -> dict:
-    """A Constraint as vLLM's `structured_outputs` field (module docstring)."""
-    import json
-
+    """A Constraint as vLLM's `structured_outputs` field."""
     if c.whitespace:
-        raise EndpointError(
-            "a JSON constraint with any whitespace has no portable request field: certify it without (compact JSON)"
-        )
+        why = "a JSON constraint with any whitespace has no portable request field"
+        raise EndpointError(f"{why}: certify it without (compact JSON)")
     if c.kind == "json_schema":
         return {"json": json.loads(c.source)}
     if c.kind == "json_object":
@@ -96,12 +61,9 @@ class TokenMapper:
 
     def by_text(self) -> dict[str, int | None]:
         if self._by_text is None:
-            V = len(self.tokenizer)
-            pieces = self.tokenizer.batch_decode([[i] for i in range(V)])
-            table: dict[str, int | None] = {}
-            for i, s in enumerate(pieces):
-                table[s] = i if s not in table else None  # None: shared by several ids
-            self._by_text = table
+            self._by_text = {}
+            for i, s in enumerate(self.tokenizer.batch_decode([[i] for i in range(len(self.tokenizer))])):
+                self._by_text[s] = i if s not in self._by_text else None  # None: shared by several ids
         return self._by_text
 
     def ids(self, tokens: Sequence[str]) -> tuple[list[int], int, str | None]:
@@ -149,29 +111,16 @@ class Endpoint:
     def body(self, prompt: list[int], params: SamplingParams, seed: int, length: int) -> dict:
         if params.repetition_penalty != 1.0 or params.presence_penalty or params.frequency_penalty:
             raise ValueError("penalties are not certified here (certify generate scores temperature / top-k / top-p)")
-        body = dict(
-            model=self.model,
-            prompt=self.prompt_text if "prompt as token ids" in self._dropped else list(prompt),
-            max_tokens=length,
-            temperature=params.temperature,
-            top_p=params.top_p,
-            seed=seed,
-            n=1,
-            stream=False,
-            logprobs=1,
-            return_tokens_as_token_ids=True,
-            top_k=params.top_k,
-            min_p=params.min_p,
-            repetition_penalty=1.0,
-            repeat_penalty=1.0,
-        )
+        as_text = "prompt as token ids" in self._dropped
+        body = dict(model=self.model, prompt=self.prompt_text if as_text else list(prompt), max_tokens=length)
+        body |= dict(temperature=params.temperature, top_p=params.top_p, seed=seed, n=1, stream=False, logprobs=1)
+        body |= dict(return_tokens_as_token_ids=True, top_k=params.top_k, min_p=params.min_p)
+        body |= dict(repetition_penalty=1.0, repeat_penalty=1.0)  # every knob set, NEUTRAL ones explicitly
         if params.constraint is not None:
             body["structured_outputs"] = structured_outputs(params.constraint)
         with self._lock:
             dropped = set(self._dropped)
-        for f in dropped:
-            body.pop(f, None)
-        return body
+        return {k: v for k, v in body.items() if k not in dropped}
 
     def complete(self, client, prompt: list[int], params: SamplingParams, seed: int, length: int) -> dict:
         """The first choice of one completions request, retried and field-negotiated."""
@@ -271,7 +220,7 @@ class Endpoint:
         mapper: TokenMapper,
         eos: Sequence[int] = (),
         prompt_text: str | None = None,
-    ) -> tuple[list[list[int] | None], list[list[float] | None]]:
+    ) -> tuple[list, list]:
         """One continuation per seed (token ids; None for one whose token text cannot be mapped back) and its
         returned logprobs (None where the server gave none). eos: the EOS set, its first id the outcome written
         for all (module docstring). prompt_text: the prompt as text, sent only to a server that refuses ids."""

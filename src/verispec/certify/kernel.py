@@ -1,22 +1,7 @@
-"""Kernel-level certificate: does a chain-verification function reproduce the target distribution exactly?
-
-A case fixes per-position target distributions p[j] (j = 0..k; row k is the bonus position) and draft
-distributions q[j] (or fixed one-hot drafts) that do not depend on the prefix. Then the exact output of a
-speculative step is known in closed form: the token at every position reached follows p[j]; a token recovered
-at position j follows the residual (p[j] - q[j])+ / Z; the bonus token follows p[k]; the number of accepted
-drafts follows prod(alpha[:m]) (1 - alpha[m]). The certifier draws n independent steps per case from the
-sampler, tests each of these laws with a chi-square goodness of fit, combines every p-value of the run with
-Holm's correction, and reports, for each test, the smallest total-variation deviation it detects with power
-0.99 — so a PASS has a stated strength. A run in which some case's first-position test cannot detect any
-deviation (too few samples) is INCONCLUSIVE, never PASS, and states the samples per case that would detect
-TV TARGET_TV.
-
-The sampler under test has verify_chain's interface:
-    sampler(target_probs [B, k+1, V], draft_token_ids [B, k], draft_probs [B, k, V] or None (one-hot drafts),
-            num_draft_tokens [B]) -> object with .token_ids [B, k+1] (-1 padded) and .num_accepted [B],
-                                     or a tuple (token_ids, num_accepted)
-and draws its randomness from torch's global generator (seeded by the certifier).
-"""
+"""Kernel-level certificate: does a chain-verification function (verify_chain's interface, drawing from torch's
+global generator) reproduce the target distribution exactly? With per-position p[j], q[j] fixed, a step's laws are
+known in closed form (emitted tokens ~ p[j], recovered ~ (p[j] - q[j])+ / Z, bonus ~ p[k], accepted counts); each gets
+a chi-square test, Holm-corrected, with the TV it detects at power POWER (docs/guides/certify.md)."""
 
 from __future__ import annotations
 
@@ -34,25 +19,11 @@ import torch
 from torch import Tensor
 
 from .. import strict_json
-from ..sampling import SamplingParams, probs_from_logits, verify_chain
-from ..sampling.block import verify_block
+from ..sampling import SamplingParams, probs_from_logits
 from .stats import GofResult, chisquare_gof, detectable_tv, holm, samples_to_detect
 
-__all__ = [
-    "DEFAULT_LEVEL",
-    "DEFAULT_SAMPLES",
-    "LAWS",
-    "POWER",
-    "TARGET_TV",
-    "KernelCase",
-    "KernelReport",
-    "certify_kernel",
-    "default_cases",
-    "load_sampler",
-    "position_tests",
-    "run_case",
-    "sequence_tests",
-]
+__all__ = ["DEFAULT_LEVEL", "DEFAULT_SAMPLES", "LAWS", "POWER", "TARGET_TV", "KernelCase", "KernelReport"]
+__all__ += ["certify_kernel", "default_cases", "load_sampler", "position_tests", "run_case", "sequence_tests"]
 
 DEFAULT_SAMPLES = 100_000  # speculative steps per case
 DEFAULT_LEVEL = 0.01  # family-wise significance level of the whole certificate (Holm)
@@ -79,9 +50,8 @@ class KernelCase:
     def vocab(self) -> int:
         return self.p.shape[1]
 
-
-def _softmax(x: Tensor) -> Tensor:
-    return x.double().softmax(-1)
+    def describe(self) -> dict:  # for the report
+        return dict(k=self.k, vocab=self.vocab, ragged=self.ragged, description=self.description)
 
 
 def normalised(x: Tensor) -> Tensor:
@@ -89,31 +59,30 @@ def normalised(x: Tensor) -> Tensor:
     return x / x.sum(-1, keepdim=True)
 
 
+_RANDOM = [("random", 2.0, 4), ("random-low-entropy", 5.0, 4), ("random-high-entropy", 0.3, 4), ("random", 2.0, 1)]
+_RANDOM += [("random", 2.0, 8)]  # (name, scale, k): p, q = softmax(scale * N(0, 1))
+
+
 def default_cases(vocab: int = 32, seed: int = 0) -> list[KernelCase]:
     """The battery: random p / q at several entropies, k in {1, 4, 8}, adversarial q, sparse p and q with
     disjoint zeros, p == q, one-hot drafts (including a p = 0 draft), top-k / top-p truncation, and batches
     whose rows carry different draft counts (at low and at high acceptance)."""
     g = torch.Generator().manual_seed(seed)
-    V = vocab
 
-    def rnd(rows: int, scale: float) -> Tensor:
-        return _softmax(scale * torch.randn(rows, V, generator=g, dtype=torch.float64))
+    def rnd(rows: int, scale: float, V: int = vocab) -> Tensor:
+        return (scale * torch.randn(rows, V, generator=g, dtype=torch.float64)).softmax(-1)
 
-    cases = []
-    for name, scale, k in [
-        ("random", 2.0, 4),
-        ("random-low-entropy", 5.0, 4),
-        ("random-high-entropy", 0.3, 4),
-        ("random", 2.0, 1),
-        ("random", 2.0, 8),
-    ]:
-        cases.append(
-            KernelCase(
-                f"{name}-k{k}", rnd(k + 1, scale), rnd(k, scale), description=f"p, q = softmax({scale} * N(0, 1))"
-            )
-        )
+    cases = [
+        KernelCase(f"{name}-k{k}", rnd(k + 1, scale), rnd(k, scale), description=f"p, q = softmax({scale} * N(0, 1))")
+        for name, scale, k in _RANDOM
+    ]
+    return cases + _shaped_cases(g, rnd, vocab)
+
+
+def _shaped_cases(g: torch.Generator, rnd: Callable[..., Tensor], V: int) -> list[KernelCase]:
+    """default_cases' cases with a shape of their own (drawn after the random ones, in this order)."""
     p = rnd(5, 2.0)
-    cases.append(KernelCase("adversarial-k4", p, normalised(1 / p[:4]), description="q proportional to 1 / p"))
+    cases = [KernelCase("adversarial-k4", p, normalised(1 / p[:4]), description="q proportional to 1 / p")]
     p, q = rnd(5, 2.0), rnd(4, 2.0)
     p[:, : V // 2] = 0  # p lives on the upper half, q on the lower three quarters
     q[:, 3 * V // 4 :] = 0
@@ -125,46 +94,24 @@ def default_cases(vocab: int = 32, seed: int = 0) -> list[KernelCase]:
     p[1, 3] = 0
     p = normalised(p)
     ids = torch.tensor([int(p[0].argmax()), 3, int(p[2].argmin()), int(p[3].argmax())])
-    cases.append(
-        KernelCase("onehot-k4", p, None, ids, description="deterministic drafts: likely, p = 0, unlikely, likely")
-    )
+    onehot = "deterministic drafts: likely, p = 0, unlikely, likely"
+    cases.append(KernelCase("onehot-k4", p, None, ids, description=onehot))
     params = SamplingParams(temperature=0.8, top_k=max(2, V // 4), top_p=0.9)
     pt = probs_from_logits(2 * torch.randn(1, 5, V, generator=g), params)[0].double()
     qt = probs_from_logits(2 * torch.randn(1, 4, V, generator=g), params)[0].double()
     truncated = "temperature 0.8, top-k, top-p 0.9 on both"
     cases.append(KernelCase("truncated-k4", normalised(pt), normalised(qt), description=truncated))
-    cases.append(
-        KernelCase("ragged-k8", rnd(9, 2.0), rnd(8, 2.0), ragged=True, description="rows with 0..8 drafts in one batch")
-    )
-    cases.append(
-        KernelCase(
-            "ragged-onehot-k4",
-            cases[8].p,
-            None,
-            cases[8].onehot_ids,
-            ragged=True,
-            description="one-hot drafts, rows with 0..4 drafts",
-        )
-    )
-    cases.append(  # high acceptance with short rows: a short row's last threshold matters (block verification)
-        KernelCase(
-            "ragged-high-entropy-k4",
-            rnd(5, 0.5),
-            rnd(4, 0.5),
-            ragged=True,
-            description="p, q = softmax(0.5 * N(0, 1)), rows with 0..4 drafts",
-        )
-    )
+    ragged = "rows with 0..8 drafts in one batch"
+    cases.append(KernelCase("ragged-k8", rnd(9, 2.0), rnd(8, 2.0), ragged=True, description=ragged))
+    onehot = "one-hot drafts, rows with 0..4 drafts"
+    cases.append(KernelCase("ragged-onehot-k4", p, None, ids, ragged=True, description=onehot))
+    high = "p, q = softmax(0.5 * N(0, 1)), rows with 0..4 drafts"  # a short row's last threshold (block verification)
+    cases.append(KernelCase("ragged-high-entropy-k4", rnd(5, 0.5), rnd(4, 0.5), ragged=True, description=high))
     small = max(4, V // 4)  # few tokens, so each law is tested finely (block verification's residual)
-    cases.append(
-        KernelCase(
-            "small-vocab-k2",
-            _softmax(torch.randn(3, small, generator=g, dtype=torch.float64)),
-            _softmax(torch.randn(2, small, generator=g, dtype=torch.float64)),
-            description=f"V = {small}, p, q = softmax(N(0, 1))",
-        )
+    small_case = KernelCase(
+        "small-vocab-k2", rnd(3, 1.0, small), rnd(2, 1.0, small), description=f"V = {small}, p, q = softmax(N(0, 1))"
     )
-    return cases
+    return cases + [small_case]
 
 
 def _call(sampler: Sampler, target: Tensor, ids: Tensor, q: Tensor | None, nd: Tensor) -> tuple[Tensor, Tensor]:
@@ -191,12 +138,9 @@ def _call(sampler: Sampler, target: Tensor, ids: Tensor, q: Tensor | None, nd: T
 def run_case(
     sampler: Sampler, case: KernelCase, n: int, seed: int = 0, chunk: int = 50_000, dtype: torch.dtype = torch.float32
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Draw n independent speculative steps of `case` from `sampler`, in chunks of `chunk` rows.
-
-    Returns token_ids [n, k + 1], num_accepted [n], num_draft [n] (int64, CPU). Drafts are sampled from q
-    with a generator seeded by `seed`; the sampler's own randomness comes from torch's global generator,
-    seeded with `seed + 1`.
-    """
+    """n independent speculative steps of `case` from `sampler` (in chunks of `chunk` rows): token_ids [n, k + 1],
+    num_accepted [n], num_draft [n] (int64, CPU). Drafts come from a generator seeded with `seed`, the sampler's
+    randomness from torch's global generator seeded with `seed + 1`."""
     k, V = case.k, case.vocab
     gen = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed + 1)
@@ -243,11 +187,6 @@ def _check_structure(case: KernelCase, ids: Tensor, nd: Tensor, tok: Tensor, na:
         raise StructureError(f"row {b}: the recovered / bonus token {int(final[b])} is outside [0, {V})")
 
 
-def _residual(p_j: Tensor, q_j: Tensor) -> Tensor:
-    r = (p_j.double() - q_j.double()).clamp_min(0)
-    return r / r.sum()
-
-
 def position_tests(
     case: KernelCase, token_ids: Tensor, num_accepted: Tensor, num_draft: Tensor
 ) -> dict[str, tuple[GofResult, np.ndarray]]:
@@ -265,9 +204,9 @@ def position_tests(
         law = p[j].numpy()
         out[f"pos{j}"] = (chisquare_gof(np.bincount(tok[rows, j], minlength=V), law), law)
         if j < k:
-            rec = (na == j) & (nd > j)
-            if rec.sum() > 0 and float((p[j] - q[j]).clamp_min(0).sum()) > 1e-12:
-                law = _residual(p[j], q[j]).numpy()
+            rec, r = (na == j) & (nd > j), (p[j] - q[j]).clamp_min(0)
+            if rec.sum() > 0 and float(r.sum()) > 1e-12:
+                law = (r / r.sum()).numpy()
                 out[f"recovered{j}"] = (chisquare_gof(np.bincount(tok[rec, j], minlength=V), law), law)
     bonus = (na == nd) & (nd == k)
     out["bonus"] = (chisquare_gof(np.bincount(tok[bonus, k], minlength=V), p[k].numpy()), p[k].numpy())
@@ -295,10 +234,8 @@ _LAWS_NOTE = {
 def sequence_tests(
     case: KernelCase, token_ids: Tensor, num_accepted: Tensor, num_draft: Tensor, seed: int = 0
 ) -> dict[str, tuple[GofResult, np.ndarray]]:
-    """The laws every lossless rule keeps, also one whose single step is not token-wise (block verification keeps
-    a prefix by its block masses, so its recovered tokens and accepted counts follow other laws than
-    position_tests'): each step's output, completed to k + 1 tokens by plain sampling from p[j] at the positions
-    it did not emit (the next steps of an exact decoder), follows prod_j p[j]. pos0: the first emitted token vs
+    """The laws every lossless rule keeps, token-wise or not (block verification): each step's output, completed to
+    k + 1 tokens by sampling p[j] where it emitted nothing, follows prod_j p[j]. pos0: the first emitted token vs
     p[0]; seqJ (J >= 1): completed token J vs p[J]; pairJ: completed tokens J and J + 1 vs p[J] x p[J + 1]."""
     p = case.p.double()
     k, V = case.k, case.vocab
@@ -330,6 +267,26 @@ class TestRow:
     holm_pvalue: float = float("nan")
 
 
+def require(checks: dict[str, bool]) -> None:
+    """ValueError with the first message whose check is False (a request's checks, in order)."""
+    failed = [message for message, ok in checks.items() if not ok]
+    if failed:
+        raise ValueError(failed[0])
+
+
+def select(wanted: Sequence[str] | str | None, known: Sequence[str], one: str, many: str | None = None) -> list[str]:
+    """The names in `wanted` (a list, or comma-separated; None: all), in the order of `known`; a ValueError names the
+    unknown ones as `one` (`many` when there are several)."""
+    if wanted is None:
+        return list(known)
+    names = [w.strip() for w in (wanted.split(",") if isinstance(wanted, str) else wanted) if w.strip()]
+    unknown = [n for n in names if n not in known]
+    if unknown or not names:
+        what = many if many and len(unknown) > 1 else one
+        raise ValueError(f"unknown {what} {', '.join(unknown) or '(none given)'}; known: {', '.join(known)}")
+    return [k for k in known if k in names]
+
+
 def has_power(detectable: float) -> bool:
     """A test has power when some deviation smaller than the largest possible one (TV 1) is detected."""
     return math.isfinite(detectable) and detectable < 1.0
@@ -345,9 +302,8 @@ def _cell(x) -> str:  # a markdown table cell: a literal pipe would split it
 
 
 class Verdict:
-    """The verdict of a certificate report (a dataclass with `errors`, `tests` carrying `holm_pvalue`, `level`,
-    `power` and `samples_needed`, and its own `conclusive`): FAIL on an error or a rejected test, else PASS when
-    conclusive, else INCONCLUSIVE."""
+    """A certificate report's verdict (a dataclass with `errors`, `tests` with `holm_pvalue`, `level`, `power`,
+    `samples_needed` and `conclusive`): FAIL on an error or a rejected test, else PASS when conclusive."""
 
     @property
     def rejected(self) -> bool:
@@ -465,9 +421,8 @@ def samples_needed(laws: Sequence[tuple[np.ndarray, float]], samples: int, per_t
 def assess(
     rows: list[TestRow], laws: list[tuple[np.ndarray, float]], samples: int, level: float, power: float
 ) -> int | None:
-    """Fill in each row's Holm p-value and detectable TV (law, and the sample size n_law that law is tested at);
-    returns the samples per case at which every first-position test detects TARGET_TV, when one has no power
-    now (None otherwise)."""
+    """Fill in each row's Holm p-value and detectable TV (from its law and n_law); the samples per case at which every
+    first-position test detects TARGET_TV when one has no power now (else None)."""
     per_test = level / max(1, len(rows))
     for r, a, (law, n_law) in zip(rows, holm([r.pvalue for r in rows]), laws):
         r.holm_pvalue = float(a)
@@ -488,66 +443,57 @@ class CaseError(Exception):
 
 # A case's tests: (test, n, statistic, dof, p-value, impossible, the law for the detectable effect, its n)
 CaseTests = list[tuple[str, int, float, int, float, int, np.ndarray, float]]
-CaseRunner = Callable[[Sampler, object, int, int], CaseTests]  # (sampler, case, samples, seed) -> its tests
+
+
+@dataclass(frozen=True)
+class Battery:
+    """What tells the chain certificate from the tree certificate (run_battery runs either)."""
+
+    run: Callable[[Sampler, object, int, int], CaseTests]  # (sampler, case, samples, seed) -> tests; CaseError: FAIL
+    seed_stride: int  # case i runs at seed + seed_stride * i
+    laws: str  # the law set, for the report (_LAWS_NOTE)
 
 
 def run_battery(
     sampler: Sampler,
     cases: Sequence,
-    run: CaseRunner,
-    describe: Callable[[object], dict],
-    seed_stride: int,
+    battery: Battery,
     samples: int,
-    level: float,
-    power: float,
-    seed: int,
-    name: str | None,
-    progress: Callable[[str], None] | None,
-    law_set: str = "step",
-) -> KernelReport:
-    """A kernel certificate: run(sampler, case, samples, seed + seed_stride * i) tests case i (a CaseError fails
-    it, with the reason); the tests are Holm-corrected and sized (assess). describe(case): the case's k, vocab,
-    ragged and description in the report."""
-    if not 0 < level < 1:
-        raise ValueError(f"level must lie in (0, 1), got {level}")
-    if not 0 < power < 1:
-        raise ValueError(f"power must lie in (0, 1), got {power}")
-    if samples < 100:
-        raise ValueError(f"samples must be >= 100 per case, got {samples}")
-    t0 = time.perf_counter()
-    found, laws = _run_cases(sampler, cases, run, describe, seed_stride, samples, seed, progress)
-    needed = assess(found["tests"], laws, samples, level, power)
-    return KernelReport(
-        sampler=name or _name(sampler),
-        level=level,
-        power=power,
-        samples_per_case=samples,
-        seed=seed,
-        **found,
-        seconds=time.perf_counter() - t0,
-        samples_needed=needed,
-        laws=law_set,
+    level: float = DEFAULT_LEVEL,
+    power: float = POWER,
+    seed: int = 0,
+    name: str | None = None,
+    progress=None,
+):
+    """A kernel certificate: each case's tests (a CaseError fails the case, with the reason), Holm-corrected and
+    sized (assess)."""
+    require(
+        {
+            f"level must lie in (0, 1), got {level}": 0 < level < 1,
+            f"power must lie in (0, 1), got {power}": 0 < power < 1,
+            f"samples must be >= 100 per case, got {samples}": samples >= 100,
+        }
     )
-
-
-def _run_cases(sampler, cases, run: CaseRunner, describe, seed_stride: int, samples: int, seed: int, progress):
-    """The report's cases, tests and errors (as KernelReport's fields), and each test's (law, n_law)."""
+    t0 = time.perf_counter()
     found: dict[str, list] = dict(cases=[], tests=[], errors=[])
-    laws: list[tuple[np.ndarray, float]] = []
+    laws: list[tuple[np.ndarray, float]] = []  # each test's (law, n_law)
     for i, case in enumerate(cases):
         if progress:
             progress(case.name)
         t1 = time.perf_counter()
         try:
-            tests = run(sampler, case, samples, seed + seed_stride * i)
+            tests = battery.run(sampler, case, samples, seed + battery.seed_stride * i)
         except CaseError as e:
             found["errors"].append(f"{case.name}: {e}")
             continue
         for test, n, stat, dof, pv, imp, law, n_law in tests:
             found["tests"].append(TestRow(case.name, test, n, stat, dof, pv, imp, 0.0))
             laws.append((law, n_law))
-        found["cases"].append(dict(name=case.name, **describe(case), seconds=time.perf_counter() - t1))
-    return found, laws
+        found["cases"].append(dict(name=case.name, **case.describe(), seconds=time.perf_counter() - t1))
+    needed = assess(found["tests"], laws, samples, level, power)
+    qualname = getattr(sampler, "__qualname__", getattr(sampler, "__name__", repr(sampler)))
+    head = (name or f"{getattr(sampler, '__module__', '?')}:{qualname}", level, power, samples, seed)
+    return KernelReport(*head, **found, seconds=time.perf_counter() - t0, samples_needed=needed, laws=battery.laws)
 
 
 def _chain_tests(sampler: Sampler, case: KernelCase, samples: int, seed: int, laws: str = "step") -> CaseTests:
@@ -561,10 +507,6 @@ def _chain_tests(sampler: Sampler, case: KernelCase, samples: int, seed: int, la
     found = position_tests(case, tok, na, nd) if laws == "step" else sequence_tests(case, tok, na, nd, seed)
     tests = found.items()
     return [(test, r.n, r.statistic, r.dof, r.pvalue, r.impossible, law, r.n) for test, (r, law) in tests]
-
-
-def _describe_chain(case: KernelCase) -> dict:
-    return dict(k=case.k, vocab=case.vocab, ragged=case.ragged, description=case.description)
 
 
 def certify_kernel(
@@ -581,14 +523,9 @@ def certify_kernel(
 ) -> KernelReport:
     """Certify a chain verification function against exactly known laws (`verispec certify kernel`).
 
-    Each case (random p / q at several entropies and draft lengths, sparse and one-hot drafts, truncation, ragged
-    batches) runs `samples` speculative steps through the sampler; the emitted tokens are tested with chi-square
-    tests, Holm-corrected into one verdict at family-wise `level`, each with the smallest deviation it detects
-    with `power`.
-
     ```python
     report = certify_kernel(verify_chain)
-    report.verdict, report.headline_tv        # "PASS", the TV every case's first position is pinned to
+    report.verdict, report.headline_tv()  # "PASS", the TV every case's first position is pinned to
     ```
 
     Args:
@@ -602,63 +539,41 @@ def certify_kernel(
         seed: The random seed.
         name: The sampler's name in the report (default: its qualified name).
         progress: Called with a line of text as each case finishes.
-        laws: "step" tests token-wise verification's exact one-step laws (every position, the recovered tokens,
-            the bonus token, the accepted counts); "sequence" tests the laws any lossless rule keeps (the
-            completed sequence), for rules such as block verification whose single step differs.
+        laws: "step": token-wise verification's exact one-step laws; "sequence": the completed sequence's laws,
+            which any lossless rule keeps (block verification, coupled rules).
 
     Returns:
-        The report: `verdict` ("PASS", "FAIL" or "INCONCLUSIVE"), every test, the detectable effects;
-        `to_markdown()` and `to_json()` render it.
-
-    Raises:
-        ValueError: An unknown `laws`.
+        The report: `verdict` ("PASS", "FAIL" or "INCONCLUSIVE"), every test, the detectable effects.
     """
     if laws not in LAWS:
         raise ValueError(f"laws must be one of {', '.join(LAWS)}, got {laws!r}")
     cases = list(default_cases() if cases is None else cases)
-    run = functools.partial(_chain_tests, laws=laws)
-    return run_battery(sampler, cases, run, _describe_chain, 1000, samples, level, power, seed, name, progress, laws)
-
-
-def _name(fn) -> str:
-    return f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', getattr(fn, '__name__', repr(fn)))}"
+    battery = Battery(functools.partial(_chain_tests, laws=laws), 1000, laws)
+    return run_battery(sampler, cases, battery, samples, level, power, seed, name, progress)
 
 
 def load_sampler(spec: str) -> Sampler:
     """`module:function` or `path/to/file.py:function` -> the callable (a clear error otherwise)."""
-    if ":" not in spec:
+    mod_name, colon, attr = spec.rpartition(":")
+    if not colon:
         raise ValueError(f"--sampler must look like module:function or file.py:function, got {spec!r}")
-    mod_name, _, attr = spec.rpartition(":")
+    if mod_name.endswith(".py") and not Path(mod_name).is_file():
+        raise ValueError(f"sampler file not found: {mod_name}")
     try:
         if mod_name.endswith(".py"):
-            path = Path(mod_name)
-            if not path.is_file():
-                raise ValueError(f"sampler file not found: {path}")
-            spec_ = importlib.util.spec_from_file_location(path.stem, path)
-            module = importlib.util.module_from_spec(spec_)
-            spec_.loader.exec_module(module)
+            found = importlib.util.spec_from_file_location(Path(mod_name).stem, mod_name)
+            module = importlib.util.module_from_spec(found)
+            found.loader.exec_module(module)
         else:
             module = importlib.import_module(mod_name)
     except ImportError as e:
         raise ValueError(f"cannot import {mod_name!r}: {e}") from None
-    fn = module
-    for part in attr.split("."):
-        fn = getattr(fn, part, None)
-        if fn is None:
-            raise ValueError(f"{mod_name!r} has no attribute {attr!r}")
+    fn = functools.reduce(lambda obj, part: getattr(obj, part, None), attr.split("."), module)
+    if fn is None:
+        raise ValueError(f"{mod_name!r} has no attribute {attr!r}")
     if not callable(fn):
         raise ValueError(f"{spec!r} is not callable")
     return fn
-
-
-def verispec_sampler(target_probs, draft_token_ids, draft_probs=None, num_draft_tokens=None):
-    """verispec's own verify_chain with input checks on (the default sampler of `certify kernel`)."""
-    return verify_chain(target_probs, draft_token_ids, draft_probs, num_draft_tokens)
-
-
-def verispec_block_sampler(target_probs, draft_token_ids, draft_probs=None, num_draft_tokens=None):
-    """verispec's verify_block with input checks on (`certify kernel --verify block`)."""
-    return verify_block(target_probs, draft_token_ids, draft_probs, num_draft_tokens)
 
 
 def write_report(report: KernelReport, out: str | Path) -> tuple[Path, Path]:

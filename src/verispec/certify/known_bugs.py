@@ -1,52 +1,7 @@
-"""Known bugs: small samplers that each reproduce a distribution bug a public engine shipped, run through verispec's
-certificates. Every bug must FAIL, and verispec's own samplers next to them must PASS (`verispec certify
-known-bugs`).
-
-Three kinds of entry:
-  chain-step      a chain verifier (verify_chain's interface) against the token-wise one-step laws
-                  (verispec.certify.kernel.certify_kernel, laws="step"), on the default cases where the bug bites
-  chain-sequence  the same against the completed-sequence laws every lossless rule keeps (laws="sequence"): block
-                  verification, Gumbel coupling, position seeding
-  tail            a categorical draw sampler(weights [B, V]) -> [B] against the tail test below
-
-Each chain entry is a real certificate at family-wise level `level` (Holm over its chi-square tests); its verdict
-is the kernel report's. Sizes are chosen per entry (small where the bug is blatant); `stated_power` is the power
-of the default size to FAIL the bug, estimated as below from a run at 5x the default size (the slow tests rerun
-that estimate and require >= 0.99 for every bug).
-
-Estimated power (`estimated_power`): from a run at n_big samples per case, a test's noncentrality per sample is
-lambda ~ max(0, chi2 - dof) / n_big; at n samples its power is ncx2.sf(chi2.isf(a', dof), dof, lambda n) at the
-per-test level a' = level / (number of tests), Holm's first step (so the power of the whole certificate is at
-least the largest of these). A test that saw m impossible outcomes (probability 0 under the law) rejects at any
-level as soon as one occurs: power 1 - (1 - m / n_big)^n.
-
-Stated power of the default sizes (estimated at 5x, seed 0; the slow tier recomputes it): every chain bug >= 0.9999.
-resample_from_p, resample_from_abs_diff, spec_rl, spec_rl_lenient (random-k1, 500 steps): a recovered token the
-exact residual gives probability 0, at 0.12-0.27 per step (1 - power < 1e-15); q_before_temperature (equal-k4,
-1000): a rejection where p == q, 0.31 per step; le_zero_uniform (1000): an accepted p = 0 draft, 0.016 per step of
-sparse-disjoint-zeros-k4 (1 - power 1.5e-7); wrong_q_raw_logits (truncated-k4, 1000): a recovered token outside
-the exact residual, 0.027 per step (2e-12); bonus_ignores_temperature (equal-k4, every step reaches the bonus,
-1000): chi2 1594 on 25 dof at 5000, noncentrality 314 at 1000 (1 - power < 1e-15); block_plain_residual
-(small-vocab-k2, 15 000): pair0, chi2 641 on 63 dof at 75 000, power 0.9999 (1 - power 1e-4; 0.87 at half the
-size); fp32_exponential_race (53 000 races): exact binomial power 0.9927.
-
-The tail test (vLLM PR #43150: float32 exponential-race sampling never draws E below 2^-24, so "200M fp32
-exponential samples had min exactly 2^-24 and zero samples below 2^-24 ... expected tail hits were 32.76; fp32
-produced 0"). One head token of weight 1 and T tail tokens of weight r each, below the floor f = 2^-24 (here
-r = f / 4, T = 2^14 - 1). Exactly, the tail wins with probability Tr / (1 + Tr). In the race argmax w / E a tail
-token's score is r / E_i <= r / f under the floor, the head's 1 / E_head: a tail token can only win when
-E_head > c = f / r (= 4), and then (E_i clamped at f still wins, since f < r E_head) with the exact conditional
-probability 1 - exp(-T r E_head). So the floored race gives the tail
-    P_floor = integral_c^inf e^-e (1 - e^(-T r e)) de = e^-c - e^(-c (1 + Tr)) / (1 + Tr) ~ (1 + c) e^-c T r,
-0.092 of the exact mass at c = 4: 91% of the tail is lost. The test draws n races (in chunks, < 100 MB), counts
-tail hits and runs an exact two-sided binomial test (scipy.stats.binomtest) against the exact mass. Default
-n = TAIL_DRAWS = 53 000: 12.9 expected tail hits exactly, 1.18 under the floor; exact binomial power 0.9927 to FAIL
-the floored race at level 0.01 (the power is not monotone in n, the test being discrete: 53 000 is a round size near
-the smallest with power >= 0.99; 52 500 has 0.9929). Each race costs n (T + 1) = 8.7e8 exponentials, about the least that reaches
-power 0.99 (the tail's information comes from E below ~f, probability ~f per token, whatever T and r are; c near 4
-minimises n T): so the tail test is the slow part of the default run, 10-30 s per race on a 2-core CPU (seconds
-in the report). The controls, verispec's sample_from_weights (inverse CDF with float64 uniforms; under a second)
-and the exponential race with float64 exponentials (race_winner), run the same test at the same size and PASS.
+"""Known bugs (`verispec certify known-bugs`): small samplers that each reproduce a distribution bug a public engine
+shipped, through `certify_kernel` (chain-step / chain-sequence laws) or `tail_test` (a categorical draw), next to
+verispec's own samplers: every bug must FAIL, every control PASS. A chain bug's `stated_power` at its default size is
+estimated from a run at 5x (`estimated_power`; sizes, references, the tail test's derivation: docs/guides/certify.md).
 """
 
 from __future__ import annotations
@@ -62,42 +17,25 @@ import torch
 from scipy import stats
 from torch import Tensor
 
-from .bugs import EXP_FLOOR, broken_block_verifier, broken_verifier, fp32_exponential_race
-from .kernel import (
-    POWER,
-    TestRow,
-    _cell,
-    certify_kernel,
-    default_cases,
-    verispec_block_sampler,
-    verispec_sampler,
-    write_md_json,
-)
+from ..sampling.block import verify_block
+from ..sampling.chain import sample_from_weights, verify_chain
+from ..sampling.coupling import gumbel_verifier, race_winner
+from ..sampling.lossy import spec_rl_verifier
+from ..sampling.positional import positional_verifier
+from .bugs import BUGS, EXP_FLOOR, broken_block_verifier, broken_verifier, fp32_exponential_race
+from .kernel import POWER, CaseError, TestRow, _cell, certify_kernel, default_cases, require, select, write_md_json
 
-__all__ = [
-    "KINDS",
-    "KNOWN_BUGS",
-    "TAIL",
-    "TAIL_DRAWS",
-    "KnownBug",
-    "KnownBugRow",
-    "KnownBugsReport",
-    "TailSpec",
-    "binomial_power",
-    "estimated_power",
-    "run_known_bugs",
-    "select_entries",
-    "tail_test",
-    "write_report",
-]
+__all__ = ["KINDS", "KNOWN_BUGS", "TAIL", "TAIL_DRAWS", "KnownBug", "KnownBugRow", "KnownBugsReport", "TailSpec"]
+__all__ += ["binomial_power", "estimated_power", "run_known_bugs", "select_entries", "tail_test", "write_report"]
 
 KINDS = ("chain-step", "chain-sequence", "tail")
-TAIL_DRAWS = 53_000  # races per tail-test sampler by default (module docstring)
+TAIL_DRAWS = 53_000  # races per tail-test sampler: exact binomial power 0.9927 to FAIL the floored race at 0.01
 
 
 @dataclass(frozen=True)
 class TailSpec:
-    """One head token of weight 1, then `tail` tokens of weight `ratio` each (module docstring)."""
+    """One head token of weight 1, then `tail` tokens of weight `ratio` each, below the race's `floor` (the
+    floored race gives the tail e^-c - e^(-c (1 + Tr)) / (1 + Tr) with c = floor / ratio: 9% of its exact mass)."""
 
     tail: int = 2**14 - 1
     ratio: float = EXP_FLOOR / 4
@@ -130,15 +68,11 @@ TAIL = TailSpec()
 
 def sample_from_weights_control(weights: Tensor) -> Tensor:
     """verispec.sampling.chain.sample_from_weights with float64 uniforms from torch's global generator."""
-    from ..sampling.chain import sample_from_weights
-
     return sample_from_weights(weights, torch.rand(weights.shape[0], dtype=torch.float64, device=weights.device))
 
 
 def race_fp64_control(weights: Tensor) -> Tensor:
     """verispec.sampling.coupling.race_winner with float64 Exp(1) noise (-log U, U a float64 uniform)."""
-    from ..sampling.coupling import race_winner
-
     exps = torch.empty(weights.shape, dtype=torch.float64, device=weights.device).uniform_().log_().neg_()
     return race_winner(weights, exps)
 
@@ -158,187 +92,54 @@ class KnownBug:
     stated_power: float | None = None  # power of the default size to FAIL the bug (module docstring)
 
 
-def _spec_rl(lenient: bool):
-    from ..sampling.lossy import spec_rl_verifier
-
-    if not lenient:
-        return spec_rl_verifier(1.0)
-    from .study import SPEC_RL_LENIENCE
-
-    return spec_rl_verifier(SPEC_RL_LENIENCE)
-
-
-def _gumbel():
-    from ..sampling.coupling import gumbel_verifier
-
-    return gumbel_verifier
-
-
-def _positional():
-    from ..sampling.positional import positional_verifier
-
-    return positional_verifier
-
-
-_VLLM_TEMPERATURE = "https://github.com/vllm-project/vllm/issues/9834"
-_HF_TEMPERATURE = "https://github.com/huggingface/transformers/issues/32867"
-_SEED = "seed tutorial §8 (shared/DESIGN.md)"
-_CHAIN_CONTROL_CASES = ("random-k1", "equal-k4", "onehot-k4", "sparse-disjoint-zeros-k4", "truncated-k4")
-_SEQUENCE_CONTROL_CASES = ("small-vocab-k2", "random-k4", "ragged-high-entropy-k4")
-
-
-def _chain_bug(name: str, engine: str, reference: str, what: str, cases, samples: int, make=None, kind="chain-step"):
-    """A chain bug's entry: broken_verifier's bug `name` unless `make` says otherwise, FAILED at `samples` steps
-    per case with the stated power 0.9999 (module docstring)."""
-    make = functools.partial(broken_verifier, name) if make is None else make
-    return KnownBug(name, engine, reference, what, make, kind, cases, samples=samples, stated_power=0.9999)
-
-
-def _control(name: str, reference: str, what: str, make, kind: str, cases=None, samples: int = TAIL_DRAWS):
-    """One of verispec's own samplers next to the bugs, through the same tests: it must PASS."""
-    sizes = dict(samples=samples, full_samples=4 * TAIL_DRAWS) if kind == "tail" else dict(samples=samples)
-    return KnownBug(name, "verispec", reference, what, make, kind, cases, expected="PASS", **sizes)
+_GH = "https://github.com/"
+# name | kind | the default cases it runs ("-": the tail test) | default size ("-": TAIL_DRAWS) | engine | reference |
+# what (the report's columns); a reference "GH:" is a GitHub path, "; " separates two; engine verispec: a control
+_TABLE = """
+resample_from_p | chain-step | random-k1 | 500 | textbook mistake | seed tutorial §8 (shared/DESIGN.md) | at a rejection, a fresh draw from p instead of the residual (p - q)+ / Z
+resample_from_abs_diff | chain-step | random-k1 | 500 | textbook mistake | seed tutorial §8 (shared/DESIGN.md) | at a rejection, a draw from |p - q| instead of (p - q)+
+q_before_temperature | chain-step | random-k1,equal-k4 | 1000 | vLLM; HF transformers | GH:vllm-project/vllm/issues/9834 ; GH:huggingface/transformers/issues/32867 | drafts sampled at temperature 0.7, the verifier given q at temperature 1 (q^0.7 renormalized)
+le_zero_uniform | chain-step | onehot-k4,sparse-disjoint-zeros-k4 | 1000 | SGLang | GH:sgl-project/sglang/issues/35771 | `u * q <= p` with a uniform that can be exactly 0: a draft with p = 0 can be accepted
+bonus_ignores_temperature | chain-step | equal-k4,random-k1 | 1000 | EAGLE | EAGLE reference code, 2024-25 (bonus token sampled without the request's temperature/top-p) | the bonus token (every draft accepted) drawn from p before temperature 0.7 (p^0.7 renormalized)
+wrong_q_raw_logits | chain-step | truncated-k4 | 1000 | HF transformers | GH:huggingface/transformers/issues/47932 (fix: PR #47961) | drafts sampled from the top-k-processed q, the verifier given the raw q (ratio inflated by 1 / Z)
+block_plain_residual | chain-sequence | small-vocab-k2 | 15000 | vllm-ascend | GH:vllm-project/vllm-ascend/issues/7807 | block verification's decision, then the token-wise residual (p - q)+ instead of (rho p - q)+
+spec_rl | chain-step | random-k1 | 500 | SPEC-RL | SPEC-RL rollout reuse (Liu et al. 2025), l = 1 | accept an old rollout's token with min(1, p / q), at a rejection a fresh draw from p
+spec_rl_lenient | chain-step | random-k1 | 500 | SPEC-RL | SPEC-RL rollout reuse (Liu et al. 2025), its scripts' lenience l = e^0.5 | accept with min(1, l p / q), l = e^0.5 ~ 1.65, at a rejection a fresh draw from p
+fp32_exponential_race | tail | - | - | vLLM | GH:vllm-project/vllm/pull/43150 | exponential-race sampling with float32 Exp(1) noise that never falls below 2^-24: the far tail is lost
+verify_chain | chain-step | random-k1,equal-k4,onehot-k4,sparse-disjoint-zeros-k4,truncated-k4 | 1000 | verispec | verispec.sampling.chain.verify_chain | control: the exact token-wise rule, on the chain bugs' cases
+verify_block | chain-sequence | small-vocab-k2,random-k4,ragged-high-entropy-k4 | 15000 | verispec | verispec.sampling.block.verify_block | control: block verification against the sequence laws
+gumbel_verifier | chain-sequence | small-vocab-k2,random-k4,ragged-high-entropy-k4 | 15000 | verispec | verispec.sampling.coupling.gumbel_verifier | control: Gumbel-coupled verification against the sequence laws
+positional_verifier | chain-sequence | small-vocab-k2,random-k4,ragged-high-entropy-k4 | 15000 | verispec | verispec.sampling.positional.positional_verifier | control: position-seeded verification against the sequence laws
+sample_from_weights | tail | - | - | verispec | verispec.sampling.chain.sample_from_weights | control: inverse-CDF sampling with float64 uniforms, on the tail test
+race_winner_fp64 | tail | - | - | verispec | verispec.sampling.coupling.race_winner | control: the exponential race with float64 Exp(1) noise, on the tail test
+"""
+_MAKE: dict[str, Callable[[], Callable]] = {  # entry -> its sampler, built when the entry runs
+    **{bug: functools.partial(broken_verifier, bug) for bug in BUGS},
+    "block_plain_residual": functools.partial(broken_block_verifier, "block_plain_residual"),
+    "spec_rl": functools.partial(spec_rl_verifier, 1.0),
+    "spec_rl_lenient": functools.partial(spec_rl_verifier, math.exp(0.5)),
+    "fp32_exponential_race": lambda: fp32_exponential_race,
+    "verify_chain": lambda: verify_chain,
+    "verify_block": lambda: verify_block,
+    "gumbel_verifier": lambda: gumbel_verifier,
+    "positional_verifier": lambda: positional_verifier,
+    "sample_from_weights": lambda: sample_from_weights_control,
+    "race_winner_fp64": lambda: race_fp64_control,
+}
 
 
-KNOWN_BUGS: tuple[KnownBug, ...] = (
-    _chain_bug(
-        "resample_from_p",
-        "textbook mistake",
-        _SEED,
-        "at a rejection, a fresh draw from p instead of the residual (p - q)+ / Z",
-        ("random-k1",),
-        500,
-    ),
-    _chain_bug(
-        "resample_from_abs_diff",
-        "textbook mistake",
-        _SEED,
-        "at a rejection, a draw from |p - q| instead of (p - q)+",
-        ("random-k1",),
-        500,
-    ),
-    _chain_bug(
-        "q_before_temperature",
-        "vLLM; HF transformers",
-        f"{_VLLM_TEMPERATURE} ; {_HF_TEMPERATURE}",
-        "drafts sampled at temperature 0.7, the verifier given q at temperature 1 (q^0.7 renormalized)",
-        ("random-k1", "equal-k4"),
-        1000,
-    ),
-    _chain_bug(
-        "le_zero_uniform",
-        "SGLang",
-        "https://github.com/sgl-project/sglang/issues/35771",
-        "`u * q <= p` with a uniform that can be exactly 0: a draft with p = 0 can be accepted",
-        ("onehot-k4", "sparse-disjoint-zeros-k4"),
-        1000,
-    ),
-    _chain_bug(
-        "bonus_ignores_temperature",
-        "EAGLE",
-        "EAGLE reference code, 2024-25 (bonus token sampled without the request's temperature/top-p)",
-        "the bonus token (every draft accepted) drawn from p before temperature 0.7 (p^0.7 renormalized)",
-        ("equal-k4", "random-k1"),
-        1000,
-    ),
-    _chain_bug(
-        "wrong_q_raw_logits",
-        "HF transformers",
-        "https://github.com/huggingface/transformers/issues/47932 (fix: PR #47961)",
-        "drafts sampled from the top-k-processed q, the verifier given the raw q (ratio inflated by 1 / Z)",
-        ("truncated-k4",),
-        1000,
-    ),
-    _chain_bug(
-        "block_plain_residual",
-        "vllm-ascend",
-        "https://github.com/vllm-project/vllm-ascend/issues/7807",
-        "block verification's decision, then the token-wise residual (p - q)+ instead of (rho p - q)+",
-        ("small-vocab-k2",),
-        15_000,
-        make=functools.partial(broken_block_verifier, "block_plain_residual"),
-        kind="chain-sequence",
-    ),
-    _chain_bug(
-        "spec_rl",
-        "SPEC-RL",
-        "SPEC-RL rollout reuse (Liu et al. 2025), l = 1",
-        "accept an old rollout's token with min(1, p / q), at a rejection a fresh draw from p",
-        ("random-k1",),
-        500,
-        make=functools.partial(_spec_rl, False),
-    ),
-    _chain_bug(
-        "spec_rl_lenient",
-        "SPEC-RL",
-        "SPEC-RL rollout reuse (Liu et al. 2025), its scripts' lenience l = e^0.5",
-        "accept with min(1, l p / q), l = e^0.5 ~ 1.65, at a rejection a fresh draw from p",
-        ("random-k1",),
-        500,
-        make=functools.partial(_spec_rl, True),
-    ),
-    KnownBug(
-        "fp32_exponential_race",
-        "vLLM",
-        "https://github.com/vllm-project/vllm/pull/43150",
-        "exponential-race sampling with float32 Exp(1) noise that never falls below 2^-24: the far tail is lost",
-        lambda: fp32_exponential_race,
-        "tail",
-        samples=TAIL_DRAWS,
-        full_samples=4 * TAIL_DRAWS,
-    ),
-    # controls: verispec's own samplers, next to the bugs (the same tests; they must PASS)
-    _control(
-        "verify_chain",
-        "verispec.sampling.chain.verify_chain",
-        "control: the exact token-wise rule, on the chain bugs' cases",
-        lambda: verispec_sampler,
-        "chain-step",
-        _CHAIN_CONTROL_CASES,
-        1000,
-    ),
-    _control(
-        "verify_block",
-        "verispec.sampling.block.verify_block",
-        "control: block verification against the sequence laws",
-        lambda: verispec_block_sampler,
-        "chain-sequence",
-        _SEQUENCE_CONTROL_CASES,
-        15_000,
-    ),
-    _control(
-        "gumbel_verifier",
-        "verispec.sampling.coupling.gumbel_verifier",
-        "control: Gumbel-coupled verification against the sequence laws",
-        _gumbel,
-        "chain-sequence",
-        _SEQUENCE_CONTROL_CASES,
-        15_000,
-    ),
-    _control(
-        "positional_verifier",
-        "verispec.sampling.positional.positional_verifier",
-        "control: position-seeded verification against the sequence laws",
-        _positional,
-        "chain-sequence",
-        _SEQUENCE_CONTROL_CASES,
-        15_000,
-    ),
-    _control(
-        "sample_from_weights",
-        "verispec.sampling.chain.sample_from_weights",
-        "control: inverse-CDF sampling with float64 uniforms, on the tail test",
-        lambda: sample_from_weights_control,
-        "tail",
-    ),
-    _control(
-        "race_winner_fp64",
-        "verispec.sampling.coupling.race_winner",
-        "control: the exponential race with float64 Exp(1) noise, on the tail test",
-        lambda: race_fp64_control,
-        "tail",
-    ),
-)
+def _entry(row: str) -> KnownBug:
+    """A line of _TABLE as the registry's entry: a control must PASS, a bug FAIL (a chain bug's default size with
+    the stated power 0.9999, module docstring)."""
+    name, kind, cases, size, engine, reference, what = row.replace("GH:", _GH).split(" | ")
+    tail, control = kind == "tail", engine == "verispec"
+    sizes = dict(samples=TAIL_DRAWS, full_samples=4 * TAIL_DRAWS) if tail else dict(samples=int(size))
+    fixed = dict(cases=None if tail else tuple(cases.split(",")), expected="PASS" if control else "FAIL")
+    power = None if control or tail else 0.9999
+    return KnownBug(name, engine, reference, what, _MAKE[name], kind, **fixed, **sizes, stated_power=power)
+
+
+KNOWN_BUGS: tuple[KnownBug, ...] = tuple(_entry(row) for row in _TABLE.strip().splitlines())
 
 
 @dataclass
@@ -376,8 +177,7 @@ def tail_test(
     tail hits (index > 0) and test them against the exact tail mass (exact two-sided binomial test); `power` is
     the test's exact power at `level` against the floored race's mass. Chunks of chunk_elems weights (16 MB in
     float64) keep memory small."""
-    if draws < 1:
-        raise ValueError(f"the tail test needs >= 1 draw, got {draws}")
+    require({f"the tail test needs >= 1 draw, got {draws}": draws >= 1})
     torch.manual_seed(seed)
     rows = max(1, chunk_elems // spec.vocab)
     w = spec.weights(rows)
@@ -389,17 +189,16 @@ def tail_test(
             raise ValueError(f"the sampler returned {tuple(tok.shape)} (or an index outside [0, {spec.vocab}))")
         hits += int((tok > 0).sum())
         done += m
-    p0 = spec.exact_mass
-    pvalue = float(stats.binomtest(hits, draws, p0).pvalue)
+    p0, p1 = spec.exact_mass, spec.floored_mass
     return dict(
         hits=hits,
         draws=draws,
         exact_mass=p0,
-        floored_mass=spec.floored_mass,
+        floored_mass=p1,
         expected_hits=draws * p0,
-        expected_hits_floored=draws * spec.floored_mass,
-        pvalue=pvalue,
-        power=binomial_power(draws, p0, spec.floored_mass, level),
+        expected_hits_floored=draws * p1,
+        pvalue=float(stats.binomtest(hits, draws, p0).pvalue),
+        power=binomial_power(draws, p0, p1, level),
         tail_tokens=spec.tail,
         ratio=spec.ratio,
         floor=spec.floor,
@@ -430,14 +229,12 @@ def estimated_power(source, n: int, *, samples: int | None = None, level: float 
     elif hasattr(source, "tests") and hasattr(source, "samples_per_case"):
         tests, n_big, lvl = source.tests, source.samples_per_case, source.level
     else:
-        if samples is None:
-            raise ValueError("estimated_power of a list of tests needs samples= (the size they were run at)")
+        require({"estimated_power of a list of tests needs samples= (the size they were run at)": samples is not None})
         tests, n_big, lvl = list(source), samples, level
     lvl = lvl if level is None else level
     if lvl is None or not tests:
         return 0.0
-    per_test = lvl / len(tests)
-    best = 0.0
+    per_test, best = lvl / len(tests), 0.0
     for t in tests:
         if t.impossible > 0:
             best = max(best, 1.0 - (1.0 - min(1.0, t.impossible / n_big)) ** n)
@@ -483,9 +280,8 @@ class KnownBugsReport:
         ]
         for r in self.rows:
             mark = r.verdict if r.ok else f"**{r.verdict}** (expected {r.expected})"
-            power = (
-                "-" if r.stated_power is None else "≥ 0.9999" if r.stated_power >= 0.9999 else f"{r.stated_power:.4f}"
-            )
+            sp = r.stated_power
+            power = "-" if sp is None else "≥ 0.9999" if sp >= 0.9999 else f"{sp:.4f}"
             lines.append(
                 f"| `{r.name}` | {_cell(r.engine)} | {_cell(_link(r.reference))} | {r.expected} | {mark} | "
                 f"{pvalue_cell(r)} | {r.samples} | {power} | {r.seconds:.1f} |"
@@ -517,9 +313,8 @@ def _link(ref: str) -> str:
     for part in ref.split(" ; "):
         head, _, rest = part.partition(" ")
         bits = head.rstrip("/").split("/")
-        if head.startswith("https://github.com/") and len(bits) >= 7 and bits[-1].isdigit():
-            short = f"{bits[3]}/{bits[4]}#{bits[-1]}"
-            part = f"[{short}]({head})" + (f" {rest}" if rest else "")
+        if head.startswith(_GH) and len(bits) >= 7 and bits[-1].isdigit():
+            part = f"[{bits[3]}/{bits[4]}#{bits[-1]}]({head})" + (f" {rest}" if rest else "")
         out.append(part)
     return "; ".join(out)
 
@@ -535,88 +330,40 @@ def _count(n: int, what: str) -> str:
 
 def select_entries(only: Sequence[str] | str | None) -> list[KnownBug]:
     """The registry's entries named in `only` (a list, or comma-separated), in registry order; every one if None."""
-    if only is None:
-        return list(KNOWN_BUGS)
-    names = [s.strip() for s in (only.split(",") if isinstance(only, str) else only) if s.strip()]
-    known = {b.name: b for b in KNOWN_BUGS}
-    unknown = [n for n in names if n not in known]
-    if unknown or not names:
-        raise ValueError(
-            f"unknown known-bugs entr{'ies' if len(unknown) > 1 else 'y'} {', '.join(unknown) or '(none given)'}; "
-            f"known: {', '.join(known)}"
-        )
+    names = select(only, [b.name for b in KNOWN_BUGS], "known-bugs entry", "known-bugs entries")
     return [b for b in KNOWN_BUGS if b.name in names]
 
 
-def _size(bug: KnownBug, samples: int | None, tail_draws: int | None, full: bool, scale: float) -> int:
-    """The entry's size: the override of its kind (races for the tail test, steps per case otherwise), else its
-    default or full size times `scale`."""
-    override = tail_draws if bug.kind == "tail" else samples
-    return override if override is not None else round((bug.full_samples if full else bug.samples) * scale)
+def _row(bug: KnownBug, n: int, level: float, t0: float, verdict: str, pvalue: float, ok: bool, **more) -> KnownBugRow:
+    """The entry's row: what the registry says of it, and what its run found."""
+    about = (bug.name, bug.engine, bug.reference, bug.what, bug.kind, bug.expected)
+    return KnownBugRow(*about, verdict, pvalue, n, time.perf_counter() - t0, ok, level, **more)
 
 
-def _run_one(bug: KnownBug, n: int, level: float, seed: int, full: bool, progress) -> KnownBugRow:
+def _run_tail(bug: KnownBug, n: int, level: float, seed: int) -> KnownBugRow:
+    """The tail test of the entry's sampler; a crash fails the entry (not ok: the bug was not caught), with why."""
     t0 = time.perf_counter()
-    sampler = bug.make()
-    common = dict(
-        name=bug.name,
-        engine=bug.engine,
-        reference=bug.reference,
-        what=bug.what,
-        kind=bug.kind,
-        expected=bug.expected,
-        samples=n,
-        level=level,
-    )
-    if bug.kind == "tail":
-        try:
-            t = tail_test(sampler, n, seed=seed, level=level)
-        except Exception as e:  # a crash fails the entry, with the reason
-            return KnownBugRow(
-                **common,
-                verdict="FAIL",
-                min_holm_pvalue=float("nan"),
-                seconds=time.perf_counter() - t0,
-                ok=False,  # a crash is not the bug being caught: no entry is ok with errors
-                errors=[f"the sampler raised {type(e).__name__}: {e}"],
-            )
-        rejected = t["pvalue"] < level
-        verdict = "FAIL" if rejected else "PASS" if t["power"] >= POWER else "INCONCLUSIVE"
-        return KnownBugRow(
-            **common,
-            verdict=verdict,
-            min_holm_pvalue=t["pvalue"],
-            seconds=time.perf_counter() - t0,
-            ok=verdict == bug.expected,
-            tail=t,
-            stated_power=t["power"] if bug.expected == "FAIL" else None,  # exact, at this size
-        )
-    cases = default_cases()
-    if bug.cases is not None and not full:
-        cases = [c for c in cases if c.name in bug.cases]
-    laws = "step" if bug.kind == "chain-step" else "sequence"
-    report = certify_kernel(
-        sampler,
-        cases=cases,
-        samples=n,
-        level=level,
-        seed=seed,
-        name=bug.name,
-        laws=laws,
-        progress=(lambda c: progress(f"{bug.name}: {c}")) if progress else None,
-    )
-    holm = [t.holm_pvalue for t in report.tests]
-    return KnownBugRow(
-        **common,
-        verdict=report.verdict,
-        min_holm_pvalue=min(holm) if holm else float("nan"),
-        seconds=time.perf_counter() - t0,
-        ok=report.verdict == bug.expected and not report.errors,  # a FAIL must be statistical, not a crash
-        cases=[c.name for c in cases],
-        tests=report.tests,
-        errors=report.errors,
-        detectable_tv=report.headline_tv() if math.isfinite(report.headline_tv()) else None,
-    )
+    try:
+        t = tail_test(bug.make(), n, seed=seed, level=level)
+    except Exception as e:
+        return _row(bug, n, level, t0, "FAIL", math.nan, False, errors=[str(CaseError.raised(e))])
+    verdict = "FAIL" if t["pvalue"] < level else "PASS" if t["power"] >= POWER else "INCONCLUSIVE"
+    power = t["power"] if bug.expected == "FAIL" else None  # exact, at this size
+    return _row(bug, n, level, t0, verdict, t["pvalue"], verdict == bug.expected, tail=t, stated_power=power)
+
+
+def _run_chain(bug: KnownBug, n: int, level: float, seed: int, full: bool, progress) -> KnownBugRow:
+    """The kernel certificate of the entry's verifier on its cases (every default case with `full`)."""
+    t0 = time.perf_counter()
+    cases = [c for c in default_cases() if full or bug.cases is None or c.name in bug.cases]
+    laws, each = "step" if bug.kind == "chain-step" else "sequence", (lambda c: progress(f"{bug.name}: {c}"))
+    options = dict(cases=cases, samples=n, level=level, seed=seed, name=bug.name, laws=laws)
+    report = certify_kernel(bug.make(), **options, progress=each if progress else None)
+    holm = min((t.holm_pvalue for t in report.tests), default=float("nan"))
+    ok = report.verdict == bug.expected and not report.errors  # a FAIL must be statistical, not a crash
+    tv = report.headline_tv()
+    more = dict(cases=[c.name for c in cases], tests=report.tests, errors=report.errors)
+    return _row(bug, n, level, t0, report.verdict, holm, ok, detectable_tv=tv if math.isfinite(tv) else None, **more)
 
 
 def run_known_bugs(
@@ -632,10 +379,6 @@ def run_known_bugs(
 ) -> KnownBugsReport:
     """Reproduce distribution bugs that engines shipped, and check each FAILS while verispec's samplers PASS.
 
-    Every entry (a small sampler with a known bug, or a control) runs through the kernel certificate (or, for
-    float32 exponential-race noise, an exact tail test) at a size with power >= 0.99 to FAIL at level 0.01
-    (`verispec certify known-bugs`).
-
     Args:
         samples: Speculative steps per case for every chain entry (default: each entry's own size; >= 100).
         tail_draws: The tail test's races (default TAIL_DRAWS).
@@ -647,28 +390,25 @@ def run_known_bugs(
         scale: Multiply each entry's own size (e.g. 5 for the power estimates).
 
     Returns:
-        The report: each entry's verdict against its expectation; it passes only when every bug FAILED and every
-        control PASSED.
-
-    Raises:
-        ValueError: A size or level out of range, or an unknown entry.
+        The report: each entry's verdict against its expectation (`ok` when every bug FAILED and every control PASSED).
     """
-    if not 0 < level < 1:
-        raise ValueError(f"level must lie in (0, 1), got {level}")
-    if samples is not None and samples < 100:
-        raise ValueError(f"samples must be >= 100 per case, got {samples}")
-    if tail_draws is not None and tail_draws < 1:
-        raise ValueError(f"tail_draws must be >= 1, got {tail_draws}")
-    if scale <= 0:
-        raise ValueError(f"scale must be > 0, got {scale}")
+    require(
+        {
+            f"level must lie in (0, 1), got {level}": 0 < level < 1,
+            f"samples must be >= 100 per case, got {samples}": samples is None or samples >= 100,
+            f"tail_draws must be >= 1, got {tail_draws}": tail_draws is None or tail_draws >= 1,
+            f"scale must be > 0, got {scale}": scale > 0,
+        }
+    )
     chosen = select_entries(only)
     t0 = time.perf_counter()
     rows = []
     for bug in chosen:
         if progress:
             progress(bug.name)
-        n = _size(bug, samples, tail_draws, full, scale)
-        row = _run_one(bug, n, level, seed, full, progress)
+        override = tail_draws if bug.kind == "tail" else samples  # races for the tail test, else steps per case
+        n = override if override is not None else round((bug.full_samples if full else bug.samples) * scale)
+        row = _run_tail(bug, n, level, seed) if bug.kind == "tail" else _run_chain(bug, n, level, seed, full, progress)
         if bug.stated_power is not None and not full and n == bug.samples and row.expected == "FAIL":
             row.stated_power = bug.stated_power
         rows.append(row)

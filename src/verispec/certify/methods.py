@@ -1,8 +1,6 @@
-"""What a generator certificate certifies: a method as plain data (`MethodSpec`) and the adapters that turn it
-into a sample function (`build_method`): verispec in any configuration, plain decoding, HF transformers `generate`
-(with or without `assistant_model` -- universal assisted generation when the assistant's tokenizer differs,
-`hf_assistant_kwargs` -- or prompt lookup), an OpenAI-compatible endpoint (endpoint.py), or a user callable. Models
-load once per process (`_load`)."""
+"""What a generator certificate certifies: a method as plain data (`MethodSpec`) and the adapters that turn it into
+a sample function (`build_method`): verispec, plain decoding, transformers `generate` (plain, assisted, prompt lookup),
+an OpenAI-compatible endpoint (endpoint.py) or a user callable. Models load once per process (`_load`)."""
 
 from __future__ import annotations
 
@@ -19,42 +17,17 @@ from ..engine.config import SpecConfig
 from ..engine.generator import SpeculativeGenerator
 from ..model import loading
 from ..sampling import SamplingParams
-from ..sampling.lossy import lenient_verifier, spec_rl_verifier, typical_verifier
-from .bugs import (
-    BLOCK_BUGS,
-    BUGS,
-    GRAMMAR_BUGS,
-    GRAMMAR_NON_BUGS,
-    TREE_BUGS,
-    TREE_NON_BUGS,
-    broken_block_verifier,
-    broken_tree_verifier,
-    broken_verifier,
-)
-from .crossvocab_bugs import CROSS_VOCAB_BUGS, check_cross_vocab_bug, inject_cross_vocab_bug
 from .endpoint import Endpoint, TokenMapper
-from .head_bugs import HEAD_BUGS, check_head_bug, inject_head_bug
 from .kernel import load_sampler
+from .mutants import mutant
 
-__all__ = [
-    "CERTIFY_DEFAULTS",
-    "LOSSY_VERIFIERS",
-    "METHODS",
-    "MethodSpec",
-    "SampleFn",
-    "build_method",
-    "eos_set",
-    "hf_assistant_kwargs",
-    "same_tokenizer",
-]
+__all__ = ["CERTIFY_DEFAULTS", "METHODS", "MethodSpec", "SampleFn", "build_method", "eos_set", "hf_assistant_kwargs"]
 
 METHODS = ("verispec", "plain", "hf", "hf-assisted", "hf-lookup", "callable", "openai")
 
 
-# a certificate's verispec runs a fixed gamma by default (SpecConfig's is "auto"): its seeded samples are then
-# reproducible, run after run (gamma auto follows timings; the distribution is the same either way); and the stream
-# (SpecConfig's random is auto, which Gumbel-couples every seeded sample: the rule under test would see one-hot
-# targets; random=auto or gumbel certifies the coupling)
+# a certificate's verispec runs a fixed gamma (seeded samples reproducible run after run; gamma auto follows timings)
+# and the stream randomness (auto would Gumbel-couple every seeded sample: the rule would see one-hot targets)
 CERTIFY_DEFAULTS = {"gamma": 4, "random": "stream"}
 CERTIFY_SPEC = SpecConfig(**CERTIFY_DEFAULTS)
 
@@ -72,7 +45,8 @@ class MethodSpec:
         dtype: The method's target precision (the reference score is always float32).
         draft_dtype: The draft model's precision.
         callable: Method "callable": `module:function` mapping (prompt_ids, params, seed) to token ids.
-        verifier: A deliberately broken verifier from `verispec.certify.bugs`, or a lossy rule (LOSSY_VERIFIERS).
+        verifier: An injection (`--inject`): a mutant of `verispec.certify.mutants` (a broken verifier of
+            `certify.bugs`, an engine-level bug) or a lossy rule (LOSSY_VERIFIERS).
         threads: Torch CPU threads per worker.
         base_url: Method "openai": the endpoint (http://host:port or .../v1).
         model_name: Method "openai": the model name the endpoint serves.
@@ -83,21 +57,18 @@ class MethodSpec:
         ValueError: An unknown method, or fields that do not fit it.
     """
 
-    method: str = "verispec"  # one of METHODS
-    target: str | None = None  # model path / hub id (None: verispec's default model)
-    # verispec's speculation (a SpecConfig, or its string form): a draft model by its path (draft=model,model=PATH),
-    # gamma, tree, verification rule, randomness, runner; plain takes its random and runner, hf-assisted's
-    # assistant is its model, hf-lookup's prompt_lookup_num_tokens its gamma
+    method: str = "verispec"
+    target: str | None = None
     config: SpecConfig = CERTIFY_SPEC
-    dtype: str = "float32"  # the method's target precision (the reference score is always float32)
+    dtype: str = "float32"
     draft_dtype: str = "float32"
-    callable: str | None = None  # method 'callable': module:function mapping (prompt_ids, params, seed) -> tokens
-    verifier: str | None = None  # a bug from verispec.certify.bugs, or a lossy rule: LOSSY_VERIFIERS
+    callable: str | None = None
+    verifier: str | None = None
     threads: int | None = None
-    base_url: str | None = None  # openai: the endpoint (http://host:port or .../v1)
-    model_name: str | None = None  # openai: the model name the endpoint serves
-    api_key: str | None = field(default=None, repr=False)  # openai: sent as a Bearer token
-    max_in_flight: int = 8  # openai: concurrent requests
+    base_url: str | None = None
+    model_name: str | None = None
+    api_key: str | None = field(default=None, repr=False)
+    max_in_flight: int = 8
 
     def __post_init__(self):
         if isinstance(self.config, str):
@@ -129,23 +100,10 @@ class MethodSpec:
             raise ValueError(f"a tree applies to method 'verispec', not {self.method!r}")
         if cfg.verify == "block" and self.method != "verispec":
             raise ValueError(f"verify='block' applies to method 'verispec' with chains (no tree), not {self.method!r}")
-        if self.verifier in GRAMMAR_BUGS + GRAMMAR_NON_BUGS:
-            from .grammar_bugs import check_grammar_bug
-
-            check_grammar_bug(self.verifier, cfg)
-        elif self.verifier in CROSS_VOCAB_BUGS:
-            check_cross_vocab_bug(self.verifier, cfg)
-        elif self.verifier in HEAD_BUGS:
-            check_head_bug(self.verifier, cfg)
-        elif self.verifier is not None:
-            _verifier(self.verifier, tree=cfg.tree is not None, block=cfg.verify == "block")  # validate early
+        if self.verifier is not None:
+            mutant(self.verifier, cfg)  # an injection that does not apply to this config: refused early
         if cfg.random == "position" and self.method not in ("verispec", "plain"):
             raise ValueError("seeding 'position' applies to verispec with a draft model's chains, or to plain")
-        if cfg.random == "gumbel" and self.verifier is not None:  # (auto runs the stream under an injected verifier)
-            raise ValueError(
-                "an injected verifier under coupling sees one-hot targets, where most bugs verify exactly: "
-                "certify the coupled verifier with `certify kernel --coupling gumbel --inject ...`"
-            )
         if cfg.random == "gumbel" and self.method not in ("verispec", "plain"):
             raise ValueError(f"coupling 'gumbel' applies to methods 'verispec' and 'plain', not {self.method!r}")
         if self.method == "verispec" and cfg.draft == "model" and cfg.model is None:
@@ -171,54 +129,17 @@ class MethodSpec:
         return {"plain": "verispec plain decoding", "hf": "transformers generate (plain sampling)"}[self.method]
 
 
-LOSSY_VERIFIERS = "lenient:L (L in (0, 1]), typical, spec-rl[:L] (L >= 1)"  # the lossy rules _verifier knows
-
-
-def _verifier(name: str, tree: bool = False, block: bool = False):
-    if block:
-        if name not in BLOCK_BUGS:
-            raise ValueError(f"with verify='block' the verifier override must be a block bug: {', '.join(BLOCK_BUGS)}")
-        return broken_block_verifier(name)
-    if name in BLOCK_BUGS:
-        raise ValueError(f"{name} is a block verification bug: it needs verify='block'")
-
-    if tree:
-        usable = [b for b in TREE_BUGS + TREE_NON_BUGS if not b.startswith("tree_mixed_")]
-        if name in usable:
-            return broken_tree_verifier(name)
-        if name.startswith("tree_mixed_"):  # they act only on rule 'mixed', which these trees never use: a sure PASS
-            raise ValueError(f"{name} breaks rule 'mixed' only; certify it with `certify kernel --tree mixed`")
-        raise ValueError(f"with a tree the verifier override must be a tree bug: {', '.join(usable)}")
-    if name in TREE_BUGS + TREE_NON_BUGS:
-        raise ValueError(f"{name} is a tree bug: it needs a tree")
-    if name in BUGS:
-        return broken_verifier(name)
-    if name.startswith("lenient"):
-        try:
-            return lenient_verifier(float(name.partition(":")[2] or 0.5))
-        except ValueError:
-            raise ValueError(f"lenient takes a lenience in (0, 1]: 'lenient:0.5', got {name!r}") from None
-    if name == "typical":
-        return typical_verifier()
-    if name == "spec-rl" or name.startswith("spec-rl:"):
-        try:
-            return spec_rl_verifier(float(name.partition(":")[2] or 1.0))
-        except ValueError:
-            raise ValueError(
-                f"spec-rl takes a finite lenience >= 1: 'spec-rl' (l = 1) or 'spec-rl:2', got {name!r}"
-            ) from None
-    raise ValueError(f"unknown verifier {name!r}: one of {', '.join(BUGS)}, {LOSSY_VERIFIERS}")
-
-
 _LOADED: dict = {}
 
 
-def _load(path: str | None, dtype: str):
-    """Load once per process: the float32 reference target doubles as the method's float32 target."""
+def _load(path: str | None, dtype: str, draft: bool = False):
+    """Load once per process: the float32 reference target doubles as the method's float32 target. draft: a draft
+    (`engine.drafters.load_draft`: a hidden-state head's directory loads as that head)."""
+    from ..engine.drafters import load_draft
 
     key = (path, dtype)
     if key not in _LOADED:
-        _LOADED[key] = loading.load_model(path, dtype=dtype)  # looked up at call time (tests patch it)
+        _LOADED[key] = load_draft(path, dtype=dtype) if draft else loading.load_model(path, dtype=dtype)
     return _LOADED[key]
 
 
@@ -261,27 +182,11 @@ def _verispec_method(spec: MethodSpec, target) -> SampleFn:
     cfg = spec.config if spec.method == "verispec" else plain
     if not cfg.drafter.built_by_generator:
         raise ValueError(f"draft={cfg.draft} drafts with objects a MethodSpec cannot name: give certify a sample_fn")
-    draft = _load(cfg.model, spec.draft_dtype) if cfg.drafter.model else None
-    overrides = {}
-    engine_bugs = GRAMMAR_BUGS + GRAMMAR_NON_BUGS + CROSS_VOCAB_BUGS + HEAD_BUGS  # they break the built engine
-    grammar_bug = spec.verifier if spec.verifier in engine_bugs else None
-    if grammar_bug:
-        from .grammar_bugs import stream_config
-
-        cfg = stream_config(cfg)
-    if spec.verifier and not grammar_bug:  # the override replaces the rule's verifier (a block bug: verify_block)
-        override = _verifier(spec.verifier, tree=cfg.tree is not None, block=cfg.verify == "block")
-        overrides["tree_verifier" if cfg.tree else "verifier"] = override
-        cfg = replace(cfg, verify=None) if cfg.verify == "block" else cfg  # the verifier is the block rule's
-    gen = SpeculativeGenerator(target, draft, config=cfg, **overrides)
-    if grammar_bug in CROSS_VOCAB_BUGS:
-        inject_cross_vocab_bug(gen, grammar_bug)
-    elif grammar_bug in HEAD_BUGS:
-        inject_head_bug(gen, grammar_bug)
-    elif grammar_bug:
-        from .grammar_bugs import inject_grammar_bug
-
-        inject_grammar_bug(gen, grammar_bug)
+    draft = _load(cfg.model, spec.draft_dtype, draft=True) if cfg.drafter.model else None
+    if spec.verifier is None:
+        gen = SpeculativeGenerator(target, draft, config=cfg)
+    else:  # the mutant's engine (certify.mutants)
+        gen = mutant(spec.verifier, cfg).generator(target, draft, cfg)
     eos = eos_set(target)
 
     def sample_verispec(prompt, params, seeds, length):
@@ -292,28 +197,19 @@ def _verispec_method(spec: MethodSpec, target) -> SampleFn:
             max_new_tokens=length,
             ignore_eos=not constrained,
         )
-        if not constrained:
-            return [o.token_ids for o in outs], gen.last_stats, [o.raw_logprobs for o in outs]
-        return [_ended(o, eos) for o in outs], gen.last_stats, [_ended_logprobs(o, eos) for o in outs]
+        ended = [_ended(o, eos if constrained else []) for o in outs]
+        return [tokens for tokens, _ in ended], gen.last_stats, [logprobs for _, logprobs in ended]
 
     return sample_verispec
 
 
-def _ended(o, eos: list[int]) -> list[int]:
-    """A completion's tokens, with eos[0] appended when it stopped at an EOS-set id (one outcome, as the scores
-    merge it; generate.py)."""
-    stopped = o.finish_reason == "stop" and o.stop_reason in eos
-    return list(o.token_ids) + ([eos[0]] if stopped else [])
-
-
-def _ended_logprobs(o, eos: list[int]) -> list[float] | None:
-    """The raw logprobs of `_ended(o)`: the EOS token's own when it was eos[0] (else NaN: not compared)."""
-    if o.raw_logprobs is None:
-        return None
+def _ended(o, eos: list[int]) -> tuple[list[int], list[float] | None]:
+    """A completion's tokens and raw logprobs, with eos[0] appended when it stopped at an EOS-set id (one outcome,
+    as the scores merge it), its logprob the EOS token's own when that was eos[0] (else NaN: not compared)."""
     if not (o.finish_reason == "stop" and o.stop_reason in eos):
-        return list(o.raw_logprobs)
+        return list(o.token_ids), None if o.raw_logprobs is None else list(o.raw_logprobs)
     own = o.eos_raw_logprob if o.stop_reason == eos[0] and o.eos_raw_logprob is not None else float("nan")
-    return list(o.raw_logprobs) + [own]
+    return list(o.token_ids) + [eos[0]], None if o.raw_logprobs is None else [*o.raw_logprobs, own]
 
 
 def _openai_method(spec: MethodSpec, target) -> SampleFn:
@@ -337,10 +233,8 @@ def _openai_method(spec: MethodSpec, target) -> SampleFn:
 
 
 def _hf_method(spec: MethodSpec, target) -> SampleFn:
-    """transformers generate with EOS off for this call only (eos_token_id=None; the assistant takes the
-    target's), so every sample has `length` tokens, like ignore_eos in verispec. The cached models (and their
-    generation configs) are left as they are. hf-assisted with an assistant whose tokenizer differs runs
-    transformers' universal assisted generation (`hf_assistant_kwargs`)."""
+    """transformers generate with EOS off for this call only (eos_token_id=None), so every sample has `length`
+    tokens, like ignore_eos in verispec; the cached models and their generation configs are left as they are."""
     model = target.model
     draft = _load(spec.config.model, spec.draft_dtype) if spec.method == "hf-assisted" else None
     same = draft is None or same_tokenizer(target, draft)
@@ -351,19 +245,12 @@ def _hf_method(spec: MethodSpec, target) -> SampleFn:
         if draft is not None:
             kw |= hf_assistant_kwargs(target, draft, sample=kw["do_sample"], same=same)
         ids = torch.tensor([list(prompt)], device=model.device)
+        kw |= dict(attention_mask=torch.ones_like(ids), max_new_tokens=length, min_new_tokens=0, pad_token_id=0)
         out = []
         for s in seeds:
             torch.manual_seed(s)
             with torch.no_grad():
-                seq = model.generate(
-                    ids,
-                    attention_mask=torch.ones_like(ids),
-                    max_new_tokens=length,
-                    min_new_tokens=0,
-                    pad_token_id=0,
-                    eos_token_id=None,
-                    **kw,
-                )
+                seq = model.generate(ids, eos_token_id=None, **kw)
             out.append(seq[0, ids.shape[1] :].tolist())
         return out, None
 
@@ -372,29 +259,9 @@ def _hf_method(spec: MethodSpec, target) -> SampleFn:
 
 def hf_assistant_kwargs(target, draft, sample: bool, same: bool | None = None) -> dict:
     """The keywords of `target.model.generate` that make `draft` its assistant (sample: do_sample; same: the result
-    of `same_tokenizer`, when known).
-
-    One tokenizer: `assistant_model` (assisted generation; speculative sampling when sampling). Different tokenizers:
-    also `tokenizer` and `assistant_tokenizer`, which is how transformers selects universal assisted generation
-    (GenerationMixin._get_candidate_generator). Its two paths (transformers 5.24):
-    - greedy: AssistedCandidateGeneratorDifferentTokenizers drafts with the assistant on its own tokenization of the
-      text (decode, re-encode, aligned by the longest common diagonal) and re-encodes the draft's text with the
-      target's tokenizer; the target keeps candidates up to its first argmax mismatch, so the output is the
-      target's own greedy decoding;
-    - sampling: UniversalSpeculativeDecodingGenerator with an AssistantToTargetTranslator: the vocabularies are
-      intersected by token string (get_vocab() keys, the assistant's leading space sign rewritten to the target's),
-      the assistant's LM head is pruned to the intersection (the rest of its vocabulary, byte-fallback tokens
-      included, is never drafted), its logits are placed into the target's vocabulary (-inf elsewhere) and checked
-      with speculative sampling. Not lossless as written: the pruned head's rows follow the assistant tokenizer's
-      get_vocab() order (candidate_generator.py:729, a hash map's order for a fast tokenizer) while
-      get_target_logits places them by ascending assistant id (:837), so when the two orders differ the
-      probability a drafted token is checked with is another token's (tests/crossvocab/test_hf_uag.py computes the
-      first-token law: far from the target's; with the orders equal it is exact). It also modifies the assistant
-      model in place (pruned head, wrapped input embeddings, generation_config.repetition_penalty = None): it gets
-      a copy of the draft's modules that shares its weights (`_uag_sampling_assistant`), so the shared draft stays
-      as it was.
-    transformers tells "different tokenizers" from the models' config vocab_size, not the tokenizers: a pair whose
-    tokenizers differ but whose vocab_size is the same is refused there, so here too (ValueError)."""
+    of `same_tokenizer`, when known): `assistant_model`, and with different tokenizers `tokenizer` and
+    `assistant_tokenizer` too (universal assisted generation: docs/guides/certify.md; its sampling path gets a copy
+    of the draft's modules, `_uag_sampling_assistant`). Tokenizers that differ with one vocab_size: ValueError."""
     if same if same is not None else same_tokenizer(target, draft):
         return {"assistant_model": draft.model}
     rows = [m.config.get_text_config().vocab_size for m in (target.model, draft.model)]
@@ -413,11 +280,9 @@ _UAG_ASSISTANTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _uag_sampling_assistant(target, draft):
-    """The assistant for universal assisted generation's sampling path: a copy of the draft model's modules that
-    shares its parameters and buffers. transformers prunes the assistant it is given once per tokenizer pair (the
-    translator is cached on the two tokenizer objects: AssistantVocabTranslatorCache) and reuses that pruning, so
-    one copy per draft model and tokenizer pair; a new copy drops the pair's cached translator, which pruned another
-    model, so that it is pruned in its turn."""
+    """The assistant for universal assisted generation's sampling path, which transformers prunes in place once per
+    tokenizer pair (its translator cached on the two tokenizers): a copy of the draft's modules sharing its weights,
+    one per draft model and tokenizer pair; a new copy drops the pair's cached translator, so it is pruned in turn."""
     held = _UAG_ASSISTANTS.get(draft.model)
     if held is not None and held[0] is target.tokenizer and held[1] is draft.tokenizer:
         return held[2]
@@ -460,13 +325,8 @@ def _tokenizers_differ(spec: MethodSpec) -> bool:
 def _hf_sampling_kwargs(params: SamplingParams) -> dict:
     if params.temperature == 0:
         return dict(do_sample=False)
-    return dict(
-        do_sample=True,
-        temperature=params.temperature,
-        top_k=params.top_k or None,
-        top_p=params.top_p,
-        min_p=params.min_p or None,
-    )
+    p = params
+    return dict(do_sample=True, temperature=p.temperature, top_k=p.top_k or None, top_p=p.top_p, min_p=p.min_p or None)
 
 
 def eos_set(loaded) -> list[int]:

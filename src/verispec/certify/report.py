@@ -7,8 +7,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .. import strict_json
-from .kernel import Verdict, has_power
+from .kernel import Verdict, has_power, write_md_json
 
 __all__ = ["GenerateReport", "TestResult", "write_report"]
 
@@ -98,30 +97,31 @@ class GenerateReport(Verdict):
             f"{len(self.tests)} tests, Holm-corrected at family-wise level {self.level}; power {self.power} for "
             f"the detectable effects (each at the Bonferroni level); seed {self.seed}; {self.seconds:.0f} s.",
         ]
-        notes = [self.power_note(), self._acceptance_note(), self._tolerance_note()]
-        notes += [self._endpoint_note(), self._seeds_note()]
-        lines += [line for note in notes if note for line in ("", note)]  # each note a paragraph
+        lines += [line for note in self._notes() for line in ("", note)]  # each note a paragraph
         lines += self._parity_lines()
         if self.errors:
             lines += ["", "## Errors", ""] + [f"- {e}" for e in self.errors]
         return "\n".join(lines + self._table_lines() + self._deviation_lines()) + "\n"
 
-    def _acceptance_note(self) -> str:
-        if not self.acceptance:
-            return ""
-        return (
-            f"acceptance rate {self.acceptance_rate:.3f}, tau {self.tau:.2f} tokens per target pass; "
-            f"per position: {' '.join(f'{a:.2f}' for a in self.acceptance)}"
-        )
-
-    def _tolerance_note(self) -> str:
-        if not self.tv_tolerance:
-            return ""
-        return (
-            f"Tolerance: the first-token tests test H0 TV <= {self.tv_tolerance:g} (numeric drift allowed; a "
-            "distribution-free bound, stats.tolerant_tv_test); the exact-equality tests (PIT, log-likelihood, "
-            "sequence) are left out."
-        )
+    def _notes(self) -> list[str]:
+        """The paragraphs under the header: the power, the acceptance, the tolerance, the endpoint's run, the seeds."""
+        notes = [self.power_note()]
+        if self.acceptance:
+            notes.append(
+                f"acceptance rate {self.acceptance_rate:.3f}, tau {self.tau:.2f} tokens per target pass; "
+                f"per position: {' '.join(f'{a:.2f}' for a in self.acceptance)}"
+            )
+        if self.tv_tolerance:
+            notes.append(
+                f"Tolerance: the first-token tests test H0 TV <= {self.tv_tolerance:g} (numeric drift allowed; a "
+                "distribution-free bound, stats.tolerant_tv_test); the exact-equality tests (PIT, log-likelihood, "
+                "sequence) are left out."
+            )
+        notes.append(self._endpoint_note())
+        if r := self.request_seeds:
+            reference = f"; {r['reference']}" if "reference" in r else ""
+            notes.append(f"seeds ({r['rule']}): {r['per_prompt_first_last']}{reference}")
+        return [note for note in notes if note]
 
     def _endpoint_note(self) -> str:
         """Method 'openai': what the endpoint run did (requests, retries, refused fields, EOS, mapped ids)."""
@@ -134,14 +134,6 @@ class GenerateReport(Verdict):
             f"{e['mapped_by_text']} token ids mapped from their text (no token_id:N)."
             + (f" The server's speculation counters: {e['speculation']}." if e.get("speculation") else "")
             + (f" Unmappable: {'; '.join(e['unmappable_examples'])}." if e.get("unmappable_examples") else "")
-        )
-
-    def _seeds_note(self) -> str:
-        r = self.request_seeds
-        if not r:
-            return ""
-        return f"seeds ({r['rule']}): {r['per_prompt_first_last']}" + (
-            f"; {r['reference']}" if "reference" in r else ""
         )
 
     def _table_lines(self) -> list[str]:
@@ -201,11 +193,9 @@ def write_report(report: GenerateReport, out: str | Path) -> list[Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    md, js, png = out / "generate-certificate.md", out / "generate-certificate.json", out / "generate-certificate.png"
-    md.write_text(report.to_markdown() + f"\n![plots]({png.name})\n")
-    strict_json.write(js, report.to_json())
+    md, js = write_md_json(report, out, "generate-certificate")
+    png = md.with_suffix(".png")
+    md.write_text(md.read_text() + f"\n![plots]({png.name})\n")
     fig, axes = plt.subplots(1, 4, figsize=(20, 4))
     bins = 20
     axes[0].hist(report.pit, bins=bins, range=(0, 1), color="tab:blue", alpha=0.8)
@@ -215,13 +205,11 @@ def write_report(report: GenerateReport, out: str | Path) -> list[Path]:
     if report.acceptance:
         axes[1].bar(range(len(report.acceptance)), report.acceptance, color="tab:green")
         axes[1].set_ylim(0, 1)
-    axes[1].set_title("per-position acceptance")
-    axes[1].set_xlabel("draft position")
+    axes[1].set(title="per-position acceptance", xlabel="draft position")
     names = [t.name for t in report.tests]
     vals = [-math.log10(max(t.holm_pvalue, 1e-300)) for t in report.tests]
-    axes[2].barh(
-        range(len(vals)), vals, color=["tab:red" if t.holm_pvalue < report.level else "tab:gray" for t in report.tests]
-    )
+    colors = ["tab:red" if t.holm_pvalue < report.level else "tab:gray" for t in report.tests]
+    axes[2].barh(range(len(vals)), vals, color=colors)
     axes[2].axvline(-math.log10(report.level), color="k", ls="--", lw=1, label=f"level {report.level}")
     axes[2].set_yticks(range(len(vals)), names, fontsize=7)
     axes[2].set_title("-log10 Holm p-value")
@@ -233,8 +221,7 @@ def write_report(report: GenerateReport, out: str | Path) -> list[Path]:
         axes[3].semilogy(xs, [max(r["mean"], 1e-12) for r in per], "s-", label="mean")
         axes[3].axhline(report.parity["threshold"], color="k", ls="--", lw=1)
         axes[3].legend()
-    axes[3].set_title("logprob parity |returned - float32 raw|")
-    axes[3].set_xlabel("position")
+    axes[3].set(title="logprob parity |returned - float32 raw|", xlabel="position")
     fig.suptitle(f"{report.verdict}: {report.method}")
     fig.tight_layout()
     fig.savefig(png, dpi=90)

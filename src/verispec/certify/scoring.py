@@ -1,13 +1,9 @@
-"""Scoring a generator's samples under the target, and the tests of the generator certificate: the exact tests
-(first token, whole first-m-token sequence, PIT uniformity, log-likelihood; see generate.py's docstring), the
-two-sample tests against a reference's samples, each test's sizing (detectable effect, Holm p-value), where a
-rejected test deviates, and the logprob-parity table.
-
-Structured outputs: with a constraint the target's exact law is the constrained one, p at output position t the
-processed distribution of the logits with the tokens the grammar forbids after x_<t set to -inf (the grammar's
-mask first, then the other processing: `probs_from_logits(..., allowed=...)`). Every score here then reads the
-mask along the scored prefix (`GrammarState.mask(x_<t)`), and the sequence law enumerates prefixes with theirs; a
-sample ends at its EOS (the grammar allows it only where the output is complete), scored like any token."""
+"""Scoring a generator's samples under the target, and the generator certificate's tests: the exact tests (first
+token, first-m-token sequence, PIT uniformity, log-likelihood), the two-sample tests, each test's sizing, where a
+rejected test deviates, and the logprob-parity table. With a constraint the exact law is the constrained one: p at
+output position t is processed with the grammar's mask after x_<t (`probs_from_logits(..., allowed=...)`), read
+along each scored prefix (`GrammarState.mask(x_<t)`); a sample ends at its EOS, scored like any token.
+"""
 
 from __future__ import annotations
 
@@ -58,10 +54,10 @@ def score(
     rng: np.random.Generator,
     out: Scores,
     chunk: int = 8,
-    keys: Sequence | None = None,
+    keys=None,
     eos: Sequence[int] = (),
     grammar=None,
-) -> np.ndarray:
+):
     """Score samples of one prompt under the processed target; returns p(. | prompt) [V] (float64).
     keys: each sample's key (recorded in out.key with each token's position; default 0, 1, ...). eos: an EOS set
     scored as one outcome, eos[0] (the probabilities of the others moved onto it). grammar: a structured-output
@@ -91,9 +87,8 @@ def score(
             e = (p * logp_all).sum(-1)
             var = (p * logp_all**2).sum(-1) - e**2
             v = torch.from_numpy(rng.random(px.shape)).to(dev)
-            out.logp += (
-                torch.where(px > 0, px.clamp_min(1e-300).log(), torch.full_like(px, -math.inf)).flatten().tolist()
-            )
+            logpx = torch.where(px > 0, px.clamp_min(1e-300).log(), torch.full_like(px, -math.inf))
+            out.logp += logpx.flatten().tolist()
             out.expected += e.flatten().tolist()
             out.variance += var.clamp_min(0).flatten().tolist()
             out.pit += (before + v * px).flatten().tolist()
@@ -161,11 +156,9 @@ def exact_sequence_law(
 
 
 def _exact_tests(model, prompts, got, params, rng, sc: Scores, m: int, tolerance: float = 0.0, eos=(), grammar=None):
-    """Score every sample into `sc` (the EOS set `eos` merged into one outcome); per prompt the first-token test
-    (of TV <= tolerance, when one is given) and, for small vocabularies without a tolerance or an EOS set, the
-    first-m-token sequence test (with a grammar: samples that ended at EOS before m tokens padded with eos[0]).
-    Returns the tests, (test, law, n) for the chi-square tests' detectable effects, and (test, ToleranceResult)
-    for the tolerance tests'. grammar: a `GrammarState` at the output's start (a constrained target law)."""
+    """Score every sample into `sc`; per prompt the first-token test (of TV <= tolerance, when given) and, for small
+    vocabularies without a tolerance or an EOS set, the first-m-token sequence test (samples that ended at EOS padded
+    with eos[0]). Returns the tests, (test, law, n) per chi-square test and (test, ToleranceResult) per tolerance test."""
     V = model.get_output_embeddings().weight.shape[0]
     tests: list[TestResult] = []
     laws, tolerant = [], []
@@ -258,31 +251,23 @@ def logprob_parity(sc: Scores, logprobs: list[list]) -> dict | None:
     """The method's returned logprobs against the float32 recompute of the same tokens: against the raw
     log-softmax (what engines return by default) and against the processed distribution (temperature, top-k/p);
     max / mean |difference|, the fraction over PARITY_THRESHOLD, and per position. None when none were returned."""
-    got, raw, proc, pos = [], [], [], []
+    kept = []  # (returned, raw recompute, processed recompute, position) per compared token
     for ((j, i), t), r, q in zip(sc.key, sc.raw_logp, sc.logp):
         lp = logprobs[j][i] if j < len(logprobs) and i < len(logprobs[j]) else None
-        if lp is None or t >= len(lp) or not math.isfinite(lp[t]):
-            continue
-        got.append(lp[t])
-        raw.append(r)
-        proc.append(q)
-        pos.append(t)
-    if not got:
+        if lp is not None and t < len(lp) and math.isfinite(lp[t]):
+            kept.append((lp[t], r, q, t))
+    if not kept:
         return None
-    got_a, pos_a = np.array(got), np.array(pos)
+    got_a, raw, proc, pos_a = (np.array(column) for column in zip(*kept))
 
-    def summary(ref: list[float]) -> dict:
-        d = np.abs(got_a - np.array(ref))
+    def summary(ref: np.ndarray) -> dict:
+        d = np.abs(got_a - ref)
         d = np.where(np.isfinite(d), d, np.inf)  # a -inf recompute (a token outside the support) counts as inf
         per = [
             {"position": int(t), "max": float(d[pos_a == t].max()), "mean": float(d[pos_a == t].mean())}
             for t in np.unique(pos_a)
         ]
-        return {
-            "max_abs": float(d.max()),
-            "mean_abs": float(d.mean()),
-            "frac_over_threshold": float((d > PARITY_THRESHOLD).mean()),
-            "per_position": per,
-        }
+        over = float((d > PARITY_THRESHOLD).mean())
+        return dict(max_abs=float(d.max()), mean_abs=float(d.mean()), frac_over_threshold=over, per_position=per)
 
-    return {"tokens": len(got), "threshold": PARITY_THRESHOLD, "raw": summary(raw), "processed": summary(proc)}
+    return {"tokens": len(kept), "threshold": PARITY_THRESHOLD, "raw": summary(raw), "processed": summary(proc)}

@@ -1,19 +1,7 @@
-"""`verispec certify study`: the seed's failure modes, measured on real models, with the certificate's verdict.
-
-For each variant of speculative decoding the study reports
-  * the measured deviation: mean over real contexts of TV(law of the token emitted at a step's first position,
-    p), where p is the fp32 target's processed distribution; contexts are the positions of continuations drawn
-    from the fp32 target itself. For lossless variants it is 0 up to float rounding;
-  * the acceptance alpha = mean sum_x min(p, q) the variant sees;
-  * the certificate (`certify generate`) verdict at the chosen N and L, and whether it is lossless by construction.
-
-Variants: exact verispec (control); temperature mismatch (drafts sampled at the requested temperature, q reported
-before it, i.e. at temperature 1); the draft run in bf16 (still lossless: q is what was sampled); the target's
-probabilities computed in bf16 / fp16 (the output follows the low-precision p); lenient acceptance (l = 0.5);
-Medusa's typical acceptance (eps 0.3, delta 0.09); SPEC-RL's rollout-reuse rule (Liu et al. 2025: accept with
-probability min(1, l p / q), at a rejection a fresh draw from p; q plays the old policy) at l = 1 and at
-l = e^0.5 ~ 1.65, the lenience its training scripts use (`--bias 0.5`, applied as accept iff log u <= log(p / q) + 0.5).
-"""
+"""`verispec certify study`: the seed's failure modes (VARIANTS), measured on real models: the mean over real
+contexts of TV(law of a step's first emitted token, p_fp32), the acceptance alpha = mean sum_x min(p, q), and the
+`certify generate` verdict when asked. SPEC-RL (Liu et al. 2025) accepts with min(1, l p / q) and redraws from p at a
+rejection, at l = 1 and at its scripts' l = e^0.5 (`--bias 0.5`: accept iff log u <= log(p / q) + 0.5)."""
 
 from __future__ import annotations
 
@@ -32,30 +20,25 @@ from ..sampling.lossy import (
 )
 from .bugs import _Q_TEMPERATURE
 from .generate import certify_generate, draw_samples
+from .kernel import select
 from .methods import MethodSpec, _load
 
 __all__ = ["SPEC_RL_LENIENCE", "VARIANTS", "StudyRow", "run_study", "study_markdown"]
 
 SPEC_RL_LENIENCE = math.exp(0.5)  # SPEC-RL's scripts: --bias 0.5, i.e. accept iff log u <= log(p / q) + 0.5
+_MISMATCH = "temperature mismatch: q taken before temperature 0.7 (drafts sampled after it)"
+_SPEC_RL_E = "SPEC-RL rollout reuse, l = e^0.5 ~ 1.65 (its scripts' --bias 0.5)"
 # name -> (description, lossless by construction, MethodSpec overrides)
 VARIANTS: dict[str, tuple[str, bool, dict]] = {
     "exact": ("verispec, exact rule (control)", True, {}),
-    "temperature-mismatch": (
-        "temperature mismatch: q taken before temperature 0.7 (drafts sampled after it)",
-        False,
-        {"verifier": "q_before_temperature"},
-    ),
+    "temperature-mismatch": (_MISMATCH, False, {"verifier": "q_before_temperature"}),
     "draft-bf16": ("draft model run in bf16 (q = what the bf16 draft sampled from)", True, {"draft_dtype": "bfloat16"}),
     "target-bf16": ("target probabilities computed in bf16", False, {"dtype": "bfloat16", "runner": "hf"}),
     "target-fp16": ("target probabilities computed in fp16", False, {"dtype": "float16", "runner": "hf"}),
     "lenient-0.5": ("lenient acceptance, l = 0.5", False, {"verifier": "lenient:0.5"}),
     "typical": ("typical acceptance (Medusa, eps 0.3, delta 0.09)", False, {"verifier": "typical"}),
     "spec-rl": ("SPEC-RL rollout reuse, l = 1 (rejection: fresh draw from p)", False, {"verifier": "spec-rl"}),
-    "spec-rl-lenient-e0.5": (
-        "SPEC-RL rollout reuse, l = e^0.5 ~ 1.65 (its scripts' --bias 0.5)",
-        False,
-        {"verifier": f"spec-rl:{SPEC_RL_LENIENCE!r}"},
-    ),
+    "spec-rl-lenient-e0.5": (_SPEC_RL_E, False, {"verifier": f"spec-rl:{SPEC_RL_LENIENCE!r}"}),
 }
 
 
@@ -89,10 +72,6 @@ def _probs(
     return torch.cat(out)
 
 
-def _tv(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:  # [n, V] x2 -> [n]
-    return 0.5 * (a - b).abs().sum(-1)
-
-
 def _variant_law(name: str, p32: torch.Tensor, q32: torch.Tensor, probs_of) -> tuple[torch.Tensor, torch.Tensor]:
     """(law of the token a step of variant `name` emits at its first position, the q it drafts from): [n, V] each.
     probs_of("target" | "draft", dtype) gives that model's processed distributions at the study's contexts."""
@@ -115,13 +94,6 @@ def _variant_law(name: str, p32: torch.Tensor, q32: torch.Tensor, probs_of) -> t
     raise ValueError(f"no one-step law for variant {name!r}")
 
 
-def _certificate(spec: MethodSpec, prompts, params, ref, **options) -> tuple[str, float, float]:
-    """(verdict, the first-token tests' largest detectable TV, the smallest Holm p) of the generator certificate."""
-    rep = certify_generate(spec, prompts, params, reference=ref, **options)
-    det = max(t.detectable for t in rep.tests if t.kind == "first-token")
-    return rep.verdict, det, min(t.holm_pvalue for t in rep.tests)
-
-
 def run_study(
     target: str | None,
     draft: str,
@@ -138,12 +110,7 @@ def run_study(
     seed: int = 0,
     show_progress: bool = True,
 ) -> list[StudyRow]:
-    """Measure how far classic mistakes move the output, on real contexts (`verispec certify study`).
-
-    For each variant (the exact rule, temperature mismatch, a bf16 draft, a bf16 / fp16 target, lenient and
-    typical acceptance, SPEC-RL's rollout reuse) it measures the mean total variation of a step's first emitted
-    token from the fp32 target, over `contexts` continuations (x `length` positions) per prompt drawn from the
-    fp32 target.
+    """Measure how far classic mistakes move the output on real contexts (`verispec certify study`).
 
     Args:
         target: The target's path or hub id (None: the default model).
@@ -162,64 +129,60 @@ def run_study(
 
     Returns:
         One row per variant: its deviation (mean and max TV), acceptance, and the certificate's verdict when run.
-
-    Raises:
-        ValueError: Temperature 0, or an unknown variant.
     """
+    names = _check(params, variants)
+    probs_of = _contexts(target, draft, prompts, params, contexts, length, seed, show_progress)
+    p32, q32 = probs_of("target", "float32"), probs_of("draft", "float32")  # [contexts, V]
+    certify = dict(samples=certify_samples, length=certify_length, level=level, seed=seed, show_progress=show_progress)
+    rows = []
+    for name in names:
+        law, q = _variant_law(name, p32, q32, probs_of)
+        tv = 0.5 * (law - p32).abs().sum(-1)  # [contexts]
+        alpha = torch.minimum(p32 if not name.startswith("target") else law, q).sum(-1)
+        verdict, det, min_p = "-", float("nan"), float("nan")
+        if certify_samples > 0:  # the generator certificate's verdict, first-token detectable TV, smallest Holm p
+            spec = _variant_spec(name, target, draft, gamma)
+            rep = certify_generate(spec, prompts, params, reference=_load(spec.target, "float32"), **certify)
+            det = max(t.detectable for t in rep.tests if t.kind == "first-token")
+            verdict, min_p = rep.verdict, min(t.holm_pvalue for t in rep.tests)
+        desc, lossless, _ = VARIANTS[name]
+        found = (float(tv.mean()), float(tv.max()), float(alpha.mean()), verdict, det, min_p)
+        rows.append(StudyRow(name, desc, lossless, *found))
+    return rows
+
+
+def _check(params: SamplingParams, variants: list[str] | None) -> list[str]:
+    """The variants to run (all by default), the request checked."""
     if params.temperature == 0:
         raise ValueError("the study needs temperature > 0 (at temperature 0 every variant here is exact)")
-    names = list(VARIANTS) if variants is None else variants
-    unknown = [v for v in names if v not in VARIANTS]
-    if unknown:
-        raise ValueError(f"unknown variant(s) {', '.join(unknown)}; known: {', '.join(VARIANTS)}")
+    return select(variants, list(VARIANTS), "variant(s)")
+
+
+def _contexts(target, draft, prompts, params, contexts: int, length: int, seed: int, show_progress: bool):
+    """probs_of(role, dtype): the target's or the draft's processed distributions at the study's contexts (the
+    positions of `contexts` continuations of `length` tokens per prompt drawn from the fp32 target), [n, V]."""
     ref = _load(target, "float32")
     vocab = min(len(ref.tokenizer), ref.model.get_output_embeddings().weight.shape[0])
+    label = "contexts (plain decoding)"
     plain = MethodSpec(method="plain", target=target)
     samples, _, _ = draw_samples(
-        plain,
-        prompts,
-        params,
-        contexts,
-        length,
-        seed + 4_242_000,
-        show_progress=show_progress,
-        label="contexts (plain decoding)",
+        plain, prompts, params, contexts, length, seed + 4_242_000, show_progress=show_progress, label=label
     )
-    p32 = _probs(ref.model, prompts, samples, params, vocab)  # [contexts, V]
-    q32 = _probs(_load(draft, "float32").model, prompts, samples, params, vocab)
     paths = {"target": target, "draft": draft}
 
     def probs_of(role: str, dtype: str) -> torch.Tensor:
         return _probs(_load(paths[role], dtype).model, prompts, samples, params, vocab)
 
-    rows = []
-    for name in names:
-        desc, lossless, overrides = VARIANTS[name]
-        law, q = _variant_law(name, p32, q32, probs_of)
-        tv = _tv(law, p32)
-        alpha = torch.minimum(p32 if not name.startswith("target") else law, q).sum(-1)
-        verdict, det, min_p = "-", float("nan"), float("nan")
-        if certify_samples > 0:
-            runner = {"runner": overrides["runner"]} if "runner" in overrides else {}  # a SpecConfig key
-            # random=stream: the variants' verifiers see p itself (auto would couple the seeded samples: one-hot)
-            speculation = SpecConfig(draft="model", model=draft, gamma=gamma, random="stream", **runner)
-            rest = {k: v for k, v in overrides.items() if k != "runner"}
-            spec = replace(MethodSpec(target=target, config=speculation), **rest)
-            verdict, det, min_p = _certificate(
-                spec,
-                prompts,
-                params,
-                ref,
-                samples=certify_samples,
-                length=certify_length,
-                level=level,
-                seed=seed,
-                show_progress=show_progress,
-            )
-        rows.append(
-            StudyRow(name, desc, lossless, float(tv.mean()), float(tv.max()), float(alpha.mean()), verdict, det, min_p)
-        )
-    return rows
+    return probs_of
+
+
+def _variant_spec(name: str, target, draft: str, gamma: int) -> MethodSpec:
+    """The variant as a method the certificate runs: verispec with its draft model, the stream randomness (the
+    variants' verifiers see p itself; auto would couple the seeded samples: one-hot) and its overrides."""
+    overrides = dict(VARIANTS[name][2])
+    runner = {"runner": overrides.pop("runner")} if "runner" in overrides else {}  # a SpecConfig key
+    speculation = SpecConfig(draft="model", model=draft, gamma=gamma, random="stream", **runner)
+    return replace(MethodSpec(target=target, config=speculation), **overrides)
 
 
 def study_markdown(rows: list[StudyRow], header: str) -> str:

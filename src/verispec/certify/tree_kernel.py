@@ -1,27 +1,7 @@
-"""Kernel-level certificate for tree verifiers (`verispec certify kernel --tree RULE`).
-
-A case is a synthetic language model over a small vocabulary: the target p(. | context) and the draft
-q(. | context) are fixed random distributions for every context up to length L (tables [contexts, V]), so
-both depend on the path, as with real models. Each of n independent rows drafts a tree of a fixed shape (widths
-per depth) from q with the case's drafting rule — children i.i.d. from q, without replacement from q, the
-top-w of q (deterministic), or a mix (rule "mixed": at each node, chosen children — the top of q, or the first
-tokens of another fixed ranking, as n-gram or history matches are — beside children sampled i.i.d. from q, in a
-fixed order: a sampled chain numbered first beside chosen branches as `CombinedProposer` drafts them, or chosen
-children first, or interleaved) — the verifier under test checks it against p, and the emitted tokens are
-completed to length L by sampling from p itself. Exact laws, hence exact tests:
-  * `pos j | context`: the tokens emitted at position j (accepted, recovered or bonus), grouped by their
-    context, against p(. | context) — a chi-square per context, summed (what the chain certificate checks per
-    position, now with path-dependent p);
-  * `joint`: the completed sequence of length L against prod_j p(x_j | x_<j) — V^L outcomes;
-all Holm-corrected with the detectable total variation at power 0.99, in the chain certificate's report format.
-
-The sampler under test has verify_tree's interface:
-    sampler(target_probs [B, N+1, V], draft_token_ids [B, N], parents [B, N], draft_probs [B, N+1, V],
-            num_nodes [B], rule=RULE) -> object with .token_ids [B, D+1] (-1 padded) and .num_accepted [B]
-(rule "mixed" also passes sampled=[B, N] bool — node n was sampled from its parent slot's q, else chosen — and
-draft_probs may then hold only the first S slots, those with sampled children) and draws its randomness from
-torch's global generator (seeded by the certifier).
-"""
+"""Kernel-level certificate for tree verifiers (`verispec certify kernel --tree RULE`). A case is a synthetic model
+over a few tokens (p and q tables for every context up to length L); rows draft trees with the case's rule
+(`mixed_layout` for rule "mixed"), the sampler (verify_tree's interface) verifies them, and the emitted tokens,
+completed to length L by sampling p, are tested exactly: `pos j | context` and `joint` (V^L outcomes)."""
 
 from __future__ import annotations
 
@@ -34,19 +14,11 @@ from scipy import stats as sps
 from torch import Tensor
 
 from ..sampling.tree import TREE_RULES, VERIFY_RULES, verify_tree
-from .kernel import DEFAULT_LEVEL, POWER, CaseError, CaseTests, KernelReport, normalised, run_battery
+from .kernel import Battery, CaseError, CaseTests, KernelReport, normalised, run_battery
 from .stats import chisquare_gof
 
-__all__ = [
-    "DEFAULT_TREE_SAMPLES",
-    "TreeCase",
-    "certify_tree_kernel",
-    "default_tree_cases",
-    "draft_trees",
-    "mixed_case",
-    "mixed_layout",
-    "verispec_tree_sampler",
-]
+__all__ = ["DEFAULT_TREE_SAMPLES", "TreeCase", "certify_tree_kernel", "default_tree_cases", "draft_trees", "mixed_case"]
+__all__ += ["mixed_layout"]
 
 DEFAULT_TREE_SAMPLES = 40_000  # rows (independent speculative steps) per case
 
@@ -77,16 +49,16 @@ class TreeCase:
         return self.p.shape[1]
 
     @property
-    def depth(self) -> int:
-        return len(self.widths)
-
-    @property
-    def length(self) -> int:  # L: emitted tokens at most (path + final)
-        return self.depth + 1
+    def length(self) -> int:  # L: emitted tokens at most (the path through the depths, then the final token)
+        return len(self.widths) + 1
 
     @property
     def num_nodes(self) -> int:
         return len(mixed_layout(self.mix)[0]) if self.mix else int(sum(np.cumprod(self.widths)))
+
+    def describe(self) -> dict:  # for the report
+        description = f"{self.shape} tree, children drawn {self.draw}; {self.description}"
+        return dict(k=self.num_nodes, vocab=self.vocab, ragged=self.ragged, description=description)
 
     @property
     def shape(self) -> str:  # "3-2-1", or a mixed tree's kinds: "scc-s/c" (s sampled, c chosen; S/C: below s / c)
@@ -123,21 +95,14 @@ def mixed_layout(mix: Sequence[str], sampled_first: bool = False) -> tuple[list[
         raise ValueError("sampled_first: a sampled node hangs below a chosen one (it would precede its parent)")
     order = [n for n, s in enumerate(kinds) if s] + [n for n, s in enumerate(kinds) if not s]
     new = {old: i for i, old in enumerate(order)}
-    return (
-        [new[parents[o]] if parents[o] >= 0 else -1 for o in order],
-        [kinds[o] for o in order],
-        [ranks[o] for o in order],
-    )
+    reordered = [new[parents[o]] if parents[o] >= 0 else -1 for o in order]
+    return reordered, [kinds[o] for o in order], [ranks[o] for o in order]
 
 
 def mixed_case(name: str, mix: tuple[str, ...], p: Tensor, q: Tensor, **kw) -> TreeCase:
     """A 'mixed' TreeCase; its widths (the most children of a node per depth) follow from mix."""
     widths = tuple(max(len(part) for part in pattern.split("/")) for pattern in mix)
     return TreeCase(name, widths, "mixed", p, q, mix=mix, **kw)
-
-
-def _num_contexts(V: int, L: int) -> int:
-    return sum(V**i for i in range(L))
 
 
 def _ctx_child(ctx: Tensor, tok: Tensor, V: int) -> Tensor:
@@ -154,7 +119,7 @@ def default_tree_cases(vocab: int = 6, seed: int = 0) -> list[TreeCase]:
     V = vocab
 
     def model(depth: int, scale: float) -> Tensor:
-        C = _num_contexts(V, depth + 2)
+        C = sum(V**i for i in range(depth + 2))  # contexts of length < depth + 2
         return (scale * torch.randn(C, V, generator=g, dtype=torch.float64)).softmax(-1)
 
     cases = []
@@ -166,16 +131,9 @@ def default_tree_cases(vocab: int = 6, seed: int = 0) -> list[TreeCase]:
         cases.append(TreeCase(f"{draw}-4-1", (4, 1), draw, p, q, description="p, q independent"))
         p = model(2, 1.5)
         q = normalised(1 / p)
+        adversarial = "q proportional to 1 / p; rows keep a random prefix of their nodes"
         cases.append(
-            TreeCase(
-                f"{draw}-2-2-ragged-adversarial",
-                (2, 2),
-                draw,
-                p,
-                q,
-                ragged=True,
-                description="q proportional to 1 / p; rows keep a random prefix of their nodes",
-            )
+            TreeCase(f"{draw}-2-2-ragged-adversarial", (2, 2), draw, p, q, ragged=True, description=adversarial)
         )
     p = model(2, 1.5)
     p[:, :2] = 0
@@ -196,14 +154,12 @@ def _mixed_cases(g: torch.Generator, model: Callable[[int, float], Tensor]) -> l
         return torch.rand(p.shape, generator=g, dtype=torch.float64).argsort(-1)
 
     p1 = model(3, 1.5)
+    combined = (
+        "CombinedProposer's tree: a sampled chain of 3 (numbered first; draft_probs only for its slots) beside a "
+        "chosen 2-1-1 trie (top of q); q = a noisy copy of p"
+    )
     chain = mixed_case(
-        "mixed-chain3+branches-2-1-1",
-        ("scc", "s/c", "s/c"),
-        p1,
-        noisy(p1),
-        sampled_first=True,
-        description="CombinedProposer's tree: a sampled chain of 3 (numbered first; draft_probs only for its "
-        "slots) beside a chosen 2-1-1 trie (top of q); q = a noisy copy of p",
+        "mixed-chain3+branches-2-1-1", ("scc", "s/c", "s/c"), p1, noisy(p1), sampled_first=True, description=combined
     )
     p2 = model(3, 1.5)
     q2, rank2 = noisy(p2), table(p2)
@@ -214,19 +170,13 @@ def _mixed_cases(g: torch.Generator, model: Callable[[int, float], Tensor]) -> l
     p5[:, :2] = 0
     p5 = normalised(p5)
     reverse = "the reverse order: 2 chosen branches (a fixed ranking) before a sampled chain"
-    interleaved = "interleaved; chosen by a fixed ranking; q proportional to 1 / p; ragged rows"
+    inter = "interleaved; chosen by a fixed ranking; q proportional to 1 / p; ragged rows"
     return [
         chain,
         mixed_case("mixed-branches+chain-ranked", ("ccs", "c/s", "c/s"), p2, q2, ranking=rank2, description=reverse),
         mixed_case("mixed-ccss-cs", ("ccss", "cs"), p3, q3, description="2 chosen (top of q), then 2 i.i.d. from q"),
         mixed_case(
-            "mixed-scsc-sc-ragged-adversarial",
-            ("scsc", "sc"),
-            p4,
-            q4,
-            ranking=rank4,
-            ragged=True,
-            description=interleaved,
+            "mixed-scsc-sc-ragged-adversarial", ("scsc", "sc"), p4, q4, ranking=rank4, ragged=True, description=inter
         ),
         mixed_case("mixed-ccs-sc-sparse", ("ccs", "sc"), p5, model(2, 1.5), description="p = 0 on 2 tokens q likes"),
     ]
@@ -266,14 +216,8 @@ def _tree_inputs(
     num_nodes = torch.full((rows,), N, dtype=torch.int64)
     if case.ragged:
         num_nodes = torch.randint(0, N + 1, (rows,), generator=generator)
-    return dict(
-        target_probs=case.p[slot_ctx],
-        draft_token_ids=ids,
-        parents=parents,
-        draft_probs=case.q[q_ctx],
-        num_nodes=num_nodes,
-        **extra,
-    )
+    p, q = case.p[slot_ctx], case.q[q_ctx]
+    return dict(target_probs=p, draft_token_ids=ids, parents=parents, draft_probs=q, num_nodes=num_nodes, **extra)
 
 
 def _draft_mixed(case: TreeCase, rows: int, generator: torch.Generator) -> dict[str, Tensor]:
@@ -302,23 +246,21 @@ def _draft_mixed(case: TreeCase, rows: int, generator: torch.Generator) -> dict[
     return _tree_inputs(case, generator, ids, par, slot_ctx, slot_ctx[:, :S], sampled=sampled)
 
 
-def _complete(case: TreeCase, tok: Tensor, na: Tensor, generator: torch.Generator) -> tuple[Tensor, Tensor]:
-    """Emitted tokens -> sequences of length L completed by sampling from p, and the emitted counts."""
-    rows = tok.shape[0]
-    L = case.length
+def _complete(case: TreeCase, tok: Tensor, emitted: Tensor, generator: torch.Generator) -> Tensor:
+    """Emitted tokens (`emitted` [rows] of each row's tok) -> sequences of length L completed by sampling from p."""
+    rows, L = tok.shape[0], case.length
     seq = torch.full((rows, L), -1, dtype=torch.int64)
-    emitted = na + 1
     ctx = torch.zeros(rows, dtype=torch.int64)
     for j in range(L):
         draw = torch.multinomial(case.p[ctx], 1, generator=generator).squeeze(1)
         x = torch.where(j < emitted, tok[:, j] if j < tok.shape[1] else draw, draw)
         seq[:, j] = x
         ctx = _ctx_child(ctx, x, case.vocab)
-    return seq, emitted
+    return seq
 
 
-def _tests(case: TreeCase, seq: Tensor, emitted: Tensor) -> list[tuple[str, int, float, int, float, int, np.ndarray]]:
-    """(name, n, statistic, dof, p-value, impossible, the law used for the detectable effect) per test."""
+def _tests(case: TreeCase, seq: Tensor, emitted: Tensor) -> CaseTests:
+    """`pos j | context` (a chi-square per context, summed) for every position j, and the joint law of `seq`."""
     V, L = case.vocab, case.length
     out = []
     ctx = torch.zeros(seq.shape[0], dtype=torch.int64)
@@ -330,16 +272,13 @@ def _tests(case: TreeCase, seq: Tensor, emitted: Tensor) -> list[tuple[str, int,
             sel = x[c == cv]
             law = case.p[int(cv)].numpy()
             res = chisquare_gof(np.bincount(sel, minlength=V), law)
-            imp += res.impossible
-            stat += res.statistic
-            dof += res.dof
+            stat, dof, imp = stat + res.statistic, dof + res.dof, imp + res.impossible
             if len(sel) > n_max:
                 n_max, law_max = len(sel), law
         if n_max:
             pv = 0.0 if imp else (float(sps.chi2.sf(stat, dof)) if dof else 1.0)
-            out.append(
-                (f"pos{j} | context", int(on.sum()), stat if not imp else float("inf"), dof, pv, imp, law_max, n_max)
-            )
+            stat = stat if not imp else float("inf")
+            out.append((f"pos{j} | context", int(on.sum()), stat, dof, pv, imp, law_max, n_max))
         ctx = _ctx_child(ctx, seq[:, j], V)
     # the joint law of the completed sequence
     joint = torch.ones(1, dtype=torch.float64)
@@ -347,39 +286,22 @@ def _tests(case: TreeCase, seq: Tensor, emitted: Tensor) -> list[tuple[str, int,
     for _ in range(L):
         joint = (joint.unsqueeze(1) * case.p[cidx]).reshape(-1)  # [V^(j+1)], lexicographic in (x_0, ..., x_j)
         cidx = _ctx_child(cidx.unsqueeze(1), torch.arange(V).unsqueeze(0), V).reshape(-1)
-    code = torch.zeros(seq.shape[0], dtype=torch.int64)
-    for j in range(L):
-        code = code * V + seq[:, j]
+    code = (seq * V ** torch.arange(L - 1, -1, -1)).sum(1)  # [rows]: the sequence's index, lexicographic
     law = joint.numpy()
     res = chisquare_gof(np.bincount(code.numpy(), minlength=V**L), law)
     out.append((f"joint (L = {L})", res.n, res.statistic, res.dof, res.pvalue, res.impossible, law, res.n))
     return out
 
 
-def verispec_tree_sampler(
-    target_probs, draft_token_ids, parents, draft_probs=None, num_nodes=None, *, rule, sampled=None
-):
-    """verispec's own verify_tree with input checks on (the default sampler of `certify kernel --tree`)."""
-    return verify_tree(target_probs, draft_token_ids, parents, draft_probs, num_nodes, rule=rule, sampled=sampled)
-
-
 def certify_tree_kernel(
-    sampler: Callable = verispec_tree_sampler,
+    sampler: Callable = verify_tree,
     *,
     rules: Sequence[str] = VERIFY_RULES,
     cases: Sequence[TreeCase] | None = None,
     samples: int = DEFAULT_TREE_SAMPLES,
-    level: float = DEFAULT_LEVEL,
-    power: float = POWER,
-    seed: int = 0,
-    name: str | None = None,
-    progress: Callable[[str], None] | None = None,
+    **options,
 ) -> KernelReport:
     """Certify a tree verification function (`verispec certify kernel --tree`).
-
-    Each case is a synthetic language model over a few tokens whose p and q depend on the whole context; rows
-    draft a tree with the case's rule, the sampler verifies it, and the emitted tokens, completed to a fixed length
-    by sampling p, are tested per position and as a joint law, Holm-corrected.
 
     Args:
         sampler: A function with verify_tree's interface, called with `rule=` the case's drafting rule (and, for
@@ -387,30 +309,16 @@ def certify_tree_kernel(
         rules: The drafting rules whose cases run (default: every rule verify_tree knows).
         cases: The cases (default: `default_tree_cases()`).
         samples: Rows per case.
-        level: The family-wise significance level.
-        power: The power at which each test's detectable deviation is stated.
-        seed: The random seed.
-        name: The sampler's name in the report.
-        progress: Called with a line of text as each case finishes.
+        **options (Any): `level`, `power`, `seed`, `name` and `progress`, as `certify_kernel` takes them.
 
     Returns:
         The report, as `certify_kernel`'s.
-
-    Raises:
-        ValueError: An unknown rule.
     """
     unknown = [r for r in rules if r not in VERIFY_RULES]
     if unknown:
         raise ValueError(f"unknown tree rule(s) {unknown}; known: {', '.join(VERIFY_RULES)}")
     cases = [c for c in (default_tree_cases() if cases is None else cases) if c.draw in rules]
-    return run_battery(
-        sampler, cases, _run_case, _describe, 7919, samples, level, power, seed, name, progress, law_set="tree"
-    )
-
-
-def _describe(case: TreeCase) -> dict:
-    description = f"{case.shape} tree, children drawn {case.draw}; {case.description}"
-    return dict(k=case.num_nodes, vocab=case.vocab, ragged=case.ragged, description=description)
+    return run_battery(sampler, cases, Battery(_run_case, 7919, "tree"), samples, **options)
 
 
 def _run_case(sampler: Callable, case: TreeCase, samples: int, seed: int) -> CaseTests:
@@ -427,8 +335,7 @@ def _run_case(sampler: Callable, case: TreeCase, samples: int, seed: int) -> Cas
         raise CaseError.raised(e) from None
     if bad:
         raise CaseError(bad)
-    seq, emitted = _complete(case, tok, na, g)
-    return _tests(case, seq, emitted)
+    return _tests(case, _complete(case, tok, na + 1, g), na + 1)
 
 
 def _structure_error(tree: dict[str, Tensor], tok: Tensor, na: Tensor) -> str | None:

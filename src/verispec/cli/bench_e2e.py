@@ -3,50 +3,23 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from dataclasses import replace
 
+from .bench_common import TARGET_HELP, run_on_models, temperatures
 from .generate import check_heads
-from .options import (
-    UsageError,
-    add_bench_inputs,
-    add_bench_model_args,
-    bench_model_options,
-    gamma_type,
-    int_range,
-    load,
-    model_errors,
-    pick,
-    read_bench_prompts,
-    write_bench_report,
-)
+from .options import UsageError, add_bench_inputs, add_bench_model_args, bench_model_options, gamma_type, int_range
 
 METHODS_HELP = (
-    "comma-separated methods (default: the six standard ones); verispec:SPEC runs a speculation configuration in its "
-    "string form, e.g. verispec:draft=model,gamma=auto,random=position (its key=value items run up to the next "
-    "method name); the old names stay as aliases: verispec-draft@G[/block|position|gumbel], "
-    "verispec-tree@SHAPE[/RULE], verispec-ngram-tree@SHAPE; also llamacpp-plain and llamacpp-lookup "
-    "(llama-cpp-python's own decoding of a .gguf target)"
+    "comma-separated methods (default: the six standard ones, verispec-plain/draft/ngram/self and hf-plain/assisted); "
+    "verispec:SPEC runs a speculation configuration in its string form, e.g. verispec:draft=model,tree=4-2,gamma=auto "
+    "(its key=value items run up to the next method name); also llamacpp-plain and llamacpp-lookup (llama-cpp-python's "
+    "own decoding of a .gguf target)"
 )
 SPEC_HELP = (
     "speculation keys every verispec method takes unless it names them (SpecConfig's string form), e.g. "
     "random=gumbel,max_gamma=16; gamma and runner here are --gamma and --runner (a disagreement is an error); the "
     "methods name their drafters and trees, --draft-quant and --self-quant their quantizations"
 )
-
-
-def _temperatures(text: str) -> tuple[float, ...]:
-    from ..sampling import ParamError, SamplingParams
-
-    try:
-        values = tuple(float(t) for t in text.split(","))
-        for t in values:
-            SamplingParams(temperature=t)
-    except ParamError as e:
-        raise argparse.ArgumentTypeError(f"each temperature {e.message}") from None
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be comma-separated numbers, e.g. 0,1, got {text!r}") from None
-    return values
 
 
 def _batches(text: str) -> tuple[int, ...]:
@@ -58,35 +31,19 @@ def add_parser(sub) -> None:
     from ..bench import e2e
 
     p = sub.add_parser("e2e", help="end-to-end tokens/s: verispec (plain, draft, ngram) vs HF generate")
-    add_bench_inputs(
-        p,
-        "target model (default: the built-in default model)",
-        "draft model for verispec-draft and hf-assisted (omit: those are skipped)",
-        ("--num-prompts", 1, 2, "prompts per category at batch 1 (default %(default)s)"),
-        ("--max-new-tokens", 1, 64, "default %(default)s"),
-    )
-    p.add_argument(
-        "--batch",
-        type=_batches,
-        default=(4,),
-        help="batch sizes of the batched verispec runs, comma-separated, e.g. 4,8,16 (default 4)",
-    )
-    p.add_argument("--temperatures", type=_temperatures, default="0,1", help="comma-separated (default 0,1)")
-    p.add_argument(
-        "--gamma",
-        type=gamma_type(),
-        help=f"drafts per step of the verispec methods that name none, or auto (default {e2e.E2EConfig.gamma})",
-    )
+    draft_help = "draft model for verispec-draft and hf-assisted (omit: those are skipped)"
+    counts = [("--num-prompts", 1, 2, "prompts per category at batch 1 (default %(default)s)")]
+    add_bench_inputs(p, TARGET_HELP, draft_help, *counts, ("--max-new-tokens", 1, 64, "default %(default)s"))
+    batch_help = "batch sizes of the batched verispec runs, comma-separated, e.g. 4,8,16 (default 4)"
+    p.add_argument("--batch", type=_batches, default=(4,), help=batch_help)
+    p.add_argument("--temperatures", type=temperatures, default="0,1", help="comma-separated (default 0,1)")
+    gamma_help = f"drafts per step of the verispec methods that name none, or auto (default {e2e.E2EConfig.gamma})"
+    p.add_argument("--gamma", type=gamma_type(), help=gamma_help)
     p.add_argument("--methods", help=METHODS_HELP)
     p.add_argument("--spec", metavar="SPEC", help=SPEC_HELP)
-    add_bench_model_args(
-        p,
-        "e2e",
-        "quantize the draft model (verispec-draft)",
-        "quantization of the self-draft (verispec-self; default int4)",
-    )
-    p.set_defaults(runner=None)  # given or not: --spec's runner key may set it (E2EConfig's default: auto)
-    p.set_defaults(func=run)
+    self_quant = "quantization of the self-draft (verispec-self; default int4)"
+    add_bench_model_args(p, "e2e", "quantize the draft model (verispec-draft)", self_quant)
+    p.set_defaults(func=run, runner=None)  # given or not: --spec's runner key may set it (E2EConfig's default: auto)
 
 
 def _config(args: argparse.Namespace):
@@ -94,23 +51,20 @@ def _config(args: argparse.Namespace):
     from ..bench import e2e
 
     if args.draft == "self":
-        raise UsageError(
-            "--draft takes a draft model; the target's own quantized weights run as method "
-            "verispec-self (see --self-quant)"
-        )
+        raise UsageError("--draft takes a draft model; the target's own quantized weights run as method verispec-self")
     if args.draft_quant is not None and args.draft in (None, "none", "ngram"):
         raise UsageError("--draft-quant quantizes the --draft model: give --draft PATH")
     methods = _methods(args.methods) if args.methods else e2e.E2EConfig.methods
     model = {k: v for k, v in bench_model_options(args).items() if k != "runner"}  # runner: in _spec_options
-    options = pick(args, "max_new_tokens", "temperatures", "num_prompts", "batch") | _spec_options(args)
-    base = dict(options, **model, methods=())
+    options = {k: getattr(args, k) for k in ("max_new_tokens", "temperatures", "num_prompts", "batch")}
+    options |= _spec_options(args)
     try:
-        cfg = e2e.E2EConfig(**base)  # the run's own keys first: --spec's errors are its own
+        cfg = e2e.E2EConfig(**options, **model, methods=())  # the run's own keys first: --spec's errors are its own
     except ValueError as e:
         raise UsageError(f"--spec {args.spec}: {e}") from None
     try:
         for m in methods:
-            e2e.check_method(m, cfg)
+            e2e.method_config(m, cfg)
     except ValueError as e:
         raise UsageError(f"--methods: {e}") from None
     return replace(cfg, methods=methods)
@@ -152,15 +106,7 @@ def run(args: argparse.Namespace) -> int:
 
     cfg = _config(args)
     args.runner = cfg.runner  # the run's runner (--runner, or --spec's runner key): what `load` picks a backend by
-    prompts = read_bench_prompts(args.prompts)
+    args.draft = None if args.draft in ("none", "ngram") else args.draft  # prompt lookup always runs
     models = e2e.method_models(cfg.methods, cfg)
-    check_heads(args, [args.draft if args.draft not in ("none", "ngram") else None, *models], cfg.runner)
-    with model_errors():
-        target = load(args.target, args)
-        # prompt lookup always runs; a draft model is optional
-        draft = load(args.draft, args, threads=False) if args.draft not in (None, "none", "ngram") else None
-        drafts = {path: load(path, args, threads=False) for path in models}
-        log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
-        result = e2e.run_e2e(target, draft, prompts, cfg, log=log, drafts=drafts)
-    write_bench_report(args.out, "e2e", result, e2e.to_markdown(result), e2e.plot)
-    return 0
+    check_heads(args, [args.draft, *models], cfg.runner)
+    return run_on_models(args, "e2e", e2e, cfg, e2e.run_e2e, heads=True, drafts=models)

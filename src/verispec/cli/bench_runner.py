@@ -3,26 +3,19 @@
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
-from ..strict_json import dumps
-from .options import UsageError, add_counts, add_device_args, load, model_errors
+from .bench_common import report
+from .options import UsageError, add_counts, add_device_args, load, log_stderr, model_errors
 
 
 def add_parser(sub) -> None:
     from ..bench.runner import PATHS, TORCH_PATHS
 
-    p = sub.add_parser(
-        "runner", help="decode(1) / verify(k) cost curves: transformers vs fast runner vs quantized self-drafts"
-    )
+    what = "decode(1) / verify(k) cost curves: transformers vs fast runner vs quantized self-drafts"
+    p = sub.add_parser("runner", help=what)
     p.add_argument("--model", help="model (hub id, directory, .gguf; default: the built-in default model)")
-    p.add_argument(
-        "--paths",
-        default=",".join(TORCH_PATHS),
-        help=f"comma-separated subset of {', '.join(PATHS)} (default: {', '.join(TORCH_PATHS)}; llamacpp needs a "
-        ".gguf model and the llamacpp extra)",
-    )
+    paths_help = f"comma-separated subset of {', '.join(PATHS)} (default: {', '.join(TORCH_PATHS)}; llamacpp needs a "
+    p.add_argument("--paths", default=",".join(TORCH_PATHS), help=paths_help + ".gguf model and the llamacpp extra)")
     add_counts(
         p,
         ("--max-k", 1, 16, "largest verify length (default %(default)s)"),
@@ -39,31 +32,16 @@ def run(args: argparse.Namespace) -> int:
     from ..model.loading import shared_vocab_size
 
     paths = tuple(args.paths.split(","))
-    unknown = set(paths) - set(bench_runner.PATHS)
+    unknown, choose = set(paths) - set(bench_runner.PATHS), ", ".join(bench_runner.PATHS)
     if unknown:
-        raise UsageError(
-            f"--paths: unknown path(s) {', '.join(sorted(unknown))}; choose from {', '.join(bench_runner.PATHS)}"
-        )
+        raise UsageError(f"--paths: unknown path(s) {', '.join(sorted(unknown))}; choose from {choose}")
+    llamacpp = argparse.Namespace(**vars(args) | {"runner": "llamacpp"})  # its backend: llama.cpp
     torch_paths = [n for n in paths if n in bench_runner.TORCH_PATHS]
     with model_errors():  # each backend loads the file itself: torch for the torch paths, llama.cpp for its own
-        lc = (
-            load(args.model, argparse.Namespace(**{**vars(args), "runner": "llamacpp"}))
-            if "llamacpp" in paths
-            else None
-        )
+        lc = load(args.model, llamacpp) if "llamacpp" in paths else None
         loaded = load(args.model, args) if torch_paths else lc
-        res = bench_runner.run(
-            loaded.model if torch_paths else None,
-            shared_vocab_size(loaded, None),
-            llamacpp_model=lc.model if lc else None,
-            max_k=args.max_k,
-            context=args.context,
-            repeats=args.repeats,
-            paths=paths,
-            log=lambda m: print(m, file=sys.stderr, flush=True),
-        )
-    res["model"] = loaded.name
-    print(f"Model: {loaded.name}\n\n{bench_runner.to_markdown(res)}")
-    if args.json:
-        Path(args.json).write_text(dumps(res, indent=2))
-    return 0
+        options = dict(max_k=args.max_k, context=args.context, repeats=args.repeats, paths=paths, log=log_stderr)
+        lc_model, model = lc.model if lc else None, loaded.model if torch_paths else None
+        res = bench_runner.run(model, shared_vocab_size(loaded, None), llamacpp_model=lc_model, **options)
+    print(f"Model: {loaded.name}\n")
+    return report(args, "runner", bench_runner, res | {"model": loaded.name})

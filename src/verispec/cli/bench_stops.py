@@ -1,12 +1,11 @@
-"""`verispec bench stops`: the engine with no stop strings, with many that never match (and one that does), and
-with the loops the automaton replaced, side by side; and the stop-string matcher alone."""
+"""`verispec bench stops`: the engine with no stop strings and with many that never match (and one that does),
+side by side; and the stop-string matcher alone, next to the loops it replaced."""
 
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
-from ..strict_json import dumps
+from .bench_common import report
 from .options import int_range
 
 
@@ -33,19 +32,6 @@ def run(args: argparse.Namespace) -> int:
     from ..bench import stops
 
     torch.set_num_threads(args.threads)
-    cfg = stops.StopsConfig(
-        num_stops=args.num_stops,
-        num_prompts=args.num_prompts,
-        max_new_tokens=args.max_new_tokens,
-        repeats=args.repeats,
-        gamma=args.gamma,
-        reference=not args.no_reference,
-        seed=args.seed,
-    )
-    result = stops.run(cfg)
-    print(f"stop strings on cpu, torch {torch.__version__}, {torch.get_num_threads()} threads")
-    print(stops.to_markdown(result))
-    if args.json:
-        Path(args.json).write_text(dumps(result, indent=2))
-        print(f"wrote {args.json}")
-    return 0
+    names = ("num_stops", "num_prompts", "max_new_tokens", "repeats", "gamma", "seed")
+    cfg = stops.StopsConfig(**{n: getattr(args, n) for n in names}, reference=not args.no_reference)
+    return report(args, "stops", stops, stops.run(cfg))

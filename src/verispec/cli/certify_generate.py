@@ -9,21 +9,13 @@ from .options import (
     UsageError,
     add_constraint_args,
     add_counts,
-    add_coupling_arg,
-    add_cross_vocab_arg,
     add_device_args,
     add_level_arg,
     add_prompt_args,
-    add_quant_arg,
-    add_runner_arg,
     add_sampling_args,
     add_seed_arg,
-    add_seeding_arg,
-    add_spec_arg,
-    add_tree_args,
-    add_verify_arg,
+    add_spec_args,
     dtype_name,
-    gamma_type,
     model_errors,
     pick,
     read_prompts,
@@ -47,10 +39,9 @@ def add_parser(sub) -> None:
 
 
 def _add_method_args(p: argparse.ArgumentParser) -> None:
-    from ..certify.bugs import BLOCK_BUGS, BUGS, GRAMMAR_BUGS, GRAMMAR_NON_BUGS, TREE_BUGS
-    from ..certify.crossvocab_bugs import CROSS_VOCAB_BUGS
-    from ..certify.head_bugs import HEAD_BUGS
-    from ..certify.methods import LOSSY_VERIFIERS, METHODS
+    from ..certify.bugs import BLOCK_BUGS, BUGS, TREE_BUGS
+    from ..certify.methods import CERTIFY_SPEC, METHODS
+    from ..certify.mutants import CROSS_VOCAB_BUGS, GRAMMAR_BUGS, GRAMMAR_NON_BUGS, HEAD_BUGS, LOSSY_VERIFIERS
 
     p.add_argument(
         "--method",
@@ -58,21 +49,11 @@ def _add_method_args(p: argparse.ArgumentParser) -> None:
         default="verispec",
         help="verispec (default), plain (verispec without drafts), hf (transformers generate), "
         "hf-assisted (transformers' assisted generation, --draft as the assistant), hf-lookup (transformers' "
-        "prompt lookup, --gamma tokens), callable "
-        "(--callable), openai (an OpenAI-compatible endpoint: --base-url, --model)",
+        "prompt lookup, --gamma tokens), callable (--callable), openai (an OpenAI-compatible endpoint: --base-url, "
+        "--model)",
     )
-    from ..certify.methods import CERTIFY_SPEC
-
-    add_spec_arg(p)
-    p.add_argument(
-        "--draft", help="verispec: draft model, ngram (default), self or none; hf-assisted: the assistant model"
-    )
-    add_cross_vocab_arg(p)
-    add_quant_arg(p, "--draft-quant", "weight-only quantize verispec's draft model (or --draft self)")
-    p.add_argument(
-        "--gamma", type=gamma_type(), help=f"verispec drafts per step, or auto (default {CERTIFY_SPEC.gamma})"
-    )
-    add_runner_arg(p, "verispec's model forward (default auto)", torch_only=True, default=None)
+    draft = "verispec: the drafter (as `verispec generate --draft`); hf-assisted: the assistant model"
+    add_spec_args(p, draft_help=draft, gamma_help=f"verispec drafts per step, or auto (default {CERTIFY_SPEC.gamma})")
     add_device_args(p, device=False, dtype_help="the method's target precision (scoring is float32)")
     p.add_argument(
         "--draft-dtype", type=dtype_name, default="float32", help="the draft model's precision (default float32)"
@@ -82,16 +63,12 @@ def _add_method_args(p: argparse.ArgumentParser) -> None:
         "--inject",
         help=f"verispec with a deliberately broken verifier (must FAIL): {', '.join(BUGS)}; "
         f"or a lossy acceptance rule: {LOSSY_VERIFIERS} (spec-rl: SPEC-RL's rollout reuse, a fresh draw from p "
-        f"at a rejection); with --verify block: {', '.join(BLOCK_BUGS)}; with --tree: {', '.join(TREE_BUGS)}; "
+        f"at a rejection); with --spec verify=block: {', '.join(BLOCK_BUGS)}; with --tree: {', '.join(TREE_BUGS)}; "
         f"with a constraint (--json-schema ...): {', '.join(GRAMMAR_BUGS)}, or the lossless control "
         f"{', '.join(GRAMMAR_NON_BUGS)}; with a --draft of another tokenizer: {', '.join(CROSS_VOCAB_BUGS)}; "
         f"with a --draft EAGLE-3 head directory (chains): {', '.join(HEAD_BUGS)}",
     )
     _add_endpoint_args(p)
-    add_tree_args(p)
-    add_verify_arg(p)
-    add_coupling_arg(p)
-    add_seeding_arg(p)
 
 
 def _add_endpoint_args(p: argparse.ArgumentParser) -> None:
@@ -184,16 +161,8 @@ def _method_spec(args: argparse.Namespace):
         raise UsageError(f"--tv-tolerance must lie in [0, 1), got {args.tv_tolerance}")
     endpoint = _endpoint_fields(args)
     try:
-        return MethodSpec(
-            method=args.method,
-            target=args.target,
-            config=config,
-            dtype=args.dtype,
-            draft_dtype=args.draft_dtype,
-            callable=args.callable,
-            verifier=args.inject,
-            **endpoint,
-        )
+        chosen = pick(args, "method", "target", "dtype", "draft_dtype", "callable")
+        return MethodSpec(**chosen, config=config, verifier=args.inject, **endpoint)
     except ValueError as e:  # what MethodSpec still checks itself is the --inject name
         raise UsageError(f"--inject {args.inject}: {e}" if args.inject else str(e)) from None
 
@@ -227,15 +196,8 @@ def run(args: argparse.Namespace) -> int:
     with model_errors():
         ref, prompts = load_reference(args, texts)
         options = pick(args, "samples", "length", "level", "seed", "workers", "two_sample_tokens")
-        report = certify_generate(
-            spec,
-            prompts,
-            params,
-            reference=ref,
-            reference_fn=_reference_fn(args, spec),
-            tv_tolerance=args.tv_tolerance,
-            **options,
-        )
+        options |= dict(reference=ref, reference_fn=_reference_fn(args, spec), tv_tolerance=args.tv_tolerance)
+        report = certify_generate(spec, prompts, params, **options)
     files = write_report(report, args.out)
     print(report.to_markdown())
     print(f"report: {', '.join(str(f) for f in files)}", file=sys.stderr)

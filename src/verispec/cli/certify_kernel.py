@@ -43,18 +43,13 @@ def add_parser(sub) -> None:
         help="certify position-keyed verification (each row's last draft verified like the others, no bonus after "
         "it) against the completed-sequence laws",
     )
-    bugs = f"chain bugs {', '.join(BUGS)}; with --verify block: {', '.join(BLOCK_BUGS)}; with --coupling gumbel: {', '.join(COUPLING_BUGS)}; with --tree: {', '.join(TREE_BUGS)}"
+    bugs = f"chain bugs {', '.join(BUGS)}; with --verify block: {', '.join(BLOCK_BUGS)}; with --coupling gumbel: "
+    bugs += f"{', '.join(COUPLING_BUGS)}; with --tree: {', '.join(TREE_BUGS)}"
     looks_wrong = f"(and {', '.join(TREE_NON_BUGS)}, which only looks wrong: it is lossless)"
     p.add_argument("--inject", help=f"certify a deliberately broken verifier instead (must FAIL): {bugs} {looks_wrong}")
+    samples = f"speculative steps per case (default {DEFAULT_SAMPLES}; {DEFAULT_TREE_SAMPLES} with --tree)"
     add_counts(
-        p,
-        (
-            "--samples",
-            1,
-            None,
-            f"speculative steps per case (default {DEFAULT_SAMPLES}; {DEFAULT_TREE_SAMPLES} with --tree)",
-        ),
-        ("--vocab", 2, None, "vocabulary of the cases (default 32; 6 with --tree)"),
+        p, ("--samples", 1, None, samples), ("--vocab", 2, None, "vocabulary of the cases (default 32; 6 with --tree)")
     )
     add_level_arg(p)
     p.add_argument("--cases", help="comma-separated subset of the cases")
@@ -64,62 +59,48 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
+_OWN = {  # kind -> verispec's own verifier of that kind (the default sampler), by where it lives
+    "tree": "sampling.tree:verify_tree",
+    "block": "sampling.block:verify_block",
+    "coupling": "sampling.coupling:gumbel_verifier",
+    "positional": "sampling.positional:positional_verifier",
+    "chain": "sampling:verify_chain",
+}
+_WHERE = {"tree": " (with --tree)", "block": " (with --verify block)", "coupling": " (with --coupling)"}
+
+
 def _sampler(args: argparse.Namespace, tree: bool):
     """(the verifier to certify, its name in the report)."""
     from ..certify import bugs
-    from ..certify.kernel import load_sampler, verispec_block_sampler, verispec_sampler
-    from ..certify.tree_kernel import verispec_tree_sampler
-    from ..sampling.coupling import gumbel_verifier
-    from ..sampling.positional import positional_verifier
+    from ..certify.kernel import load_sampler
 
+    block = args.verify == "block"
     if args.sampler and args.inject:
         raise UsageError("--sampler and --inject exclude each other (--inject replaces verispec's own verifier)")
-    if args.verify == "block" and (tree or args.coupling):
+    if block and (tree or args.coupling):
         raise UsageError("--verify block applies to chains, without --tree or --coupling")
     if tree and args.coupling:
         raise UsageError("--coupling applies to chains here (the engine couples trees too; certify them end to end)")
-    if args.seeding and (tree or args.coupling or args.verify == "block" or args.inject):
-        raise UsageError(
-            "--seeding position certifies the token-wise chain rule alone (no --tree, --coupling, "
-            "--verify block or --inject)"
-        )
+    if args.seeding and (tree or args.coupling or block or args.inject):
+        alone = "no --tree, --coupling, --verify block or --inject"
+        raise UsageError(f"--seeding position certifies the token-wise chain rule alone ({alone})")
     if args.sampler:
         return load_sampler(args.sampler), args.sampler
-    kind = (
-        "tree"
-        if tree
-        else "block"
-        if args.verify == "block"
-        else "coupling"
-        if args.coupling
-        else "positional"
-        if args.seeding
-        else "chain"
-    )
-    if args.inject:
-        known, make = {
-            "tree": (bugs.TREE_BUGS + bugs.TREE_NON_BUGS, bugs.broken_tree_verifier),
-            "block": (bugs.BLOCK_BUGS, bugs.broken_block_verifier),
-            "coupling": (bugs.COUPLING_BUGS, bugs.broken_coupled_verifier),
-            "chain": (bugs.BUGS, bugs.broken_verifier),
-        }[kind]
-        if args.inject not in known:
-            where = {"tree": " (with --tree)", "block": " (with --verify block)", "coupling": " (with --coupling)"}
-            msg = f"--inject {args.inject} is not a {kind} bug; {kind} bugs{where.get(kind, '')}: {', '.join(known)}"
-            raise UsageError(msg)
-        return make(args.inject), f"verispec.certify.bugs:{args.inject}"
-    return {
-        "tree": (verispec_tree_sampler, "verispec.sampling.tree:verify_tree"),
-        "block": (verispec_block_sampler, "verispec.sampling.block:verify_block"),
-        "coupling": (gumbel_verifier, "verispec.sampling.coupling:gumbel_verifier"),
-        "positional": (positional_verifier, "verispec.sampling.positional:positional_verifier"),
-        "chain": (verispec_sampler, "verispec.sampling:verify_chain"),
-    }[kind]
+    chosen = (("tree", tree), ("block", block), ("coupling", args.coupling), ("positional", args.seeding))
+    kind = next((k for k, on in chosen if on), "chain")
+    if not args.inject:
+        return load_sampler(f"verispec.{_OWN[kind]}"), f"verispec.{_OWN[kind]}"
+    known, make = bugs.KINDS[kind]
+    if args.inject not in known:
+        raise UsageError(
+            f"--inject {args.inject} is not a {kind} bug; {kind} bugs{_WHERE.get(kind, '')}: {', '.join(known)}"
+        )
+    return make(args.inject), f"verispec.certify.bugs:{args.inject}"
 
 
 def _cases(args: argparse.Namespace, rules):
     """The cases to run: every default case (of `rules` for trees), or the --cases subset."""
-    from ..certify.kernel import default_cases
+    from ..certify.kernel import default_cases, select
     from ..certify.tree_kernel import default_tree_cases
 
     if rules:
@@ -128,11 +109,10 @@ def _cases(args: argparse.Namespace, rules):
         cases = default_cases(vocab=args.vocab or 32, seed=args.seed)
     if not args.cases:
         return cases
-    wanted = [c.strip() for c in args.cases.split(",")]
-    known = {c.name for c in cases}
-    unknown = [w for w in wanted if w not in known]
-    if unknown:
-        raise UsageError(f"--cases: unknown case(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+    try:
+        wanted = select(args.cases, [c.name for c in cases], "case(s)")
+    except ValueError as e:
+        raise UsageError(f"--cases: {e}") from None
     return [c for c in cases if c.name in wanted]
 
 
@@ -140,9 +120,8 @@ def run(args: argparse.Namespace) -> int:
     """Run a battery of (p, q) cases through a chain verifier (verispec's, or --sampler module:function with
     verify_chain's interface) and test every emitted position's distribution. With --verify block: verispec's block
     verifier (or the --sampler) against the laws of the completed sequence; with --coupling gumbel, Gumbel-coupled
-    verification against the same laws. With --tree RULE: trees drafted with
-    that rule through a tree verifier (verify_tree's interface; rule 'mixed' also passes sampled=). Exit status
-    0 = PASS, 1 = anything else (FAIL, INCONCLUSIVE)."""
+    verification against the same laws. With --tree RULE: trees drafted with that rule through a tree verifier
+    (verify_tree's interface; rule 'mixed' also passes sampled=). Exit status 0 = PASS, 1 = FAIL or INCONCLUSIVE."""
     from rich.console import Console
 
     from ..certify.kernel import DEFAULT_SAMPLES, certify_kernel, write_report
@@ -155,9 +134,8 @@ def run(args: argparse.Namespace) -> int:
         sampler, name = _sampler(args, tree)
         cases = _cases(args, rules)
         with Console(stderr=True).status("certifying") as status:
-            common = dict(
-                cases=cases, level=args.level, seed=args.seed, name=name, progress=lambda c: status.update(f"case {c}")
-            )
+            common = dict(cases=cases, level=args.level, seed=args.seed, name=name)
+            common["progress"] = lambda c: status.update(f"case {c}")
             if tree:
                 report = certify_tree_kernel(
                     sampler, rules=rules, samples=args.samples or DEFAULT_TREE_SAMPLES, **common
@@ -178,8 +156,7 @@ def _summary(report) -> str:
         f"Holm family-wise level {report.level}",
         f"  {report.power_note()}",
     ]
-    for e in report.errors:
-        lines.append(f"  error: {e}")
+    lines += [f"  error: {e}" for e in report.errors]
     for t in sorted(report.failing, key=lambda t: t.pvalue)[:10]:
         lines.append(f"  rejected: {t.case} / {t.test}: p = {t.pvalue:.3g} (Holm {t.holm_pvalue:.3g})")
     return "\n".join(lines)

@@ -12,16 +12,9 @@ HELP = "reproduce distribution bugs that public engines shipped: each must FAIL,
 
 def add_parser(sub) -> None:
     p = sub.add_parser("known-bugs", help=HELP, description=run.__doc__)
-    add_counts(
-        p,
-        (
-            "--samples",
-            100,
-            None,
-            "speculative steps per case for every chain entry, overriding each entry's own size",
-        ),
-        ("--tail-draws", 1, None, "races of the tail test (default: its powered size, 53000)"),
-    )
+    samples = "speculative steps per case for every chain entry, overriding each entry's own size"
+    tail = "races of the tail test (default: its powered size, 53000)"
+    add_counts(p, ("--samples", 100, None, samples), ("--tail-draws", 1, None, tail))
     p.add_argument("--only", help="comma-separated subset of the entries (bugs and controls, by name)")
     add_level_arg(p)
     add_seed_arg(p)
@@ -62,15 +55,7 @@ def _print_table(report) -> None:
 
     for r in report.rows:
         verdict = r.verdict if r.ok else f"[bold red]{r.verdict}[/] (expected {r.expected})"
-        table.add_row(
-            r.name,
-            r.engine,
-            r.expected,
-            verdict,
-            pvalue_cell(r),
-            str(r.samples),
-            f"{r.seconds:.1f}",
-        )
+        table.add_row(r.name, r.engine, r.expected, verdict, pvalue_cell(r), str(r.samples), f"{r.seconds:.1f}")
     console = Console(width=max(100, Console().width))
     console.print(table)
     for r in report.mismatches:

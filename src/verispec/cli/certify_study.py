@@ -36,16 +36,12 @@ def add_parser(sub) -> None:
     p.add_argument("--variants", help=f"comma-separated subset of {', '.join(VARIANTS)} (default: all)")
     add_sampling_args(p, ("temperature", "top_k", "top_p"), temperature=0.7)
     add_prompt_args(p)
+    certify = "N of the generator certificate run on each variant (0 = deviations only, default)"
     add_counts(
         p,
         ("--contexts", 1, 16, "target continuations per prompt used as contexts (default %(default)s)"),
         ("--length", 1, 8, "tokens per continuation (default %(default)s)"),
-        (
-            "--certify-samples",
-            0,
-            0,
-            "N of the generator certificate run on each variant (0 = deviations only, default)",
-        ),
+        ("--certify-samples", 0, 0, certify),
     )
     p.add_argument("--gamma", type=gamma_type(auto=False), default=4, help="drafts per step (default 4)")
     add_level_arg(p)
@@ -56,6 +52,7 @@ def add_parser(sub) -> None:
 
 def _variants(args: argparse.Namespace) -> list[str] | None:
     """The variants asked for (None: all), every option checked (no model loaded yet)."""
+    from ..certify.kernel import select
     from ..certify.study import VARIANTS
 
     if args.temperature == 0:
@@ -66,11 +63,10 @@ def _variants(args: argparse.Namespace) -> list[str] | None:
         raise UsageError(f"--certify-samples must be 0 (off) or >= {MIN_SAMPLES}, got {args.certify_samples}")
     if not args.variants:
         return None
-    names = [v.strip() for v in args.variants.split(",")]
-    unknown = [v for v in names if v not in VARIANTS]
-    if unknown:
-        raise UsageError(f"--variants: unknown variant(s) {', '.join(unknown)}; known: {', '.join(VARIANTS)}")
-    return names
+    try:
+        return select(args.variants, list(VARIANTS), "variant(s)")
+    except ValueError as e:
+        raise UsageError(f"--variants: {e}") from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -87,11 +83,8 @@ def run(args: argparse.Namespace) -> int:
         rows = run_study(
             args.target, args.draft, prompts, params, variants=variants, certify_length=args.length, **options
         )
-    certificate = (
-        f"N = {args.certify_samples}, L = {args.length}, level {args.level}"
-        if args.certify_samples
-        else "not run (--certify-samples 0)"
-    )
+    n = args.certify_samples
+    certificate = f"N = {n}, L = {args.length}, level {args.level}" if n else "not run (--certify-samples 0)"
     header = (
         f"# verispec certify study\n\ntarget `{args.target}`, draft `{args.draft}`; {params}; {len(prompts)} "
         f"prompt(s) x {args.contexts} contexts x {args.length} positions for the deviations; certificate: "

@@ -40,7 +40,7 @@ def add_parser(sub) -> None:
 
 def check_heads(args: argparse.Namespace, models, runner: str | None) -> None:
     """Before any model loads: a draft model that is a hidden-state head (EAGLE-3, EAGLE, Medusa) reads the target's
-    hidden states, so the target loads with torch (--runner auto picks it) and --runner llamacpp is refused."""
+    hidden states, so the target loads with torch (runner auto picks it) and runner llamacpp is refused."""
     from ..heads import head_kind
 
     for model in models:
@@ -50,7 +50,7 @@ def check_heads(args: argparse.Namespace, models, runner: str | None) -> None:
         if runner == "llamacpp":
             raise UsageError(
                 f"--draft {model} is a hidden-state head ({kind}): it reads the target's hidden states, which "
-                "llama.cpp does not expose; run the target on --runner fast or hf"
+                "llama.cpp does not expose; run the target on the fast or hf runner"
             )
         args.torch_only = True  # (`load`: the target loads with torch, a GGUF file dequantized)
 
@@ -63,7 +63,7 @@ def build_generator(args: argparse.Namespace, config):
     check_heads(args, [config.model] if config.drafter.model else [], config.runner)
     with model_errors():
         target = load(args.target, args)
-        draft = load(config.model, args, threads=False) if config.drafter.model else None
+        draft = load(config.model, args, threads=False, draft=True) if config.drafter.model else None
         return SpeculativeGenerator(target, draft, config=config)
 
 
@@ -81,20 +81,9 @@ def run(args: argparse.Namespace) -> int:
     with user_errors():
         if args.json:
             out = gen.generate(prompt, params, **kwargs)[0]
+            doc = {k: getattr(out, k) for k in ("text", "token_ids", "finish_reason", "logprobs", "raw_logprobs")}
             stats = out.stats.summary() | {"tokens_per_second": gen.last_stats.tokens_per_second}
-            print(
-                dumps(
-                    {
-                        "text": out.text,
-                        "token_ids": out.token_ids,
-                        "finish_reason": out.finish_reason,
-                        "logprobs": out.logprobs,
-                        "raw_logprobs": out.raw_logprobs,
-                        "stats": stats,
-                    },
-                    indent=2,
-                )
-            )
+            print(dumps(doc | {"stats": stats}, indent=2))
             return 0
         for event in gen.stream(prompt, params, **kwargs):
             sys.stdout.write(event.delta)

@@ -10,15 +10,7 @@ import sys
 from ..engine.core import PREFILL_CHUNK
 from ..serve.limits import DEFAULT_MAX_QUEUE, DEFAULT_MAX_QUEUE_TOKENS, DEFAULT_REQUEST_TIMEOUT_S
 from .generate import build_generator
-from .options import (
-    UsageError,
-    add_counts,
-    add_speculation_args,
-    int_range,
-    pick,
-    spec_config,
-    user_errors,
-)
+from .options import UsageError, add_counts, add_speculation_args, int_range, pick, spec_config, user_errors
 
 
 def add_parser(sub) -> None:
@@ -48,14 +40,17 @@ def add_parser(sub) -> None:
             "(default %(default)s)",
         ),
     )
-    p.add_argument(
-        "--prefill-chunk",
-        type=int_range(0),
-        default=PREFILL_CHUNK,
+    add_counts(
+        p,
+        (
+            "--prefill-chunk",
+            0,
+            PREFILL_CHUNK,
+            "chunked prefill: while requests decode, a longer prompt is prefilled at most N tokens per step, between "
+            "their steps, so they wait one chunk per step instead of the whole prompt (0: off, every prompt "
+            "prefilled whole when it joins) (default %(default)s)",
+        ),
         metavar="N",
-        help="chunked prefill: while requests decode, a longer prompt is prefilled at most N tokens per step, between "
-        "their steps, so they wait one chunk per step instead of the whole prompt (0: off, every prompt prefilled "
-        "whole when it joins) (default %(default)s)",
     )
     p.add_argument(
         "--api-key",
@@ -72,9 +67,8 @@ def add_parser(sub) -> None:
     )
     _add_exposure_args(p)
     _add_operator_args(p)
-    levels = list(LOG_LEVELS)
     p.add_argument(
-        "--log-level", choices=levels, default="warning", help="the HTTP server's log level (default warning)"
+        "--log-level", choices=list(LOG_LEVELS), default="warning", help="the HTTP server's log level (default warning)"
     )
     p.set_defaults(func=run)
 
@@ -106,25 +100,38 @@ def _add_exposure_args(p: argparse.ArgumentParser) -> None:
         help="a Host header name the server answers (repeatable; '*.example.com' for subdomains, '*' for any). "
         "Default: on a loopback --host only localhost, 127.0.0.1 and [::1] (no DNS rebinding); otherwise any",
     )
-    p.add_argument(
-        "--max-request-bytes",
-        type=int_range(1024),
-        default=DEFAULT_MAX_REQUEST_BYTES,
+    add_counts(
+        p,
+        (
+            "--max-request-bytes",
+            1024,
+            DEFAULT_MAX_REQUEST_BYTES,
+            "the largest request body, counted while it is read (413 beyond; a weight upload's cap is the model's "
+            "size) (default %(default)s)",
+        ),
         metavar="N",
-        help="the largest request body, counted while it is read (413 beyond; a weight upload's cap is the "
-        "model's size) (default %(default)s)",
     )
 
 
 def _add_operator_args(p: argparse.ArgumentParser) -> None:
     from ..serve.transport import DEFAULT_BODY_TIMEOUT_S, DEFAULT_READ_TIMEOUT_S
 
-    p.add_argument(
-        "--max-model-len",
-        type=int_range(2),
+    add_counts(
+        p,
+        (
+            "--max-model-len",
+            2,
+            None,
+            "the most tokens a request may hold, prompt and max_tokens together; beyond, 400 (default: the model's "
+            "context; more is refused)",
+        ),
+        (
+            "--max-connections",
+            1,
+            None,
+            "open connections (and requests being answered) at most; beyond, uvicorn answers 503 (default: no cap)",
+        ),
         metavar="N",
-        help="the most tokens a request may hold, prompt and max_tokens together; beyond, 400 (default: the model's "
-        "context; more is refused)",
     )
     p.add_argument(
         "--request-timeout",
@@ -135,36 +142,30 @@ def _add_operator_args(p: argparse.ArgumentParser) -> None:
         f"{DEFAULT_REQUEST_TIMEOUT_S:g} on the OpenAI routes; the RL route /generate/ has a deadline only when this "
         "is given: a rollout cut short would be trained on)",
     )
-    p.add_argument(
-        "--shutdown-timeout",
-        type=_seconds(0),
-        default=30.0,
-        metavar="SECONDS",
-        help="on SIGTERM / Ctrl-C: new requests get 503, running ones get this long to finish, then end with "
-        "finish_reason 'abort' (default %(default)s)",
-    )
-    p.add_argument(
-        "--read-timeout",
-        type=_seconds(0, inclusive=False),
-        default=DEFAULT_READ_TIMEOUT_S,
-        metavar="SECONDS",
-        help="a request's headers must arrive within this long, and its body may not go this long without bytes "
-        "(then: the connection closed / 408) (default %(default)s)",
-    )
-    p.add_argument(
-        "--body-timeout",
-        type=_seconds(0, inclusive=False),
-        default=DEFAULT_BODY_TIMEOUT_S,
-        metavar="SECONDS",
-        help="a request's whole body must arrive within this long of its first read, plus 1 s per MiB received; "
-        "else 408 and the connection closed (a body trickled a byte at a time) (default %(default)s)",
-    )
-    p.add_argument(
-        "--max-connections",
-        type=int_range(1),
-        metavar="N",
-        help="open connections (and requests being answered) at most; beyond, uvicorn answers 503 (default: no cap)",
-    )
+    for name, kind, default, text in (
+        (
+            "--shutdown-timeout",
+            _seconds(0),
+            30.0,
+            "on SIGTERM / Ctrl-C: new requests get 503, running ones get this long to finish, then end with "
+            "finish_reason 'abort'",
+        ),
+        (
+            "--read-timeout",
+            _seconds(0, inclusive=False),
+            DEFAULT_READ_TIMEOUT_S,
+            "a request's headers must arrive within this long, and its body may not go this long without bytes "
+            "(then: the connection closed / 408)",
+        ),
+        (
+            "--body-timeout",
+            _seconds(0, inclusive=False),
+            DEFAULT_BODY_TIMEOUT_S,
+            "a request's whole body must arrive within this long of its first read, plus 1 s per MiB received; "
+            "else 408 and the connection closed (a body trickled a byte at a time)",
+        ),
+    ):
+        p.add_argument(name, type=kind, default=default, metavar="SECONDS", help=f"{text} (default %(default)s)")
     p.add_argument(
         "--chat-template",
         metavar="FILE_OR_STRING",
@@ -214,14 +215,7 @@ def run(args: argparse.Namespace) -> int:
     gen.core.prefill_chunk = args.prefill_chunk  # before the server's session is made: it reads it then
     name = args.served_model_name or args.target or DEFAULT_MODEL_NAME
     with user_errors():
-        limits = (
-            "max_batch",
-            "max_queue",
-            "max_queue_tokens",
-            "api_key",
-            "cors_origins",
-            "max_model_len",
-        )
+        limits = ("max_batch", "max_queue", "max_queue_tokens", "api_key", "cors_origins", "max_model_len")
         exposure = ("enable_weight_updates", "weight_dirs", "max_request_bytes", "read_timeout", "body_timeout")
         hosts = allowed_hosts(args.host, args.allowed_hosts)
         timeouts = {  # the default on the OpenAI routes; /generate/ only when given
@@ -232,11 +226,7 @@ def run(args: argparse.Namespace) -> int:
             gen, name, **pick(args, *limits, *exposure), **timeouts, allowed_hosts=hosts, chat_template=template
         )
     logging.basicConfig(level=logging.INFO)
-    print(
-        f"serving {name!r} on http://{args.host}:{args.port}/v1 (spec {config})",
-        file=sys.stderr,
-        flush=True,
-    )
+    print(f"serving {name!r} on http://{args.host}:{args.port}/v1 (spec {config})", file=sys.stderr, flush=True)
     serve(
         app,
         host=args.host,

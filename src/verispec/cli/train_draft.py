@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from .options import UsageError, add_device_args, load, model_errors, user_errors
+from .options import UsageError, add_counts, add_device_args, add_seed_arg, load, model_errors, pick, user_errors
 
 
 def add_parser(sub) -> None:
@@ -19,38 +19,36 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--out", required=True, help="directory for the head (config.json + model.safetensors), data and checkpoints"
     )
-    p.add_argument(
-        "--holdout",
-        type=int,
-        default=8,
-        help="skip the first N prompts of each category (benchmarks use them; default 8)",
+    add_counts(
+        p,
+        ("--holdout", 0, 8, "skip the first N prompts of each category (benchmarks use them; default %(default)s)"),
+        ("--max-prompts", 1, None, "use at most this many prompts per category"),
+        ("--samples-per-prompt", 1, 2, "continuations the target samples per prompt (default %(default)s)"),
+        ("--max-new-tokens", 1, 192, "tokens per continuation (default %(default)s)"),
+        ("--draft-vocab", 1, 8192, "the head's vocabulary: the most frequent tokens (default %(default)s)"),
+        ("--ttt", 1, 3, "training-time-test unroll steps (default %(default)s)"),
+        ("--batch-tokens", 1, 2048, "tokens per training step (default %(default)s)"),
+        ("--max-steps", 1, None, "stop after this many steps"),
+        ("--checkpoint-every", 1, 100, "steps between checkpoints (default %(default)s)"),
+        ("--head-intermediate", 1, None, "the head's MLP width (default: the target's)"),
     )
-    p.add_argument("--max-prompts", type=int, help="use at most this many prompts per category")
-    p.add_argument(
-        "--samples-per-prompt", type=int, default=2, help="continuations the target samples per prompt (default 2)"
-    )
-    p.add_argument("--max-new-tokens", type=int, default=192, help="tokens per continuation (default 192)")
-    p.add_argument(
-        "--draft-vocab", type=int, default=8192, help="the head's vocabulary: the most frequent tokens (default 8192)"
-    )
-    p.add_argument("--ttt", type=int, default=3, help="training-time-test unroll steps (default 3)")
     p.add_argument("--lr", type=float, default=5e-4, help="AdamW learning rate (default 5e-4)")
-    p.add_argument("--batch-tokens", type=int, default=2048, help="tokens per training step (default 2048)")
     p.add_argument("--minutes", type=float, default=120.0, help="training time budget, sampling excluded (default 120)")
-    p.add_argument("--max-steps", type=int, help="stop after this many steps")
-    p.add_argument("--checkpoint-every", type=int, default=100, help="steps between checkpoints (default 100)")
     p.add_argument(
         "--cache-features",
         action="store_true",
         help="run the target over the data once and keep its hidden states and p in memory (bfloat16): for targets "
         "whose forward costs more than the head's training step",
     )
-    p.add_argument("--head-intermediate", type=int, help="the head's MLP width (default: the target's)")
-    p.add_argument("--seed", type=int, default=0)
+    add_seed_arg(p)
     p.add_argument("--no-chat", action="store_true", help="feed prompts as plain text (default: the chat template)")
     p.add_argument("--resume", action="store_true", help="continue from --out's checkpoint (and its sampled data)")
     add_device_args(p)
     p.set_defaults(func=run, torch_only=True)
+
+
+_TRAIN_FIELDS = ("samples_per_prompt", "max_new_tokens", "draft_vocab", "ttt", "lr", "batch_tokens", "minutes")
+_TRAIN_FIELDS += ("max_steps", "checkpoint_every", "seed", "cache_features", "head_intermediate")  # TrainConfig's
 
 
 def run(args: argparse.Namespace) -> int:
@@ -64,26 +62,8 @@ def run(args: argparse.Namespace) -> int:
     from ..training.heads import TrainConfig, default_aux_layers, sample_data, train_eagle3
 
     with user_errors():
-        cfg = TrainConfig(
-            samples_per_prompt=args.samples_per_prompt,
-            max_new_tokens=args.max_new_tokens,
-            draft_vocab=args.draft_vocab,
-            ttt=args.ttt,
-            lr=args.lr,
-            batch_tokens=args.batch_tokens,
-            minutes=args.minutes,
-            max_steps=args.max_steps,
-            checkpoint_every=args.checkpoint_every,
-            seed=args.seed,
-            chat=not args.no_chat,
-            cache_features=args.cache_features,
-            head_intermediate=args.head_intermediate,
-        )
+        cfg = TrainConfig(**pick(args, *_TRAIN_FIELDS), chat=not args.no_chat)
         cfg.check()
-        if args.holdout < 0:
-            raise ValueError(f"--holdout must be >= 0, got {args.holdout}")
-        if args.max_prompts is not None and args.max_prompts < 1:
-            raise ValueError(f"--max-prompts must be >= 1, got {args.max_prompts}")
     with user_errors(OSError):
         by_cat = load_prompts(args.prompts)
     out = Path(args.out)

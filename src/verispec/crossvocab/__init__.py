@@ -9,7 +9,6 @@
 
 from __future__ import annotations
 
-from ..drafting import DraftModelProposer
 from ..model.loading import LoadedModel, output_rows
 from .runner import BridgedRunner
 from .slem import SlemProposer
@@ -20,7 +19,6 @@ __all__ = [
     "CrossVocabError",
     "SlemProposer",
     "VocabMap",
-    "cross_vocab_proposer",
     "same_tokenizer",
     "token_keys",
     "vocab_sizes",
@@ -37,22 +35,4 @@ def vocab_sizes(target: LoadedModel, draft: LoadedModel) -> tuple[int, int]:
     return (
         min(len(target.tokenizer), output_rows(target.model)),
         min(len(draft.tokenizer), output_rows(draft.model)),
-    )
-
-
-def cross_vocab_proposer(target: LoadedModel, draft: LoadedModel, config, merge: str = "sum"):
-    """The drafter for a draft model with another tokenizer, as config.cross_vocab says ("auto" is "tli")."""
-    v_t, v_d = vocab_sizes(target, draft)
-    slem = config.cross_vocab == "slem"
-    vocab = VocabMap.build(target.tokenizer, draft.tokenizer, v_t, v_d, merge=merge, need_overlap=not slem)
-    if slem:
-        return SlemProposer(draft.model, target.tokenizer, vocab, v_t, v_d, runner=config.runner, quant=config.quant)
-    return DraftModelProposer(
-        draft.model,
-        v_d,
-        config.stop_below,
-        tree=config.tree_spec,
-        runner=config.runner,
-        quant=config.quant,
-        vocab=(vocab, v_t),
     )

@@ -22,6 +22,7 @@ from itertools import accumulate
 import torch
 from torch import Tensor
 
+from ..model.protocol import Chunk, Slots
 from .vocab import VocabMap
 
 __all__ = ["BridgedRunner"]
@@ -125,21 +126,13 @@ class BridgedRunner:
 
     # --- forward --------------------------------------------------------------------------------------
     def forward(
-        self,
-        tokens: Sequence[Sequence[int]],
-        logits_at: str = "all",
-        parents: Sequence[Sequence[int]] | None = None,
-        tree_start: Sequence[int] | None = None,
+        self, tokens: Chunk, logits_at: str = "all", parents: Chunk | None = None, tree_start: Slots | None = None
     ) -> Tensor:
         """The draft runner's forward on the spelled tokens; logits [B, T, V_t] ("all") or [B, V_t] ("last")."""
         return self.map.target_logits(self.draft_forward(tokens, logits_at, parents, tree_start), self.vocab_size)
 
     def draft_forward(
-        self,
-        tokens: Sequence[Sequence[int]],
-        logits_at: str = "all",
-        parents: Sequence[Sequence[int]] | None = None,
-        tree_start: Sequence[int] | None = None,
+        self, tokens: Chunk, logits_at: str = "all", parents: Chunk | None = None, tree_start: Slots | None = None
     ) -> Tensor:
         """`forward` with the draft's own logits: [B, T, V_d] ("all") or [B, V_d] ("last")."""
         ids, ends = self._spelled(tokens, one_each=parents is not None)  # ends[b][i]: draft ids up to token i - 1

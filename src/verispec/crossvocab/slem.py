@@ -1,22 +1,18 @@
 """String-level exact match (SLEM, Timor et al. 2025), for sampling as well as greedy: the draft continues the text
 greedily in its own vocabulary, the target's tokenizer re-tokenizes that text past a stable boundary, and those
-target tokens are proposed as a chosen chain — one-hot q, kept with probability p(t), else the residual p without
-t — exact at any temperature, like prompt lookup.
+target tokens are proposed as a chosen chain (one-hot q: exact at any temperature, like prompt lookup).
 
-The boundary: the last `lookbehind` committed target tokens are re-tokenized together with the draft's text; the
-proposals are the tokens after them only where the re-tokenization starts with those exact tokens (else the draft's
-text alone is tokenized, from the boundary the target has already fixed). The last proposed token is dropped: more
-text could merge it with what follows. A draft special token (EOS) ends the text, proposed as the target's special
-of the same content where the target has one.
-
-The draft is greedy (argmax of its own logits, whatever the request's sampling): proposals are then a function of
-the committed tokens, as chosen drafts must be, and a one-hot proposal's chance to be kept, p(t), is highest at the
-draft's best guess of the target's mode.
+The boundary: the last `lookbehind` committed target tokens are re-tokenized with the draft's text, and the tokens
+after them are proposed only where the re-tokenization starts with those exact tokens (else the draft's text alone
+is tokenized). The last proposed token is dropped (more text could merge it with what follows). A draft special
+token (EOS) ends the text, proposed as the target's special of the same content. The draft is greedy (whatever the
+request's sampling): proposals are then a function of the committed tokens, as chosen drafts must be.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -39,21 +35,20 @@ class SlemProposer(Proposer):
         v_target: int,
         v_draft: int,
         *,
-        runner: str = "auto",
-        quant: str | None = None,
+        runner: Callable = make_runner,
         lookbehind: int = 4,
         extra: int = 2,
     ):
         """model: the draft model (its vocabulary v_draft); vocab: the pair's VocabMap (how the draft reads the
-        committed target tokens); lookbehind: committed target tokens re-tokenized with the draft's text; extra:
-        draft tokens drafted beyond the row's cap (the two tokenizations' lengths differ)."""
+        committed target tokens); runner: the factory (model, v_draft) -> the draft's own runner (bridged here into
+        the target's ids); lookbehind: committed target tokens re-tokenized with the draft's text; extra: draft
+        tokens drafted beyond the row's cap (the two tokenizations' lengths differ)."""
         self.model = model
         self.tokenizer = target_tokenizer
         self.map = vocab
         self.lookbehind, self.extra = lookbehind, extra
-        self.quant = quant
-        self._v_draft, self._runner_kind = v_draft, runner
-        self.runner = BridgedRunner(make_runner(model, v_draft, runner=runner, quant=quant), vocab, v_target)
+        self._make_inner = lambda: runner(model, v_draft)
+        self.runner = BridgedRunner(self._make_inner(), vocab, v_target)
         self._special_ids = {i for i, k in enumerate(vocab.draft_keys) if isinstance(k, str)}
 
     def start(self, view: BatchView, capacity: int) -> None:
@@ -62,16 +57,13 @@ class SlemProposer(Proposer):
     def add(self, view: BatchView, capacity: int) -> None:
         self.runner.add_rows([s[:-1] for s in view.seqs], capacity)
 
-    def select(self, rows: list[int]) -> None:
-        self.runner.select(rows)
-
     def weights_changed(self, model) -> float:
         """A quantized draft is re-quantized when its own weights were replaced (the target's change nothing here)."""
-        if model is not self.model or self.quant is None:
-            return 0.0
-        t0 = time.perf_counter()
-        self.runner.inner = make_runner(self.model, self._v_draft, runner=self._runner_kind, quant=self.quant)
-        return time.perf_counter() - t0
+        if model is self.model and getattr(self.runner.inner, "quant", None) is not None:
+            t0 = time.perf_counter()
+            self.runner.inner = self._make_inner()
+            return time.perf_counter() - t0
+        return 0.0
 
     def propose(self, view: BatchView, caps: list[int]) -> Draft:
         B = len(view.seqs)
@@ -84,6 +76,9 @@ class SlemProposer(Proposer):
         for b, f in enumerate(found):
             ids[b, : len(f)] = torch.as_tensor(f, dtype=torch.int64)
         return Draft.chain_of(ids.to(view.device), None, [len(f) for f in found])
+
+    def select(self, rows: list[int]) -> None:
+        self.runner.select(rows)
 
     @torch.inference_mode()
     def _greedy(self, view: BatchView, caps: list[int]) -> list[list[int]]:

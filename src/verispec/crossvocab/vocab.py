@@ -1,17 +1,15 @@
 """Two vocabularies side by side: every token's byte string, the token-level intersection, and q moved from the
 draft's vocabulary into the target's (Timor et al., ICML 2025, "token-level intersection").
 
-A token's key is the bytes it stands for, normalized the same way for every tokenizer family:
-  - byte-level BPE (GPT-2, Qwen, Llama 3, SmolLM2): each character stands for one byte (`bytes_to_unicode`);
-  - SentencePiece (Llama 2, Mistral, Gemma): '▁' is a space, '<0xNN>' is the byte NN (byte fallback);
-  - anything else: the token decoded alone, as UTF-8.
-Special tokens are keyed by their content and match only special tokens of the other side.
+A token's key is the bytes it stands for: byte-level BPE (GPT-2, Qwen, Llama 3, SmolLM2) maps each character to a
+byte (`bytes_to_unicode`); SentencePiece (Llama 2, Mistral, Gemma) reads '▁' as a space and '<0xNN>' as byte NN;
+anything else is the token decoded alone. Special tokens are keyed by their content and match only specials.
 
-Exactness does not depend on the mapping being right: verification is handed the q the draft token was drawn from,
-here the draft's distribution moved into the target's ids by `VocabMap.target_logits`. A wrong key only costs
-acceptance. Where several draft ids have one key, their probabilities add up in the target's id (a log-sum-exp of
-their logits); keeping only the last one written (transformers' `AssistantToTargetTranslator`) hands verification
-a q other than the one the token was drawn from, and is lossy (`merge="last"` builds it, for the certificate).
+Exactness does not depend on the mapping: verification is handed the q the draft token was drawn from (the draft's
+distribution moved into the target's ids, `VocabMap.target_logits`); a wrong key only costs acceptance. Several
+draft ids with one key add their probabilities in the target's id; keeping only the last one written
+(transformers' `AssistantToTargetTranslator`) hands verification another q and is lossy (`merge="last"`, for the
+certificate).
 """
 
 from __future__ import annotations
@@ -19,7 +17,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import cached_property, lru_cache
 
 import torch
 from torch import Tensor
@@ -85,19 +83,14 @@ def token_keys(tokenizer, size: int) -> tuple[list[bytes | str | None], list[boo
     keys: list[bytes | str | None] = []
     fallback: list[bool] = []
     for i, piece in enumerate(pieces):
-        if i in specials:
-            keys.append(f"special:{specials[i]}")
-            fallback.append(False)
-        elif piece is None:
-            keys.append(None)
-            fallback.append(False)
+        if i in specials or piece is None:
+            key, is_byte = (f"special:{specials[i]}" if i in specials else None), False
         elif family == "decode" or i in added:
-            keys.append(tokenizer.decode([i]).encode() if family == "decode" else piece.encode())
-            fallback.append(False)
+            key, is_byte = (tokenizer.decode([i]).encode() if family == "decode" else piece.encode()), False
         else:
             key, is_byte = _piece_bytes(piece, family)
-            keys.append(key)
-            fallback.append(is_byte)
+        keys.append(key)
+        fallback.append(is_byte)
     return keys, fallback
 
 
@@ -239,8 +232,6 @@ class VocabMap:
         """The bytes of ordinary target tokens, concatenated."""
         return b"".join(k for k in (self.target_keys[i] for i in ids) if isinstance(k, bytes))
 
-    @property
+    @cached_property
     def _longest(self) -> int:
-        if not hasattr(self, "_longest_cache"):
-            self._longest_cache = max((len(k) for k in self.draft_bytes), default=1)
-        return self._longest_cache
+        return max((len(k) for k in self.draft_bytes), default=1)

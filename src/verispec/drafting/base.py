@@ -1,23 +1,31 @@
 """The proposer interface: every drafter is one class with `propose` and `update` (plus lifecycle hooks).
 
-A proposer sees the batch through `BatchView` (token sequences, per-row sampling parameters and
-generators) and returns one `Draft`: a token tree per row, of which a chain is the special case with
-parents -1, 0, 1, .... For losslessness, `Draft.probs[b, s]` must be exactly the distribution the children
-of slot s were drawn from; deterministic drafters (prompt lookup, greedy, top-k children) return
-`probs=None`, i.e. one-hot q.
+A proposer sees the batch through `BatchView` and returns one `Draft`: a token tree per row (a chain: parents -1, 0,
+1, ...). For losslessness, `Draft.probs[b, s]` must be exactly the distribution the children of slot s were drawn
+from; deterministic drafters (prompt lookup, greedy, top-k children) return `probs=None`, i.e. one-hot q.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from .batch import BatchView
 from ..sampling.tree import VERIFY_RULES, chain_parents, tree_ancestors
+from .batch import BatchView
 
-__all__ = ["BatchView", "Draft", "Proposer"]
+__all__ = ["BatchView", "Draft", "Proposer", "padded"]
+
+
+def padded(rows: Sequence[Sequence], width: int | None = None, fill=-1, dtype=torch.int64) -> Tensor:
+    """Ragged rows -> [len(rows), width (default: the longest row)], `fill` past each row's end (on the CPU)."""
+    width = max((len(r) for r in rows), default=0) if width is None else width
+    out = torch.full((len(rows), width), fill, dtype=dtype)
+    for b, r in enumerate(rows):
+        out[b, : len(r)] = torch.as_tensor(r, dtype=dtype)
+    return out
 
 
 @dataclass(frozen=True)
@@ -62,16 +70,9 @@ class Draft:
         """token_ids [B, k] (-1 beyond num_draft[b]); probs [B, k + 1, V] (row j: q draft j was sampled from; the
         last row, the slot after the last draft, is never read by chain verification and may be left out) or None
         for chosen drafts."""
-        B, k = token_ids.shape
-        return Draft(
-            token_ids,
-            chain_parents(B, k, token_ids.device),
-            probs,
-            list(num_draft),
-            list(num_draft),
-            "deterministic" if probs is None else "iid",
-            chain=True,
-        )
+        parents = chain_parents(*token_ids.shape, token_ids.device)
+        rule = "deterministic" if probs is None else "iid"
+        return Draft(token_ids, parents, probs, list(num_draft), list(num_draft), rule, chain=True)
 
     @staticmethod
     def tree_of(
@@ -84,37 +85,15 @@ class Draft:
     ) -> Draft:
         """Per-row node tokens and parents (-1: the root) -> a padded tree draft; probs [B, >= N + 1, V] or None
         (rule "mixed": [B, S, V], the first S slots); sampled (rule "mixed"): per row, which nodes were sampled."""
-        B = len(tokens)
-        N = max((len(t) for t in tokens), default=0)
-        ids = torch.full((B, N), -1, dtype=torch.int64)
-        par = torch.full((B, N), -1, dtype=torch.int64)
-        for b, (t, p) in enumerate(zip(tokens, parents)):
-            ids[b, : len(t)] = torch.as_tensor(t, dtype=torch.int64)
-            par[b, : len(p)] = torch.as_tensor(p, dtype=torch.int64)
-        drawn = None
-        if rule == "mixed":
-            drawn = torch.zeros((B, N), dtype=torch.bool)
-            for b, row in enumerate(sampled):
-                drawn[b, : len(row)] = torch.as_tensor(row, dtype=torch.bool)
-            if N and not bool(drawn.any()):  # every node chosen
-                rule, drawn = "deterministic", None
-        if N == 0:  # nothing drafted: every row samples from p at its root
-            probs, rule, drawn = None, "deterministic", None
-        if rule == "deterministic":
-            probs = None
+        B, N = len(tokens), max((len(t) for t in tokens), default=0)
+        ids, par = padded(tokens, N), padded(parents, N)
+        drawn = padded(sampled, N, fill=False, dtype=torch.bool) if rule == "mixed" else None  # [B, N]
+        if N == 0 or (drawn is not None and not bool(drawn.any())):  # nothing drafted, or every node chosen
+            rule = "deterministic"
+        probs = None if rule == "deterministic" or probs is None else probs[:, : N + 1]
         depth = tree_ancestors(par)[1].masked_fill(ids < 0, 0).amax(1).tolist() if N else [0] * B
-        if probs is not None:
-            probs = probs[:, : N + 1]
-        return Draft(
-            ids.to(device),
-            par.to(device),
-            probs,
-            [len(t) for t in tokens],
-            depth,
-            rule,
-            chain=False,
-            sampled=None if drawn is None else drawn.to(device),
-        )
+        sampled = drawn.to(device) if rule == "mixed" else None
+        return Draft(ids.to(device), par.to(device), probs, [len(t) for t in tokens], depth, rule, False, sampled)
 
 
 class Proposer:

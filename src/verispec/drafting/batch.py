@@ -1,6 +1,4 @@
-"""The engine's batch as drafters see it: `BatchView` (token sequences, per-row sampling parameters, generators and
-the batch's sampling metadata). The engine builds one per step; drafters build their q through `BatchView.probs`, so
-that p and q come from the same processing."""
+"""The engine's batch as drafters see it (`BatchView`), built by the engine once per step."""
 
 from __future__ import annotations
 
@@ -10,16 +8,10 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from ..sampling import (
-    SamplingMetadata,
-    SamplingParams,
-    counts_at_nodes,
-    probs_from_logits,
-    recent_at_nodes,
-    recent_tokens,
-)
-from ..structured.masks import allowed_at_nodes, root_allowed
+from ..sampling import SamplingMetadata, SamplingParams
+from ..sampling.processors import counts_at_nodes, probs_from_logits, recent_at_nodes, recent_tokens
 from ..sampling.randomness import RANDOMNESS, Randomness
+from ..structured.masks import allowed_at_nodes, root_allowed
 
 __all__ = ["BatchView", "NodeContext"]
 
@@ -45,11 +37,9 @@ class NodeContext(NamedTuple):
 
 @dataclass
 class BatchView:
-    """What the engine shares with proposers. Row b's last token seqs[b][-1] is the pending token:
-    emitted, not yet in any model's cache.
-
-    A drafter builds its q with `probs` (the target's p is built the same way, from the same `sampling`), and the
-    per-position context of a draft's nodes with `node_context`, so that p and q at a node agree."""
+    """What the engine shares with proposers. Row b's last token seqs[b][-1] is the pending token: emitted, not yet in
+    any model's cache. A drafter builds its q with `probs` and a draft's per-node context with `node_context`, as the
+    target's p is built (from the same `sampling`), so that p and q at a node agree."""
 
     seqs: list[list[int]]  # prompt + generated tokens per row
     params: list[SamplingParams]
@@ -65,22 +55,14 @@ class BatchView:
     sampling: SamplingMetadata | None = None  # params as tensors, built once per batch membership; None: per call
     recent: Tensor | None = None  # [B, M] int64: last context tokens, most recent first (multi-token bad words)
     grammars: list | None = None  # per row: its structured-output GrammarState, or None; None: no row has one
-    faults: dict[int, str] = field(default_factory=dict)  # row -> why its distribution was no distribution (`probs`)
-
-    @property
-    def coupling(self) -> str | None:  # (the older name) "gumbel" or None (auto: per row, see `keyed`)
-        return "gumbel" if self.randomness.name == "gumbel" else None
-
-    @property
-    def seeding(self) -> str:  # (the older name) "position" or "stream"
-        return "position" if self.randomness.name == "position" else "stream"
+    faults: dict[int, str] = field(default_factory=dict)  # row -> why its distribution was no distribution (`settle`)
+    bad: Tensor | None = None  # [B] bool: rows whose distribution `probs` replaced (on the device until `settle`)
 
     def __post_init__(self):
-        depth = (
-            self.sampling.bad_depth
-            if self.sampling is not None
-            else max((getattr(p, "bad_word_depth", 0) for p in self.params), default=0)  # tests may pass None
-        )
+        if self.sampling is not None:
+            depth = self.sampling.bad_depth
+        else:  # (tests may pass None params)
+            depth = max((getattr(p, "bad_word_depth", 0) for p in self.params), default=0)
         if self.recent is None and depth:
             self.recent = recent_tokens(self.seqs, depth, self.device)
 
@@ -96,10 +78,9 @@ class BatchView:
         recent and the grammar's mask `allowed` default to the root's (the position after the pending token).
 
         One row's fault never fails the batch: a row whose distribution is not finite and normalised (NaN or inf
-        logits from the model, or options and grammar that leave no token) is recorded in `faults` and gets a
-        placeholder distribution (all mass on token 0), so the batch's math goes on for the other rows, whose
-        results do not depend on it (every row draws from its own generator); the engine ends that row with an
-        error (`GenerationSession`). `valid` limits the check to the slots that are read (padding slots hold junk)."""
+        logits, or options and grammar that leave no token) gets a placeholder (all mass on token 0) and is marked
+        in `bad`; the other rows' results do not depend on it, and the engine ends it with an error (`settle`).
+        `valid` limits the check to the slots that are read (padding slots hold junk)."""
         if allowed is None and self.grammars is not None:
             allowed = root_allowed(self.grammars, logits.shape[-1], logits.device)
         probs = probs_from_logits(
@@ -115,28 +96,33 @@ class BatchView:
 
     def _guard(self, probs: Tensor, valid: Tensor | None) -> Tensor:  # [B, V] or [B, T, V] -> the same
         """Rows of `probs` with a read slot that is not finite and normalised (one sum: NaN and inf propagate into
-        it) are recorded in `faults` and replaced by a placeholder distribution; one host sync."""
+        it) get a placeholder distribution and are marked in `bad`, on the device (no host sync: the step reads
+        `bad` with its results, `settle`)."""
         total = probs.sum(-1)  # [B] or [B, T]
         ok = (total - 1.0).abs() <= _NORM_TOL
         if valid is not None:
             ok = ok | ~valid.to(ok.device)
         if ok.dim() == 2:
             ok = ok.all(-1)  # [B]
-        if bool(ok.all()):
-            return probs
-        for b in (~ok).nonzero().flatten().tolist():
-            self.faults.setdefault(b, _FAULT)
+        self.bad = ~ok if self.bad is None else self.bad | ~ok
         placeholder = torch.zeros_like(probs[:1])
         placeholder[..., 0] = 1.0
         return torch.where(ok.view(-1, *[1] * (probs.dim() - 1)), probs, placeholder)
+
+    def settle(self, rows: list[list[float]]) -> list[list[float]]:
+        """The step's results moved to the host, each row led by its `bad` flag: the failed rows recorded in
+        `faults`; returns `rows` as they are."""
+        for b, row in enumerate(rows):
+            if row[0]:
+                self.faults.setdefault(b, _FAULT)
+        return rows
 
     def node_context(self, token_ids: Tensor, parents: Tensor) -> NodeContext:
         """The context at the root (slot 0) and after every node n (slot n + 1) of a draft (token_ids, parents
         [B, N]): penalty counts [B, N + 1, V] (None without penalties), bad-word context [B, N + 1, M] (None
         without multi-token bad words) and the grammar's mask [B, N + 1, V] (None without a constrained row)."""
-        counts = None if self.output_counts is None else counts_at_nodes(self.output_counts, token_ids, parents)
-        recent = None if self.recent is None else recent_at_nodes(self.recent, token_ids, parents)
-        allowed = None
-        if self.grammars is not None:
-            allowed = allowed_at_nodes(self.grammars, token_ids, parents, self.vocab_size)
-        return NodeContext(counts, recent, allowed)
+        return NodeContext(
+            None if self.output_counts is None else counts_at_nodes(self.output_counts, token_ids, parents),
+            None if self.recent is None else recent_at_nodes(self.recent, token_ids, parents),
+            None if self.grammars is None else allowed_at_nodes(self.grammars, token_ids, parents, self.vocab_size),
+        )

@@ -1,12 +1,10 @@
 """Chosen branches and a sampled chain in one tree: e.g. trie branches from earlier rollouts (`HistoryProposer`)
-beside a chain sampled by a draft model or the self-draft (`DraftModelProposer`), verified in one target pass.
+beside a chain sampled by a draft model (`DraftModelProposer`), verified in one target pass.
 
-Node order per row: the sampled chain first (node j hangs below node j - 1; `sampled`), then the chooser's tree
-(its parents shifted past the chain). Verification uses rule "mixed": each child is tested against the running
-residual with the distribution it came from — q of the draft model for the chain's nodes, one-hot for the chosen
-ones — which is exact because neither part looks at the other's tokens: the chain is sampled without seeing the
-branches, and the branches are chosen without seeing the chain (a chain token equal to a branch token stays, it
-is not deduplicated: whether a node exists must never depend on the sampled value).
+Node order per row: the sampled chain first, then the chooser's tree (its parents shifted past the chain). Rule
+"mixed" tests each child against the running residual with the distribution it came from (the draft's q for the
+chain, one-hot for chosen nodes): exact because neither part looks at the other's tokens (a chain token equal to a
+branch token is not deduplicated: whether a node exists must never depend on a sampled value).
 """
 
 from __future__ import annotations
@@ -19,12 +17,10 @@ __all__ = ["CombinedProposer"]
 
 
 class CombinedProposer(Proposer):
-    """chooser: a proposer of deterministic trees (its `tree` has rule "deterministic"); sampler: a chain-drafting
-    DraftModelProposer; gamma: the chain's length (at most; a row's cap bounds both parts).
-    choose_depth: None drafts both parts for every row; an integer d picks one part per row and step — the chooser's
-    tree alone where it reaches depth d (a long, well-supported match), else the chain alone — so no row pays for
-    nodes that are rarely reached. Still exact: the pick looks only at the chooser's tree, which does not depend on
-    anything sampled."""
+    """chooser: a proposer of deterministic trees; sampler: a chain-drafting DraftModelProposer; gamma: the chain's
+    length (at most; a row's cap bounds both parts). choose_depth: None drafts both parts for every row; d picks one
+    part per row and step: the chooser's tree alone where it reaches depth d, else the chain alone. Still exact: the
+    pick looks only at the chooser's tree, which does not depend on anything sampled."""
 
     name = "combined"
 
@@ -39,12 +35,8 @@ class CombinedProposer(Proposer):
         if choose_depth is not None and (isinstance(choose_depth, bool) or not isinstance(choose_depth, int)):
             raise ValueError(f"choose_depth must be None or an integer, got {choose_depth!r}")
         self.chooser, self.sampler, self.gamma, self.choose_depth = chooser, sampler, gamma, choose_depth
-        topk = spec.topk if spec.dynamic else max(spec.widths)
-        # the KV slots and nodes one step can use: the chooser's tree plus the chain
-        self.tree = TreeSpec(
-            dynamic=True, depth=max(spec.max_depth, gamma), topk=topk + 1, budget=spec.max_nodes + gamma
-        )
-        self._chains: list[int] = []  # per row: this step's chain length
+        topk = (spec.topk if spec.dynamic else max(spec.widths)) + 1  # the slots and nodes of the tree plus the chain
+        self.tree = TreeSpec(dynamic=True, depth=max(spec.max_depth, gamma), topk=topk, budget=spec.max_nodes + gamma)
         self.accepted_by_source = {"chain": 0, "branches": 0}  # accepted tokens per part, over the proposer's life
 
     def start(self, view: BatchView, capacity: int) -> None:
@@ -68,7 +60,6 @@ class CombinedProposer(Proposer):
         trie = [pick is not None and d >= pick for d in branches.depth]  # rows drafted by the chooser alone
         chain_caps = [0 if t else min(self.gamma, c) for t, c in zip(trie, caps)]
         self._chain = chain = self.sampler.propose(view, chain_caps)
-        self._chains = list(chain.num_nodes)
         c_ids, b_ids, b_par = chain.token_ids.tolist(), branches.token_ids.tolist(), branches.parents.tolist()
         tokens, parents, sampled = [], [], []
         kept = [t if trie[b] or pick is None else 0 for b, t in enumerate(branches.num_nodes)]
@@ -81,8 +72,9 @@ class CombinedProposer(Proposer):
 
     def update(self, view: BatchView, old_lengths: list[int], draft: Draft, paths: list[list[int]]) -> None:
         """Each part keeps the accepted path where it went through its own nodes."""
-        chain_paths = [path if path and path[0] < k else [] for path, k in zip(paths, self._chains)]
-        branch_paths = [[n - k for n in path] if path and path[0] >= k else [] for path, k in zip(paths, self._chains)]
+        chains = self._chain.num_nodes  # per row: the chain's length (its nodes come first)
+        chain_paths = [path if path and path[0] < k else [] for path, k in zip(paths, chains)]
+        branch_paths = [[n - k for n in path] if path and path[0] >= k else [] for path, k in zip(paths, chains)]
         self.accepted_by_source["chain"] += sum(map(len, chain_paths))
         self.accepted_by_source["branches"] += sum(map(len, branch_paths))
         self.sampler.update(view, old_lengths, self._chain, chain_paths)

@@ -1,21 +1,20 @@
-"""Draft-model drafting: a smaller model samples tokens with the request's own SamplingParams, through the same
-`probs_from_logits` as the target, so q is exactly what it sampled from — a chain of up to gamma tokens, or
-(with a TreeSpec) a token tree grown level by level (`verispec.drafting.tree`).
-
-The draft keeps its own KV cache (its runner's): the first forward of a step feeds the tokens the cache lacks
-(the pending token, and after plain steps a backlog); the drafts fed after it form a small tree in the cache
-(a chain's is a path) from which verification's accepted nodes are kept (`keep_paths`) and the rest dropped.
-After a fully accepted chain the last draft was never fed: the next step's first forward catches up on it.
+"""Draft-model drafting: a smaller model samples with the request's own SamplingParams, through the same
+`probs_from_logits` as the target, so q is exactly what it sampled from: a chain of up to gamma tokens, or a tree
+(`verispec.drafting.tree`). Its KV cache keeps the accepted drafts it was fed (`keep_paths`); a fully accepted chain's
+last draft is fed at the next step.
 """
 
 from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
+from itertools import takewhile
 
 import torch
 
 from ..model.fast import make_runner
+from ..model.protocol import Runner
 from ..sampling.tree import chain_parents
 from .base import BatchView, Draft, Proposer
 from .tree import TreeSpec, grow_tree
@@ -33,30 +32,22 @@ class DraftModelProposer(Proposer):
         stop_below: float | None = 0.3,
         *,
         tree: TreeSpec | None = None,
-        runner: str = "auto",
-        quant: str | None = None,
-        vocab=None,
+        runner: Callable[[object, int], Runner] = make_runner,
     ):
-        """stop_below: a chain row stops drafting once a draft token's probability under the draft's own
-        (temperature-1) distribution is below stop_below (the draft is unsure, so later drafts would
-        likely be rejected). Any such stopping rule that looks only at the draft's own tokens and
-        distributions keeps verification exact. None drafts the full gamma. Trees ignore it (their shape is fixed).
-        tree: draft token trees of this shape instead of chains.
-        runner / quant: see `verispec.model.fast.make_runner` (quant: weight-only int8 / int4 draft weights); runner
-        may also be a factory (model, vocab_size) -> runner (a hidden-state head's, `verispec.heads.head_runner`).
-        vocab: (VocabMap, V_t) for a draft with another tokenizer (`verispec.crossvocab`): its runner then takes and
-        returns the target's ids and vocabulary; vocab_size is the draft's own."""
+        """stop_below: a chain row stops once a draft token's probability under the draft's own (temperature-1)
+        distribution is below it (exact: the rule looks only at the draft's own tokens and distributions); None
+        drafts the full gamma; trees ignore it. tree: draft trees of this shape instead of chains. runner: the
+        factory (model, vocab_size) -> the draft's Runner (a quantized fast runner, a cross-vocabulary bridge, a
+        hidden-state head's runner: `engine.drafters.build_proposer`)."""
         if stop_below is not None and not 0.0 <= stop_below <= 1.0:
             raise ValueError(f"stop_below must be in [0, 1] or None, got {stop_below}")
         if tree is not None and not isinstance(tree, TreeSpec):
             raise ValueError(f"tree must be a TreeSpec or None, got {tree!r}")
         self.model = model
-        self._runner_args = (vocab_size, runner, quant)
-        self.vocab = vocab
+        self._make_runner = lambda: runner(model, vocab_size)
         self.runner = self._make_runner()
         self.stop_below = None if tree is not None else stop_below
         self.tree = tree
-        self.quant = quant
         self._start: list[int] = []  # per row: the draft cache's length where this step's fed drafts begin
         self._fed: list[dict[int, int]] = []  # per row: draft node -> its index among the fed drafts
 
@@ -88,14 +79,14 @@ class DraftModelProposer(Proposer):
             if j == 0:
                 self._start = list(self.runner.lengths)
             ctx = view.node_context(ids[:, :j], chain_parents(B, j, dev)).at(j)  # the context after draft j - 1
-            active_rows = torch.tensor([g > j for g in gammas], device=dev)  # [B]: rows drafting at j (others: junk)
+            active = [g > j for g in gammas]  # rows drafting at j (the others' q is junk)
+            active_rows = torch.tensor(active, device=dev)  # [B]
             q = view.probs(logits, *ctx, valid=active_rows)  # [B, V]: penalties, bad words, grammar see drafts before j
             if probs is None:
                 probs = torch.zeros((B, k + 1, q.shape[-1]), dtype=q.dtype, device=dev)
             probs[:, j] = q
-            active = [g > j for g in gammas]
             tok = view.randomness.draw(q, view, j, active)  # [B]: the engine's randomness (engine.randomness)
-            ids[:, j] = torch.where(torch.tensor(active, device=dev), tok, -1)
+            ids[:, j] = torch.where(active_rows, tok, -1)
             if self.stop_below is not None:
                 # confidence from the draft's own unprocessed distribution (a greedy q is always one-hot), within what
                 # the grammar allows there (a structured output's mask: else a forced token looks unsure); drafts the
@@ -116,14 +107,7 @@ class DraftModelProposer(Proposer):
 
     def update(self, view: BatchView, old_lengths: list[int], draft: Draft, paths: list[list[int]]) -> None:
         """Keep the accepted nodes the draft has computed (a chain: its accepted drafts but the last one fed)."""
-        keep = []
-        for fed, path in zip(self._fed, paths):
-            kept = []
-            for n in path:
-                if n not in fed:
-                    break
-                kept.append(fed[n])
-            keep.append(kept)
+        keep = [[fed[n] for n in takewhile(fed.__contains__, path)] for fed, path in zip(self._fed, paths)]
         self.runner.keep_paths(self._start, keep)
 
     def select(self, rows: list[int]) -> None:
@@ -131,19 +115,8 @@ class DraftModelProposer(Proposer):
 
     def weights_changed(self, model) -> float:
         """A dense runner reads the model's own (updated) parameters; a quantized one is re-quantized from them."""
-        if model is not self.model or self.quant is None:
+        if model is not self.model or getattr(self.runner, "quant", None) is None:
             return 0.0
         t0 = time.perf_counter()
         self.runner = self._make_runner()
         return time.perf_counter() - t0
-
-    def _make_runner(self):
-        vocab_size, runner, quant = self._runner_args
-        if callable(runner):  # a runner factory (a hidden-state head's, `verispec.heads`)
-            return runner(self.model, vocab_size)
-        inner = make_runner(self.model, vocab_size, runner=runner, quant=quant)
-        if self.vocab is None:
-            return inner
-        from ..crossvocab.runner import BridgedRunner
-
-        return BridgedRunner(inner, *self.vocab)

@@ -1,53 +1,69 @@
-"""Prompt lookup (n-gram) drafting: propose the continuation of the most recent earlier occurrence of the
-sequence's last n tokens, for n from the largest configured size down. Deterministic, so q is one-hot. A
-continuation stops before a token the request can never sample (allowed_token_ids, one-token bad words).
-
-As a tree (with a TreeSpec): the continuations of several matches (most recent first, longer
-n-grams first, up to the tree's first width) become sibling branches of one trie, verified with the
-deterministic rule."""
+"""Prompt lookup (n-gram) drafting: the continuation of the latest earlier occurrence of the sequence's last n
+tokens, n from the largest configured size down. Deterministic, so q is one-hot. A continuation stops before a token
+the request can never sample (allowed_token_ids, one-token bad words). With a TreeSpec: the continuations of several
+matches (latest first, longer n-grams first, up to the tree's first width) as the branches of one trie."""
 
 from __future__ import annotations
 
-import torch
+from collections.abc import Sequence
+
+import numpy as np
+from torch import Tensor
 
 from ..sampling import SamplingParams
-from .base import BatchView, Draft, Proposer
+from .base import BatchView, Draft, Proposer, padded
 from .tree import TreeSpec
 
-__all__ = ["PromptLookupProposer", "lookup", "lookup_all", "trie", "unblocked_prefix"]
+__all__ = ["PromptLookupProposer", "continuations", "lookup", "lookup_all", "trie", "unblocked_prefix"]
+
+SEP = -1  # separates the sequences of a corpus (`continuations`)
 
 
-def lookup(seq: torch.Tensor, n_sizes: tuple[int, ...], gamma: int) -> list[int]:
-    """seq [L] int64 -> up to gamma tokens following the latest earlier match of the last n tokens."""
-    L = seq.shape[0]
-    for n in n_sizes:
-        if n >= L:
-            continue
-        windows = seq[: L - 1].unfold(0, n, 1)  # [L - n, n]: every n-gram that has a successor
-        hits = (windows == seq[L - n :]).all(dim=1).nonzero()
-        if hits.numel():
-            start = int(hits[-1]) + n
-            return seq[start : start + gamma].tolist()
-    return []
+def checked_ngram_sizes(ngram_sizes) -> tuple[int, ...]:
+    """The distinct n-gram sizes, largest first (each an integer >= 1)."""
+    sizes = tuple(sorted({int(n) for n in ngram_sizes}, reverse=True))
+    if not sizes or sizes[-1] < 1:
+        raise ValueError(f"n-gram sizes must be integers >= 1, got {ngram_sizes}")
+    return sizes
 
 
-def lookup_all(seq: torch.Tensor, n_sizes: tuple[int, ...], depth: int, branches: int) -> list[list[int]]:
+def lookup(seq: Sequence[int] | Tensor, n_sizes: tuple[int, ...], gamma: int) -> list[int]:
+    """seq [L] -> up to gamma tokens following the latest earlier match of the last n tokens."""
+    found = lookup_all(seq, n_sizes, gamma, 1)
+    return found[0] if found else []
+
+
+def lookup_all(seq: Sequence[int] | Tensor, n_sizes: tuple[int, ...], depth: int, branches: int) -> list[list[int]]:
     """Up to `branches` distinct continuations (each up to `depth` tokens) of earlier matches of the last n
     tokens: most recent match first, larger n first."""
-    L = seq.shape[0]
-    found: list[list[int]] = []
+    seq, found = np.asarray(seq, dtype=np.int64), []
     for n in n_sizes:
-        if n >= L:
-            continue
-        windows = seq[: L - 1].unfold(0, n, 1)
-        hits = (windows == seq[L - n :]).all(dim=1).nonzero().flatten().tolist()
-        for h in reversed(hits):
-            cont = seq[h + n : h + n + depth].tolist()
-            if cont and not any(f[: len(cont)] == cont for f in found):
+        for cont in reversed(continuations(seq, seq[-n:], depth, max_hits=len(seq))):
+            if not any(f[: len(cont)] == cont for f in found):
                 found.append(cont)
                 if len(found) == branches:
                     return found
     return found
+
+
+def continuations(corpus: np.ndarray, query: np.ndarray, depth: int, max_hits: int = 32) -> list[list[int]]:
+    """corpus [L] int64 (sequences separated by -1), query [n] -> the up to `depth` tokens after each of the
+    last `max_hits` occurrences of query that have a successor (a continuation stops at a separator; empty ones
+    are dropped). numpy, not torch: these arrays are short and per-op overhead dominates."""
+    corpus, query = np.asarray(corpus), np.asarray(query)
+    n, L = query.shape[0], corpus.shape[0]
+    if n == 0 or n >= L or depth < 1:
+        return []
+    match = corpus[: L - n] == query[0]  # [L - n]: windows starting at i that have a successor
+    for i in range(1, n):
+        match &= corpus[i : L - n + i] == query[i]
+    hits = np.flatnonzero(match)[-max_hits:]
+    if hits.size == 0:
+        return []
+    idx = hits[:, None] + n + np.arange(depth)  # [H, depth]
+    conts = np.where(idx < L, corpus[np.minimum(idx, L - 1)], SEP)
+    length = np.where((conts == SEP).any(1), (conts == SEP).argmax(1), depth)
+    return [row[:k] for row, k in zip(conts.tolist(), length.tolist()) if k]
 
 
 class PromptLookupProposer(Proposer):
@@ -56,10 +72,7 @@ class PromptLookupProposer(Proposer):
     name = "ngram"
 
     def __init__(self, ngram_sizes: tuple[int, ...] = (3, 2, 1), tree: TreeSpec | None = None):
-        sizes = tuple(sorted({int(n) for n in ngram_sizes}, reverse=True))
-        if not sizes or sizes[-1] < 1:
-            raise ValueError(f"n-gram sizes must be integers >= 1, got {ngram_sizes}")
-        self.ngram_sizes = sizes
+        self.ngram_sizes = checked_ngram_sizes(ngram_sizes)
         if tree is not None and tree.rule != "deterministic":
             raise ValueError("prompt-lookup trees are deterministic (one-hot q): use tree rule 'deterministic'")
         self.tree = tree  # branches = its first width (a dynamic tree's top-k), depth = its depth
@@ -67,27 +80,19 @@ class PromptLookupProposer(Proposer):
     def propose(self, view: BatchView, caps: list[int]) -> Draft:
         if self.tree is not None:
             return self._trie(view, caps)
-        B = len(view.seqs)
-        k = max(caps, default=0)
-        ids = torch.full((B, k), -1, dtype=torch.int64)
-        counts = []
-        for b, (seq, g) in enumerate(zip(view.seqs, caps)):
-            found = lookup(torch.as_tensor(seq), self.ngram_sizes, g) if g > 0 else []
-            found = unblocked_prefix(found, view.params[b])
-            ids[b, : len(found)] = torch.as_tensor(found, dtype=torch.int64)
-            counts.append(len(found))
-        return Draft.chain_of(ids[:, : max(counts, default=0)].to(view.device), None, counts)
+        found = [
+            unblocked_prefix(lookup(seq, self.ngram_sizes, g) if g > 0 else [], view.params[b])
+            for b, (seq, g) in enumerate(zip(view.seqs, caps))
+        ]
+        return Draft.chain_of(padded(found).to(view.device), None, [len(f) for f in found])
 
     def _trie(self, view: BatchView, caps: list[int]) -> Draft:
         """A trie of up to `branches` matches' continuations per row, at most caps[b] deep, within the node budget."""
         spec = self.tree
         tokens, parents = [], []
         for seq, cap, params in zip(view.seqs, caps, view.params):
-            conts = (
-                lookup_all(torch.as_tensor(seq), self.ngram_sizes, min(cap, spec.max_depth), spec.branches)
-                if cap > 0
-                else []
-            )
+            depth = min(cap, spec.max_depth)
+            conts = lookup_all(seq, self.ngram_sizes, depth, spec.branches) if cap > 0 else []
             toks, pars = trie([unblocked_prefix(c, params) for c in conts], spec.max_nodes)
             tokens.append(toks)
             parents.append(pars)

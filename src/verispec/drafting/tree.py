@@ -1,23 +1,17 @@
 """Tree drafting: a draft model proposes a token tree per row, verified in one target pass (verify_tree).
 
-Shapes of tree (`TreeSpec`):
-  * static:  widths per depth, e.g. 4-2-2-1 — every node at depth d gets widths[d] children (4 + 8 + 16 + 16 nodes);
-  * dynamic: EAGLE-2 — depth D, K children per expanded node, budget M: at each depth the K nodes of the newest
-    level with the highest path probability (product of the draft's probabilities) are expanded, and the M best
-    nodes of everything drafted are kept. Its children are the top-K of q: deterministic (rule "deterministic");
-    re-ranking sampled nodes by their own probability would bias them (see verispec.sampling.tree).
-and how children are drawn (the verification rule): "iid" (i.i.d. from q), "without_replacement" (from q, without
-replacement; a node stops getting children when q has no mass left) or "deterministic" (top-w of q). Rows under
-Gumbel coupling (random=gumbel; a seeded request under the default, auto) get the top-w of q / E instead, E the
-target's noise at the children's position (`sampling.coupling.coupled_children`), whatever the rule.
-
-The draft's KV cache holds the tree as it grows (RowKVCache + tree attention): each level is one forward over the
-newly expanded nodes, which see the prefix and their own ancestors, so shared prefixes are computed once. After
-verification the accepted path's nodes are moved behind the prefix (`keep_paths`); everything else is dropped.
+`TreeSpec`: static widths per depth (4-2-2-1), or EAGLE-2's dynamic tree (depth D, top-K children per expanded
+node, the K best newest nodes expanded per depth, the M best of all kept: rule "deterministic", since re-ranking
+sampled nodes by their own probability would bias them). Children: i.i.d. from q, without replacement, or the top-w
+of q; rows the randomness couples get the top-w of q / E (`coupled_children`), whatever the rule. The draft's cache
+holds the tree as it grows, one forward per level; verification keeps the accepted path (`keep_paths`).
 """
 
 from __future__ import annotations
 
+import itertools
+import operator
+from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
@@ -50,8 +44,8 @@ class TreeSpec:
         if self.dynamic:
             if self.rule != "deterministic":
                 raise ValueError(
-                    "a dynamic (EAGLE-2) tree re-ranks nodes by their own draft probability, which "
-                    "biases sampled children: it needs rule 'deterministic' (top-k children)"
+                    "a dynamic (EAGLE-2) tree re-ranks nodes by their own draft probability, which biases sampled "
+                    "children: it needs rule 'deterministic' (top-k children)"
                 )
             if self.depth < 1 or self.topk < 1 or self.budget < 1:
                 raise ValueError(
@@ -65,20 +59,18 @@ class TreeSpec:
     @staticmethod
     def parse(spec: str, rule: str | None = None) -> TreeSpec:
         """'4-2-2-1' (static widths) or 'dynamic-D-K-M' (EAGLE-2: depth D, top-K, budget of M nodes)."""
-        parts = str(spec).strip().lower().split("-")
+        parts, rule = str(spec).strip().lower().split("-"), rule or "deterministic"
+        dynamic = parts[0] == "dynamic"
         try:
-            if parts[0] == "dynamic":
-                if len(parts) != 4:
-                    raise ValueError
-                d, k, m = (int(x) for x in parts[1:])
-                return TreeSpec(rule=rule or "deterministic", dynamic=True, depth=d, topk=k, budget=m)
-            return TreeSpec(widths=tuple(int(x) for x in parts), rule=rule or "deterministic")
-        except ValueError as e:
-            if str(e) and not str(e).startswith("invalid literal"):
-                raise
-            raise ValueError(
-                f"tree spec must look like 4-2-2-1 (widths per depth) or dynamic-D-K-M, got {spec!r}"
-            ) from None
+            numbers = tuple(int(x) for x in (parts[1:] if dynamic else parts))
+        except ValueError:
+            numbers = ()
+        if not numbers or (dynamic and len(numbers) != 3):
+            raise ValueError(f"tree spec must look like 4-2-2-1 (widths per depth) or dynamic-D-K-M, got {spec!r}")
+        if dynamic:
+            d, k, m = numbers
+            return TreeSpec(rule=rule, dynamic=True, depth=d, topk=k, budget=m)
+        return TreeSpec(widths=numbers, rule=rule)
 
     @property
     def max_depth(self) -> int:
@@ -95,11 +87,7 @@ class TreeSpec:
         root plus topk children for each of the topk nodes expanded at every later depth."""
         if self.dynamic:
             return self.topk + (self.depth - 1) * self.topk * self.topk
-        total, level = 0, 1
-        for w in self.widths:
-            level *= int(w)
-            total += level
-        return total
+        return sum(itertools.accumulate((int(w) for w in self.widths), operator.mul))  # per level: running products
 
     @property
     def max_nodes(self) -> int:
@@ -154,12 +142,9 @@ class TreeGrowth:
 
     def __init__(self, spec: TreeSpec, batch: int):
         self.spec = spec
-        self.tokens: list[list[int]] = [[] for _ in range(batch)]
-        self.parents: list[list[int]] = [[] for _ in range(batch)]
-        self.scores: list[list[float]] = [[] for _ in range(batch)]
-        self.depths: list[list[int]] = [[] for _ in range(batch)]
+        rows = [[[] for _ in range(batch)] for _ in range(5)]  # (fed_parents: the draft cache's tree, by fed index)
+        self.tokens, self.parents, self.scores, self.depths, self.fed_parents = rows
         self.fed: list[dict[int, int]] = [{} for _ in range(batch)]  # node -> index in the draft cache's tree
-        self.fed_parents: list[list[int]] = [[] for _ in range(batch)]  # the draft cache's tree, by fed index
 
     def add_children(
         self, expand: list[tuple[int, int]], kids: Tensor, ok: Tensor, logq: Tensor, depth: int
@@ -205,15 +190,11 @@ class TreeGrowth:
     def path_context(self, view: BatchView, nodes: list[tuple[int, int]], T: int) -> tuple[Tensor | None, ...]:
         """The context after each node of a fed chunk (the node's path included, `BatchView.node_context`):
         penalty counts [B, T, V], bad-word context [B, T, M] and grammar masks [B, T, V], None where unused."""
-        B = len(self.tokens)
         if view.output_counts is None and view.recent is None and view.grammars is None:
             return None, None, None
         built = Draft.tree_of(self.tokens, self.parents, None, "deterministic", view.device)
-        slot = torch.zeros((B, T), dtype=torch.int64)
-        pos = [0] * B
-        for b, n in nodes:
-            slot[b, pos[b]] = n + 1
-            pos[b] += 1
+        slot = torch.zeros((len(self.tokens), T), dtype=torch.int64)  # [B, T]: each fed node's slot (n + 1)
+        slot[[b for b, _ in nodes], _chunk_positions(nodes)] = torch.tensor([n + 1 for _, n in nodes])
         slot = slot.to(view.device).unsqueeze(-1)
         return tuple(
             None if every is None else every.gather(1, slot.expand(-1, -1, every.shape[-1]))  # [B, N + 1, *]
@@ -261,7 +242,7 @@ def grow_tree(runner, spec: TreeSpec, view: BatchView, caps: list[int]) -> tuple
         chunk = grown.feed(expand)  # one draft forward over them: they see the prefix and their ancestors
         logits = runner.forward(chunk, parents=grown.fed_parents, tree_start=start)  # [B, T, V]
         q = view.probs(logits, *grown.path_context(view, expand, logits.shape[1]))  # [B, T, V]: each node's path
-        q_expand = _chunk_rows(q, expand)
+        q_expand = q[[b for b, _ in expand], _chunk_positions(expand)]  # [M, V]
         if probs is not None:
             probs[[b for b, _ in expand], [n + 1 for _, n in expand]] = q_expand
     if spec.dynamic:
@@ -290,11 +271,7 @@ def _children(
     return kids, ok
 
 
-def _chunk_rows(q: Tensor, nodes: list[tuple[int, int]]) -> Tensor:
-    """q [B, T, V] of a fed chunk -> [M, V] for its nodes, in order (row b's nodes sit at chunk positions 0, 1, ...)."""
-    pos: dict[int, int] = {}
-    index = []
-    for b, _ in nodes:
-        index.append(pos.get(b, 0))
-        pos[b] = index[-1] + 1
-    return q[[b for b, _ in nodes], index]
+def _chunk_positions(nodes: list[tuple[int, int]]) -> list[int]:
+    """Each (row, node)'s position in its row's fed chunk: row b's nodes sit at 0, 1, ... in order."""
+    counters = defaultdict(itertools.count)  # row -> its next position
+    return [next(counters[b]) for b, _ in nodes]

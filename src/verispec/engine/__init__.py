@@ -1,33 +1,36 @@
-"""Speculative generation: the generator facade, the engine core and its session (the one scheduler that owns the
-step), the typed request, the speculation configuration (`SpecConfig`), the gamma controller, stats.
-
-(Models — loading, KV cache, runners — live in `verispec.model`; `load_model` and `LoadedModel` are re-exported
-here for convenience.) The names that need the drafters are imported on first use (drafters import
-`verispec.drafting.batch`, so this package must not import them while it initialises).
+"""Speculative generation: the generator facade, the engine core and its session (the one scheduler), the step, the
+drafter factory, step observers, the request, the configuration, the gamma controller, stats. (`load_model` and
+`LoadedModel` are re-exported from `verispec.model`.)
 """
 
-from importlib import import_module
-
 from ..model.loading import LoadedModel, ModelLoadError, load_model
+from .config import SpecConfig, SpecError
+from .core import EngineCore
+from .drafters import build_proposer, load_draft
+from .generator import SpeculativeGenerator
+from .observe import StepObserver
+from .request import Job, Request
+from .rows import Completion, StreamEvent
+from .session import GenerationSession
 from .stats import SpecStats
+from .verify import Verification
 
-_LAZY = {
-    "Completion": ".rows",
-    "StreamEvent": ".rows",
-    "GenerationSession": ".session",
-    "EngineCore": ".core",
-    "Request": ".request",
-    "Job": ".request",
-    "SpeculativeGenerator": ".generator",
-    "SpecConfig": ".config",
-}
-
-__all__ = ["LoadedModel", "ModelLoadError", "SpecStats", "load_model", *_LAZY]
-
-
-def __getattr__(name: str):
-    if name in _LAZY:
-        value = getattr(import_module(_LAZY[name], __name__), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__all__ = [
+    "Completion",
+    "EngineCore",
+    "GenerationSession",
+    "Job",
+    "LoadedModel",
+    "ModelLoadError",
+    "Request",
+    "SpecConfig",
+    "SpecError",
+    "SpecStats",
+    "SpeculativeGenerator",
+    "StepObserver",
+    "StreamEvent",
+    "Verification",
+    "build_proposer",
+    "load_draft",
+    "load_model",
+]

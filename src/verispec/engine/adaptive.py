@@ -1,20 +1,15 @@
 """Draft length control: a fixed gamma, or one chosen each step from measured acceptance and costs.
 
 The adaptive rule maximises the expected speedup of `verispec.sampling.theory.speedup_cost_curve`, with
-  * alpha per row: (accepted + m * a0) / (accepted + rejections + m) over the row's steps so far, where each
-    step contributes its accepted drafts as successes and a rejection (if any) as one failure, shrunk
-    towards a0, the acceptance pooled over all rows seen so far (m = 4 pseudo-observations; a0 starts
-    optimistic at 0.75);
+  * alpha per row: (accepted + m * a0) / (accepted + rejections + m) over the row's steps (a step: its accepted
+    drafts as successes, a rejection as one failure), shrunk towards a0, the acceptance pooled over all rows so far
+    (m = 4 pseudo-observations; a0 starts optimistic at 0.75);
   * draft cost: the measured seconds of one draft forward (EMA);
-  * verify cost T(n): measured seconds of a target pass over n tokens per row (EMA per n), interpolated
-    between the measured n's (CPU verify cost grows with n).
-Both costs are kept per batch size (a pass over B rows of n tokens costs what B * n positions cost; a
-server's batch size changes from step to step); a batch size not measured yet borrows the nearest one's.
-When no draft length is expected to pay (a poor draft, or a verify cost that grows fast with n) — judged
-only once `min_evidence` acceptance observations and the plain-decoding cost T(1) are measured — the
-row decodes plainly and drafts again every `probe_every` steps to keep alpha measured.
-Any gamma is lossless; the choice only moves speed. With gamma="auto" the realised samples depend on
-timings, so seeded outputs are reproducible only with a fixed gamma.
+  * verify cost T(n): measured seconds of a target pass over n tokens per row (EMA per n), interpolated.
+Both costs are kept per batch size (a batch size not measured yet borrows the nearest one's). When no draft length
+is expected to pay — judged once `min_evidence` acceptance observations and T(1) are measured — the row decodes
+plainly and drafts again every `probe_every` steps to keep alpha measured. Any gamma is lossless; with gamma="auto"
+the samples depend on timings, so seeded outputs are reproducible only with a fixed gamma.
 """
 
 from __future__ import annotations
@@ -107,9 +102,7 @@ class GammaController:
 
     @staticmethod
     def _nearest(table: dict, batch: int):
-        if not table:
-            return None
-        return table[min(table, key=lambda b: (abs(b - batch), -b))]
+        return table[min(table, key=lambda b: (abs(b - batch), -b))] if table else None
 
     def draft_cost(self, batch: int = 1) -> float | None:
         return self._nearest(self.draft_costs, batch)
@@ -146,9 +139,8 @@ class GammaController:
         return [max(t, 1e-9) for t in out]
 
     def choose(self, successes: int, failures: int, cap: int, step: int = 0, batch: int = 1) -> int:
-        """gamma for one row, given its acceptance record, a cap (remaining budget, context), the
-        row's step count and the current batch size. When no draft length is expected to beat plain decoding, the row decodes
-        plainly (gamma 0), drafting again every `probe_every`-th step so its alpha stays measured."""
+        """gamma for one row, given its acceptance record, a cap (remaining budget, context), the row's step count
+        and the current batch size (the module docstring's rule)."""
         cap = max(0, min(cap, self.max_gamma))
         if self.fixed is not None:
             return min(self.fixed, cap)

@@ -1,62 +1,15 @@
-"""One speculation configuration for every entry point: `SpecConfig`, validated once, with one string form.
-
-    cfg = SpecConfig(draft="model", gamma=4, verify="block")
-    str(cfg)                                   # 'draft=model,gamma=4,verify=block,random=auto'
-    assert SpecConfig.parse(str(cfg)) == cfg   # and str(SpecConfig.parse(s)) == s for every printed s
-
-`SpeculativeGenerator`, `RolloutEngine`, the CLI (`--spec`, with its flags as shorthands), `verispec bench e2e`
-(methods `verispec:SPEC`), the certifier's `MethodSpec` and a `RolloutCluster`'s `EngineSpec` all build from it.
-
-The string form: comma-separated `key=value` items, in any order, each key at most once; whitespace around items
-is ignored and the empty string is the default configuration. Printed (`str(cfg)`, `cfg.spec()`), the keys come in
-the order below; draft, gamma, verify and random always, every other key only where it differs from its default.
-
-  key           values (default first where there is one)
-  draft         ngram | none | model | self | history | model+history | self+history | custom | mtp: the
-                drafter — prompt lookup, plain decoding, a draft model (a `model=` path, or a LoadedModel given
-                separately; also a hidden-state head's directory: EAGLE-3, EAGLE, Medusa), the target's own weights
-                quantized, earlier rollouts of the same prompt (a `RolloutEngine` builds it), history branches
-                beside a draft model's chain, a `Proposer` given separately, or the multi-token-prediction layer in
-                the target's own checkpoint (DeepSeek-V3 / Qwen3-Next layouts, `verispec.heads.mtp_head`)
-  model         the draft model's path or hub id (draft=model[+history]; absent: the model is given separately)
-  quant         none | int8 | int4: weight-only quantized draft weights (a draft model or self; self needs one)
-  ngram         3-2-1: prompt-lookup n-gram sizes, longest first
-  stop_below    0.3 | none | a number in [0, 1]: a draft model stops a chain once its own probability of a
-                drafted token falls below this (none: always draft gamma tokens)
-  min_share     0.0 | a number in [0, 1]: history tries keep nodes at least this share of matches pass through
-  choose_depth  none | an integer >= 1: model+history drafts the trie alone where it is this deep, else the chain
-  gamma         auto | 0..64: drafts per step (with a tree it only switches speculation on or off)
-  max_gamma     8 | 1..64: the most drafts per step gamma auto picks
-  tree          none | widths per depth (4-2-2-1) | dynamic-D-K-M (EAGLE-2): a token tree per step (with
-                history: the trie's shape, dynamic-D-K-M, default dynamic-8-3-16)
-  jump          16 | 0..64: structured outputs: the most tokens the grammar forces that are appended to a row's
-                chain per step (jump-forward, verified like any chosen draft; 0: off; needs a drafter)
-  verify        the verification rule: token | block for chains (token-wise, block verification);
-                deterministic | iid | without_replacement for a tree (how children are drawn); mixed for
-                model+history. Default: the first its drafter allows (token for chains, deterministic for a
-                tree or history alone, mixed for model+history)
-  random        auto | stream | position | gumbel: per request — a request with its own seed Gumbel-coupled (its
-                tokens plain decoding's under the coupling whatever gamma, batch or load), one without it drawing
-                from its stream; uniforms drawn from each request's stream in draw order (every request); keyed
-                by (seed, output position) so that a seeded request's tokens do not depend on gamma, batch or
-                timing (a draft model's chains or none, verify=token); or Gumbel coupling for every request,
-                plain decoding's tokens whatever drafted (`sampling.coupling`, `engine.randomness`); auto
-                runs the stream for every request where the verification functions are overridden (certify's
-                injected bugs, the lossy study: they then see p, not one-hot targets)
-  runner        auto | fast | hf | llamacpp: the model forward (`model.fast.make_runner`)
-  cross_vocab   auto | tli | slem: a draft model with another tokenizer than the target's — token-level
-                intersection (q moved into the target's ids by byte string; auto takes it), or string-level exact
-                match (the draft's greedy text re-tokenized by the target, verified as one-hot proposals; chains)
-
-ngram, stop_below and max_gamma are read only by the drafters they concern (a value that concerns none is kept and
-printed, never an error). Values: `none` where a key allows it; a model path may hold '=' but not ','.
+"""One speculation configuration for every entry point (`SpeculativeGenerator`, `RolloutEngine`, the CLI's `--spec`,
+`verispec bench e2e`, the certifier's `MethodSpec`, a cluster's `EngineSpec`): `SpecConfig`, validated once, with
+one string form (`SpecConfig.parse(str(cfg)) == cfg`; keys printed in the order of `KEYS`; docs/guides/generating.md).
+ngram, stop_below and max_gamma are read only by the drafters they concern (kept and printed elsewhere, no error).
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable
+from contextlib import suppress
+from dataclasses import dataclass, fields
 
 from ..drafting.tree import TreeSpec
 from ..model.fast import RUNNER_KINDS
@@ -64,23 +17,7 @@ from ..model.linear import QUANT_MODES
 from ..sampling.tree import TREE_RULES
 from .adaptive import MAX_GAMMA
 
-__all__ = [
-    "DRAFTERS",
-    "KEYS",
-    "RANDOMS",
-    "UNSET",
-    "Drafter",
-    "SpecConfig",
-    "SpecError",
-    "canonical",
-    "config_from_keywords",
-    "format_value",
-    "keyword_items",
-    "keyword_name",
-    "parse_items",
-    "spec_name",
-    "tree_shape",
-]
+__all__ = ["DRAFTERS", "KEYS", "SpecConfig", "SpecError", "canonical", "format_value", "parse_items", "spec_name"]
 
 CHAIN_VERIFY = ("token", "block")  # sampling.CHAIN_RULES' names
 TREE_VERIFY = ("deterministic", *(r for r in TREE_RULES if r != "deterministic"))  # default first
@@ -127,25 +64,7 @@ DRAFTERS = {
     "mtp": Drafter(CHAIN_VERIFY, TREE_VERIFY, target_head=True, position=True),
 }
 
-KEYS = (
-    "draft",
-    "model",
-    "quant",
-    "ngram",
-    "stop_below",
-    "min_share",
-    "choose_depth",
-    "gamma",
-    "max_gamma",
-    "tree",
-    "jump",
-    "verify",
-    "random",
-    "runner",
-    "cross_vocab",
-)
 ALWAYS_PRINTED = ("draft", "gamma", "verify", "random")
-_MENTION = re.compile(r"\[(" + "|".join(KEYS) + r")(?:=([^\]]*))?\]")
 
 
 def spec_name(key: str, value: str | None) -> str:
@@ -156,8 +75,8 @@ def spec_name(key: str, value: str | None) -> str:
 class SpecError(ValueError):
     """An invalid speculation configuration (a ValueError).
 
-    `render(name)` spells the message for each front end: `str(e)` in the string form (`draft=self needs quant`),
-    the CLI as its flags (`--draft self needs --draft-quant`), the generator's keywords as theirs (`draft_quant`).
+    `render(name)` spells the message for a front end: `str(e)` names keys in the string form (`draft=self needs
+    quant`), the CLI names those its shorthand flags set as the flags (`--draft self needs --spec quant`).
 
     Attributes:
         key: The key to blame (None: the configuration as a whole).
@@ -203,7 +122,8 @@ class SpecConfig:
             (None: both in one tree).
         gamma: Drafts per step (0..64), or "auto" (picked every step from measured acceptance and costs).
         max_gamma: The most drafts per step gamma "auto" picks.
-        tree: None (chains), widths per depth ("4-2-2-1") or "dynamic-D-K-M" (EAGLE-2's dynamic tree).
+        tree: None (chains), widths per depth ("4-2-2-1") or "dynamic-D-K-M" (EAGLE-2's dynamic tree); with
+            history, the trie's shape (dynamic only; None: dynamic-8-3-16).
         jump: Structured outputs: the most grammar-forced tokens appended to a chain per step (0: off).
         verify: The verification rule: "token" or "block" for chains; "deterministic", "iid" or
             "without_replacement" for a tree; "mixed" for model+history. None resolves to the first the
@@ -242,7 +162,6 @@ class SpecConfig:
         self._resolve_verify()
         self._check_random()
 
-    # --- the string form ----------------------------------------------------------------------------------
     @classmethod
     def parse(cls, text: str) -> SpecConfig:
         """The configuration of a string form.
@@ -266,33 +185,20 @@ class SpecConfig:
             The string that `SpecConfig.parse` reads back to this configuration: `SpecConfig.parse(cfg.spec())
             == cfg`.
         """
-        default = _DEFAULTS
         return ",".join(
             f"{key}={format_value(getattr(self, key))}"
             for key in KEYS
-            if key in ALWAYS_PRINTED or getattr(self, key) != getattr(default, key)
+            if key in ALWAYS_PRINTED or getattr(self, key) != getattr(_DEFAULTS, key)
         )
 
-    def __str__(self) -> str:
-        return self.spec()
+    __str__ = spec
 
     def __repr__(self) -> str:
         return f"SpecConfig.parse({self.spec()!r})"
 
-    # --- what the entry points read -------------------------------------------------------------------------
     @property
     def drafter(self) -> Drafter:
         return DRAFTERS[self.draft]
-
-    @property
-    def seeding(self) -> str:
-        """The older seeding name: "position" or "stream" (gumbel coupling and auto's unseeded rows draw from the
-        streams)."""
-        return "position" if self.random == "position" else "stream"
-
-    @property
-    def coupling(self) -> str | None:
-        return "gumbel" if self.random == "gumbel" else None
 
     @property
     def chain_rule(self) -> str:
@@ -308,25 +214,19 @@ class SpecConfig:
             return None
         return TreeSpec.parse(self.tree, self.verify if self.verify in TREE_VERIFY else "deterministic")
 
-    # --- validation -----------------------------------------------------------------------------------------
     def _set(self, name: str, value) -> None:
         object.__setattr__(self, name, value)
 
     def _check_values(self) -> None:
         """Each key's value alone (and its canonical form)."""
-        if self.draft not in DRAFTERS:
-            raise SpecError("draft", f"[draft] must be one of {', '.join(DRAFTERS)}, got {self.draft!r}")
-        if self.model is not None and (
-            not isinstance(self.model, str)
-            or not self.model.strip()
-            or "," in self.model
-            or self.model != self.model.strip()
-        ):
-            raise SpecError("model", f"[model] must be a path or hub id without commas, got {self.model!r}")
-        if self.cross_vocab not in CROSS_VOCABS:
-            raise SpecError(
-                "cross_vocab", f"[cross_vocab] must be one of {', '.join(CROSS_VOCABS)}, got {self.cross_vocab!r}"
-            )
+        choices = {"draft": tuple(DRAFTERS), "cross_vocab": CROSS_VOCABS, "verify": (None, *VERIFIES)}
+        for key, allowed in (choices | {"random": RANDOMS, "runner": RUNNER_KINDS}).items():
+            if getattr(self, key) not in allowed:
+                shown = ", ".join(a for a in allowed if a is not None)
+                raise SpecError(key, f"[{key}] must be one of {shown}, got {getattr(self, key)!r}")
+        model = self.model
+        if model is not None and not (isinstance(model, str) and model.strip() == model != "" and "," not in model):
+            raise SpecError("model", f"[model] must be a path or hub id without commas, got {model!r}")
         if self.quant is not None and self.quant not in QUANT_MODES:
             raise SpecError("quant", f"[quant] must be {', '.join(QUANT_MODES)} or none, got {self.quant!r}")
         self._set("ngram", _ngram_sizes(self.ngram))
@@ -338,18 +238,9 @@ class SpecConfig:
             )
         if self.gamma != "auto" and not _integer(self.gamma, 0, MAX_GAMMA):
             raise SpecError("gamma", f"[gamma] must be auto or an integer from 0 to {MAX_GAMMA}, got {self.gamma!r}")
-        if not _integer(self.max_gamma, 1, MAX_GAMMA):
-            raise SpecError(
-                "max_gamma", f"[max_gamma] must be an integer from 1 to {MAX_GAMMA}, got {self.max_gamma!r}"
-            )
-        if not _integer(self.jump, 0, MAX_JUMP):
-            raise SpecError("jump", f"[jump] must be an integer from 0 to {MAX_JUMP}, got {self.jump!r}")
-        if self.verify is not None and self.verify not in VERIFIES:
-            raise SpecError("verify", f"[verify] must be one of {', '.join(VERIFIES)}, got {self.verify!r}")
-        if self.random not in RANDOMS:
-            raise SpecError("random", f"[random] must be one of {', '.join(RANDOMS)}, got {self.random!r}")
-        if self.runner not in RUNNER_KINDS:
-            raise SpecError("runner", f"[runner] must be one of {', '.join(RUNNER_KINDS)}, got {self.runner!r}")
+        for key, low, high in (("max_gamma", 1, MAX_GAMMA), ("jump", 0, MAX_JUMP)):
+            if not _integer(getattr(self, key), low, high):
+                raise SpecError(key, f"[{key}] must be an integer from {low} to {high}, got {getattr(self, key)!r}")
         if self.tree is not None:
             self._set("tree", _tree_shape(self.tree, self.verify if self.verify in TREE_VERIFY else None))
 
@@ -449,9 +340,6 @@ class SpecConfig:
             )
 
 
-# --- values ---------------------------------------------------------------------------------------------------
-
-
 def _integer(value, low: int, high: int | None = None) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= low and (high is None or value <= high)
 
@@ -479,11 +367,6 @@ def _tree_shape(value, rule: str | None) -> str:
         spec = TreeSpec.parse(value, rule)
     except ValueError as e:
         raise SpecError("tree", f"[tree={value}]: {e}") from None
-    return tree_shape(spec)
-
-
-def tree_shape(spec: TreeSpec) -> str:
-    """A TreeSpec's shape in the string form (its rule aside): '4-2-2-1', 'dynamic-6-4-16'."""
     return f"dynamic-{spec.depth}-{spec.topk}-{spec.budget}" if spec.dynamic else "-".join(map(str, spec.widths))
 
 
@@ -535,117 +418,19 @@ def parse_items(text: str) -> dict:
     return items
 
 
-# --- the generator's and the rollout engine's keyword arguments -----------------------------------------------
-
-
-class _Unset:
-    """The default of a keyword argument not given (None is a value some of them take)."""
-
-    def __repr__(self) -> str:
-        return "<not given>"
-
-
-UNSET = _Unset()
-_KEYWORDS = {"quant": "draft_quant", "ngram": "ngram_sizes", "stop_below": "draft_stop_below"}
-
-
-def keyword_name(key: str, value: str | None) -> str:
-    """How a message names a key in `SpeculativeGenerator`'s keyword arguments: draft_quant, seeding='position'."""
-    if key == "random":
-        name = "coupling" if value == "gumbel" else "seeding"
-    elif key == "verify":
-        name = "tree_rule" if value in TREE_VERIFY else "verify"
-    elif key == "draft" and value == "model":
-        return "a draft model"
-    elif key == "draft" and value == "custom":
-        return "a Proposer"
-    else:
-        name = _KEYWORDS.get(key, key)
-    return name if value is None else f"{name}={value!r}"
-
-
-def keyword_items(given: Mapping) -> dict:
-    """The keys that `SpeculativeGenerator`'s keyword arguments (those given: draft as a string, gamma, max_gamma,
-    ngram_sizes, draft_stop_below, runner, draft_quant, verify, tree, tree_rule, seeding, coupling) set."""
-    items = {key: given[name] for key, name in _KEYWORDS.items() if name in given}
-    items |= {key: given[key] for key in ("gamma", "max_gamma", "runner") if key in given}
-    if "draft" in given:
-        items["draft"] = "none" if given["draft"] is None else given["draft"]
-    if "ngram" in items and not isinstance(items["ngram"], str):
-        items["ngram"] = tuple(items["ngram"]) if isinstance(items["ngram"], (tuple, list)) else items["ngram"]
-    items |= _tree_items(given)
-    items |= _random_items(given)
-    return items
-
-
-def _tree_items(given: Mapping) -> dict:
-    tree, rule, verify = given.get("tree"), given.get("tree_rule"), given.get("verify")
-    items: dict = {}
-    if isinstance(tree, TreeSpec):
-        if rule is not None and rule != tree.rule:
-            raise ValueError("tree_rule needs a tree (or matches the TreeSpec's rule)")
-        tree, rule = tree_shape(tree), tree.rule
-    elif tree is not None and not isinstance(tree, str):
-        raise ValueError(f"tree must be a TreeSpec or a string such as '4-2-2-1', got {tree!r}")
-    if "tree" in given:
-        items["tree"] = tree
-    if rule is not None:
-        if verify not in (None, "token"):
-            raise ValueError(f"verify={verify!r} verifies chains; a tree is verified by its own rule (tree_rule)")
-        items["verify"] = rule
-    elif verify is not None and not (verify == "token" and tree is not None):  # token was the default beside trees
-        items["verify"] = verify
-    return items
-
-
-def _random_items(given: Mapping) -> dict:
-    from ..sampling.coupling import COUPLINGS
-
-    seeding, coupling = given.get("seeding", "stream"), given.get("coupling")  # neither given: SpecConfig's auto
-    if seeding not in ("stream", "position"):
-        raise ValueError(f"seeding must be one of stream, position, got {seeding!r}")
-    if coupling is not None and coupling not in COUPLINGS:
-        raise ValueError(f"coupling must be None or one of {', '.join(COUPLINGS)}, got {coupling!r}")
-    if coupling is not None and seeding == "position":
-        raise ValueError("coupling='gumbel' keys its noise by position already: drop seeding='position'")
-    if "seeding" not in given and "coupling" not in given:
-        return {}
-    return {"random": coupling or seeding}
-
-
-def config_from_keywords(config: SpecConfig | None, items: Mapping, defaults: Mapping) -> SpecConfig:
-    """The configuration of an entry point given `config` (or None) and the keys its keyword arguments set: with no
-    config, the entry point's `defaults` (keys) under the keywords'; with one, the keywords must agree with it."""
-    if config is None:
-        try:
-            return SpecConfig(**(dict(defaults) | dict(items)))
-        except SpecError as e:
-            raise ValueError(e.render(keyword_name)) from None
-    if not isinstance(config, SpecConfig):
-        raise ValueError(f"config must be a SpecConfig, got {type(config).__name__}")
-    for key, value in items.items():
-        if canonical(key, value) != getattr(config, key):
-            name = keyword_name(key, value if isinstance(value, str) else None).partition("=")[0]
-            raise ValueError(
-                f"{name}={value!r} conflicts with config {key}={format_value(getattr(config, key))}: give it once "
-                "(in the config)"
-            )
-    return config
-
-
 def canonical(key: str, value):
     """A key's value as a SpecConfig holds it (n-gram sizes sorted, numbers as floats, a tree's shape normalised):
     what two spellings of one key are compared on. A value SpecConfig would refuse is returned as it is."""
-    try:
+    with suppress(SpecError):
         if key == "ngram":
             return _ngram_sizes(value)
         if key in ("stop_below", "min_share"):
             return _fraction(key, value, none=key == "stop_below")
         if key == "tree" and value is not None:
             return _tree_shape(value, None)
-    except SpecError:
-        return value
     return value
 
 
+KEYS = tuple(f.name for f in fields(SpecConfig))  # the string form's keys, in printing order
+_MENTION = re.compile(r"\[(" + "|".join(KEYS) + r")(?:=([^\]]*))?\]")  # a template's [key] / [key=value]
 _DEFAULTS = SpecConfig()  # what `spec()` leaves out

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -16,11 +16,12 @@ from torch import Tensor
 from ..model.protocol import Runner
 from ..model.weights import update_weights
 from ..sampling import ConstraintError, SamplingParams
+from ..sampling.randomness import RANDOMNESS, Randomness
 from ..structured import Grammars, GrammarState
 from .adaptive import GammaController, check_gamma
-from ..sampling.randomness import RANDOMNESS, Randomness
+from .observe import StepObserver
 from .request import Request
-from .verify import make_verification
+from .verify import PositionalVerification, Verification
 
 __all__ = ["PREFILL_CHUNK", "EngineCore", "WeightUpdate", "check_prefill_chunk"]
 
@@ -69,16 +70,15 @@ class EngineCore:
     model: object  # the target model whose weights `update_weights` replaces
     vocab_size: int  # ids target and draft share
     eos_ids: set[int]
-    verifier: Callable  # verify_chain's interface (token-wise or block)
-    tree_verifier: Callable  # verify_tree's interface
-    random: str = "auto"  # SpecConfig's random: auto, stream, position or gumbel (engine.randomness)
+    verification: Verification | None = None  # the step's strategy (None: token-wise chains, verify_tree)
+    observers: tuple[StepObserver, ...] = ()  # hooks into every step (`engine.observe`)
+    random: str = "auto"  # SpecConfig's random: auto, stream, position or gumbel (sampling.randomness)
     jump: int = 16  # SpecConfig's jump: the most grammar-forced tokens appended to a chain per step (0: off)
     prefill_chunk: int = PREFILL_CHUNK  # sessions' default: prompt tokens prefilled per step while rows run (0: off)
     weight_version: int = 0
     device: torch.device = field(init=False)
     max_positions: int | None = field(init=False)
     randomness: Randomness = field(init=False)  # how drafter and verifier draw (from `random`)
-    verification: Callable = field(init=False)  # the step's verification (engine.verify), chosen once here
     _grammars: Grammars | None = field(default=None, init=False, repr=False)  # built on the first constraint
     _grammars_lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
 
@@ -89,14 +89,19 @@ class EngineCore:
             raise ValueError(f"random must be one of {', '.join(RANDOMNESS)}, got {self.random!r}")
         self.randomness = RANDOMNESS[self.random]
         check_prefill_chunk(self.prefill_chunk)
-        self.verification = make_verification(self.verifier, self.tree_verifier, self.randomness)
+        if self.random == "position" and self.verification is not None:
+            raise ValueError("random=position verifies token-wise by position: a verification override replaces that")
+        if self.random == "position":
+            self.verification = PositionalVerification()
+        elif self.verification is None:
+            self.verification = Verification()
+        self.observers = tuple(self.observers)
 
     @property
     def tree(self):
         """The drafter's token-tree shape (a TreeSpec), None for chains."""
         return getattr(self.proposer, "tree", None)
 
-    # --- inputs -----------------------------------------------------------------------------------------
     def encode(self, prompt: str | Sequence[int] | Sequence[dict], chat: bool = False) -> list[int]:
         """A prompt as token ids: text (with the chat template when chat=True), chat messages
         ([{"role": ..., "content": ...}, ...], always templated) or token ids (checked against the vocabulary)."""
@@ -163,7 +168,8 @@ class EngineCore:
         return req
 
     def check(self, req: Request) -> None:
-        """What a Request cannot check alone: its ids against the vocabulary, its prompt against the context."""
+        """What a Request cannot check alone: its ids against the vocabulary, its prompt against the context; a
+        request that passes is marked checked by this core (`Request.checked`: a session does not check it again)."""
         req.params.check_vocab(self.vocab_size)  # token options' ids: refused here, not when the batch is built
         self._token_ids(req.prompt_token_ids, "prompt token ids")
         self._token_ids(req.stop_token_ids, "stop_token_ids")
@@ -176,6 +182,7 @@ class EngineCore:
             raise ValueError(
                 f"prompt {req.index} has {len(req.prompt_token_ids)} tokens; the model's context is {self.max_positions}"
             )
+        object.__setattr__(req, "checked", self)
 
     def _token_ids(self, ids: Iterable[int], name: str) -> list[int]:
         ids = list(ids)
@@ -183,7 +190,6 @@ class EngineCore:
             raise ValueError(f"{name} must be integers in [0, {self.vocab_size})")
         return ids
 
-    # --- structured outputs -----------------------------------------------------------------------------
     @property
     def grammars(self) -> Grammars:
         """Constraints compiled for this tokenizer (built on first use: the tokenizer's vocabulary is read once)."""
@@ -195,9 +201,11 @@ class EngineCore:
     def grammar_state(self, req: Request) -> GrammarState | None:
         """A request's grammar matcher at the start of its output (None: no constraint)."""
         c = req.params.constraint
-        return None if c is None else self.grammars.state(c, req.stop_token_ids)
+        state = None if c is None else self.grammars.state(c, req.stop_token_ids)
+        for o in self.observers:
+            state = o.grammar(req, state)
+        return state
 
-    # --- weights ------------------------------------------------------------------------------------------
     def update_weights(self, named_tensors: Iterable[tuple[str, Tensor]], model=None) -> WeightUpdate:
         """Replace weights in place (every name, shape, dtype and value checked before anything is written: a bad
         update changes nothing). model: the target (default; the weight version counts it) or a separate draft

@@ -1,25 +1,6 @@
-"""The generate loop: draft, verify in one target pass, commit, roll back — for a batch of requests.
-
-    gen = SpeculativeGenerator(target, draft)            # draft: a LoadedModel, "ngram", or None (plain)
-    outs = gen.generate(["def fib(n):"], SamplingParams(temperature=0.7, seed=1), max_new_tokens=64)
-    for event in gen.stream("Hello", SamplingParams()):  # text deltas as they are accepted
-        print(event.delta, end="")
-
-Every emitted token follows the target's distribution exactly (verify_chain or verify_block); the target's cache is
-rolled back to the accepted prefix after each step, the draft's too. Rows finish independently (EOS,
-stop strings, max_new_tokens, the context end) and leave the batch. Under random=auto (the default) a request
-with its own seed (SamplingParams.seed) is Gumbel-coupled, keyed by that seed and its output positions: the same
-request, seed and weights give the same tokens whatever gamma (auto included), the batch or the load; a request
-without one draws from its own generator (seeded from torch's global RNG), as under random=stream, where with a
-fixed gamma a seeded request gives the same tokens alone or in any batch. Either way bit for bit as far as the
-kernels are batch-invariant: padding changes summation order in the last bits, which can flip a token only at a
-near-exact tie (the distribution is unaffected).
-
-Logprobs convention (both under the target, at each returned token):
-    logprobs[i]     = log p(x_i): the processed distribution actually sampled from (penalties, temperature,
-                      top-k / top-p / min-p applied; a greedy request gets 0.0);
-    raw_logprobs[i] = log softmax(logits)(x_i): the model's own distribution (temperature 1, nothing
-                      truncated or penalised) — what RL importance ratios usually need.
+"""The generator facade: `SpeculativeGenerator` builds one `EngineCore` from a `SpecConfig` and runs
+`GenerationSession`s on it (generate, stream, calibrate, continuous batching). What the tokens, seeds and logprobs
+mean (and when seeded tokens are bit-for-bit equal): docs/guides/generating.md, docs/concepts/randomness.md.
 """
 
 from __future__ import annotations
@@ -27,28 +8,28 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator, Sequence
 
-from ..drafting import DraftModelProposer, PromptLookupProposer, Proposer, TreeSpec
-from ..heads import LoadedHead, bind_head, head_proposer, mtp_head
-from ..model.fast import make_runner
-from ..model.loading import LoadedModel, shared_vocab_size
-from ..sampling import CHAIN_RULES, SamplingParams, verify_tree
+from ..drafting import DraftModelProposer, Proposer
+from ..heads import LoadedHead
+from ..model.loading import LoadedModel
+from ..sampling import CHAIN_RULES, SamplingParams
 from .adaptive import GammaController, measure_cost_curve
-from .config import UNSET, SpecConfig, config_from_keywords, keyword_items
+from .config import SpecConfig
 from .core import EngineCore
+from .drafters import build_proposer
+from .observe import StepObserver
 from .request import Job, check_limits
 from .rows import Completion, StreamEvent
 from .session import GenerationSession
 from .stats import SpecStats
+from .verify import Verification
 
 __all__ = ["Completion", "GenerationSession", "SpeculativeGenerator", "StreamEvent"]
 
 
 class SpeculativeGenerator:
-    """Speculative decoding with a target model and a drafter, as a `SpecConfig` says.
-
-    The config (`verispec.engine.config`) names the drafter, gamma, tree, verification rule, randomness and runner;
-    its docstring explains every key. Every emitted token follows the target's distribution exactly, whatever the
-    config: it only moves speed (and, through `random`, what a seeded request's tokens depend on).
+    """Speculative decoding with a target model and a drafter, as a `SpecConfig` says (a front over one
+    `EngineCore`). Every emitted token follows the target's distribution exactly, whatever the config: it only moves
+    speed (and, through `random`, what a seeded request's tokens depend on).
 
     ```python
     gen = SpeculativeGenerator(target, draft, config=SpecConfig.parse("draft=model,gamma=auto"))
@@ -57,161 +38,76 @@ class SpeculativeGenerator:
         print(event.delta, end="", flush=True)
     ```
 
-    The keyword arguments of earlier versions (gamma, max_gamma, ngram_sizes, draft_stop_below, runner,
-    draft_quant, verify, coupling, seeding, tree, tree_rule) still build the config, each setting its keys; given
-    beside `config`, each must agree with it. Under random=position the stats count the drafts fed to the target
-    (the last draft of a step shows in tau, not in `accepted`), and gamma auto prices a step's drafts without that
-    last one.
+    Under random=position the stats count the drafts fed to the target (the last draft of a step shows in tau, not
+    in `accepted`), and gamma auto prices a step's drafts without that last one.
 
     Args:
         target: The target model (`load_model`).
-        draft: What the config's drafter drafts with: a `LoadedModel` for draft=model (or a hidden-state head,
-            `verispec.heads.load_head`), a `Proposer` for draft=custom (or a `RolloutEngine`'s history drafter),
-            else None (draft=mtp reads the MTP layer from the target's own checkpoint). In the older spelling,
-            also a string: "ngram", "self", "none" or None for plain decoding, the honest baseline.
+        draft: What the config's drafter drafts with: a `LoadedModel` or a hidden-state head (`load_head`,
+            `engine.drafters.load_draft`) for draft=model (None: the config's `model=` path is loaded), a `Proposer`
+            for draft=custom, else None (draft=mtp reads the MTP layer from the target's own checkpoint).
         config: The speculation configuration (default: `SpecConfig()`, prompt lookup with gamma auto).
-        gamma: Older spelling of the `gamma` key: drafts per step, or "auto".
-        max_gamma: Older spelling of `max_gamma`: the most drafts gamma "auto" picks.
-        ngram_sizes: Older spelling of `ngram`: prompt-lookup n-gram sizes, longest first.
-        draft_stop_below: Older spelling of `stop_below`.
-        runner: Older spelling of `runner`: "auto", "fast", "hf" or "llamacpp".
-        draft_quant: Older spelling of `quant`: None, "int8" or "int4".
-        verify: Older spelling of `verify`: "token" or "block" for chains.
-        coupling: With `seeding`, the older spelling of `random`: None or "gumbel".
-        seeding: With `coupling`, the older spelling of `random`: "stream" or "position".
-        verifier (Callable | None): An override of the chain verification function (verify_chain's interface): `verispec certify
-            --inject` and the lossy study swap it; not configuration.
-        tree: Older spelling of `tree`: a TreeSpec or its string ("4-2-2-1", "dynamic-D-K-M").
-        tree_rule: With `tree`, the older spelling of `verify` for trees.
-        tree_verifier (Callable): An override of the tree verification function (verify_tree's interface), as `verifier`.
-            With an override, random=auto runs the stream for every request (the override sees p, not coupled
-            one-hot targets).
+        history (RolloutHistory | None): The earlier rollouts the history drafters read (a `RolloutEngine`'s).
+        verification (Verification | None): A verification strategy (`engine.verify.Verification`) instead of the
+            config's rule (the certifier's broken rules, the lossy study); under random=auto a seeded request is
+            still coupled.
+        observers (Sequence[StepObserver]): Hooks into every step (`engine.observe`): benchmarks' probes, the
+            certifier's mutants.
 
     Raises:
         SpecError: The configuration is invalid (it names the key at fault).
-        ValueError: The keyword arguments disagree with `config`, or `draft` does not fit the config's drafter.
+        ValueError: `draft` does not fit the config's drafter, or a verification override does not fit the config.
         ModelLoadError: The draft and target vocabularies cannot be shared.
     """
 
     def __init__(
         self,
         target: LoadedModel,
-        draft: LoadedModel | Proposer | str | None = UNSET,
+        draft: LoadedModel | LoadedHead | Proposer | None = None,
         *,
         config: SpecConfig | None = None,
-        gamma: int | str = UNSET,
-        max_gamma: int = UNSET,
-        ngram_sizes: Sequence[int] = UNSET,
-        draft_stop_below: float | None = UNSET,
-        runner: str = UNSET,
-        draft_quant: str | None = UNSET,
-        verify: str = UNSET,
-        coupling: str | None = UNSET,
-        seeding: str = UNSET,
-        verifier=None,
-        tree: TreeSpec | str | None = UNSET,
-        tree_rule: str | None = UNSET,
-        tree_verifier=verify_tree,
+        history=None,
+        verification: Verification | None = None,
+        observers: Sequence[StepObserver] = (),
     ):
-        keywords = dict(
-            draft=draft,
-            gamma=gamma,
-            max_gamma=max_gamma,
-            ngram_sizes=ngram_sizes,
-            draft_stop_below=draft_stop_below,
-            runner=runner,
-            draft_quant=draft_quant,
-            verify=verify,
-            coupling=coupling,
-            seeding=seeding,
-            tree=tree,
-            tree_rule=tree_rule,
-        )
-        self.config, draft = _spec_config(config, {k: v for k, v in keywords.items() if v is not UNSET})
-        self._build(target, draft, verifier, tree_verifier)
-
-    def _build(self, target: LoadedModel, draft, verifier, tree_verifier) -> None:
-        """Drafter, gamma controller, runner and core as self.config says (draft: the object it drafts with)."""
+        if config is not None and not isinstance(config, SpecConfig):
+            raise ValueError(f"config must be a SpecConfig (SpecConfig.parse reads its string form), got {config!r}")
+        self.config = cfg = config or SpecConfig()
         self.target = target
-        self.tokenizer = target.tokenizer
-        cfg = self.config
-        if verifier is not None and cfg.chain_rule != "token":
-            raise ValueError(f"verify={cfg.chain_rule!r} and a verifier override exclude each other")
-        self.verify = cfg.chain_rule  # "token" or "block" (chains); "token" where trees are drafted
-        self.coupling = cfg.coupling
-        self.seeding = cfg.seeding
-        # the randomness the core runs: the config's, but auto with overridden verification functions (certify's
-        # injected bugs, the lossy study) runs the stream: coupled rows would hand them one-hot targets, where most
-        # bugs verify exactly
-        overridden = verifier is not None or tree_verifier is not verify_tree
-        self.random = "stream" if cfg.random == "auto" and overridden else cfg.random
-        # the verification functions (verify_chain's and verify_tree's interfaces): `verispec certify --inject`
-        # and the lossy variants of the study swap them, nothing else should
-        self.verifier = CHAIN_RULES[self.verify] if verifier is None else verifier
-        self.tree_verifier = tree_verifier
-        if isinstance(target, LoadedHead):
-            raise ValueError(f"{target.name} is {target.described}, not a model: pass it as the draft (--draft)")
-        if draft is None and cfg.drafter.target_head:  # draft=mtp: the MTP layer in the target's own checkpoint
-            draft = mtp_head(target)
-        if isinstance(draft, LoadedHead):  # a hidden-state head reads the target's runner: that comes first
-            self.vocab_size = bind_head(draft, target)
-            self.runner = make_runner(target.model, self.vocab_size, runner=cfg.runner)
-            self.proposer = head_proposer(target, draft, cfg, self.runner)
-        else:
-            self.proposer, self.vocab_size = self._proposer(target, draft, cfg)
-            self.runner = make_runner(target.model, self.vocab_size, runner=cfg.runner)
-        self.tree = self.proposer.tree if self.proposer is not None else None
-        if self.tree is not None and self.verify != "token":
+        if verification is not None and (cfg.chain_rule != "token" or cfg.random == "position"):
+            raise ValueError(f"a verification override replaces verify={cfg.chain_rule} and random={cfg.random}")
+        built = build_proposer(cfg, target, draft, history=history)
+        tree = built.proposer.tree if built.proposer is not None else None
+        if tree is not None and cfg.chain_rule != "token":
             raise ValueError(
-                f"verify={self.verify!r} verifies chains, and the {type(self.proposer).__name__} drafts trees "
+                f"verify={cfg.chain_rule!r} verifies chains, and the {type(built.proposer).__name__} drafts trees "
                 "(verified by their own rule)"
             )
         if cfg.random == "position":
-            _check_position_seeding(self.proposer, verifier)
-        self.controller = GammaController(0 if self.proposer is None else cfg.gamma, cfg.max_gamma)
-        self.device = self.runner.device
-        self.eos_ids = _eos_ids(self.tokenizer, target.model)
-        self.max_positions = self.runner.max_positions
-        self.stats = SpecStats()  # pooled over every call
-        self.last_stats = SpecStats()  # the last generate / stream call's
+            _check_position_seeding(built.proposer)
+        elif verification is None:
+            verification = Verification(CHAIN_RULES[cfg.chain_rule])
         self.core = EngineCore(
-            runner=self.runner,
-            proposer=self.proposer,
-            controller=self.controller,
-            tokenizer=self.tokenizer,
+            runner=built.runner,
+            proposer=built.proposer,
+            controller=GammaController(0 if built.proposer is None else cfg.gamma, cfg.max_gamma),
+            tokenizer=target.tokenizer,
             model=target.model,
-            vocab_size=self.vocab_size,
-            eos_ids=self.eos_ids,
-            verifier=self.verifier,
-            tree_verifier=self.tree_verifier,
-            random=self.random,
+            vocab_size=built.vocab_size,
+            eos_ids=_eos_ids(target.tokenizer, target.model),
+            verification=verification,
+            observers=tuple(observers),
+            random=cfg.random,
             jump=cfg.jump,
         )
+        self.stats = SpecStats()  # pooled over every call
+        self.last_stats = SpecStats()  # the last generate / stream call's
 
-    @staticmethod
-    def _proposer(target: LoadedModel, draft, config: SpecConfig) -> tuple[Proposer | None, int]:
-        """The drafter the config names (draft: the object it drafts with, if any; see `_spec_config`) and the
-        vocabulary size target and draft share."""
-        kind, tree = config.drafter, config.tree_spec
-        if kind.uses_model and kind.built_by_generator:
-            model = target if kind.target_weights else draft
-            if not kind.target_weights and _cross_vocab(target, model, config):
-                from ..crossvocab import cross_vocab_proposer
+    @property
+    def tokenizer(self):
+        """The target's tokenizer."""
+        return self.core.tokenizer
 
-                return cross_vocab_proposer(target, model, config), shared_vocab_size(target, None)
-            vocab = shared_vocab_size(target, model)
-            proposer = DraftModelProposer(
-                model.model, vocab, config.stop_below, tree=tree, runner=config.runner, quant=config.quant
-            )
-            return proposer, vocab
-        vocab = shared_vocab_size(target, None)
-        if config.draft == "none":
-            return None, vocab
-        if config.draft == "ngram":
-            return PromptLookupProposer(config.ngram, tree=tree), vocab
-        return draft, vocab  # a Proposer given (draft=custom, or a RolloutEngine's history drafter)
-
-    # --- input handling -------------------------------------------------------------------------------
     def encode(self, prompt: str | Sequence[int] | Sequence[dict], chat: bool = False) -> list[int]:
         """A prompt as token ids.
 
@@ -229,7 +125,6 @@ class SpeculativeGenerator:
         """The target's weight version (counted by `EngineCore.update_weights`)."""
         return self.core.weight_version
 
-    # --- public API -----------------------------------------------------------------------------------
     def generate(
         self, prompts, params: SamplingParams | Sequence[SamplingParams] = SamplingParams(), **options
     ) -> list[Completion]:
@@ -279,12 +174,8 @@ class SpeculativeGenerator:
         prompts = _prompt_list(prompts)
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
-        params = list(params) if isinstance(params, Sequence) else params
-        if (
-            not isinstance(params, list)
-            or len(params) != len(prompts)
-            or not all(isinstance(p, SamplingParams) for p in params)
-        ):
+        ok = isinstance(params, Sequence) and len(params) == len(prompts)
+        if not ok or not all(isinstance(p, SamplingParams) for p in params):
             raise ValueError("params must be one SamplingParams, or one per prompt")
         requests = [  # every prompt is validated before any step
             self.core.request(
@@ -297,11 +188,8 @@ class SpeculativeGenerator:
         return self._drive(sess)
 
     def calibrate(self, batches: Sequence[int] = (1, 2, 4, 8), context: int = 64, repeats: int = 3) -> dict:
-        """Measure the target's cost curve and the draft's step cost at each batch size, for gamma "auto".
-
-        Gamma "auto" then picks each step's draft length from the curve at that step's batch size from the first
-        step on (vLLM asks for a hand-set draft length per batch size; here it is measured). Lossless either way:
-        only speed moves.
+        """Measure the target's cost curve and the draft's step cost at each batch size, for gamma "auto" to use
+        from the first step on (lossless either way: only speed moves).
 
         Args:
             batches: The batch sizes B to measure.
@@ -314,18 +202,17 @@ class SpeculativeGenerator:
         Raises:
             ValueError: `batches` is not a non-empty list of integers >= 1.
         """
-        if (
-            isinstance(batches, int)
-            or not batches
-            or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in batches)
-        ):
+        ints = not isinstance(batches, int) and batches and all(isinstance(b, int) for b in batches)
+        if not ints or any(isinstance(b, bool) or b < 1 for b in batches):
             raise ValueError(f"batches must be a non-empty list of integers >= 1, got {batches!r}")
-        drafter = getattr(self.proposer, "runner", None)  # a draft model's runner; n-gram drafting costs no forward
+        drafter = getattr(self.core.proposer, "runner", None)  # a draft model's runner (n-gram drafting: none)
         out = {}
         for b in sorted(set(batches)):
-            curve = measure_cost_curve(self.runner, self.vocab_size, self.controller.max_gamma + 1, b, context, repeats)
-            step = measure_cost_curve(drafter, self.vocab_size, 1, b, context, repeats)[0] if drafter else None
-            self.controller.seed_costs(b, curve, step)
+            curve = measure_cost_curve(
+                self.core.runner, self.core.vocab_size, self.core.controller.max_gamma + 1, b, context, repeats
+            )
+            step = measure_cost_curve(drafter, self.core.vocab_size, 1, b, context, repeats)[0] if drafter else None
+            self.core.controller.seed_costs(b, curve, step)
             out[b] = {"curve": curve, "draft_step": step}
         return out
 
@@ -357,65 +244,19 @@ class SpeculativeGenerator:
         self.stats.merge(pooled)
 
 
-SEEDINGS = ("stream", "position")  # the seedings of `seeding` (SpecConfig's random: auto, stream, position, gumbel)
-
-
-def _spec_config(config: SpecConfig | None, keywords: dict) -> tuple[SpecConfig, LoadedModel | Proposer | None]:
-    """(the config, the object its drafter drafts with) of the constructor's config and the keyword arguments given
-    (see the class docstring); ValueError when they disagree or the object does not fit the config's drafter."""
-    given = "draft" in keywords
-    draft = keywords.pop("draft", None)
-    obj = draft if isinstance(draft, (LoadedModel, Proposer)) else None
-    if obj is not None and config is None:
-        keywords["draft"] = "model" if isinstance(obj, LoadedModel) else "custom"
-    elif obj is None and given and not (draft is None and config is not None):  # with a config, None: no object
-        keywords["draft"] = draft  # a spelling: "ngram", "self", "none" or None (plain decoding)
-    cfg = config_from_keywords(config, keyword_items(keywords), {})
-    kind = cfg.drafter
-    if isinstance(obj, LoadedModel) and not (kind.model and kind.built_by_generator):
-        raise ValueError(f"a draft model was given as draft, but the config drafts with draft={cfg.draft}")
-    if isinstance(obj, Proposer) and kind.built_by_generator:
-        raise ValueError(
-            f"a {type(obj).__name__} was given as draft, but draft={cfg.draft} builds its own drafter: a given "
-            "Proposer is draft=custom"
-        )
-    if obj is None and kind.model and kind.built_by_generator:
-        where = f" (load_model({cfg.model!r}))" if cfg.model else ""
-        raise ValueError(f"draft=model drafts with a draft model: pass it as draft, a LoadedModel{where}")
-    if obj is None and not kind.built_by_generator:
-        raise ValueError(
-            f"draft={cfg.draft} drafts with a Proposer given as draft (a RolloutEngine builds its history drafter)"
-        )
-    return cfg, obj
-
-
-def _cross_vocab(target: LoadedModel, draft, config: SpecConfig) -> bool:
-    """Whether the draft model drafts across vocabularies: its tokenizer is another, or cross_vocab forces it."""
-    from ..crossvocab import same_tokenizer
-
-    if not isinstance(draft, LoadedModel):
-        return False
-    return config.cross_vocab != "auto" or not same_tokenizer(target, draft)
-
-
-def _check_position_seeding(proposer, verifier) -> None:
-    """random=position, beyond what the config checks: a Proposer given must draft a draft model's chains, and the
-    verification stays token-wise."""
+def _check_position_seeding(proposer) -> None:
+    """random=position, beyond what the config checks: a Proposer given must draft a draft model's chains."""
     if proposer is not None and (not isinstance(proposer, DraftModelProposer) or proposer.tree is not None):
         raise ValueError(
-            "seeding='position' needs a draft model drafting chains (its q at every position) or no drafter: "
+            "random=position needs a draft model drafting chains (its q at every position) or no drafter: "
             "prompt lookup's and history's proposals depend on where a step starts, trees on their shape"
         )
-    if verifier is not None:
-        raise ValueError("seeding='position' verifies token-wise: a verifier override replaces that")
 
 
 def _eos_ids(tokenizer, model) -> set[int]:
     eos: set[int] = set()
-    for source in (
-        getattr(tokenizer, "eos_token_id", None),
-        getattr(getattr(model, "generation_config", None), "eos_token_id", None),
-    ):
+    config = getattr(model, "generation_config", None)
+    for source in (getattr(tokenizer, "eos_token_id", None), getattr(config, "eos_token_id", None)):
         if isinstance(source, int):
             eos.add(source)
         elif isinstance(source, (list, tuple)):
@@ -435,8 +276,7 @@ def _prompt_list(prompts) -> list:
     prompts = list(prompts)
     if not prompts:
         raise ValueError("no prompts given")
-    if all(isinstance(t, int) and not isinstance(t, bool) for t in prompts) or all(
-        isinstance(m, dict) for m in prompts
-    ):
+    ids = all(isinstance(t, int) and not isinstance(t, bool) for t in prompts)
+    if ids or all(isinstance(m, dict) for m in prompts):
         return [prompts]  # one prompt: token ids, or one conversation
     return prompts

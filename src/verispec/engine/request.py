@@ -2,16 +2,17 @@
 (the requests of one call — an HTTP request's choices, a rollout batch — that run under one weight version), and
 `Barrier`, work that needs the model to itself between jobs (a weight update).
 
-A Request is built and checked by `EngineCore.request` (encoding, the vocabulary, the context); its own
-`__post_init__` checks what needs no model."""
+A Request checks what needs no model itself; `EngineCore.check` the rest, once (`EngineCore.request` builds checked
+ones; a session checks on submit only those its core has not)."""
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ..sampling import SamplingParams
+from .rows import StreamEvent
 
 __all__ = ["Barrier", "Job", "Request", "check_limits"]
 
@@ -20,16 +21,12 @@ def check_limits(max_new_tokens, stop) -> tuple[int, tuple[str, ...]]:
     """Validate a request's budget and stop strings (a single string is one stop string; None: none)."""
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-    if stop is None:
-        stop = ()
-    elif isinstance(stop, str):
-        stop = (stop,)
-    elif not isinstance(stop, Sequence):
+    stop = () if stop is None else (stop,) if isinstance(stop, str) else stop
+    if not isinstance(stop, Sequence):
         raise ValueError(f"stop must be a string or a list of strings, got {type(stop).__name__}")
-    stop = tuple(stop)
     if any(not isinstance(s, str) or s == "" for s in stop):
         raise ValueError("stop strings must be non-empty strings")
-    return max_new_tokens, stop
+    return max_new_tokens, tuple(stop)
 
 
 @dataclass(frozen=True)
@@ -47,6 +44,7 @@ class Request:
     top_logprobs: int = 0  # best alternatives (raw target logprobs) to return per position, 0..20
     key: object = field(default_factory=object)
     index: int = 0
+    checked: object = field(default=None, init=False, repr=False, compare=False)  # the EngineCore that checked it
 
     def __post_init__(self):
         if not self.prompt_token_ids:
@@ -67,20 +65,33 @@ class Request:
                 "cut the structure short, ignore_eos would run past its end)"
             )
 
+    def keyed(self, key: object) -> Request:
+        """The same request under another key (checked still, by the core that checked it)."""
+        out = replace(self, key=key)
+        object.__setattr__(out, "checked", self.checked)
+        return out
+
 
 @dataclass(eq=False)
 class Job:
     """Requests that run under one weight version: the session starts no weight update (no `Barrier`) while any of
     them is unfinished, and starts none of them before an update submitted ahead of the job. `group`: consecutive
     runs of this many requests share a prompt (n samples of it) and join the batch together, so the prompt is
-    prefilled once (a group larger than the batch joins in parts). `on_admit(request)` runs on the session's thread
-    as each request joins the batch, before its first step. `weight_version` is set when the job starts."""
+    prefilled once (a group larger than the batch joins in parts). On the session's thread and never calling into it,
+    `on_admit(request)` runs as each request joins the batch, `on_event(event)` for every event of its requests (a
+    step's, an abort's) once the session's books are up to date. `deadline`: a time.perf_counter() time from which
+    `GenerationSession.expire` aborts it. The session's books on it: `weight_version` (set when it starts),
+    `admitted` (requests that joined the batch), `open` (requests not ended)."""
 
     requests: list[Request]
     key: object = field(default_factory=object)
     group: int = 1
     on_admit: Callable[[Request], None] | None = None
-    weight_version: int | None = field(default=None, init=False)  # set when it starts (GenerationSession)
+    on_event: Callable[[StreamEvent], None] | None = None
+    deadline: float | None = None
+    weight_version: int | None = field(default=None, init=False)
+    admitted: int = field(default=0, init=False)
+    open: int = field(default=0, init=False)
 
     def __post_init__(self):
         if not self.requests:
@@ -102,19 +113,11 @@ class Barrier:
     result: object = None
     error: BaseException | None = None
     done: threading.Event = field(default_factory=threading.Event)
-
-    _started: bool = False
-    _lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def _start(self) -> bool:
-        """Claim the barrier: True for the first caller of run() or cancel(), False after."""
-        with self._lock:
-            started, self._started = self._started, True
-            return not started
+    _claim: threading.Lock = field(default_factory=threading.Lock)  # held by the first run() or cancel(), for good
 
     def run(self) -> None:
         """Run fn (once: a barrier run or cancelled before does nothing)."""
-        if not self._start():
+        if not self._claim.acquire(blocking=False):
             return
         try:
             self.result = self.fn()
@@ -124,7 +127,7 @@ class Barrier:
 
     def cancel(self, error: BaseException) -> None:
         """End it with `error` unless it has started (its fn then never runs)."""
-        if self._start():
+        if self._claim.acquire(blocking=False):
             self.error = error
             self._finish()
 

@@ -30,12 +30,8 @@ class RowFault(RuntimeError):
 
 @dataclass
 class Completion:
-    """A finished request: its tokens, text, logprobs and speculation figures.
-
-    Logprobs are under the target, at each returned token: `logprobs[i] = log p(x_i)` under the processed
-    distribution actually sampled from (token options, penalties, temperature, top-k / top-p / min-p; a greedy
-    request gets 0.0), and `raw_logprobs[i] = log softmax(logits)(x_i)`, the model's own distribution at
-    temperature 1 with nothing truncated: what RL importance ratios usually need.
+    """A finished request: its tokens, text, logprobs (under the target, at each returned token) and speculation
+    figures.
 
     Attributes:
         index: The request's position in its call (`generate` returns completions sorted by it).
@@ -46,8 +42,10 @@ class Completion:
             context), "abort" (cut short by its caller) or "error" (it failed inside a step: `error` says why; the
             other requests of the batch went on).
         stop_reason: The stop string, stop token or EOS id that ended it (None otherwise).
-        logprobs: log p(x) of each token under the processed target distribution.
-        raw_logprobs: log softmax(target logits)(x) of each token, temperature 1, nothing truncated.
+        logprobs: log p(x) of each token under the processed target distribution actually sampled from (token
+            options, penalties, temperature, truncation; a greedy request gets 0.0).
+        raw_logprobs: log softmax(target logits)(x) of each token, temperature 1, nothing truncated (what RL
+            importance ratios usually need).
         stats: This request's speculation figures (drafted, accepted, tau, ...).
         top_logprobs: Per position, the most likely alternatives as (token id, raw logprob), best first, when
             asked for.
@@ -60,24 +58,22 @@ class Completion:
         error: With finish_reason "error": the exception (a RowFault, or what the request's own code raised).
     """
 
-    index: int  # position of the request in the call
+    index: int
     prompt_token_ids: list[int]
-    token_ids: list[int]  # generated tokens (EOS excluded)
+    token_ids: list[int]
     text: str
-    finish_reason: str  # "stop" (EOS, a stop token or string), "length" (max_new_tokens or the context end), or
-    # "abort" (cut short by its caller: `Row.finish("abort", None)`)
-    stop_reason: str | int | None  # the stop string, stop token or EOS id that ended it
-    logprobs: list[float] | None  # log p(x) under the processed target distribution
-    raw_logprobs: list[float] | None  # log softmax(target logits)(x), temperature 1, no truncation
+    finish_reason: str
+    stop_reason: str | int | None
+    logprobs: list[float] | None
+    raw_logprobs: list[float] | None
     stats: SpecStats
-    top_logprobs: list[TopLogprobs] | None = None  # per position: (token, raw logprob), best first
-    key: object = None  # the handle given to GenerationSession.add
-    eos_logprob: float | None = None  # when EOS ended it: the EOS token's logprob (processed), as `logprobs`
-    eos_raw_logprob: float | None = None  # ... and its raw one, as `raw_logprobs`
-    text_offsets: list[int] = field(default_factory=list)  # where each of token_ids starts in text (cut at its
-    # stop string; see `StreamEvent.text_offsets`); empty for a completion no row decoded
-    weight_version: int | None = None  # the target's weight version it was drawn under (EngineCore.weight_version)
-    error: Exception | None = None  # finish_reason "error": why (the other rows of its batch went on)
+    top_logprobs: list[TopLogprobs] | None = None
+    key: object = None
+    eos_logprob: float | None = None
+    eos_raw_logprob: float | None = None
+    text_offsets: list[int] = field(default_factory=list)
+    weight_version: int | None = None
+    error: Exception | None = None
 
 
 @dataclass
@@ -97,35 +93,27 @@ class StreamEvent:
     """
 
     index: int
-    delta: str  # new text, safe to print (no half characters, no partial stop string)
-    token_ids: list[int]  # tokens accepted in this step
-    completion: Completion | None = None  # set on the request's last event
-    key: object = None  # the handle given to GenerationSession.add
-    raw_logprobs: list[float] = field(default_factory=list)  # raw target logprob of each of token_ids
-    top_logprobs: list[TopLogprobs] | None = None  # per token: (id, raw logprob) alternatives
-    text_offsets: list[int] = field(default_factory=list)  # where each of token_ids starts in the completion's
-    # text (`IncrementalDecoder.offsets`), never past the text streamed so far: a character split over tokens
-    # belongs to the token that completes it, text held back (a possible stop string's start) is not there yet
+    delta: str
+    token_ids: list[int]
+    completion: Completion | None = None
+    key: object = None
+    raw_logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[TopLogprobs] | None = None
+    text_offsets: list[int] = field(default_factory=list)
 
 
 @dataclass
 class IncrementalDecoder:
-    """The text of a growing token list, decoded a few tokens per step rather than whole every step (which is
-    O(n^2) over a request), in the way of vLLM's incremental detokenizer: the new tokens are decoded after a
-    window of already-decoded ones, tokens[prefix:read], and the text grows by what they add. Decoding them with
-    their predecessors keeps what a tokenizer does at a boundary (SentencePiece's leading space, a multi-byte
-    character split over tokens). `update` returns the text of every complete character so far — what a whole
-    decode gives, less a trailing incomplete character — so a stop string is seen in the step that completes it.
-    A tokenizer that cleans up spaces (`clean_up_tokenization_spaces`) rewrites text across any window edge: its
-    text is decoded whole every step, as is any text whose window the tokenizer rewrote.
+    """The text of a growing token list, decoded a few tokens per step (as vLLM's incremental detokenizer), not whole
+    every step (O(n^2) over a request): the new tokens are decoded after a window of decoded ones, tokens[prefix:read],
+    which keeps what a tokenizer does at a boundary (SentencePiece's leading space, a character split over tokens).
+    `update` returns what a whole decode gives, less a trailing incomplete character, so a stop string is seen in the
+    step that completes it. A tokenizer that cleans up spaces (`clean_up_tokenization_spaces`), or that rewrote a
+    window, has its text decoded whole every step (the windows go on: the offsets come from them).
 
-    The same windows place each token in the text: `offsets[i]` is where token i starts, the length of the text
-    of tokens[:i] (its complete characters: a character split over tokens belongs to the token that completes it),
-    set once when the token arrives — a step's first token starts where the text ends, each further one where the
-    window decoded up to it ends (one more window decode per token) — so n tokens cost O(n). The windows keep
-    going when the text is decoded whole (the offsets come from them; the window text is reset to the whole
-    decode whenever no token is pending), and a window the tokenizer rewrote replaces its part of the text.
-    `offsets_of` places a token list (a prompt) without decoding it whole."""
+    `offsets[i]`: where token i starts, the length of the text of tokens[:i] (complete characters), set once when
+    it arrives (a step's first token where the text ends, each further one where the window up to it ends): n tokens
+    cost O(n). `offsets_of` places a token list (a prompt) without decoding it whole."""
 
     prefix: int = 0  # tokens[prefix:read]: the context decoded again with the next tokens
     read: int = 0  # tokens[:read] are in text
@@ -213,8 +201,7 @@ class Row:
     raw_logprobs: list[float] = field(default_factory=list)
     top: list[TopLogprobs] = field(default_factory=list)
     sent: str = ""  # text already streamed
-    successes: int = 0  # accepted drafts (adaptive gamma)
-    failures: int = 0  # steps that ended in a rejection (adaptive gamma)
+    failures: int = 0  # steps that ended in a rejection (adaptive gamma; its successes: stats.accepted)
     stats: SpecStats = field(default_factory=SpecStats)
     done: Completion | None = None
     detok: IncrementalDecoder = field(default_factory=IncrementalDecoder)  # the streamed text, incrementally
@@ -250,7 +237,6 @@ class Row:
     def observe(self, drafted: int, accepted: int, nodes: int) -> None:
         """One verification step: a draft `drafted` deep with `nodes` tokens, of which `accepted` were kept."""
         self.stats.observe(drafted, accepted, nodes)
-        self.successes += accepted
         self.failures += int(accepted < drafted)
 
     def take(
@@ -283,19 +269,9 @@ class Row:
         return returned
 
     def finish(self, reason: str, stop_reason) -> None:
-        self.done = Completion(
-            index=self.index,
-            prompt_token_ids=self.prompt,
-            token_ids=[],
-            text="",
-            finish_reason=reason,
-            stop_reason=stop_reason,
-            logprobs=None,
-            raw_logprobs=None,
-            stats=self.stats,
-            key=self.key,
-            weight_version=self.weight_version,
-        )
+        """The row's end: its Completion, whose tokens, text and logprobs `_complete` (or `fail`) fills in."""
+        self.done = Completion(self.index, self.prompt, [], "", reason, stop_reason, None, None, self.stats)
+        self.done.key, self.done.weight_version = self.key, self.weight_version
 
     def fail(self, error: Exception) -> StreamEvent:
         """End the row with finish_reason "error" (nothing decoded: the decoder may be what failed); its last event."""

@@ -1,21 +1,11 @@
-"""The speculative step and the scheduler, with one home: a `GenerationSession` runs jobs of requests on an
-`EngineCore` — requests join the batch (whole groups, at most `max_batch` rows) and leave it (they finish, or are
-aborted) between steps: continuous batching — and runs `Barrier`s (weight updates) between jobs, so that every job
-is drawn under one weight version, which its completions report. While rows run, a prompt longer than
-`prefill_chunk` is prefilled outside the batch, one chunk per step, and joins once complete (chunked prefill).
-
-    draft  -> the proposer's `Draft` (a token tree per row; a chain is the tree with parents -1, 0, 1, ...)
-    verify -> one target forward over every row's pending token and draft nodes, p from the same processing as
-              plain sampling, verify_chain (chains) or verify_tree (trees): a `StepOutput`
-    commit -> the target's cache keeps each row's accepted path (`keep_paths`), the proposer its own
-    emit   -> each row takes its tokens (EOS, budget, stop strings) and yields a `StreamEvent`
-
-A request's randomness is its own generator, and with a fixed draft length its tokens do not depend on which
-other requests share the batch (as far as the kernels are batch-invariant; see `verispec.engine.generator`); under
-random=auto (the default) a request that carries a seed is Gumbel-coupled instead (`engine.randomness`): its tokens
-depend on neither gamma (auto included), the batch nor the load.
-Not thread-safe: drive it from one thread (the server's engine thread does); `Barrier.wait` is the one call meant
-for other threads.
+"""The scheduler: a `GenerationSession` runs jobs of requests on an `EngineCore` — requests join the batch (whole
+groups, at most `max_batch` rows) and leave it (they finish, or are aborted) between steps: continuous batching — and
+runs `Barrier`s (weight updates) between jobs, so that every job is drawn under one weight version, which its
+completions report. While rows run, a prompt longer than `prefill_chunk` is prefilled outside the batch, one chunk
+per step, and joins once complete (chunked prefill). One step is `engine.step`'s; then each row takes its tokens (EOS,
+budget, stop strings) and yields a `StreamEvent`. Its books (jobs waiting, running, by key, deadlines) are the only
+ones: a caller follows its jobs through `Job.on_admit` and `Job.on_event`. Not thread-safe: drive it from one thread
+(the server's engine thread does); `Barrier.wait` is the one call meant for other threads.
 """
 
 from __future__ import annotations
@@ -27,45 +17,32 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..drafting import Draft
-from ..drafting.grammar import fit_draft
+from ..drafting.batch import BatchView
 from ..model.protocol import Staged, Staging
 from ..sampling import SamplingMetadata, SamplingParams
-from ..drafting.batch import BatchView
 from .core import EngineCore, check_prefill_chunk
-from .request import Barrier, Job, Request, check_limits
-from .rows import Completion, Row, RowFault, StreamEvent
+from .request import Barrier, Job, Request
+from .rows import Completion, Row, StreamEvent
 from .stats import SpecStats
-from .verify import Batch, StepOutput
+from .step import row_fault, speculative_step
+from .verify import StepOutput
 
-__all__ = ["GenerationSession", "StepOutput", "check_limits"]
-
-
-@dataclass(eq=False)
-class _Live:
-    """A submitted job while it is unfinished: how many of its requests joined the batch, how many are still open."""
-
-    job: Job
-    admitted: int = 0
-    open: int = 0
+__all__ = ["GenerationSession"]
 
 
 @dataclass(eq=False)
 class _Prefill:
-    """Admitted rows sharing one long prompt while it is prefilled outside the batch, a chunk per step (the runner's
-    `Staged`); they hold their batch slots and join it together once the prompt is complete."""
+    """Admitted rows sharing a long prompt being prefilled (`Staged`, a chunk per step); they hold batch slots."""
 
     rows: list[Row]
     staged: Staged
 
 
 class GenerationSession:
-    """Continuous batching and scheduling over one EngineCore; `step()` admits what the queue allows and runs one
-    draft + verify step for every row in the batch (see the module docstring). `max_batch`: the most rows at once
-    (None: no bound), rows being prefilled included. `prefill_chunk`: while rows run, a prompt longer than this is
-    prefilled outside the batch, at most this many prompt tokens per step in all, and joins once complete (chunked
-    prefill: the running rows wait one chunk per step, not a whole prompt); 0: every prompt whole at admission;
-    None: the core's (`EngineCore.prefill_chunk`)."""
+    """Continuous batching and scheduling over one EngineCore; `step()` admits what the queue allows and runs one step
+    for every row in the batch. `max_batch`: the most rows at once (None: no bound), rows being prefilled included.
+    `prefill_chunk`: while rows run, a longer prompt is prefilled outside the batch, at most this many prompt tokens
+    per step in all, and joins once complete; 0: every prompt whole at admission; None: the core's."""
 
     def __init__(self, core: EngineCore, max_batch: int | None = None, prefill_chunk: int | None = None):
         core = getattr(core, "core", core)  # a SpeculativeGenerator passes its core
@@ -76,23 +53,35 @@ class GenerationSession:
         self.prefill_chunk = check_prefill_chunk(core.prefill_chunk if prefill_chunk is None else prefill_chunk)
         self.rows: list[Row] = []  # in the batch, in cache row order
         self.prefilling: list[_Prefill] = []  # admitted rows whose prompts are being prefilled, in admission order
-        self.queue: deque[_Live | Barrier] = deque()  # jobs not fully admitted and barriers, in submission order
+        self.queue: deque[Job | Barrier] = deque()  # jobs not fully admitted and barriers, in submission order
         self.stats = SpecStats()  # pooled over this session
         self.prompt_mask: Tensor | None = None  # [B, V] bool: tokens in each row's prompt
         self.counts: Tensor | None = None  # [B, V] float32: each row's generated-token counts
         self.last_step: list[tuple[int, int]] = []  # (drafted, accepted) per row of the last step, for metrics
         self.sampling: SamplingMetadata | None = None  # self.rows' params as tensors (rebuilt in _join / _keep)
-        self._live: dict[object, _Live] = {}  # job key -> its state, while unfinished
-        self._owner: dict[object, _Live] = {}  # request key -> its job's state, while the request is unfinished
+        self._live: dict[object, Job] = {}  # job key -> the job, while unfinished (in submission order)
+        self._owner: dict[object, Job] = {}  # request key -> its job, while the request is unfinished
 
     # --- submitting ---------------------------------------------------------------------------------------
     @property
     def pending(self) -> list[Request]:
-        """Submitted requests that have not joined the batch yet (being prefilled, then queued), in the order they
-        will."""
-        staged = [self._request(r.key) for p in self.prefilling for r in p.rows]
-        queued = [r for item in self.queue if isinstance(item, _Live) for r in item.job.requests[item.admitted :]]
-        return staged + queued
+        """Submitted requests not in the batch yet (being prefilled, then queued), in the order they will join."""
+        staged = [r for p in self.prefilling for row in p.rows for r in self._unfinished(row.key)]
+        return staged + [r for job in self.queue if isinstance(job, Job) for r in job.requests[job.admitted :]]
+
+    @property
+    def num_running(self) -> int:
+        """Requests admitted and unfinished: in the batch or being prefilled."""
+        return len(self.rows) + sum(len(p.rows) for p in self.prefilling)
+
+    @property
+    def jobs(self) -> list[Job]:
+        """The unfinished jobs, in submission order."""
+        return list(self._live.values())
+
+    def job(self, key: object) -> Job | None:
+        """An unfinished job by its key, or by the key of one of its unfinished requests (None: neither)."""
+        return self._live.get(key) or self._owner.get(key)
 
     @property
     def num_active(self) -> int:
@@ -105,20 +94,19 @@ class GenerationSession:
         return not self.rows and not self.prefilling and not self.queue
 
     def submit(self, job: Job) -> object:
-        """Queue a job (its requests checked against the core now); it starts once every barrier submitted before it
-        has run. Returns its key."""
+        """Queue a job (its requests checked against the core now, those no core has checked: `EngineCore.check`);
+        it starts once every barrier submitted before it has run. Returns its key."""
         if job.key in self._live:
             raise ValueError(f"a job with key {job.key!r} is already in this session")
         for req in job.requests:
-            self.core.check(req)
+            if req.checked is not self.core:
+                self.core.check(req)
             if req.key in self._owner:
                 raise ValueError(f"a request with key {req.key!r} is already in this session")
-        job.weight_version = None  # set when it starts in this session (a job submitted again starts anew)
-        live = _Live(job, open=len(job.requests))
-        self._live[job.key] = live
-        for req in job.requests:
-            self._owner[req.key] = live
-        self.queue.append(live)
+        job.weight_version, job.admitted, job.open = None, 0, len(job.requests)  # (submitted again: anew)
+        self._live[job.key] = job
+        self._owner.update((req.key, job) for req in job.requests)
+        self.queue.append(job)
         return job.key
 
     def add(self, prompt, params: SamplingParams = SamplingParams(), **options) -> object:
@@ -135,50 +123,58 @@ class GenerationSession:
         self.queue.append(b)
         return b
 
-    def abort(self, key: object) -> list[StreamEvent]:
-        """End a job (by its key) or one request (by its key) now: each unfinished request's last event, finish_reason
-        "abort", with the tokens it has (none when it had not joined the batch). Unknown keys: []."""
-        if key in self._live:
-            live = self._live[key]
-            keys = [r.key for r in live.job.requests if self._owner.get(r.key) is live]
-        elif key in self._owner:
-            keys = [key]
-        else:
-            return []
-        events = []
+    def abort(self, *keys: object, error: Exception | None = None) -> list[StreamEvent]:
+        """End jobs (by their keys) or single requests (by theirs) now: each unfinished request's last event, with
+        finish_reason "abort" and the tokens it has (none when it had not joined the batch), or with `error`: "error"
+        (`Completion.error`). Unknown keys: nothing. Each event goes to its job's `on_event` too."""
+        reqs = [r for k in keys for r in self._unfinished(k)]
         running = {r.key: b for b, r in enumerate(self.rows)}
-        for k in keys:
-            b = running.get(k)
+        events = []
+        for req in reqs:
+            job, b = self._owner.get(req.key), running.get(req.key)
+            if job is None:  # (named twice)
+                continue
             if b is None:
-                live = self._owner[k]
-                req = next(r for r in live.job.requests if r.key == k)
-                events.append(_aborted(req, live.job.weight_version))
+                event = _aborted(req, job.weight_version, error)
+            elif error is not None:
+                event = self.rows[b].fail(error)
             else:
-                row = self.rows[b]
-                row.finish("abort", None)
-                events.append(row.event(self.core.tokenizer, len(row.tokens)))
-            self._closed(k)
+                self.rows[b].finish("abort", None)
+                event = self.rows[b].event(self.core.tokenizer, len(self.rows[b].tokens))
+            events.append((job, event))
+            self._closed(req.key)
         self._unstage()
         self._keep([b for b, r in enumerate(self.rows) if r.key in self._owner])
         self.queue = deque(x for x in self.queue if isinstance(x, Barrier) or self._waiting(x))
-        return events
+        return _notify(events)
+
+    def expire(self, now: float | None = None) -> list[StreamEvent]:
+        """Abort the jobs whose `Job.deadline` has passed (at `now`, a time.perf_counter() time); their events."""
+        now = time.perf_counter() if now is None else now
+        late = [j.key for j in self._live.values() if j.deadline is not None and j.deadline <= now]
+        return self.abort(*late) if late else []
+
+    def reset(self, error: Exception, everything: bool = False) -> list[StreamEvent]:
+        """After a failed step or admission (the batch's state untrusted): every started job (every job, with
+        `everything`) ends with `error` (`abort`, no tokens) and the batch starts afresh; the rest stays queued."""
+        self.close()
+        self.rows = []
+        return self.abort(*[j.key for j in self._live.values() if everything or j.admitted], error=error)
 
     def step(self) -> list[StreamEvent]:
-        """Admit what the queue allows (running barriers that are due), then one step for the rows in the batch;
-        returns this step's events (a finished request's last event carries its Completion)."""
+        """Admit what the queue allows (running barriers that are due), then one step (`run`); the step's events."""
         self.schedule()
         return self.run()
 
     def run(self) -> list[StreamEvent]:
-        """One draft + verify step for the rows in the batch (none: no events)."""
+        """One speculative step for the rows in the batch (`speculative_step`; none: no events); its events."""
         if not self.rows:
             return []
+        owners = {r.key: self._owner[r.key] for r in self.rows}
         view = self._view(penalties=any(r.params.uses_penalties for r in self.rows))
-        draft = self._draft(view)
-        out = self._verify(view, draft)
-        faults: dict[int, Exception] = {b: RowFault(why) for b, why in view.faults.items()}  # row -> its failure
-        self._commit(view, draft, out, faults)
-        return self._emit(out, faults)
+        out, faults = speculative_step(self.core, self.rows, view, self.sampling.all_identity, self.stats)
+        self.last_step = list(zip(out.drafted, out.accepted))
+        return _notify([(owners[e.key], e) for e in self._emit(out, faults)])
 
     # --- scheduling ---------------------------------------------------------------------------------------
     def schedule(self) -> None:
@@ -202,20 +198,18 @@ class GenerationSession:
         if self.prefilling:
             self._prefill()
 
-    def _take(self, live: _Live, joining: list[Row]) -> bool:
+    def _take(self, job: Job, joining: list[Row]) -> bool:
         """Rows for the job's next groups while they fit; True once every request of the job has joined."""
-        job = live.job
         if job.weight_version is None:
             job.weight_version = self.core.weight_version
-        staged = sum(len(p.rows) for p in self.prefilling)  # rows being prefilled hold their slots
-        while live.admitted < len(job.requests):
-            held = len(self.rows) + staged + len(joining)
+        while job.admitted < len(job.requests):
+            held = self.num_running + len(joining)  # rows being prefilled hold their slots
             free = (self.max_batch or 1 << 30) - held
-            size = min(job.group - live.admitted % job.group, len(job.requests) - live.admitted)
+            size = min(job.group - job.admitted % job.group, len(job.requests) - job.admitted)
             if free <= 0 or (size > free and held):
                 return False
-            for req in job.requests[live.admitted : live.admitted + min(size, free)]:
-                live.admitted += 1
+            for req in job.requests[job.admitted : job.admitted + min(size, free)]:
+                job.admitted += 1
                 if req.key not in self._owner:  # aborted before it joined
                     continue
                 row = Row.of(req, job.weight_version, 0 if self.core.proposer is None else req.gamma)
@@ -225,22 +219,23 @@ class GenerationSession:
                     job.on_admit(req)
         return True
 
-    def _waiting(self, live: _Live) -> bool:
+    def _waiting(self, job: Job) -> bool:
         """Whether the job still has requests to admit (not aborted)."""
-        return any(r.key in self._owner for r in live.job.requests[live.admitted :])
+        return any(r.key in self._owner for r in job.requests[job.admitted :])
 
-    def _request(self, key: object) -> Request:
-        """An unfinished request, by its key."""
-        return next(r for r in self._owner[key].job.requests if r.key == key)
+    def _unfinished(self, key: object) -> list[Request]:
+        """The unfinished requests a key names: a job's, or one request's (none: unknown)."""
+        if key in self._live:
+            return [r for r in self._live[key].requests if self._owner.get(r.key) is self._live[key]]
+        return [r for r in self._owner[key].requests if r.key == key] if key in self._owner else []
 
     def _closed(self, key: object) -> None:
         """A request ended (finished or aborted): its job ends with its last one."""
-        live = self._owner.pop(key, None)
-        if live is None:
-            return
-        live.open -= 1
-        if live.open == 0:
-            self._live.pop(live.job.key, None)
+        job = self._owner.pop(key, None)
+        if job is not None:
+            job.open -= 1
+            if job.open == 0:
+                self._live.pop(job.key, None)
 
     # --- membership -----------------------------------------------------------------------------------
     def _view(self, rows: list[Row] | None = None, penalties: bool = True, prompt_mask=None, counts=None) -> BatchView:
@@ -314,8 +309,7 @@ class GenerationSession:
                 self._enter(p.rows, p.staged)
 
     def close(self) -> None:
-        """Free what the session holds outside the batch (prompts being prefilled: on llama.cpp, sequences and cells
-        of the shared context); call it when dropping a session that has not run to idle."""
+        """Free the prompts being prefilled (llama.cpp: sequences of the shared context), dropping a busy session."""
         for p in self.prefilling:
             p.staged.close()
         self.prefilling.clear()
@@ -375,93 +369,13 @@ class GenerationSession:
         self.prompt_mask, self.counts = self.prompt_mask.index_select(0, idx), self.counts.index_select(0, idx)
         self.sampling = self.sampling.select(keep)
 
-    # --- draft ----------------------------------------------------------------------------------------
-    def _room(self) -> list[int]:
-        """Per row, the most draft tokens its budget and the context leave room for (the step adds one more)."""
-        end = self.core.max_positions or 1 << 30
-        return [min(r.max_new - len(r.tokens), end - len(r.seq)) - 1 for r in self.rows]
-
-    def _caps(self) -> list[int]:
-        """Per row, the most draft tokens to draft: its room, and its gamma (or the controller's choice)."""
-        caps = self._room()
-        core = self.core
-        if core.proposer is not None and core.proposer.tree is not None:  # the tree's shape sets the draft
-            return [0 if r.gamma == 0 else c for r, c in zip(self.rows, caps)]
-        controller, B = core.controller, len(self.rows)
-        probe = controller.wants_plain_probe(B)  # measure T(1) at this batch size once
-        return [
-            max(0, min(r.gamma, c))
-            if r.gamma is not None
-            else 0
-            if probe
-            else controller.choose(r.successes, r.failures, c, r.stats.target_passes, batch=B)
-            for r, c in zip(self.rows, caps)
-        ]
-
-    def _draft(self, view: BatchView) -> Draft:
-        core = self.core
-        caps = self._caps()
-        t0 = time.perf_counter()
-        if core.proposer is not None:  # also with every cap 0: its state then follows the step (update)
-            if core.randomness.lookahead:  # drafts past those the target is fed (positional seeding: one)
-                caps = [c + core.randomness.lookahead for c in caps]
-            draft = core.proposer.propose(view, caps)
-        else:
-            draft = Draft.empty(len(self.rows), core.device)
-        seconds = time.perf_counter() - t0
-        self.stats.draft_time += seconds
-        if draft.chain and max(draft.num_nodes) > 0:
-            core.controller.observe_draft(seconds / max(draft.num_nodes), len(self.rows))
-        if view.grammars is not None and core.proposer is not None:  # cut before refused tokens, jump forward
-            # not where the row drafts nothing this step (speculation off, the controller's plain probe), nor under
-            # position seeding (a forced token's one-hot q would make a seed's tokens depend on where steps start)
-            room = [c if cap > 0 else 0 for c, cap in zip(self._room(), caps)]
-            jump = 0 if core.randomness.name == "position" else core.jump
-            draft = fit_draft(draft, view.grammars, room, jump)
-        return draft
-
-    # --- verify ---------------------------------------------------------------------------------------
-    def _verify(self, view: BatchView, draft: Draft) -> StepOutput:
-        """One target forward over the pending tokens and the drafts, then exact verification (the core's)."""
-        core, t0 = self.core, time.perf_counter()
-        batch = Batch(core.runner, self.rows, view, self.sampling.all_identity)
-        step, width = core.verification(batch, draft)
-        seconds = time.perf_counter() - t0
-        self.stats.verify_time += seconds
-        if draft.chain:
-            core.controller.observe_verify(width, seconds, len(self.rows))
-        return step
-
-    # --- commit and emit ------------------------------------------------------------------------------
-    def _commit(self, view: BatchView, draft: Draft, out: StepOutput, faults: dict[int, Exception]) -> None:
-        """Keep each row's pending token and accepted path in the target's cache (everything else is dropped),
-        append the emitted tokens, count the step, and let the proposer roll its own state forward. A row whose
-        grammar raises joins `faults` (it ends in `_emit`; a faulty row's state stays consistent until then)."""
-        core = self.core
-        old_lengths = [len(r.seq) for r in self.rows]
-        core.runner.keep_paths([n - 1 for n in old_lengths], [[0] + [n + 1 for n in path] for path in out.paths])
-        for b, r in enumerate(self.rows):
-            if r.grammar is not None and b not in faults:
-                try:
-                    _cut(out, b, r.grammar.advance(out.tokens[b]))  # past a dead end: nothing (the row ends there)
-                except Exception as e:  # this request's grammar: it fails alone
-                    faults[b] = _row_fault("its grammar", e)
-            r.seq.extend(out.tokens[b])  # view.seqs are these lists: the proposer sees the committed tokens
-            if b in faults:  # its step verified a placeholder: not counted anywhere
-                continue
-            r.observe(out.drafted[b], out.accepted[b], out.nodes[b])
-            self.stats.observe(out.drafted[b], out.accepted[b], out.nodes[b])
-            if draft.chain:
-                core.controller.observe_acceptance(out.accepted[b], int(out.accepted[b] < out.drafted[b]))
-        if core.proposer is not None:
-            core.proposer.update(view, old_lengths, draft, out.paths)
-        self.last_step = list(zip(out.drafted, out.accepted))
-
+    # --- emit ------------------------------------------------------------------------------------------
     def _emit(self, out: StepOutput, faults: dict[int, Exception]) -> list[StreamEvent]:
         """Each row takes its tokens and gives its event; a row in `faults`, or whose stop strings, grammar or
         detokenizer raise now, ends with finish_reason "error" (`Row.fail`) and the others go on unchanged."""
         events: list[StreamEvent] = []
         keep: list[int] = []
+        ended: list[object] = []  # closed once the batch has its new membership (a failure before: still open)
         for b, r in enumerate(self.rows):
             event = None if b in faults else self._take_tokens(b, r, out)
             if isinstance(event, Exception):
@@ -472,13 +386,15 @@ class GenerationSession:
                 r.stats.output_tokens = len(r.done.token_ids)
                 r.stats.wall_time = time.perf_counter() - r.t_start  # this request's latency
                 self.stats.output_tokens += len(r.done.token_ids)
-                self._closed(r.key)
+                ended.append(r.key)
                 events.append(event)
             else:
                 keep.append(b)
                 if event.delta or event.token_ids:
                     events.append(event)
         self._keep(keep)
+        for key in ended:
+            self._closed(key)
         return events
 
     def _take_tokens(self, b: int, r: Row, out: StepOutput) -> StreamEvent | Exception:
@@ -502,36 +418,21 @@ class GenerationSession:
             return r.event(core.tokenizer, before)
         except Exception as e:
             r.done = None  # (a finish before the failure does not stand)
-            return _row_fault("taking its tokens", e)
+            return row_fault("taking its tokens", e)
 
 
-def _row_fault(where: str, e: Exception) -> RowFault:
-    """A request's own failure inside a step, as the RowFault that ends it (the cause kept)."""
-    fault = RowFault(f"{where} failed: {type(e).__name__}: {e}")
-    fault.__cause__ = e
-    return fault
+def _notify(events: list[tuple[Job, StreamEvent]]) -> list[StreamEvent]:
+    """Each event to its job's `on_event`; the events."""
+    for job, event in events:
+        if job.on_event is not None:
+            job.on_event(event)
+    return [event for _, event in events]
 
 
-def _cut(out: StepOutput, b: int, keep: int) -> None:
-    """Row b emits only its first `keep` tokens of this step."""
-    for rows in (out.tokens, out.logprobs, out.raw_logprobs, *([out.top] if out.top else [])):
-        del rows[b][keep:]
-
-
-def _aborted(req: Request, weight_version: int | None) -> StreamEvent:
-    """The last event of a request aborted before it joined the batch: no tokens."""
-    c = Completion(
-        index=req.index,
-        prompt_token_ids=list(req.prompt_token_ids),
-        token_ids=[],
-        text="",
-        finish_reason="abort",
-        stop_reason=None,
-        logprobs=[],
-        raw_logprobs=[],
-        stats=SpecStats(),
-        top_logprobs=[] if req.top_logprobs else None,
-        key=req.key,
-        weight_version=weight_version,
-    )
+def _aborted(req: Request, weight_version: int | None, error: Exception | None = None) -> StreamEvent:
+    """The last event of a request that ends without a row ("abort", or "error" with `error`): no tokens."""
+    reason = "abort" if error is None else "error"
+    c = Completion(req.index, list(req.prompt_token_ids), [], "", reason, None, [], [], SpecStats(), key=req.key)
+    c.weight_version, c.error = weight_version, error
+    c.top_logprobs = [] if req.top_logprobs else None
     return StreamEvent(req.index, "", [], completion=c, key=req.key)

@@ -1,15 +1,13 @@
-"""Speculation statistics in one place: observe(drafted, accepted, nodes) per row and step; rates derived here.
-
-Chains and trees are counted alike. Per step, `drafted` is the draft's depth — the most tokens the step could
-accept (a chain: its length; a tree: its deepest path) — and `nodes` the draft tokens the target checked (a chain:
-the same number; a tree: every node). So `acceptance_rate` = accepted / drafted is, for a tree, the fraction of
-its depth that was accepted, and `per_position_acceptance[j]` the probability that depth j + 1 was reached given
-depth j was: for a chain of one node per depth, exactly the classic per-position acceptance.
+"""Speculation statistics: observe(drafted, accepted, nodes) per row and step; rates derived here. Chains and trees
+are counted alike: `drafted` is the draft's depth (the most tokens the step could accept), `nodes` the draft tokens
+the target checked. So for a tree `acceptance_rate` is the fraction of its depth accepted, and
+`per_position_acceptance[j]` P(depth j + 1 reached | depth j reached): for a chain, the classic per-position rate.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from itertools import zip_longest
 
 __all__ = ["SpecStats"]
 
@@ -59,10 +57,8 @@ class SpecStats:
         self.emitted += accepted + 1
         self.target_passes += 1
         self.steps_by_drafted[drafted] = self.steps_by_drafted.get(drafted, 0) + 1
-        while len(self.drafted_at) < drafted:
-            self.drafted_at.append(0)
-            self.reached_at.append(0)
-            self.accepted_at.append(0)
+        for at in (self.drafted_at, self.reached_at, self.accepted_at):
+            at.extend([0] * (drafted - len(at)))
         for j in range(drafted):
             self.drafted_at[j] += 1
             self.reached_at[j] += j <= accepted
@@ -74,29 +70,15 @@ class SpecStats:
         Args:
             other: The stats to add.
         """
-        for name in (
-            "drafted",
-            "accepted",
-            "emitted",
-            "nodes",
-            "target_passes",
-            "output_tokens",
-            "draft_time",
-            "verify_time",
-            "other_time",
-            "wall_time",
-        ):
-            setattr(self, name, getattr(self, name) + getattr(other, name))
-        for g, n in other.steps_by_drafted.items():
-            self.steps_by_drafted[g] = self.steps_by_drafted.get(g, 0) + n
-        for name in ("drafted_at", "reached_at", "accepted_at"):
-            mine, theirs = getattr(self, name), getattr(other, name)
-            n = max(len(mine), len(theirs))
-            setattr(
-                self,
-                name,
-                [(mine[j] if j < len(mine) else 0) + (theirs[j] if j < len(theirs) else 0) for j in range(n)],
-            )
+        for f in fields(self):
+            mine, theirs = getattr(self, f.name), getattr(other, f.name)
+            if isinstance(mine, dict):  # steps_by_drafted
+                for g, n in theirs.items():
+                    mine[g] = mine.get(g, 0) + n
+            elif isinstance(mine, list):  # the per-position counts
+                setattr(self, f.name, [a + b for a, b in zip_longest(mine, theirs, fillvalue=0)])
+            else:
+                setattr(self, f.name, mine + theirs)
 
     @property
     def acceptance_rate(self) -> float:

@@ -1,15 +1,8 @@
-"""A step's verification, chosen when the engine is built: one target forward over every row's pending token and
-draft nodes, p from the same processing as plain sampling, then exact verification of the draft against it.
-
-    Verification            chains with a chain rule (verify_chain: token-wise; verify_block), trees with
-                            verify_tree (each tree rule); the randomness's `targets` transform p (Gumbel coupling:
-                            every row under gumbel, the seeded requests' rows under auto)
-    PositionalVerification  seeding "position" (chains): every uniform keyed by (seed, position, purpose), the
-                            step's last draft verified without being fed (`sampling.positional`)
-
-Both return a `StepOutput` and the forward's width (for the gamma controller's cost curve). The verification
-functions are the ones the engine was built with: `certify` injects its deliberate bugs there, behind the same
-interfaces (`certify.bugs`), never as parameters of these functions.
+"""A step's verification: one target forward over every row's pending token and draft nodes (`score`), p from the
+same processing as plain sampling, then exact verification of the draft against it — `Verification` (chains and
+trees, against the randomness's targets of p; a caller may give its own, e.g. the certifier's broken rules) or
+`PositionalVerification` (random=position). Both return a `StepOutput` and the forward's width (for the gamma
+controller's cost curve); the step's results stay tensors until `outputs` moves them to the host in one transfer.
 """
 
 from __future__ import annotations
@@ -21,13 +14,13 @@ import torch
 from torch import Tensor
 
 from ..drafting.base import Draft
+from ..drafting.batch import BatchView
+from ..sampling import verify_chain, verify_tree
 from ..sampling.positional import ACCEPT, FINAL, keyed_uniforms, verify_positional
 from ..sampling.tree import chain_parents
-from ..drafting.batch import BatchView
-from ..sampling.randomness import Randomness
 from .rows import Row, TopLogprobs
 
-__all__ = ["PositionalVerification", "StepOutput", "Verification", "make_verification"]
+__all__ = ["PositionalVerification", "StepOutput", "Verification"]
 
 
 @dataclass(frozen=True)
@@ -42,6 +35,11 @@ class StepOutput:
     logprobs: list[list[float]]  # [B][accepted + 1]: log p(x) under the processed target distribution
     raw_logprobs: list[list[float]]  # [B][accepted + 1]: log softmax(target logits)(x)
     top: list[list[TopLogprobs]] | None  # [B][accepted + 1]: best raw alternatives, when a row asked for them
+
+    def cut(self, b: int, keep: int) -> None:
+        """Row b emits only its first `keep` tokens of this step."""
+        for rows in (self.tokens, self.logprobs, self.raw_logprobs, *([self.top] if self.top else [])):
+            del rows[b][keep:]
 
 
 @dataclass(frozen=True)
@@ -64,36 +62,32 @@ def score(batch: Batch, chunk, ids: Tensor, par: Tensor, parents=None) -> tuple[
     return logits, batch.view.probs(logits, *ctx, valid=valid)
 
 
+@dataclass(frozen=True)
 class Verification:
-    """Chains by `chain` (verify_chain's interface), trees by `tree` (verify_tree's), against the randomness's
-    targets of p."""
+    """The verification strategy: chains by `chain` (verify_chain's interface), trees by `tree` (verify_tree's),
+    against the randomness's targets of p (`view.randomness`)."""
 
-    def __init__(self, chain: Callable, tree: Callable, randomness: Randomness):
-        self.chain, self.tree, self.randomness = chain, tree, randomness
+    chain: Callable = verify_chain
+    tree: Callable = verify_tree
 
     def __call__(self, batch: Batch, draft: Draft) -> tuple[StepOutput, int]:
-        rows, view, dev = batch.rows, batch.view, batch.view.device
-        nn = draft.num_nodes
+        view = batch.view
+        nn, B = draft.num_nodes, len(batch.rows)
         N = max(nn)
         ids, par = draft.token_ids[:, :N], draft.parents[:, :N]  # [B, N]
-        node_ids, node_par = ids.tolist(), par.tolist()
-        chunk = [[r.seq[-1]] + node_ids[b][: nn[b]] for b, r in enumerate(rows)]
-        parents = None if draft.chain else [[-1] + [p + 1 for p in node_par[b][: nn[b]]] for b in range(len(rows))]
+        nodes = torch.cat([ids, par], 1).tolist() if N else [[]] * B  # the fed nodes, to the host at once
+        chunk = [[r.seq[-1]] + nodes[b][: nn[b]] for b, r in enumerate(batch.rows)]
+        parents = None if draft.chain else [[-1] + [p + 1 for p in nodes[b][N : N + nn[b]]] for b in range(B)]
         logits, p = score(batch, chunk, ids, par, parents)  # [B, N + 1, V]: root, then the nodes
-        num = torch.tensor(nn, device=dev)
-        p_v = self.randomness.targets(p, view, draft)  # p itself, or its coupled one-hot targets (gumbel, auto)
+        p_v = view.randomness.targets(p, view, draft)  # p itself, or its coupled one-hot targets (gumbel, auto)
         if draft.chain:
             q = draft.probs[:, :N] if draft.probs is not None else None  # [B, N, V]
-            out = self.chain(p_v, ids, q, num, view.generators, check=False)
-            accepted = out.num_accepted.tolist()
-            paths = [list(range(a)) for a in accepted]
-        else:
-            q = draft.probs[:, : N + 1] if draft.probs is not None else None  # [B, N + 1, V]
-            sampled = draft.sampled[:, :N] if draft.sampled is not None else None
-            out = self.tree(p_v, ids, par, q, num, view.generators, rule=draft.rule, check=False, sampled=sampled)
-            accepted = out.num_accepted.tolist()
-            paths = [row[:a] for row, a in zip(out.path.tolist(), accepted)]
-        return outputs(batch, draft, logits, p, out.token_ids, paths, accepted), N + 1
+            out = self.chain(p_v, ids, q, list(nn), view.generators, check=False)
+            return outputs(batch, draft, logits, p, out.token_ids, out.num_accepted, None), N + 1
+        q = draft.probs[:, : N + 1] if draft.probs is not None else None  # [B, N + 1, V]
+        sampled = draft.sampled[:, :N] if draft.sampled is not None else None
+        out = self.tree(p_v, ids, par, q, list(nn), view.generators, rule=draft.rule, check=False, sampled=sampled)
+        return outputs(batch, draft, logits, p, out.token_ids, out.num_accepted, out.path), N + 1
 
 
 class PositionalVerification:
@@ -107,7 +101,7 @@ class PositionalVerification:
         ids = torch.full((B, F + 1), -1, dtype=torch.int64, device=dev)  # [B, F + 1]: drafts at every slot
         width = min(draft.token_ids.shape[1], F + 1)
         ids[:, :width] = draft.token_ids[:, :width]
-        node_ids = ids.tolist()
+        node_ids = ids.tolist()  # the fed drafts, to the host at once
         chunk = [[r.seq[-1]] + node_ids[b][: fed[b]] for b, r in enumerate(batch.rows)]
         fed_ids = torch.where(torch.arange(F, device=dev) < torch.tensor(fed, device=dev).unsqueeze(1), ids[:, :F], -1)
         logits, p = score(batch, chunk, fed_ids, chain_parents(B, F, dev))  # [B, F + 1, V]
@@ -115,66 +109,63 @@ class PositionalVerification:
         if q.shape[1] < F + 1:
             q = torch.cat([q, torch.zeros_like(p[:, q.shape[1] :])], 1)
         slots = [[n + j for j in range(F + 1)] for n in view.positions]
-        out = verify_positional(
-            p,
-            ids,
-            q,
-            torch.tensor(fed, device=dev),
-            keyed_uniforms(view.seeds, slots, ACCEPT, dev),
-            keyed_uniforms(view.seeds, slots, FINAL, dev),
-            has_last=torch.tensor([n > 0 for n in draft.num_nodes], device=dev),
-        )
-        accepted = out.num_accepted.tolist()
+        uniforms = [keyed_uniforms(view.seeds, slots, purpose, dev) for purpose in (ACCEPT, FINAL)]
+        has_last = torch.tensor([n > 0 for n in draft.num_nodes], device=dev)
+        out = verify_positional(p, ids, q, torch.tensor(fed, device=dev), *uniforms, has_last=has_last)
         fed_draft = Draft.chain_of(fed_ids, None if draft.probs is None else q, fed)
-        paths = [list(range(a)) for a in accepted]
-        return outputs(batch, fed_draft, logits, p, out.token_ids, paths, accepted), F + 1
-
-
-def make_verification(chain: Callable, tree: Callable, randomness: Randomness):
-    """The step verification for these verification functions and this randomness."""
-    return PositionalVerification() if randomness.name == "position" else Verification(chain, tree, randomness)
+        return outputs(batch, fed_draft, logits, p, out.token_ids, out.num_accepted, None), F + 1
 
 
 def outputs(
-    batch: Batch,
-    draft: Draft,
-    logits: Tensor,
-    p: Tensor,
-    token_ids: Tensor,
-    paths: list[list[int]],
-    accepted: list[int],
+    batch: Batch, draft: Draft, logits: Tensor, p: Tensor, token_ids: Tensor, num_accepted: Tensor, path: Tensor | None
 ) -> StepOutput:
-    """Emitted tokens with their processed and raw target logprobs (and top alternatives) at their slots.
-    logits, p [B, N + 1, V]; token_ids [B, D + 1] (-1 padded)."""
+    """Emitted tokens with their processed and raw target logprobs at their slots, moved to the host in one
+    transfer (top alternatives, when a row asks for them, in one more). logits, p [B, N + 1, V]; token_ids
+    [B, D + 1] (-1 padded); num_accepted [B]; path [B, D] (trees: the accepted nodes, -1 padded; chains: None)."""
     B, D1 = token_ids.shape
+    dev = logits.device
     tok = token_ids.clamp(min=0).unsqueeze(-1)  # [B, D + 1, 1] (padding -> 0, never read)
-    if draft.chain:  # the emitted token j sits at slot j
+    if path is None:  # a chain: the emitted token j sits at slot j
         p_e, logits_e = p[:, :D1], logits[:, :D1]
-    else:  # slot 0 (the root), then the accepted path's nodes
-        slots = torch.zeros((B, D1), dtype=torch.int64)
-        for b, path in enumerate(paths):
-            slots[b, 1 : len(path) + 1] = torch.tensor([n + 1 for n in path], dtype=torch.int64)
-        sl = slots.to(logits.device).unsqueeze(-1).expand(-1, -1, logits.shape[-1])
+    else:  # slot 0 (the root), then the accepted path's nodes (padding -> the root, never read)
+        slots = torch.cat([torch.zeros((B, 1), dtype=torch.int64, device=dev), path[:, : D1 - 1].clamp(min=-1) + 1], 1)
+        sl = slots.unsqueeze(-1).expand(-1, -1, logits.shape[-1])
         p_e, logits_e = p.gather(1, sl), logits.gather(1, sl)  # [B, D + 1, V]
-    lp = p_e.gather(-1, tok).squeeze(-1).log().tolist()  # [B][D + 1]
+    lp = p_e.gather(-1, tok).squeeze(-1).log()  # [B, D + 1]
     n_top = max(r.top_logprobs for r in batch.rows)
-    log_z = None
+    log_z = raw = None
     if n_top or not batch.all_identity:
         log_z = logits_e.logsumexp(-1, keepdim=True)  # [B, D + 1, 1]
-        raw = (logits_e.gather(-1, tok) - log_z).squeeze(-1).tolist()
-    else:  # p is softmax(logits) itself (temperature 1, no processing): no second pass over [B, D + 1, V]
-        raw = lp
+        raw = (logits_e.gather(-1, tok) - log_z).squeeze(-1)
+    # one transfer: the rows the guard failed, accepted, tokens, logprobs, raw logprobs (where they differ) and the
+    # tree's path, as float64 (token ids and node indices < 2^53 are exact)
+    bad = batch.view.bad if batch.view.bad is not None else torch.zeros(B, dtype=torch.bool, device=dev)
+    parts = [bad.view(B, 1), num_accepted.view(B, 1), token_ids, lp, *([raw] if raw is not None else [])]
+    if path is not None:
+        parts.append(path)
+    host = [h[1:] for h in batch.view.settle(torch.cat([x.to(torch.float64) for x in parts], 1).tolist())]
+    accepted = [int(h[0]) for h in host]
+
+    def emitted(i: int) -> list[list[float]]:  # part i's columns for each row's emitted tokens
+        return [h[1 + i * D1 : 2 + i * D1 + a] for h, a in zip(host, accepted)]
+
+    tokens = [[int(t) for t in row] for row in emitted(0)]
+    lps = emitted(1)
+    raws = emitted(2) if raw is not None else lps
+    paths = [list(range(a)) for a in accepted]
+    if path is not None:  # after the other parts
+        start = 1 + (len(parts) - 3) * D1
+        paths = [[int(n) for n in h[start : start + a]] for h, a in zip(host, accepted)]
     top = _top(logits_e, log_z, n_top) if n_top else None
-    cut = lambda rows: [row[: a + 1] for row, a in zip(rows, accepted)]  # noqa: E731
     return StepOutput(
         drafted=list(draft.depth),
         nodes=list(draft.num_nodes),
         accepted=accepted,
         paths=paths,
-        tokens=cut(token_ids.tolist()),
-        logprobs=cut(lp),
-        raw_logprobs=cut(raw),
-        top=None if top is None else cut(top),
+        tokens=tokens,
+        logprobs=lps,
+        raw_logprobs=raws,
+        top=None if top is None else [row[: a + 1] for row, a in zip(top, accepted)],
     )
 
 

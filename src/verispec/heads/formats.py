@@ -1,37 +1,26 @@
-"""Reading hidden-state heads from disk, in the layouts their trainers write and serving engines load:
+"""Reading hidden-state heads from disk, in the layouts their trainers write and serving engines load (the table in
+docs/guides/train-draft-head.md): EAGLE-3 (SafeAILab `traineagle3` / SpecForge, vLLM's `speculators`), EAGLE-1/2,
+Medusa (FasterDecoding's, vLLM's) and the multi-token-prediction layer of a DeepSeek-V3 / Qwen3-Next checkpoint
+(Llama-layout blocks only; its first layer drafts at every depth).
 
-  eagle3     SafeAILab EAGLE `traineagle3` / SpecForge (what vLLM's `llama_eagle3.py` and SGLang load): config.json
-             with `draft_vocab_size` (architectures `LlamaForCausalLMEagle3`), optional `target_hidden_size` and
-             `eagle_config.eagle_aux_hidden_state_layer_ids`; tensors `fc`, `midlayer.*`, `norm`, `lm_head`, `d2t`,
-             `t2d` (optional `embed_tokens`). The `speculators` layout (`speculators_model_type: eagle3`,
-             `transformer_layer_config`, `layers.0.*`) is read too.
-  eagle      EAGLE-1/2: a Llama config; tensors `fc` (weight [H, 2H] and bias), `layers.{i}.*`.
-  medusa     FasterDecoding Medusa (`medusa_num_heads`, tensors `{k}.{j}.linear.*`, `{k}.{n}.weight`) or vLLM's
-             (`model_type: medusa`, `blocks.{k}.layers.{j}.*`, `lm_heads.{k}.*`).
-  mtp        a target checkpoint's multi-token-prediction layer: DeepSeek-V3 (`num_nextn_predict_layers`,
-             `model.layers.{L}.{enorm,hnorm,eh_proj,shared_head.*}` and a Llama-layout block) or Qwen3-Next
-             (`mtp_num_hidden_layers`, `mtp.{fc,pre_fc_norm_embedding,pre_fc_norm_hidden,layers.0.*,norm}`, the
-             target's lm_head); the first layer drafts at every depth. Only a Llama-layout block runs: multi-head
-             latent attention, a mixture-of-experts MLP and Qwen3-Next's own layer are refused. Such a directory
-             is the target model (`load_model` loads the model from it): the MTP layer is `load_head(dir)`, or
-             `draft=mtp` (`--draft mtp`, `mtp_head`), which reads it from the target's own checkpoint.
-
-Aux layer ids follow vLLM and `speculators`: id i is the input of target layer i (the default: 2, L // 2, L - 3),
-id L the last layer's output. Every problem (a missing or misshapen tensor, `d2t` out of range, a target of
-another hidden size or depth) is a `HeadLoadError` naming it, before anything runs.
+Aux layer ids follow vLLM and `speculators`: id i is the input of target layer i (default 2, L // 2, L - 3), id L
+the last layer's output. Every problem is a `HeadLoadError` naming it, before anything runs.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from huggingface_hub import snapshot_download
+from safetensors import safe_open
 from torch import Tensor
 from transformers import LlamaConfig
 
-from ..model.loading import LoadedModel, ModelLoadError
+from ..model.loading import LoadedModel, ModelLoadError, shared_vocab_size
 from .modules import MedusaHeads, PairHead
 
 __all__ = ["HEAD_KINDS", "HeadLoadError", "LoadedHead", "bind_head", "head_kind", "load_head", "mtp_head"]
@@ -45,23 +34,23 @@ class HeadLoadError(ModelLoadError, ValueError):
 
 
 @dataclass
-class LoadedHead(LoadedModel):
-    """A hidden-state head read from disk (`load_head`). Pass it as a generator's `draft`.
-
-    `bind_head` ties it to a target (its embedding, output layer and hidden layers); the generator does that.
+class LoadedHead:
+    """A hidden-state head read from disk (`load_head`): not a model (it has no tokenizer; it reads the target's ids
+    and hidden states). Pass it as a generator's `draft`; `bind_head` ties it to a target (the drafter factory does).
 
     Attributes:
         model: The head's module: a PairHead (EAGLE-3, EAGLE, MTP) or MedusaHeads.
-        tokenizer: None: the head reads the target's ids.
         name: The directory it was read from.
         kind: "eagle3", "eagle", "medusa" or "mtp".
         config: The checkpoint's config.json.
         embedded: The checkpoint carries its own embedding (else the target's is shared).
     """
 
+    model: torch.nn.Module
+    name: str
     kind: str = "eagle3"
     config: dict | None = None
-    embedded: bool = False  # the checkpoint carries its own embedding (else the target's is shared)
+    embedded: bool = False
 
     @property
     def described(self) -> str:
@@ -73,21 +62,15 @@ DESCRIBED = {"eagle3": "an EAGLE-3 head", "eagle": "an EAGLE head", "medusa": "M
 
 
 def head_kind(path) -> str | None:
-    """The head kind a directory holds, from its config.json.
+    """The head kind a directory holds, from its config.json: "eagle3", "eagle", "medusa" or "mtp" (a checkpoint with
+    a multi-token-prediction layer); None for anything else (a plain model, no readable config.json).
 
     Args:
         path (str | os.PathLike): A directory.
-
-    Returns:
-        "eagle3", "eagle", "medusa" or "mtp" (a checkpoint with a multi-token-prediction layer); None when it is
-        not a head (e.g. a plain model) or not a directory with a readable config.json.
     """
-    cfg_path = Path(path) / "config.json"
-    if not Path(path).is_dir() or not cfg_path.is_file():
-        return None
     try:
-        cfg = json.loads(cfg_path.read_text())
-    except (OSError, json.JSONDecodeError):
+        cfg = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):  # not a directory with a readable config.json
         return None
     return _kind(cfg, Path(path))
 
@@ -109,73 +92,55 @@ def _kind(cfg: dict, path: Path) -> str | None:
 
 
 def _weight_files(path: Path) -> list[Path]:
-    files = sorted(path.glob("*.safetensors"))
-    if files:
-        return files
-    files = sorted(path.glob("*.bin")) + sorted(path.glob("*.pt"))
-    if files:
-        return files
-    raise HeadLoadError(f"{path}: no weights (*.safetensors, *.bin or *.pt)")
+    files = sorted(path.glob("*.safetensors")) or sorted(path.glob("*.bin")) + sorted(path.glob("*.pt"))
+    if not files:
+        raise HeadLoadError(f"{path}: no weights (*.safetensors, *.bin or *.pt)")
+    return files
 
 
 def _tensor_names(path: Path) -> set[str]:
     try:
-        return set(_read(path, prefix=None, names_only=True))
+        return set(_read(path, names_only=True))
     except HeadLoadError:
         return set()
 
 
-def _read(path: Path, prefix: str | None = None, names_only: bool = False):
+def _read(path: Path, prefix: str = "", names_only: bool = False) -> dict:
     """The checkpoint's tensors {name: tensor} (only those under prefix, with it removed), or just their names."""
-    from safetensors import safe_open
-
     out = {}
     for f in _weight_files(path):
         if f.suffix == ".safetensors":
             with safe_open(str(f), "pt") as fh:
                 for k in fh.keys():  # noqa: SIM118 - safe_open is not iterable
-                    if prefix is None or k.startswith(prefix):
-                        key = k if prefix is None else k[len(prefix) :]
-                        out[key] = None if names_only else fh.get_tensor(k)
-        else:
-            try:
-                sd = _torch_load(f, mmap=names_only)  # (names only: mapped, no tensor data read)
-            except Exception as e:
-                raise HeadLoadError(f"{f}: not a tensor checkpoint ({type(e).__name__}: {e})") from None
-            for k, v in sd.items():
-                if prefix is None or k.startswith(prefix):
-                    out[k if prefix is None else k[len(prefix) :]] = None if names_only else v
+                    if k.startswith(prefix):
+                        out[k[len(prefix) :]] = None if names_only else fh.get_tensor(k)
+            continue
+        try:
+            sd = _torch_load(f, mmap=names_only)  # (names only: mapped, no tensor data read)
+        except Exception as e:
+            raise HeadLoadError(f"{f}: not a tensor checkpoint ({type(e).__name__}: {e})") from None
+        out |= {k[len(prefix) :]: None if names_only else v for k, v in sd.items() if k.startswith(prefix)}
     return out
 
 
 def _torch_load(f: Path, mmap: bool) -> dict:
     if mmap:
-        try:
+        with contextlib.suppress(Exception):  # (a legacy, non-zip file cannot be mapped)
             return torch.load(f, map_location="cpu", weights_only=True, mmap=True)
-        except Exception:  # (a legacy, non-zip file cannot be mapped)
-            pass
     return torch.load(f, map_location="cpu", weights_only=True)
 
 
 def load_head(
     path, *, dtype: torch.dtype = torch.float32, device: str = "cpu", kinds: tuple[str, ...] = HEAD_KINDS
 ) -> LoadedHead:
-    """Read the hidden-state head in a directory (its kind from config.json).
-
-    Layouts read: EAGLE-3 (SafeAILab / SpecForge, vLLM's `speculators`), EAGLE-1/2, Medusa (FasterDecoding's or
-    vLLM's), and the MTP layer of a DeepSeek-V3 / Qwen3-Next checkpoint (see the module docstring).
+    """Read the hidden-state head in a directory (its kind from config.json), to pass as a generator's draft; a
+    HeadLoadError where the directory holds no head of `kinds` or its weights do not fit its config.
 
     Args:
         path (str | os.PathLike): The head's directory (config.json and its weights).
         dtype: The weights' dtype.
         device: The device to load onto.
         kinds: The kinds accepted.
-
-    Returns:
-        The head, to pass as a generator's draft.
-
-    Raises:
-        HeadLoadError: The directory holds no head of `kinds`, or its weights do not fit its config.
     """
     path = Path(path).expanduser()
     kind = head_kind(path)
@@ -187,49 +152,33 @@ def load_head(
             wanted += " (num_nextn_predict_layers / mtp_num_hidden_layers)"
         raise HeadLoadError(f"{path}: config.json does not describe {wanted}{found}")
     cfg = json.loads((path / "config.json").read_text())
-    if kind == "medusa":
-        module, embedded = _medusa(cfg, path), False
-    else:
-        module, embedded = _pair(kind, cfg, path)
-    module = module.to(device=device, dtype=dtype).eval()
+    module, embedded = (_medusa(cfg, path), False) if kind == "medusa" else _pair(kind, cfg, path)
+    module = module.to(device=device, dtype=dtype).eval().requires_grad_(False)
     if getattr(module, "embed", None) is not None:
         module.embed = module.embed.to(device=device, dtype=dtype)
-    for p in module.parameters():
-        p.requires_grad_(False)
-    return LoadedHead(module, None, str(path), None, kind=kind, config=cfg, embedded=embedded)
+    return LoadedHead(module, str(path), kind=kind, config=cfg, embedded=embedded)
 
 
 def mtp_head(target: LoadedModel) -> LoadedHead:
-    """The multi-token-prediction layer in the checkpoint the target was loaded from (what draft=mtp drafts with).
+    """The multi-token-prediction layer of the checkpoint the target was loaded from, as a head in the target's dtype
+    and on its device (what draft=mtp drafts with); a HeadLoadError for a GGUF target, a checkpoint not found or
+    without an MTP layer.
 
     Args:
-        target: A torch model loaded from a checkpoint directory, or from a hub id already in the local Hugging
-            Face cache.
-
-    Returns:
-        The MTP layer as a head, in the target's dtype and on its device.
-
-    Raises:
-        HeadLoadError: The target was loaded from a GGUF file, its checkpoint cannot be found, or it has no MTP
-            layer.
+        target: A torch model loaded from a checkpoint directory, or a hub id in the local Hugging Face cache.
     """
     what = f"draft=mtp reads the multi-token-prediction layer of the target's checkpoint, and target {target.name!r}"
     if not isinstance(target.model, torch.nn.Module) or target.gguf is not None:
         raise HeadLoadError(f"{what} was loaded from a GGUF file: load the checkpoint directory with torch")
     p = next(target.model.parameters())
-    return load_head(_checkpoint_dir(target, what), dtype=p.dtype, device=str(p.device), kinds=("mtp",))
-
-
-def _checkpoint_dir(target: LoadedModel, what: str) -> Path:
-    for name in (target.name, getattr(target.model.config, "_name_or_path", None)):
-        if name and Path(name).expanduser().is_dir():
-            return Path(name).expanduser()
-    try:
-        from huggingface_hub import snapshot_download
-
-        return Path(snapshot_download(str(target.name), local_files_only=True))
-    except Exception:
-        raise HeadLoadError(f"{what} is neither a local directory nor in the Hugging Face cache") from None
+    dirs = [Path(n).expanduser() for n in (target.name, getattr(target.model.config, "_name_or_path", None)) if n]
+    folder = next((d for d in dirs if d.is_dir()), None)
+    if folder is None:
+        try:
+            folder = Path(snapshot_download(str(target.name), local_files_only=True))
+        except Exception:
+            raise HeadLoadError(f"{what} is neither a local directory nor in the Hugging Face cache") from None
+    return load_head(folder, dtype=p.dtype, device=str(p.device), kinds=("mtp",))
 
 
 def _llama_config(cfg: dict) -> LlamaConfig:
@@ -239,16 +188,15 @@ def _llama_config(cfg: dict) -> LlamaConfig:
         if not isinstance(inner.get(k), int) or inner[k] < 1:
             raise HeadLoadError(f"the head's config.json needs a positive integer {k!r}, got {inner.get(k)!r}")
     try:
-        lc = LlamaConfig(**keys)
+        return LlamaConfig(**keys)
     except Exception as e:  # TypeError, ValueError, huggingface_hub's strict-dataclass validation errors
         raise HeadLoadError(f"the head's config is not a Llama-layout config: {e}") from None
-    return lc
 
 
 def _aux_layers(cfg: dict) -> tuple[int, ...] | None:
-    """The target layers an EAGLE-3 head reads, as verispec's capture ids (id i: the input of layer i), or None for
-    the default. Two conventions are in use: SafeAILab / SpecForge's nested `eagle_config` ids name layer *outputs*
-    (SGLang reads id k as the input of layer k + 1), `speculators`' top-level ids name layer inputs (vLLM)."""
+    """The target layers an EAGLE-3 head reads, as capture ids (id i: the input of layer i; None: the default).
+    SafeAILab / SpecForge's nested `eagle_config` ids name layer *outputs* (SGLang reads id k as the input of layer
+    k + 1), `speculators`' top-level ids name layer inputs (vLLM)."""
     nested = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
     if nested:
         return tuple(int(i) + 1 for i in nested)
@@ -256,50 +204,48 @@ def _aux_layers(cfg: dict) -> tuple[int, ...] | None:
     return tuple(int(i) for i in ids) if ids else None
 
 
+def _renamed(tensors: dict, old: str, new: str = "") -> dict:
+    """The tensors with the name prefix `old` replaced by `new`."""
+    return {(new + k[len(old) :] if k.startswith(old) else k): v for k, v in tensors.items()}
+
+
+def _depth(tensors: dict) -> int:
+    """Decoder layers in `layers.{i}.*` names (at least 1)."""
+    return 1 + max((int(k.split(".")[1]) for k in tensors if k.startswith("layers.")), default=0)
+
+
 def _pair(kind: str, cfg: dict, path: Path) -> tuple[PairHead, bool]:
     """An EAGLE-3 / EAGLE / MTP head and whether its checkpoint carries an embedding."""
     lc = _llama_config(cfg)
     H = lc.hidden_size
-    if kind == "mtp":
-        tensors, lc = _mtp_tensors(cfg, path, lc)
-    else:
-        tensors = _read(path)
+    tensors = _mtp_tensors(cfg, path) if kind == "mtp" else _read(path)
+    tensors = _renamed(tensors, "midlayer.", "layers.0.") if kind == "eagle3" else tensors
+    tensors = _renamed(tensors, "model.") if kind == "eagle" else tensors
+    lc.num_hidden_layers = _depth(tensors)
     if kind == "eagle3":
         aux = _aux_layers(cfg)
-        n_aux = 3 if aux is None else len(aux)
-        feature = n_aux * int(cfg.get("target_hidden_size") or H)
+        feature = (3 if aux is None else len(aux)) * int(cfg.get("target_hidden_size") or H)
         vd = int(cfg.get("draft_vocab_size") or lc.vocab_size)
-        tensors = {
-            ("layers.0." + k[len("midlayer.") :] if k.startswith("midlayer.") else k): v for k, v in tensors.items()
-        }
-        lc.num_hidden_layers = 1 + max((int(k.split(".")[1]) for k in tensors if k.startswith("layers.")), default=0)
-        head = PairHead(
-            kind, lc, feature, vd, layers=aux or (), norm_before_residual=bool(cfg.get("norm_before_residual"))
-        )
+        head = PairHead(kind, lc, feature, vd, layers=aux or ())
+        head.norm_before_residual = bool(cfg.get("norm_before_residual"))
     elif kind == "eagle":
-        tensors = {k[len("model.") :] if k.startswith("model.") else k: v for k, v in tensors.items()}
-        lc.num_hidden_layers = 1 + max((int(k.split(".")[1]) for k in tensors if k.startswith("layers.")), default=0)
         head = PairHead(kind, lc, H, 0, layers=(-1,))
     else:
-        has_head = "lm_head.weight" in tensors
-        head = PairHead(kind, lc, H, lc.vocab_size if has_head else 0, layers=(-1,))
+        head = PairHead(kind, lc, H, lc.vocab_size if "lm_head.weight" in tensors else 0, layers=(-1,))
         head.feed_normed = not cfg.get("num_nextn_predict_layers", 0)  # Qwen3-Next feeds its normed output back
-    embedded = "embed_tokens.weight" in tensors
     embed = tensors.pop("embed_tokens.weight", None)
-    tensors.pop("t2d", None)
-    for k in [k for k in tensors if k.startswith("verifier_") or k.endswith("rotary_emb.inv_freq")]:
-        tensors.pop(k)
+    unused = {k for k in tensors if k == "t2d" or k.startswith("verifier_") or k.endswith("rotary_emb.inv_freq")}
+    tensors = {k: v for k, v in tensors.items() if k not in unused}
     if kind == "eagle3" and "d2t" not in tensors:
         if head.lm_head.weight.shape[0] != (lc.vocab_size or 0) and "lm_head.weight" in tensors:
             raise HeadLoadError(f"{path}: the EAGLE-3 head has a draft vocabulary but no 'd2t' tensor")
         tensors["d2t"] = torch.zeros(head.lm_head.weight.shape[0], dtype=torch.int64)
     _load_state(head, tensors, path)
-    if embed is not None:
-        head.embed = embed
-    return head, embedded
+    head.embed = embed  # (None: the target's, bound by `bind_head`)
+    return head, embed is not None
 
 
-def _mtp_tensors(cfg: dict, path: Path, lc: LlamaConfig) -> tuple[dict, LlamaConfig]:
+def _mtp_tensors(cfg: dict, path: Path) -> dict:
     """The MTP layer's tensors in the PairHead's names, from a DeepSeek-V3 or Qwen3-Next checkpoint."""
     if cfg.get("num_nextn_predict_layers", 0):
         L = int(cfg["num_hidden_layers"])
@@ -308,18 +254,10 @@ def _mtp_tensors(cfg: dict, path: Path, lc: LlamaConfig) -> tuple[dict, LlamaCon
             raise HeadLoadError(f"{path}: num_nextn_predict_layers is set but no 'model.layers.{L}.*' tensors exist")
         if any(k.startswith(("self_attn.kv_a_proj", "self_attn.q_a_proj")) for k in raw):
             raise HeadLoadError(f"{path}: the MTP layer uses multi-head latent attention, which verispec does not run")
-        out = {}
-        for k, v in raw.items():
-            if k.startswith(("enorm.", "hnorm.", "eh_proj.")):
-                out[k] = v
-            elif k == "shared_head.norm.weight":
-                out["norm.weight"] = v
-            elif k == "shared_head.head.weight":
-                out["lm_head.weight"] = v
-            elif k == "embed_tokens.weight":
-                out[k] = v
-            else:
-                out["layers.0." + k] = v
+        names = {"shared_head.norm.weight": "norm.weight", "shared_head.head.weight": "lm_head.weight"}
+        names["embed_tokens.weight"] = "embed_tokens.weight"
+        own = ("enorm.", "hnorm.", "eh_proj.")  # the rest is the decoder layer
+        out = {names.get(k, k if k.startswith(own) else "layers.0." + k): v for k, v in raw.items()}
     else:
         if "qwen3_next" in str(cfg.get("model_type")) or "Qwen3Next" in " ".join(cfg.get("architectures") or []):
             raise HeadLoadError(
@@ -335,19 +273,16 @@ def _mtp_tensors(cfg: dict, path: Path, lc: LlamaConfig) -> tuple[dict, LlamaCon
         out = {names.get(k, k): v for k, v in raw.items() if not k.startswith("layers.") or k.startswith("layers.0.")}
     if any(".mlp.experts." in k or ".mlp.gate.weight" in k for k in out):
         raise HeadLoadError(f"{path}: the MTP layer's MLP is a mixture of experts, which verispec does not run")
-    lc.num_hidden_layers = 1 + max((int(k.split(".")[1]) for k in out if k.startswith("layers.")), default=0)
-    return out, lc
+    return out
 
 
 def _load_state(module: torch.nn.Module, tensors: dict[str, Tensor], path: Path) -> None:
     """Every parameter present with its shape, nothing unknown."""
     want = {k: v for k, v in module.state_dict().items() if not k.startswith("rotary.")}
-    missing = sorted(set(want) - set(tensors))
-    if missing:
-        raise HeadLoadError(f"{path}: missing tensor(s) {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
-    extra = sorted(set(tensors) - set(want))
-    if extra:
-        raise HeadLoadError(f"{path}: unexpected tensor(s) {', '.join(extra[:5])}{' ...' if len(extra) > 5 else ''}")
+    for what, names in (("missing", set(want) - set(tensors)), ("unexpected", set(tensors) - set(want))):
+        if names:
+            names = sorted(names)
+            raise HeadLoadError(f"{path}: {what} tensor(s) {', '.join(names[:5])}{' ...' if len(names) > 5 else ''}")
     for k, v in want.items():
         if tuple(tensors[k].shape) != tuple(v.shape):
             raise HeadLoadError(f"{path}: tensor {k!r} has shape {list(tensors[k].shape)}, expected {list(v.shape)}")
@@ -364,22 +299,11 @@ def _medusa(cfg: dict, path: Path) -> MedusaHeads:
     tensors = _read(path)
     if "medusa_num_heads" in cfg:  # FasterDecoding: {k}.{j}.linear.* then {k}.{n}.weight
         n_heads, n_layers = count("medusa_num_heads"), count("medusa_num_layers", 1)
-        tensors = {(k[len("medusa_head.") :] if k.startswith("medusa_head.") else k): v for k, v in tensors.items()}
-        names = {}
-        for k in tensors:
-            parts = k.split(".")
-            if len(parts) == 4 and parts[2] == "linear":
-                names[k] = f"blocks.{parts[0]}.{parts[1]}.{parts[3]}"
-            elif len(parts) == 3 and parts[1] == str(n_layers) and parts[2] == "weight":
-                names[k] = f"lm_heads.{parts[0]}.weight"
-        tensors = {names.get(k, k): v for k, v in tensors.items()}
+        tensors = {_fasterdecoding_name(k, n_layers): v for k, v in _renamed(tensors, "medusa_head.").items()}
         bias = True  # FasterDecoding's ResBlock: nn.Linear(H, H) with its bias
     else:  # vLLM: blocks.{k}.layers.{j}.*, lm_heads.{k}.* (`medusa_heads.` before them in some checkpoints)
         n_heads, n_layers = count("num_heads", 0), count("num_hidden_layers", 1)
-        tensors = {
-            (k[len("medusa_heads.") :] if k.startswith("medusa_heads.") else k).replace(".layers.", "."): v
-            for k, v in tensors.items()
-        }
+        tensors = {k.replace(".layers.", "."): v for k, v in _renamed(tensors, "medusa_heads.").items()}
         bias = bool(cfg.get("medusa_fc_bias", False))
         if cfg.get("original_lm_head") and "lm_heads.0.weight" in tensors:  # one output layer for every head
             tensors.update({f"lm_heads.{k}.weight": tensors["lm_heads.0.weight"] for k in range(1, n_heads)})
@@ -400,12 +324,18 @@ def _medusa(cfg: dict, path: Path) -> MedusaHeads:
     return heads
 
 
-def bind_head(head: LoadedHead, target: LoadedModel) -> int:
-    """Tie a head to the target it drafts for: its embedding (shared unless the checkpoint has one), its output layer
-    where it has none, the target layers it reads; every mismatch a HeadLoadError. Returns the vocabulary size the
-    pair uses (the target's)."""
-    from ..model.loading import shared_vocab_size
+def _fasterdecoding_name(k: str, n_layers: int) -> str:
+    parts = k.split(".")
+    if len(parts) == 4 and parts[2] == "linear":
+        return f"blocks.{parts[0]}.{parts[1]}.{parts[3]}"
+    if len(parts) == 3 and parts[1] == str(n_layers) and parts[2] == "weight":
+        return f"lm_heads.{parts[0]}.weight"
+    return k
 
+
+def bind_head(head: LoadedHead, target: LoadedModel) -> int:
+    """Tie a head to its target: the embedding (shared unless the checkpoint has one), the output layer where it has
+    none, the target layers it reads; every mismatch a HeadLoadError. Returns the pair's (the target's) vocab size."""
     model = target.model
     if not isinstance(model, torch.nn.Module):
         raise HeadLoadError(
@@ -418,34 +348,11 @@ def bind_head(head: LoadedHead, target: LoadedModel) -> int:
     m = head.model
     where = f"head {head.name!r} and target {target.name!r}"
     if isinstance(m, MedusaHeads):
-        if m.lm_heads[0].in_features != H_t:
-            raise HeadLoadError(
-                f"{where}: the Medusa heads read hidden size {m.lm_heads[0].in_features}, the target's is {H_t}"
-            )
-        if m.lm_heads[0].out_features < vocab:
-            raise HeadLoadError(
-                f"{where}: the Medusa heads' output layers have {m.lm_heads[0].out_features} rows, fewer than the "
-                f"target's vocabulary ({vocab})"
-            )
+        _bind_medusa(m, where, H_t, vocab)
         m.to(next(model.parameters()).device)
         return vocab
     if m.kind == "eagle3":
-        m.layers_read = m.aux_ids or ((2, L // 2, L - 3) if L >= 4 else tuple(range(min(3, L))))  # per target
-        if any(not 0 <= i <= L for i in m.layers_read):
-            raise HeadLoadError(
-                f"{where}: aux layer ids {list(m.layers_read)} must lie in [0, {L}] (the target has {L} layers)"
-            )
-        need = m.fc.in_features
-        if need != len(m.layers_read) * H_t:
-            raise HeadLoadError(
-                f"{where}: fc reads {need} features, the target gives {len(m.layers_read)} layers x {H_t} "
-                f"(target_hidden_size {need // max(len(m.layers_read), 1)} != the target's hidden size {H_t})"
-            )
-        ids = torch.arange(len(m.d2t)) + m.d2t.cpu()
-        if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
-            raise HeadLoadError(f"{where}: d2t maps draft ids outside the target's vocabulary [0, {vocab})")
-        if len(ids) != len(torch.unique(ids)):
-            raise HeadLoadError(f"{where}: d2t maps two draft ids to one target id")
+        _bind_eagle3(m, where, H_t, L, vocab)
     elif m.hidden_size != H_t:
         raise HeadLoadError(f"{where}: the head's hidden size is {m.hidden_size}, the target's {H_t}")
     embed = model.get_input_embeddings().weight
@@ -465,3 +372,32 @@ def bind_head(head: LoadedHead, target: LoadedModel) -> int:
             f"{where}: the head's output layer has {m.lm_head.weight.shape[0]} rows, fewer than {vocab}"
         )
     return vocab
+
+
+def _bind_medusa(m: MedusaHeads, where: str, H_t: int, vocab: int) -> None:
+    lm = m.lm_heads[0]
+    if lm.in_features != H_t:
+        raise HeadLoadError(f"{where}: the Medusa heads read hidden size {lm.in_features}, the target's is {H_t}")
+    if lm.out_features < vocab:
+        raise HeadLoadError(
+            f"{where}: the Medusa heads' output layers have {lm.out_features} rows, fewer than the target's "
+            f"vocabulary ({vocab})"
+        )
+
+
+def _bind_eagle3(m: PairHead, where: str, H_t: int, L: int, vocab: int) -> None:
+    """An EAGLE-3 head's target layers (its aux ids, or the default 2, L // 2, L - 3) and d2t, checked."""
+    read = m.layers_read = m.aux_ids or ((2, L // 2, L - 3) if L >= 4 else tuple(range(min(3, L))))  # per target
+    if any(not 0 <= i <= L for i in read):
+        raise HeadLoadError(f"{where}: aux layer ids {list(read)} must lie in [0, {L}] (the target has {L} layers)")
+    need = m.fc.in_features
+    if need != len(read) * H_t:
+        raise HeadLoadError(
+            f"{where}: fc reads {need} features, the target gives {len(read)} layers x {H_t} "
+            f"(target_hidden_size {need // max(len(read), 1)} != the target's hidden size {H_t})"
+        )
+    ids = torch.arange(len(m.d2t)) + m.d2t.cpu()
+    if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+        raise HeadLoadError(f"{where}: d2t maps draft ids outside the target's vocabulary [0, {vocab})")
+    if len(ids) != len(torch.unique(ids)):
+        raise HeadLoadError(f"{where}: d2t maps two draft ids to one target id")

@@ -1,12 +1,7 @@
-"""Hidden-state draft heads as torch modules: EAGLE-3, EAGLE-1/2 and MTP layers ("pair heads": each position reads
-a token's embedding and a hidden state), and Medusa heads. Pure forwards: the KV cache, masks and positions come
-from the caller through `attend` (the runner's cache at decode time, a plain causal mask in training).
-
-A pair head at position i reads (e_{i+1}, h_i): the embedding of token x_{i+1} and a hidden state for position i —
-the target's (its chosen layers at x_i, through `project`) when the target has computed it, else the head's own
-output at position i (`step`'s second output: the head unrolled on itself, as the papers draft). Its logits there
-are the draft distribution of x_{i+2}, over its own vocabulary (EAGLE-3: `draft_vocab_size` ids; target id =
-i + d2t[i]).
+"""Hidden-state draft heads as pure torch forwards (cache, masks and positions come through `attend`): EAGLE-3,
+EAGLE-1/2 and MTP ("pair heads") and Medusa. A pair head at position i reads (e_{i+1}, h_i): the embedding of x_{i+1}
+and the target's hidden state at x_i (`project`) where computed, else the head's own output at i (`step`'s second
+output); its logits are the draft distribution of x_{i+2} (EAGLE-3: over `draft_vocab_size` ids, target id i + d2t[i]).
 
   EAGLE-3 (Li et al. 2025):  g = fc([h_low; h_mid; h_high]),  a = Attn([norm_in(e); norm_h(g)]) + g,
                              o = MLP(norm_post(a)) + a,  logits = lm_head(norm(o)),  fed back: o
@@ -52,7 +47,7 @@ def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 class _Layer(nn.Module):
     """One Llama-layout decoder layer; `in_features` is 2H for EAGLE-3's first layer (q/k/v read [e; h])."""
 
-    def __init__(self, cfg: LlamaConfig, in_features: int, input_norm: bool, hidden_norm: bool, qk_norm: bool):
+    def __init__(self, cfg: LlamaConfig, in_features: int, input_norm: bool, hidden_norm: bool):
         super().__init__()
         H, nh, nkv = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads
         D = getattr(cfg, "head_dim", None) or H // nh
@@ -62,11 +57,6 @@ class _Layer(nn.Module):
         self.self_attn.k_proj = nn.Linear(in_features, nkv * D, bias=bias)
         self.self_attn.v_proj = nn.Linear(in_features, nkv * D, bias=bias)
         self.self_attn.o_proj = nn.Linear(nh * D, H, bias=False)
-        if qk_norm:
-            self.self_attn.q_norm = nn.Module()
-            self.self_attn.q_norm.weight = nn.Parameter(torch.ones(D))
-            self.self_attn.k_norm = nn.Module()
-            self.self_attn.k_norm.weight = nn.Parameter(torch.ones(D))
         self.mlp = nn.Module()
         self.mlp.gate_proj = nn.Linear(H, cfg.intermediate_size, bias=False)
         self.mlp.up_proj = nn.Linear(H, cfg.intermediate_size, bias=False)
@@ -85,8 +75,6 @@ class _Layer(nn.Module):
         q = att.q_proj(x).view(B, T, nh, D)
         k = att.k_proj(x).view(B, T, nkv, D)
         v = att.v_proj(x).view(B, T, nkv, D)
-        if hasattr(att, "q_norm"):
-            q, k = rms_norm(q, att.q_norm.weight, self.eps), rms_norm(k, att.k_norm.weight, self.eps)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         a = attend(index, rotate(q, cos, sin), rotate(k, cos, sin), v)  # [B, nh, T, D]
         h = residual + att.o_proj(a.transpose(1, 2).reshape(B, T, nh * D))
@@ -107,17 +95,7 @@ class PairHead(nn.Module):
     target's hidden size); draft_vocab: its output ids (EAGLE-3: draft_vocab_size; else the target's vocabulary,
     or 0 for a head that uses the target's output layer, given as `target_head`)."""
 
-    def __init__(
-        self,
-        kind: str,
-        cfg: LlamaConfig,
-        feature_size: int,
-        draft_vocab: int,
-        *,
-        layers: tuple[int, ...],
-        norm_before_residual: bool = False,
-        qk_norm: bool = False,
-    ):
+    def __init__(self, kind: str, cfg: LlamaConfig, feature_size: int, draft_vocab: int, *, layers: tuple[int, ...]):
         super().__init__()
         if kind not in PAIR_KINDS:
             raise ValueError(f"kind must be one of {', '.join(PAIR_KINDS)}, got {kind!r}")
@@ -125,21 +103,17 @@ class PairHead(nn.Module):
         self.kind, self.config, self.layers_read = kind, cfg, tuple(layers)
         self.aux_ids = tuple(layers) or None  # EAGLE-3: the checkpoint's ids (None: the default, set per target)
         self.eps = getattr(cfg, "rms_norm_eps", 1e-6)
-        self.norm_before_residual = norm_before_residual
-        n = cfg.num_hidden_layers
         if kind == "eagle3":
             self.fc = nn.Linear(feature_size, H, bias=False)
-            first = _Layer(cfg, 2 * H, input_norm=True, hidden_norm=True, qk_norm=qk_norm)
-            rest = [_Layer(cfg, H, True, False, qk_norm) for _ in range(n - 1)]
+            first = _Layer(cfg, 2 * H, input_norm=True, hidden_norm=True)
         elif kind == "eagle":
             self.fc = nn.Linear(2 * H, H, bias=True)
-            first = _Layer(cfg, H, input_norm=False, hidden_norm=False, qk_norm=qk_norm)
-            rest = [_Layer(cfg, H, True, False, qk_norm) for _ in range(n - 1)]
+            first = _Layer(cfg, H, input_norm=False, hidden_norm=False)
         else:
             self.enorm, self.hnorm = _Norm(H), _Norm(H)
             self.eh_proj = nn.Linear(2 * H, H, bias=False)
-            first = _Layer(cfg, H, input_norm=True, hidden_norm=False, qk_norm=qk_norm)
-            rest = [_Layer(cfg, H, True, False, qk_norm) for _ in range(n - 1)]
+            first = _Layer(cfg, H, input_norm=True, hidden_norm=False)
+        rest = [_Layer(cfg, H, input_norm=True, hidden_norm=False) for _ in range(cfg.num_hidden_layers - 1)]
         self.layers = nn.ModuleList([first, *rest])
         self.norm = _Norm(H) if kind != "eagle" else None
         self.lm_head = nn.Linear(H, draft_vocab, bias=False) if draft_vocab else None
@@ -149,6 +123,7 @@ class PairHead(nn.Module):
         self.embed: Tensor | None = None  # [V, H]: the target's input embedding (shared), set by the loader
         self.target_head: nn.Module | None = None  # the target's output layer where the head has none
         self.feed_normed = False  # MTP: feed back norm(o) instead of o (Qwen3-Next; DeepSeek-V3 feeds o)
+        self.norm_before_residual = False  # EAGLE-3: the residual around attention is norm_h(g), not g
 
     @property
     def hidden_size(self) -> int:
@@ -183,9 +158,8 @@ class PairHead(nn.Module):
             x = self.fc(torch.cat([e, hidden], -1))
             h = first(x, cos, sin, attend, 0, x)
         else:
-            x = self.eh_proj(
-                torch.cat([rms_norm(e, self.enorm.weight, eps), rms_norm(hidden, self.hnorm.weight, eps)], -1)
-            )
+            pair = [rms_norm(e, self.enorm.weight, eps), rms_norm(hidden, self.hnorm.weight, eps)]
+            x = self.eh_proj(torch.cat(pair, -1))
             h = first(rms_norm(x, first.input_layernorm.weight, eps), cos, sin, attend, 0, x)
         for i, layer in enumerate(self.layers[1:], 1):
             h = layer(rms_norm(h, layer.input_layernorm.weight, eps), cos, sin, attend, i, h)
@@ -203,12 +177,8 @@ class MedusaHeads(nn.Module):
 
     def __init__(self, hidden_size: int, vocab: int, num_heads: int, num_layers: int, bias: bool = True):
         super().__init__()
-        self.blocks = nn.ModuleList(
-            [
-                nn.ModuleList([nn.Linear(hidden_size, hidden_size, bias=bias) for _ in range(num_layers)])
-                for _ in range(num_heads)
-            ]
-        )
+        blocks = [[nn.Linear(hidden_size, hidden_size, bias=bias) for _ in range(num_layers)] for _ in range(num_heads)]
+        self.blocks = nn.ModuleList([nn.ModuleList(b) for b in blocks])
         self.lm_heads = nn.ModuleList([nn.Linear(hidden_size, vocab, bias=False) for _ in range(num_heads)])
         self.layers_read = (-1,)  # the final norm's output (NORMED)
         self.logit_scale = 1.0  # vLLM's `logit_scale`

@@ -1,21 +1,15 @@
-"""Runners for hidden-state heads: the runner protocol (`verispec.model.protocol`) in the target's ids and vocabulary,
-so `DraftModelProposer` drafts chains and EAGLE-2 trees with a head exactly as with a draft model.
+"""Runners for hidden-state heads (`verispec.model.protocol`, in the target's ids and vocabulary), so
+`DraftModelProposer` drafts chains and EAGLE-2 trees with a head as with a draft model.
 
-`PairRunner` (EAGLE-3, EAGLE-1/2, MTP). Slot j of its cache holds the pair (h_{j-1}, x_j) (slot 0, x_0's, has no
-hidden state: it is hidden from every query). h_{j-1} is the target's, read from the target's cache
-(`HFRunner.capture_hidden`: written by the verification and prefill forwards that run anyway, rolled back with
-them) where the target holds token j - 1; else — a drafted token — the head's own output at the parent slot, kept
-beside its keys (`RowKVCache.extras`). After verification (`keep_paths`) the head drops every drafted slot: the
-next step feeds the accepted tokens again with the target's hidden states, as EAGLE does. RoPE is relative, so
-positions j instead of the papers' j - 1 give the same attention.
+`PairRunner` (EAGLE-3, EAGLE-1/2, MTP): cache slot j holds the pair (h_{j-1}, x_j) (slot 0 has no hidden state and
+is hidden from every query); h_{j-1} is the target's where the target holds token j - 1 (`HFRunner.capture_hidden`),
+else the head's own output at the parent slot (RoPE is relative: positions j for the papers' j - 1). After
+verification every drafted slot is dropped: the next step feeds the accepted tokens again with the target's hidden
+states, as EAGLE does. `MedusaRunner`: no cache; a slot d positions after the target's last token gets head d on that
+token's hidden state (uniform past the last head, or where the target holds no token yet).
 
-`MedusaRunner`: no cache; a slot d positions after the target's last token (the pending token: d = 0) gets head d
-on that token's hidden state (uniform where the target holds no token yet: a one-token prompt's first step, or past
-the last head). Its chains are at most `max_draft` (the number of heads) deep.
-
-Both return float32 logits over the target's vocabulary: the head's logits at their target ids (d2t), every other
-id `FLOOR` below the row's lowest (probability 0; uniform over what a request allows where it allows none of the
-head's ids). Exact whatever the head is: the drafted token is drawn from exactly this q.
+Both return float32 logits over the target's vocabulary, every id outside the head's `FLOOR` below the row's lowest
+(probability 0). Exact whatever the head is: the draft is drawn from exactly this q.
 """
 
 from __future__ import annotations
@@ -50,14 +44,17 @@ def scatter_logits(logits: Tensor, target_ids: Tensor | None, vocab: int) -> Ten
 
 
 class _Features:
-    """Where a pair head's hidden inputs come from: the target runner's captured hidden states."""
+    """Where a head's hidden inputs come from: the target runner's hidden states at `layers` (captured from now on)."""
 
-    def __init__(self, target: HFRunner):
+    def __init__(self, target: HFRunner, layers: tuple[int, ...]):
         if not isinstance(target, HFRunner):
             raise ValueError(
                 "a hidden-state head reads the target's hidden states: the target must run on the fast or the "
                 f"transformers runner, not {type(target).__name__} (llama.cpp does not expose them)"
             )
+        target.capture_hidden(layers)
+        if target.cache is not None and not target.cache.extras:
+            target.cache = None  # its cache was allocated without room for hidden states: the next fill makes one
         self.target = target
         self.rows: list[int] | None = None  # the target's row of each of the head's rows, where not the same
 
@@ -82,49 +79,30 @@ class PairRunner(HFRunner):
     the hidden states the head reads (this constructor asks it to capture them)."""
 
     def __init__(self, head: PairHead, target: HFRunner, vocab_size: int):
-        self.features = _Features(target)
-        target.capture_hidden(head.layers_read)
-        if target.cache is not None and not target.cache.extras:
-            target.cache = None  # its cache was allocated without room for hidden states: the next fill makes one
+        self.features = _Features(target, head.layers_read)
         self.head = head
         self.config = SimpleNamespace(sliding_window=None, layer_types=None)
-        self.num_layers = head.num_layers
-        self.num_kv_heads, self.head_dim = head.kv_shape
-        self.max_positions = None
-        self.vocab_size = vocab_size
+        self.num_layers, (self.num_kv_heads, self.head_dim) = head.num_layers, head.kv_shape
+        self.max_positions, self.vocab_size, self.hidden_size = None, vocab_size, head.hidden_size
         p = next(head.parameters())
         self.device, self.dtype = p.device, p.dtype
         self.cache: RowKVCache | None = None
-        self.tokens_computed = 0
-        self.capture = ()
-        self.hidden_size = head.hidden_size
-        self._softcap = None
+        self.tokens_computed, self.capture, self._softcap = 0, (), None
         self._ids = None if head.kind != "eagle3" else (torch.arange(len(head.d2t), device=self.device) + head.d2t)
         self._chunk: Tensor | None = None  # [B, T, H]: the running forward's hidden inputs
 
     def start(self, batch: int, capacity: int) -> None:
-        self.cache = RowKVCache(
-            self.num_layers,
-            batch,
-            self.num_kv_heads,
-            self.head_dim,
-            capacity,
-            self.dtype,
-            self.device,
-            (self.hidden_size,),
-        )
-
-    def fill(self, seqs, capacity: int) -> None:
-        self._fill(seqs, capacity, 0)
+        dims = (self.num_kv_heads, self.head_dim, capacity, self.dtype, self.device, (self.hidden_size,))
+        self.cache = RowKVCache(self.num_layers, batch, *dims)
 
     def add_rows(self, seqs, capacity: int) -> None:
         old = self.cache
-        self._fill(seqs, capacity, old.batch_size if old is not None else 0)  # the new rows: a cache of their own
+        self.fill(seqs, capacity, old.batch_size if old is not None else 0)  # the new rows: a cache of their own
         if old is not None and old.batch_size:
             old.extend(self.cache)
             self.cache = old
 
-    def _fill(self, seqs, capacity: int, offset: int) -> None:
+    def fill(self, seqs, capacity: int, offset: int = 0) -> None:
         """HFRunner.fill, reading the target's rows offset + b: it prefills each distinct sequence once (in the
         order of first occurrence), and new rows (`add_rows`) come after the target's old ones."""
         first: dict[tuple[int, ...], int] = {}
@@ -144,55 +122,48 @@ class PairRunner(HFRunner):
             self._chunk = None
 
     def _inputs(self, tokens, parents, tree_start) -> Tensor:
-        """The chunk's hidden inputs [B, T, H]: per new token at slot
-        j, the target's hidden state at j - 1 where the target holds it, else the head's output at the parent slot."""
-        cache = self.cache
-        B, T = len(tokens), max((len(t) for t in tokens), default=0)
-        held = self.features.lengths(B)
-        lengths = cache.lengths
-        hidden = torch.zeros((B, T, self.hidden_size), dtype=self.dtype, device=self.device)
-        t_rows, t_slots, t_at, o_rows, o_slots, o_at = [], [], [], [], [], []
+        """The chunk's hidden inputs [B, T, H]: per new token at slot j, the target's hidden state at j - 1 where the
+        target holds it, else the head's output at the parent slot."""
+        lengths, dev = self.cache.lengths, self.device
+        held = self.features.lengths(len(tokens))
+        T = max((len(t) for t in tokens), default=0)
+        hidden = torch.zeros((len(tokens), T, self.hidden_size), dtype=self.dtype, device=dev)
+        target, own = [], []  # (row, chunk position, slot read)
         for b, row in enumerate(tokens):
+            start = lengths[b] if tree_start is None else int(tree_start[b])
             for i in range(len(row)):
                 j = lengths[b] + i  # this token's slot
                 if parents is None:
                     prev = j - 1
-                else:
-                    start = lengths[b] if tree_start is None else int(tree_start[b])
-                    node = (lengths[b] - start) + i  # its index in the row's tree
-                    p = int(parents[b][node])
+                else:  # the parent node's slot (the row's tree starts at slot `start`)
+                    p = int(parents[b][j - start])
                     prev = start - 1 if p < 0 else start + p
                 if j == 0:  # x_0: no hidden state before it (its slot is hidden from every other query)
                     continue
-                if prev < held[b]:
-                    t_rows.append(b), t_slots.append(prev), t_at.append((b, i))
-                elif prev >= lengths[b]:
+                if prev >= max(held[b], lengths[b]):
                     raise ValueError(
                         f"row {b}: token {i} reads the head's output at slot {prev}, computed in this same forward: "
                         "feed drafted tokens after their parents' forward (a tree level by level)"
                     )
-                else:
-                    o_rows.append(b), o_slots.append(prev), o_at.append((b, i))
-        if t_rows:
-            f = self.features.read(torch.tensor(t_rows, device=self.device), torch.tensor(t_slots, device=self.device))
-            hidden[[b for b, _ in t_at], [i for _, i in t_at]] = self.head.project(f.to(self.dtype))
-        if o_rows:
-            own = cache.extras[0][torch.tensor(o_rows, device=self.device), torch.tensor(o_slots, device=self.device)]
-            hidden[[b for b, _ in o_at], [i for _, i in o_at]] = own
+                (own if prev >= held[b] else target).append((b, i, prev))
+        if target:
+            rows, pos, slots = map(list, zip(*target))
+            f = self.features.read(torch.tensor(rows, device=dev), torch.tensor(slots, device=dev))
+            hidden[rows, pos] = self.head.project(f.to(self.dtype))
+        if own:
+            rows, pos, slots = map(list, zip(*own))
+            hidden[rows, pos] = self.cache.extras[0][torch.tensor(rows, device=dev), torch.tensor(slots, device=dev)]
         return hidden
 
     def _body(self, ids: Tensor, masks, position_ids: Tensor) -> Tensor:
-        hidden = self._chunk
         cache = self.cache
 
         def attend(i: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
             keys, values = cache.update(k, v, i)
-            nh, nkv = q.shape[1], k.shape[1]
-            return F.scaled_dot_product_attention(q, keys, values, attn_mask=masks, enable_gqa=nh != nkv)
+            return F.scaled_dot_product_attention(q, keys, values, attn_mask=masks, enable_gqa=q.shape[1] != k.shape[1])
 
-        logits, out = self.head.step(ids, hidden, position_ids, attend)
+        logits, out = self.head.step(ids, self._chunk, position_ids, attend)
         cache.write_extra(0, out)
-        self._last_logits = logits
         return logits
 
     def _masks(self, causal: Tensor, distance: Tensor):
@@ -213,14 +184,8 @@ class MedusaRunner:
     """Medusa heads as a runner (see the module docstring); target: the target's runner."""
 
     def __init__(self, heads: MedusaHeads, target: HFRunner, vocab_size: int):
-        self.features = _Features(target)
-        target.capture_hidden(heads.layers_read)
-        if target.cache is not None and not target.cache.extras:
-            target.cache = None
-        self.heads = heads
-        self.vocab_size = vocab_size
-        self.max_positions = None
-        self.max_draft = heads.num_heads
+        self.features = _Features(target, heads.layers_read)
+        self.heads, self.vocab_size, self.max_positions, self.max_draft = heads, vocab_size, None, heads.num_heads
         p = next(heads.parameters())
         self.device, self.dtype = p.device, p.dtype
         self._lengths: list[int] = []
@@ -282,9 +247,8 @@ class MedusaRunner:
         rows = [b for b in range(B) if held[b] > 0]
         if rows:
             r = torch.tensor(rows, device=self.device)
-            base[r] = self.features.read(r, torch.tensor([held[b] - 1 for b in rows], device=self.device)).to(
-                self.dtype
-            )
+            last = torch.tensor([held[b] - 1 for b in rows], device=self.device)
+            base[r] = self.features.read(r, last).to(self.dtype)
         logits = torch.zeros((B, T, self.vocab_size), dtype=torch.float32, device=self.device)
         for d in range(self.max_draft):
             at = (depth == d).nonzero().tolist()

@@ -45,7 +45,6 @@ class RowKVCache(Cache):
         self._uniform_start: int | None = None  # all rows write at the same offset: plain slice copy
         self._used = 0  # slots the current forward attends over
 
-    # --- used by the runner -------------------------------------------------------------------------
     @property
     def batch_size(self) -> int:
         return len(self.lengths)
@@ -62,9 +61,7 @@ class RowKVCache(Cache):
         else:
             self._uniform_start = None
             dev = self.keys[0].device
-            self._write_at = torch.tensor(self.lengths, device=dev).unsqueeze(1) + torch.arange(
-                chunk_len, device=dev
-            )  # [B, T]
+            self._write_at = torch.tensor(self.lengths, device=dev)[:, None] + torch.arange(chunk_len, device=dev)
 
     def commit(self, new_tokens: list[int]) -> None:
         """After a forward: row b keeps the first new_tokens[b] slots of the chunk it just wrote."""
@@ -95,39 +92,31 @@ class RowKVCache(Cache):
             new_lengths.append(start + len(path))
         self.lengths = new_lengths
 
+    def _each(self, kv, extra) -> None:
+        """Replace every key and value buffer [B, H, L, D] t by kv(t), every extras buffer [B, L, F] by extra(t)."""
+        self.keys, self.values = [kv(k) for k in self.keys], [kv(v) for v in self.values]
+        self.extras = [extra(e) for e in self.extras]
+
     def reserve(self, capacity: int) -> None:
         """Room for at least `capacity` tokens per row (buffers reallocated only when they are smaller)."""
-        extra = capacity - self.capacity
-        if extra > 0:
-            self.keys = [torch.cat([k, k.new_zeros((*k.shape[:2], extra, k.shape[3]))], 2) for k in self.keys]
-            self.values = [torch.cat([v, v.new_zeros((*v.shape[:2], extra, v.shape[3]))], 2) for v in self.values]
-            self.extras = [torch.cat([e, e.new_zeros((e.shape[0], extra, e.shape[2]))], 1) for e in self.extras]
+        if capacity > self.capacity:
+            self._each(lambda t: _padded(t, 2, capacity), lambda t: _padded(t, 1, capacity))
             self.capacity = capacity
 
     def extend(self, other: RowKVCache) -> None:
         """Append other's rows after this cache's rows (continuous batching: requests join between steps).
         The capacity becomes the larger of the two; buffers are reallocated once per join."""
         cap = max(self.capacity, other.capacity)
-
-        def fit(buf: Tensor) -> Tensor:
-            extra = cap - buf.shape[2]
-            return buf if extra == 0 else torch.cat([buf, buf.new_zeros((*buf.shape[:2], extra, buf.shape[3]))], 2)
-
-        self.keys = [torch.cat([fit(a), fit(b)]) for a, b in zip(self.keys, other.keys)]
-        self.values = [torch.cat([fit(a), fit(b)]) for a, b in zip(self.values, other.values)]
-        self.extras = [
-            torch.cat([fit(a.unsqueeze(1)).squeeze(1), fit(b.unsqueeze(1)).squeeze(1)])
-            for a, b in zip(self.extras, other.extras)
-        ]
+        self.keys = [torch.cat([_padded(a, 2, cap), _padded(b, 2, cap)]) for a, b in zip(self.keys, other.keys)]
+        self.values = [torch.cat([_padded(a, 2, cap), _padded(b, 2, cap)]) for a, b in zip(self.values, other.values)]
+        self.extras = [torch.cat([_padded(a, 1, cap), _padded(b, 1, cap)]) for a, b in zip(self.extras, other.extras)]
         self.capacity = cap
         self.lengths = self.lengths + other.lengths
 
     def select(self, rows: list[int]) -> None:
         """Keep only these rows (finished requests leave the batch)."""
         idx = torch.tensor(rows, device=self.keys[0].device)
-        self.keys = [k.index_select(0, idx) for k in self.keys]
-        self.values = [v.index_select(0, idx) for v in self.values]
-        self.extras = [e.index_select(0, idx) for e in self.extras]
+        self._each(lambda t: t.index_select(0, idx), lambda t: t.index_select(0, idx))
         self.lengths = [self.lengths[r] for r in rows]
 
     def write_extra(self, i: int, values: Tensor) -> None:
@@ -141,7 +130,6 @@ class RowKVCache(Cache):
             B, _, F = values.shape
             buf.scatter_(1, self._write_at.view(B, T, 1).expand(B, T, F), values.to(buf.dtype))
 
-    # --- the transformers Cache interface ------------------------------------------------------------
     def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args, **kwargs):
         kb, vb = self.keys[layer_idx], self.values[layer_idx]
         T = key_states.shape[-2]
@@ -168,3 +156,9 @@ class RowKVCache(Cache):
     @property
     def is_compileable(self) -> bool:
         return False
+
+
+def _padded(buf: Tensor, dim: int, capacity: int) -> Tensor:
+    """buf with zero slots appended along `dim` up to `capacity` (buf itself when it has them)."""
+    extra = capacity - buf.shape[dim]
+    return buf if extra <= 0 else torch.cat([buf, buf.new_zeros((*buf.shape[:dim], extra, *buf.shape[dim + 1 :]))], dim)

@@ -1,23 +1,13 @@
-"""The fast runner: verispec's own forward for the Llama family (Llama, Mistral, Qwen2, Qwen3; SmolLM2 and
-Qwen2.5 are Llama / Qwen2), over the weights transformers loaded (safetensors, or GGUF dequantized).
-
-What differs from `HFRunner` is only the forward body; masks, positions, ragged rows and the
-preallocated `RowKVCache` (rollback is a length change) are shared, so both runners accept the same
-inputs and keep the same cache layout. The body:
-  * fuses q/k/v and gate/up into one matrix each (the model's own parameters become views of the fused
-    tensors, so no weight is stored twice and the transformers path keeps working),
-  * runs every linear layer through `verispec.model.linear` (oneDNN on CPU, cuBLAS on CUDA; or weight-only
-    int8 / int4 for drafts),
-  * computes the output layer only for the shared vocabulary and only where logits are asked for,
-  * uses the model's own rotary-embedding module (so every RoPE scaling variant matches transformers) and
-    `F.scaled_dot_product_attention` with grouped-query heads.
-In float32 its logits match the transformers forward to ~1e-5 (tests hold it to 1e-4) — the target does
-not change. Quantized runners' linear layers compute in bfloat16 (see `verispec.model.linear`; the rest of their
-forward too where bfloat16 is fast) and are meant for drafts only.
+"""The fast runner: verispec's own forward for the Llama family (Llama, Mistral, Qwen2, Qwen3), over the weights
+transformers loaded. Only the forward body differs from `HFRunner`: q/k/v and gate/up fused (the model's parameters
+become views of them), every linear layer through `verispec.model.linear`, the output layer only for the shared
+vocabulary, the model's own rotary embedding and `F.scaled_dot_product_attention`. In float32 its logits match
+transformers' to ~1e-5 (tests: 1e-4): the target does not change. Quantized runners (bfloat16) are for drafts only.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -41,9 +31,7 @@ def _llamacpp_runner(model, vocab_size, runner, quant):
     if runner not in ("auto", "llamacpp"):
         raise ValueError(f"a model loaded by llama.cpp runs on runner 'llamacpp', not {runner!r}")
     if quant is not None:
-        raise ValueError(
-            "draft_quant quantizes torch weights; a llama.cpp model runs in its GGUF file's own quantization"
-        )
+        raise ValueError("quant quantizes torch weights; a llama.cpp model runs in its GGUF file's own quantization")
     return LlamaCppRunner(model, vocab_size)
 
 
@@ -63,15 +51,9 @@ def fast_path_unsupported(model) -> str | None:
     for attr in ("embed_tokens", "layers", "norm", "rotary_emb"):
         if not hasattr(base, attr):
             return f"the decoder has no {attr!r}"
-    for layer in base.layers:
-        att, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-        if (
-            att is None
-            or mlp is None
-            or not all(hasattr(att, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj"))
-            or not all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj"))
-        ):
-            return "a decoder layer does not have the Llama layout (q/k/v/o_proj, gate/up/down_proj)"
+    llama = {"self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"), "mlp": ("gate_proj", "up_proj", "down_proj")}
+    if any(not hasattr(getattr(x, part, None), n) for x in base.layers for part, ns in llama.items() for n in ns):
+        return "a decoder layer does not have the Llama layout (q/k/v/o_proj, gate/up/down_proj)"
     return None
 
 
@@ -102,19 +84,14 @@ class _Layer:
 
 @torch.no_grad()
 def _fuse(modules, share: bool) -> tuple[Tensor, Tensor | None]:
-    """Concatenate the weights (and biases) of linear modules along the output dimension; with `share`,
-    re-point the modules' parameters at views of the fused tensor so nothing is stored twice. A second
-    runner on the same model finds the modules already fused and reuses the same tensor (no copy)."""
+    """The weights (and biases) of linear modules concatenated along the output dimension; `share` re-points the
+    modules' parameters at views of it (nothing stored twice), which a second runner on the model then reuses."""
     cached = getattr(modules[0], "_verispec_fused", None)
-    if cached is not None:
-        weight, bias = cached
-        start, ok = 0, True
-        for m in modules:
-            n = m.weight.shape[0]
-            ok &= m.weight.data_ptr() == weight[start].data_ptr() and m.weight.shape == weight[start : start + n].shape
-            start += n
-        if ok and start == weight.shape[0]:
-            return weight, bias
+    sizes = [m.weight.shape[0] for m in modules]
+    if cached is not None and sum(sizes) == cached[0].shape[0]:
+        views = cached[0].split(sizes)
+        if all(m.weight.data_ptr() == v.data_ptr() and m.weight.shape == v.shape for m, v in zip(modules, views)):
+            return cached
     weight = torch.cat([m.weight for m in modules])  # [sum N, K]
     biases = [m.bias for m in modules]
     bias = None
@@ -123,13 +100,12 @@ def _fuse(modules, share: bool) -> tuple[Tensor, Tensor | None]:
             [b if b is not None else m.weight.new_zeros(m.weight.shape[0]) for b, m in zip(biases, modules)]
         )
     if share:
-        start = 0
-        for m in modules:
-            n = m.weight.shape[0]
-            m.weight.data = weight[start : start + n]
+        for m, w, b in zip(
+            modules, weight.split(sizes), bias.split(sizes) if bias is not None else [None] * len(sizes)
+        ):
+            m.weight.data = w
             if m.bias is not None:
-                m.bias.data = bias[start : start + n]
-            start += n
+                m.bias.data = b
         object.__setattr__(modules[0], "_verispec_fused", (weight, bias))  # not a registered submodule / param
     return weight, bias
 
@@ -152,8 +128,7 @@ class FastRunner(HFRunner):
             raise ValueError(f"quant must be None or one of {', '.join(QUANT_MODES)}, got {quant!r}")
         super().__init__(model, vocab_size)
         cfg = self.config
-        self.quant = quant
-        weight_dtype = self.dtype
+        self.quant, self.weight_dtype = quant, self.dtype
         if quant is not None:
             # torch's weight-only kernels are fast with bfloat16 activations only, on every CPU (measured on AVX2,
             # torch 2.13: float32 activations take a path 5-14x slower than the dense layer): the quantized layers
@@ -162,7 +137,6 @@ class FastRunner(HFRunner):
             fast_bf16 = self.device.type == "cuda" or onednn_available(torch.bfloat16)
             self.dtype = torch.bfloat16 if fast_bf16 else torch.float32
         self.num_heads = cfg.num_attention_heads
-        self.hidden_size = cfg.hidden_size
         self.eps = getattr(cfg, "rms_norm_eps", 1e-6)
         base = self._base
         self.scaling = getattr(base.layers[0].self_attn, "scaling", self.head_dim**-0.5)
@@ -176,9 +150,7 @@ class FastRunner(HFRunner):
         def lin(weight, bias=None):
             return make_linear(weight, bias, quant=quant, act_dtype=torch.bfloat16, group_size=group_size or 128)
 
-        self.layers: list[_Layer] = [
-            self._layer(i, layer, lin, share=quant is None) for i, layer in enumerate(base.layers)
-        ]
+        self.layers = [self._layer(i, layer, lin, share=quant is None) for i, layer in enumerate(base.layers)]
         self.intermediate = cfg.intermediate_size
         self.final_norm = self._cast(base.norm.weight)
         self.embed = base.embed_tokens.weight  # [V_rows, H], gathered then cast (never copied)
@@ -186,7 +158,6 @@ class FastRunner(HFRunner):
         head_bias = None if getattr(head, "bias", None) is None else head.bias[: self.vocab_size]
         self.head = lin(head.weight[: self.vocab_size], head_bias)  # only the shared vocabulary's rows
         self.rotary = base.rotary_emb
-        self.weight_dtype = weight_dtype
 
     def _cast(self, t: Tensor) -> Tensor:
         return t.detach().to(self.dtype)
@@ -216,10 +187,7 @@ class FastRunner(HFRunner):
     @property
     def kernels(self) -> dict[str, int]:
         """Which matmul kernels run, with counts (e.g. {"onednn": 113})."""
-        out: dict[str, int] = {}
-        for lin in self._linears():
-            out[lin.kernel] = out.get(lin.kernel, 0) + 1
-        return out
+        return dict(Counter(lin.kernel for lin in self._linears()))
 
     def _linears(self) -> list[Linear]:
         return [x for layer in self.layers for x in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [self.head]
@@ -229,7 +197,6 @@ class FastRunner(HFRunner):
         norms = sum(t.numel() * t.element_size() for layer in self.layers for t in (layer.ln_attn, layer.ln_mlp))
         return sum(lin.nbytes for lin in self._linears()) + norms
 
-    # --- the forward body ---------------------------------------------------------------------------
     def _body(self, ids: Tensor, masks, position_ids: Tensor) -> Tensor:
         B, T = ids.shape
         nh, nkv, D = self.num_heads, self.num_kv_heads, self.head_dim

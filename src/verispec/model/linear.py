@@ -1,23 +1,13 @@
-"""Linear layers through the fastest small-M kernel on the device, dense or weight-only quantized.
-
-`make_linear(weight [N, K], bias [N] | None, quant=None|"int8"|"int4", ...)` returns a `Linear`:
-`y = x @ W.T + b` for x [..., K] -> y [..., N].
-
-Dense kernels:
-  * CPU with oneDNN (`torch.backends.mkldnn`): `torch.ops.mkldnn._linear_pointwise` on the dense weight
-    (no copy). Stock `F.linear` goes through MKL's GEMM, which is 2-4x slower here for M = 1..16 rows (the
-    shapes of decoding and verification); oneDNN is as fast as a pre-packed weight at these M.
-  * otherwise (CUDA: cuBLAS; CPU without oneDNN): `F.linear`.
-
-Quantized weights (weight-only; activations stay floating point):
-  * int8: symmetric, one scale per output row: W ~= q * s, q in [-127, 127].
-  * int4: asymmetric, one (scale, zero) per row and group of `group_size` input columns:
-    W ~= (q - 8) * scale + zero with q in [0, 15] (the tinygemm convention of torch's int4 kernels).
-  Kernels: `torch.ops.aten._weight_int8pack_mm` and `_weight_int4pack_mm(_for_cpu)`. Each quantized layer
-  checks its kernel once at build time against the dequantized reference matmul; a kernel that is missing
-  or disagrees is replaced by that reference (dequantize, then matmul), and `kernel` says which one runs.
-  Quantization is only for drafts: a quantized draft is still exact speculative decoding, because q is the
-  distribution the draft actually sampled from.
+"""Linear layers through the fastest small-M kernel on the device, dense or weight-only quantized (`make_linear`).
+Dense: oneDNN's `_linear_pointwise` on CPU (no weight copy; MKL's GEMM behind `F.linear` is 2-4x slower at the
+M = 1..16 rows of decoding and verification), else `F.linear` (cuBLAS on CUDA).
+Quantized (weight-only, drafts only; a quantized draft stays exact, since q is what it sampled from):
+  * int8: symmetric, one scale per output row: W ~= q * s, q in [-127, 127];
+  * int4: asymmetric per row and group of `group_size` input columns: W ~= (q - 8) * scale + zero, q in [0, 15]
+    (the tinygemm convention of torch's int4 kernels).
+Each quantized layer checks its kernel (`_weight_int8pack_mm`, `_weight_int4pack_mm(_for_cpu)`) once against the
+dequantized reference matmul; a kernel that is missing or disagrees is replaced by that reference (`kernel` says
+which runs).
 """
 
 from __future__ import annotations
@@ -26,16 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = [
-    "QUANT_MODES",
-    "Linear",
-    "dequantize_int4",
-    "dequantize_int8",
-    "make_linear",
-    "onednn_available",
-    "quantize_int4",
-    "quantize_int8",
-]
+__all__ = ["QUANT_MODES", "Linear", "make_linear", "onednn_available", "quantize_int4", "quantize_int8"]
 
 QUANT_MODES = ("int8", "int4")
 
@@ -56,8 +37,7 @@ class Linear:
     kernel = "?"
 
     def __init__(self, out_features: int, in_features: int):
-        self.out_features = out_features
-        self.in_features = in_features
+        self.out_features, self.in_features = out_features, in_features
 
     def __call__(self, x: Tensor) -> Tensor:  # x [..., K] -> [..., N]
         lead = x.shape[:-1]
@@ -123,17 +103,33 @@ def dequantize_int4(codes: Tensor, scale: Tensor, zero: Tensor, group_size: int)
     return ((g - 8) * scale.unsqueeze(-1) + zero.unsqueeze(-1)).view(N, K)  # [N, K]
 
 
-class Int8Linear(Linear):
+class _Quantized(Linear):
+    """A weight-only quantized layer: `_kernel_mm` (in act_dtype) where `kernel` is not `dequant`, the dequantized
+    `_reference_mm` (in the input's dtype) where it is."""
+
+    dequant = "?"
+
     def __init__(self, weight: Tensor, bias: Tensor | None, act_dtype: torch.dtype):
         super().__init__(*weight.shape)
-        self.q, scale = quantize_int8(weight)  # [N, K] int8, [N]
-        self.scale = scale.to(act_dtype)  # [N]
         self.bias = None if bias is None else bias.to(act_dtype)
         self.act_dtype = act_dtype
+
+    def _mm(self, x: Tensor) -> Tensor:  # in x's dtype
+        y = self._reference_mm(x) if self.kernel == self.dequant else self._kernel_mm(x.to(self.act_dtype))
+        return (y if self.bias is None else y + self.bias).to(x.dtype)
+
+
+class Int8Linear(_Quantized):
+    dequant = "int8-dequant"
+
+    def __init__(self, weight: Tensor, bias: Tensor | None, act_dtype: torch.dtype):
+        super().__init__(weight, bias, act_dtype)
+        self.q, scale = quantize_int8(weight)  # [N, K] int8, [N]
+        self.scale = scale.to(act_dtype)  # [N]
         self.nbytes = self.q.numel() + self.scale.numel() * self.scale.element_size()
         self.kernel = "int8pack_mm"
         if not _kernel_agrees(self._kernel_mm, self._reference_mm, self.in_features, act_dtype, weight.device):
-            self.kernel = "int8-dequant"
+            self.kernel = self.dequant
 
     def _kernel_mm(self, x: Tensor) -> Tensor:
         return torch.ops.aten._weight_int8pack_mm(x, self.q, self.scale)
@@ -141,25 +137,21 @@ class Int8Linear(Linear):
     def _reference_mm(self, x: Tensor) -> Tensor:
         return F.linear(x, self.q.to(x.dtype) * self.scale[:, None])
 
-    def _mm(self, x: Tensor) -> Tensor:  # in x's dtype: the kernel computes in act_dtype, the fallback in x's
-        y = self._kernel_mm(x.to(self.act_dtype)) if self.kernel == "int8pack_mm" else self._reference_mm(x)
-        return (y if self.bias is None else y + self.bias).to(x.dtype)
 
+class Int4Linear(_Quantized):
+    dequant = "int4-dequant"
 
-class Int4Linear(Linear):
     def __init__(self, weight: Tensor, bias: Tensor | None, act_dtype: torch.dtype, group_size: int):
-        N, K = weight.shape
-        super().__init__(N, K)
+        super().__init__(weight, bias, act_dtype)
+        K, dev = weight.shape[1], weight.device
         self.group_size = group_size
-        self.act_dtype = act_dtype
         # the CPU packing needs N % 16 == 0: zero rows are appended and their outputs sliced off
         codes, scale, zero = quantize_int4(_pad_rows(weight, 16), group_size)  # [Np, K], [Np, K/gs] x 2
         self.codes = codes
         self.scales_zeros = torch.stack([scale, zero], -1).transpose(0, 1).contiguous().to(act_dtype)  # [K/gs, Np, 2]
-        self.bias = None if bias is None else bias.to(act_dtype)
         self.packed = None
         try:
-            if weight.device.type == "cpu":
+            if dev.type == "cpu":
                 self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
                 self.kernel = "int4pack_mm_cpu"
             else:
@@ -167,13 +159,9 @@ class Int4Linear(Linear):
                 self.packed = torch.ops.aten._convert_weight_to_int4pack(nibbles, 8 if K % 1024 == 0 else 2)
                 self.kernel = "int4pack_mm"
         except (RuntimeError, AttributeError, NotImplementedError):
-            self.kernel = "int4-dequant"
-        if self.kernel != "int4-dequant" and not _kernel_agrees(
-            self._kernel_mm, self._reference_mm, K, act_dtype, weight.device
-        ):
-            self.kernel = "int4-dequant"
-        if self.kernel == "int4-dequant":
-            self.packed = None
+            self.kernel = self.dequant
+        if self.kernel == self.dequant or not _kernel_agrees(self._kernel_mm, self._reference_mm, K, act_dtype, dev):
+            self.kernel, self.packed = self.dequant, None
         else:
             self.codes = None  # the packed copy is all the kernel needs
         stored = self.packed if self.packed is not None else self.codes
@@ -190,10 +178,6 @@ class Int4Linear(Linear):
         sz = self.scales_zeros.transpose(0, 1).to(x.dtype)  # [Np, K/gs, 2]
         w = dequantize_int4(self.codes, sz[..., 0], sz[..., 1], self.group_size)
         return F.linear(x, w[: self.out_features])
-
-    def _mm(self, x: Tensor) -> Tensor:  # in x's dtype: the kernel computes in act_dtype, the fallback in x's
-        y = self._reference_mm(x) if self.kernel == "int4-dequant" else self._kernel_mm(x.to(self.act_dtype))
-        return (y if self.bias is None else y + self.bias).to(x.dtype)
 
 
 @torch.no_grad()

@@ -1,26 +1,13 @@
 """The llama.cpp runner: a GGUF model run by llama.cpp's own kernels (llama-cpp-python's low-level API), behind
-the interface of `HFRunner` — ragged chunks of tokens in, float32 logits out, rollback, row selection, trees.
+`HFRunner`'s interface. Verification is exact for llama.cpp's law, not the torch runners' fp32 one; how rows,
+shared prompts, rollback and trees map onto its unified KV cache, and why no cell is freed during a batch (dropped
+cells go to a *graveyard* sequence nothing reads; live rows are compacted between steps): docs/guides/llamacpp.md.
 
-The target distribution on this runner is what llama.cpp computes from the GGUF file (its quantized weights and
-its kernels), not the fp32 dequantized forward of the torch runners: verification is exact *for that model*.
-
-How the interface maps onto llama.cpp's KV memory (one unified cache, `kv_unified`):
-  * each batch row is a llama.cpp sequence (its *main* sequence); a row's committed tokens sit at positions
-    0..length-1 of it. Rollback is `llama_memory_seq_rm`; identical prompts (a group's samples) are computed once
-    and shared with `llama_memory_seq_cp`, which only tags cells (no copy, no recompute).
-  * a token tree: every node gets the sequence of its root-to-node path. The first child of a node continues its
-    parent's sequence; a further child gets a new sequence that is tagged onto the parent's path (seq_cp of the
-    positions up to the parent, plus the seq id on ancestors computed in the same batch). llama.cpp masks a query
-    by its first sequence id and position, so a node sees the prefix and its ancestors only — tree attention.
-    `keep_paths` makes the accepted path's sequence the row's main sequence and drops the others.
-Logits come back in the batch's order (llama_get_logits), for the positions that asked for them.
-
-One llama.cpp behaviour shapes the bookkeeping: a sequence whose new token lands in a KV cell of lower index than
-one of its earlier positions gets wrong attention (measured on llama-cpp-python 0.3.36: logits off by ~0.5; the
-test suite keeps the check). Freed cells would be reused that way, so nothing is freed during a batch: dropped
-cells (rollback, rejected branches, finished rows) move to a *graveyard* sequence that nothing reads, and new
-tokens always take fresh cells above every live one. When fresh cells run low between steps, the live rows are
-compacted — saved with llama_state_seq_get_data, the cache cleared, restored in order (a copy, no recompute).
+A row's committed tokens sit at positions 0..length-1 of its main sequence. In a token tree the first child of a
+node continues its parent's sequence; a further child gets a new sequence tagged onto the parent's path (seq_cp of
+the positions up to the parent, plus the seq id on ancestors computed in the same batch): llama.cpp masks a query by
+its first sequence id and position, so a node sees the prefix and its ancestors only. `keep_paths` makes the
+accepted path's sequence the row's main sequence. Logits come back in the batch's order (llama_get_logits).
 """
 
 from __future__ import annotations
@@ -36,6 +23,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from .protocol import Chunk, Slots
 from .runner import check_forward_args
 
 __all__ = ["DECODE_CHUNK", "INSTALL_HINT", "LlamaCppModel", "LlamaCppRunner", "StagedPrompt", "llamacpp_available"]
@@ -45,19 +33,13 @@ INSTALL_HINT = (
     "2 cores)"
 )
 _BATCH = 512  # tokens per llama_decode call in a prefill (n_batch = n_ubatch)
-# Tokens per llama_decode call in `forward` (decode and verify steps). llama.cpp's CPU matmuls switch kernels with
-# the number of tokens in a batch: measured here (AVX2, Q4_K_M / Q4_1 files, llama-cpp-python 0.3.36), up to 3
-# tokens give logits bit-identical to decoding one token at a time, 4 or more differ (max |logit diff| 0.3-0.8, TV
-# up to 0.06). Verifying in chunks of 3 keeps the target law exactly that of llama.cpp's own one-token decoding (and
-# the same for every batch size); its CPU cost curve is nearly linear, so the split costs little.
+# Tokens per llama_decode call in `forward`: up to 3 give logits bit-identical to one-token decoding on llama.cpp's
+# CPU kernels, 4 or more do not (docs/guides/llamacpp.md): the target law is one-token decoding's at every batch size.
 DECODE_CHUNK = 3
-# llama.cpp's CPU kernels compute a llama_decode of >= 64 tokens one way and a smaller one another (measured here,
-# Q4_1 file: after a prefill whose last call holds 63 tokens or fewer, the next logits differ by up to 1.4 from one
-# whose last call holds 64 or more; calls of 64 to 720 tokens agree exactly). A staged prompt (`stage`) is therefore
-# fed in calls of >= _GEMM_MIN tokens inside unchunked prefill's _BATCH-token calls (a short last call whole): the
-# same kernels as unchunked prefill. (The larger calls' results also depend on where the row's cells lie in the
-# context — 0.5-1.1 off for a prompt placed 1 to 11 cells higher, calls of < 64 tokens not at all — so a prompt's
-# cache depends on the cells before it, chunked or not: identical to unchunked prefill's where the cells coincide.)
+# A llama_decode of >= 64 tokens runs other kernels than a smaller one (logits after a prefill differ by up to 1.4
+# with the size of its last call; calls of 64-720 tokens agree). A staged prompt is fed in calls of >= _GEMM_MIN
+# tokens inside unchunked prefill's _BATCH-token calls: the same kernels as unchunked prefill. (Large calls also
+# depend on where the row's cells lie, so a prompt's cache equals unchunked prefill's where the cells coincide.)
 _GEMM_MIN = 64
 
 
@@ -163,8 +145,7 @@ class LlamaCppRunner:
         self.dtype = torch.float32
         self.n_seq_max = int(self.lib.llama_max_parallel_sequences())
         self.tokens_computed = 0
-        self.ctx = None
-        self.n_ctx = 0
+        self.ctx, self.n_ctx = None, 0
         self.rows: list[_Row] = []
         self._staged: list[StagedPrompt] = []  # rows being prefilled outside the batch (`stage`), in order
         self._free_seqs: list[int] = []
@@ -173,17 +154,16 @@ class LlamaCppRunner:
         self.compactions = 0
         self.cache = None  # the torch runners' attribute; nothing to free here beyond the context
 
-    def __del__(self):
+    def _free_context(self) -> None:
         if getattr(self, "ctx", None):
             self.lib.llama_free(self.ctx)
             self.ctx = None
 
-    # --- context ---------------------------------------------------------------------------------------
+    __del__ = _free_context
+
     def _context(self, cells: int) -> None:
         """A fresh context with room for `cells` KV cells (all rows together)."""
-        if self.ctx:
-            self.lib.llama_free(self.ctx)
-            self.ctx = None
+        self._free_context()
         p = self.lib.llama_context_default_params()
         p.n_ctx = max(256, -(-cells // 256) * 256)
         p.n_batch = p.n_ubatch = _BATCH
@@ -196,6 +176,12 @@ class LlamaCppRunner:
             raise RuntimeError(f"llama.cpp could not create a context of {p.n_ctx} cells")
         self.n_ctx = p.n_ctx
         self.mem = self.lib.llama_get_memory(self.ctx)
+
+    def _share(self, row: _Row) -> _Row:
+        """A new row on a new sequence tagged onto `row`'s committed cells (seq_cp: nothing is computed)."""
+        copy = _Row(self._seq(), row.base)
+        self.lib.llama_memory_seq_cp(self.mem, row.seq, copy.seq, -1, -1)
+        return copy
 
     def _seq(self) -> int:
         if not self._free_seqs:
@@ -243,7 +229,6 @@ class LlamaCppRunner:
                 raise RuntimeError("llama.cpp could not restore a row's KV cells")
         self.taken = sum(r.base for r in live)
 
-    # --- batch lifecycle -------------------------------------------------------------------------------
     def _reset(self, cells: int, capacity: int) -> None:
         """No rows (staged ones dropped too), and room for `cells` KV cells; the context is made anew only when it is
         too small."""
@@ -255,11 +240,10 @@ class LlamaCppRunner:
         self.capacity, self.taken = capacity, 0
 
     def start(self, batch: int, capacity: int) -> None:
-        """Room for `batch` rows of up to `capacity` tokens each; the rows start empty."""
         self._reset(2 * batch * capacity, capacity)
         self.rows = [_Row(self._seq()) for _ in range(batch)]
 
-    def fill(self, seqs: Sequence[Sequence[int]], capacity: int) -> None:
+    def fill(self, seqs: Chunk, capacity: int) -> None:
         """Rows with seqs[i] prefilled into row i; identical sequences are computed once and shared. Staged rows
         (`stage`) keep their cells: then only the batch's rows are replaced."""
         if self._staged:
@@ -268,18 +252,15 @@ class LlamaCppRunner:
         self._reset(2 * len(seqs) * capacity, capacity)
         self._append_rows(seqs)
 
-    def add_rows(self, seqs: Sequence[Sequence[int]], capacity: int) -> None:
-        """New rows join after the existing ones, prefilled with seqs[i]. A context too small for the larger
-        batch is made anew (at least twice the size) and the existing rows' cells copied into it."""
+    def add_rows(self, seqs: Chunk, capacity: int) -> None:
         if self.ctx is None:
             return self.fill(seqs, capacity)
         self._grow(len(seqs), capacity)
         self._append_rows(seqs)
 
     def _grow(self, rows: int, capacity: int) -> None:
-        """Room for `rows` more rows and `capacity` tokens per row (the larger of it and the current one), with two
-        cells per slot of every live row. A context too small is made anew (at least twice the size) and the live
-        rows' cells copied into it, not recomputed."""
+        """Room for `rows` more rows of `capacity` tokens (at least the current one), two cells per slot of every
+        live row: a context too small is made anew (at least twice the size), the live rows' cells copied into it."""
         capacity = max(capacity, self.capacity)
         need = 2 * (len(self._live()) + rows) * capacity
         if need > self.n_ctx:
@@ -295,7 +276,7 @@ class LlamaCppRunner:
         if capacity > self.capacity:
             self.add_rows([], capacity)
 
-    def _append_rows(self, seqs: Sequence[Sequence[int]]) -> None:
+    def _append_rows(self, seqs: Chunk) -> None:
         """Rows for seqs after the existing ones: each distinct sequence is computed once, its copies share it."""
         if len(seqs) > len(self._free_seqs):
             raise RuntimeError(f"llama.cpp runner: at most {self.n_seq_max - 1} sequences (rows x tree branches)")
@@ -337,45 +318,13 @@ class LlamaCppRunner:
             raise RuntimeError(f"llama.cpp runner: at most {self.n_seq_max - 1} sequences (rows x tree branches)")
         self._grow(copies - 1, staged.capacity)
         self._staged.remove(staged)
-        first = staged.row
-        self.rows.append(first)
-        for _ in range(copies - 1):
-            r = _Row(self._seq(), first.base)
-            self.lib.llama_memory_seq_cp(self.mem, first.seq, r.seq, -1, -1)
-            self.rows.append(r)
-
-    def _feed(self, staged: StagedPrompt, n: int) -> int:
-        """`StagedPrompt.feed`: the staged row's next min(n, remaining) tokens, up to _GEMM_MIN - 1 more: a call
-        never leaves fewer than _GEMM_MIN tokens of one of unchunked prefill's calls for later (see _GEMM_MIN)."""
-        if staged not in self._staged:
-            raise ValueError("this staged prompt has joined the batch or been dropped")
-        r, total = staged.row, len(staged.tokens)
-        start = pos = r.base
-        end = min(total, start + max(0, n))
-        calls = []  # [(first, end)] token positions of each llama_decode
-        while pos < end:
-            window = min(total, (pos // _BATCH + 1) * _BATCH)  # the end of unchunked prefill's call holding pos
-            stop = min(window, max(end, pos + _GEMM_MIN))
-            calls.append((pos, window if window - stop < _GEMM_MIN else stop))
-            pos = calls[-1][1]
-        if calls:
-            self._make_room(pos - start)
-        for a, b in calls:
-            self._decode([(staged.tokens[i], [r.seq], i, False) for i in range(a, b)])
-            r.base = b
-        return r.base - start
-
-    def _unstage(self, staged: StagedPrompt) -> None:
-        if staged in self._staged:
-            self._staged.remove(staged)
-            self._drop(staged.row.seq)
+        self.rows += [staged.row] + [self._share(staged.row) for _ in range(copies - 1)]
 
     @property
     def lengths(self) -> list[int]:
         return [r.length for r in self.rows]
 
     def truncate(self, lengths: list[int]) -> None:
-        """Rollback: row b keeps its first lengths[b] committed tokens."""
         if len(lengths) != len(self.rows) or any(not 0 <= n <= r.base for n, r in zip(lengths, self.rows)):
             raise ValueError(f"truncate to {lengths} is not a rollback of the committed lengths {self.lengths}")
         for n, r in zip(lengths, self.rows):
@@ -394,14 +343,7 @@ class LlamaCppRunner:
             if i not in rows:
                 for s in r.seqs():
                     self._drop(s)
-        kept: list[_Row] = []
-        for j, i in enumerate(rows):
-            r = self.rows[i]
-            if i in rows[:j]:  # a copy shares the row's cells
-                r = _Row(self._seq(), r.base)
-                self.lib.llama_memory_seq_cp(self.mem, self.rows[i].seq, r.seq, -1, -1)
-            kept.append(r)
-        self.rows = kept
+        self.rows = [self._share(self.rows[i]) if i in rows[:j] else self.rows[i] for j, i in enumerate(rows)]
 
     def _clear_tree(self, r: _Row) -> None:
         for s in r.seqs() - {r.seq}:
@@ -410,9 +352,7 @@ class LlamaCppRunner:
             self._drop(r.seq, r.base)
         r.nodes, r.claimed = [], set()
 
-    def keep_paths(self, old_lengths: list[int], paths: Sequence[Sequence[int]]) -> None:
-        """Row b keeps the nodes paths[b] (slot old_lengths[b] + i, root first: a root-to-node path) after its
-        first old_lengths[b] slots; everything else is dropped."""
+    def keep_paths(self, old_lengths: list[int], paths: Chunk) -> None:
         if len(paths) != len(self.rows) or len(old_lengths) != len(self.rows):
             raise ValueError(f"keep_paths needs one path and one old length per row ({len(self.rows)})")
         for b, (start, path, r) in enumerate(zip(old_lengths, paths, self.rows)):
@@ -432,7 +372,6 @@ class LlamaCppRunner:
             self._drop(keep, end)
             r.seq, r.base, r.nodes, r.claimed = keep, end, [], set()
 
-    # --- forward ---------------------------------------------------------------------------------------
     def _plan_tree(self, b: int, parents: Sequence[int], n_old: int, n_new: int, start: int):
         """Sequences for row b's new tree nodes: [(seq ids (own first), position, parent slot)] per node.
         Copies a parent's path onto a new sequence where a node is not its parent's first child."""
@@ -472,10 +411,8 @@ class LlamaCppRunner:
         width = max(len(s) for _, s, _, _ in items)
         batch = lib.llama_batch_init(len(items), 0, width)
         try:
-            token = np.ctypeslib.as_array(batch.token, shape=(len(items),))
-            pos = np.ctypeslib.as_array(batch.pos, shape=(len(items),))
-            nseq = np.ctypeslib.as_array(batch.n_seq_id, shape=(len(items),))
-            want = np.ctypeslib.as_array(batch.logits, shape=(len(items),))
+            fields = (batch.token, batch.pos, batch.n_seq_id, batch.logits)
+            token, pos, nseq, want = (np.ctypeslib.as_array(f, shape=(len(items),)) for f in fields)
             for i, (t, seqs, p, w) in enumerate(items):
                 token[i], pos[i], nseq[i], want[i] = t, p, len(seqs), w
                 for j, s in enumerate(seqs):
@@ -496,7 +433,7 @@ class LlamaCppRunner:
             return None
         return np.ctypeslib.as_array(lib.llama_get_logits(self.ctx), shape=(n_out, self.model.n_vocab))
 
-    def _check_tokens(self, tokens: Sequence[Sequence[int]], rows: int | None = None) -> list[list[int]]:
+    def _check_tokens(self, tokens: Chunk, rows: int | None = None) -> list[list[int]]:
         rows = len(self.rows) if rows is None else rows
         if len(tokens) != rows:
             raise ValueError(f"got {len(tokens)} token lists for a batch of {rows}")
@@ -507,11 +444,7 @@ class LlamaCppRunner:
 
     @torch.inference_mode()
     def forward(
-        self,
-        tokens: Sequence[Sequence[int]],
-        logits_at: str = "all",
-        parents: Sequence[Sequence[int]] | None = None,
-        tree_start: Sequence[int] | None = None,
+        self, tokens: Chunk, logits_at: str = "all", parents: Chunk | None = None, tree_start: Slots | None = None
     ) -> Tensor:
         """Append tokens[b] to row b; float32 logits [B, T, V] ("all") or [B, V] ("last"). parents / tree_start:
         as `HFRunner.forward` (a token tree per row, grown over one or several forwards)."""
@@ -531,15 +464,10 @@ class LlamaCppRunner:
         done = 0
         for s in range(0, len(items), self.decode_chunk):  # tree nodes in order: tags and copies are planned
             logits = self._decode(items[s : s + self.decode_chunk])
-            n = 0 if logits is None else logits.shape[0]
-            if n:
-                b_idx, t_idx = where[0][done : done + n], where[1][done : done + n]
-                src = torch.from_numpy(logits[:, :V])
-                if logits_at == "last":
-                    out[b_idx] = src
-                else:
-                    out[b_idx, t_idx] = src
-            done += n
+            if logits is not None:  # the next outputs in `where`'s order
+                at = [w[done : done + len(logits)] for w in where[: 1 if logits_at == "last" else 2]]
+                out[tuple(at)] = torch.from_numpy(logits[:, :V])
+                done += len(logits)
         if parents is None:  # a chain commits its tokens; tree nodes wait for keep_paths
             for r, n in zip(self.rows, n_new):
                 r.base += n
@@ -572,26 +500,23 @@ class LlamaCppRunner:
         rows_out: list[int] = []
         pos_out: list[int] = []
         for b, (row, r) in enumerate(zip(tokens, self.rows)):
+            if parents is None and r.nodes:
+                raise ValueError(f"row {b} holds an uncommitted tree: keep_paths before a chain forward")
             if parents is None:
-                if r.nodes:
-                    raise ValueError(f"row {b} holds an uncommitted tree: keep_paths before a chain forward")
-                for i, t in enumerate(row):
-                    want = logits_at == "all" or i == len(row) - 1
-                    items.append((t, [r.seq], r.base + i, want))
+                plan = [([r.seq], r.base + i, None) for i in range(len(row))]
             else:
                 plan = self._plan_tree(b, parents[b], r.length - starts[b], len(row), starts[b])
-                for i, (t, (seqs, pos, parent)) in enumerate(zip(row, plan)):
-                    items.append((t, seqs, pos, logits_at == "all" or i == len(row) - 1))
+            for i, (t, (seqs, pos, parent)) in enumerate(zip(row, plan)):
+                want = logits_at == "all" or i == len(row) - 1
+                items.append((t, seqs, pos, want))
+                if parents is not None:
                     r.nodes.append(_Node(seqs[0], pos, parent))
-            if row:
-                for i, it in enumerate(items[len(items) - len(row) :]):
-                    if it[3]:
-                        rows_out.append(b)
-                        pos_out.append(i)
+                if want:
+                    rows_out.append(b)
+                    pos_out.append(i)
         return items, (torch.tensor(rows_out, dtype=torch.int64), torch.tensor(pos_out, dtype=torch.int64))
 
-    def prefill(self, tokens: Sequence[Sequence[int]], chunk: int = _BATCH) -> None:
-        """Feed prompts into the cache without logits."""
+    def prefill(self, tokens: Chunk, chunk: int = _BATCH) -> None:
         tokens = self._check_tokens(tokens)
         if any(r.nodes for r, t in zip(self.rows, tokens) if t):
             raise ValueError("prefill into a row with an uncommitted tree")
@@ -618,10 +543,28 @@ class StagedPrompt:
         return len(self.tokens) - self.row.base
 
     def feed(self, n: int) -> int:
-        """Compute the next min(n, remaining) prompt tokens, or up to 63 more (whole calls of llama.cpp's batched
-        kernels, `_GEMM_MIN`); returns how many."""
-        return self.runner._feed(self, n)
+        """Compute the next min(n, remaining) prompt tokens, up to _GEMM_MIN - 1 more: a call never leaves fewer than
+        _GEMM_MIN tokens of one of unchunked prefill's calls for later (see _GEMM_MIN); returns how many."""
+        runner, r, total = self.runner, self.row, len(self.tokens)
+        if self not in runner._staged:
+            raise ValueError("this staged prompt has joined the batch or been dropped")
+        start = pos = r.base
+        end = min(total, start + max(0, n))
+        calls = []  # [(first, end)] token positions of each llama_decode
+        while pos < end:
+            window = min(total, (pos // _BATCH + 1) * _BATCH)  # the end of unchunked prefill's call holding pos
+            stop = min(window, max(end, pos + _GEMM_MIN))
+            calls.append((pos, window if window - stop < _GEMM_MIN else stop))
+            pos = calls[-1][1]
+        if calls:
+            runner._make_room(pos - start)
+        for a, b in calls:
+            runner._decode([(self.tokens[i], [r.seq], i, False) for i in range(a, b)])
+            r.base = b
+        return r.base - start
 
     def close(self) -> None:
         """Give up the row (its request ended before it joined): its cells go to the graveyard, its sequence is free."""
-        self.runner._unstage(self)
+        if self in self.runner._staged:
+            self.runner._staged.remove(self)
+            self.runner._drop(self.row.seq)

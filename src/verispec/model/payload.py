@@ -1,9 +1,5 @@
-"""Weight updates as object-store payloads: what `RolloutCluster.update_weights` puts into Ray once for every replica.
-
-`tensors_payload(named_tensors)` turns (name, tensor) pairs into {"arrays": {name: contiguous CPU numpy array},
-"dtypes": {name: torch dtype name}}: numpy arrays, because Ray stores them out of band and a replica on the same
-node reads them zero-copy; a dtype numpy lacks (bfloat16, the float8s) travels as the integer type of its width and
-is listed in "dtypes". `from_payload(payload)` turns it back into (name, tensor) pairs that view the arrays.
+"""Weight updates as object-store payloads: what `RolloutCluster.update_weights` puts into Ray once for all replicas.
+Numpy arrays, because Ray stores them out of band and a replica on the same node reads them zero-copy.
 """
 
 from __future__ import annotations
@@ -22,11 +18,9 @@ _INTS = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}  # same-width carrie
 
 
 def tensors_payload(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> tuple[dict, tuple[str, ...]]:
-    """(name, tensor) pairs -> ({"arrays": {name: contiguous CPU numpy array}, "dtypes": {name: dtype name}}, names).
-
-    Arrays share memory with CPU contiguous tensors (no copy here; `ray.put` makes the one copy). A dtype numpy
-    cannot hold (bfloat16, float8) is sent as the integer type of its width, listed in "dtypes", and viewed back
-    by `from_payload`. ValueError for a non-pair, a duplicate name or an empty update."""
+    """(name, tensor) pairs -> ({"arrays": {name: contiguous CPU numpy array}, "dtypes": {name: dtype name}}, names);
+    arrays share memory with CPU tensors (`ray.put` makes the one copy). A dtype numpy lacks (bfloat16, float8)
+    travels as the integer type of its width, listed in "dtypes". ValueError for a bad, duplicate or empty update."""
     arrays: dict[str, np.ndarray] = {}
     dtypes: dict[str, str] = {}
     for item in update_items(named_tensors, ValueError):

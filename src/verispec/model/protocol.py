@@ -1,7 +1,6 @@
-"""The runner protocol: what the engine needs of a model that computes logits for a batch of rows with a KV cache
-that can be grown, forked (`fill` copies a shared prompt), reordered (`select`) and rolled back (`keep_paths`,
-`truncate`). `HFRunner` (transformers' forward), `FastRunner` (verispec's fused forward) and `LlamaCppRunner`
-(llama.cpp's) implement it; the engine and the drafters see nothing else of a model."""
+"""The runner protocol: a model computing logits for a batch of rows over a KV cache that can be grown, forked
+(`fill` shares a prompt), reordered (`select`) and rolled back (`keep_paths`, `truncate`). `HFRunner`, `FastRunner`
+and `LlamaCppRunner` implement it; the engine and the drafters see nothing else of a model."""
 
 from __future__ import annotations
 
@@ -11,7 +10,10 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
-__all__ = ["Runner", "Staged", "Staging"]
+__all__ = ["Chunk", "Runner", "Slots", "Staged", "Staging"]
+
+Chunk = Sequence[Sequence[int]]  # per row: a forward's tokens (or, for a tree, their parents)
+Slots = Sequence[int]  # per row: one cache slot (where its tree began)
 
 
 @runtime_checkable
@@ -40,11 +42,7 @@ class Runner(Protocol):
         """Keep these rows, in this order."""
 
     def forward(
-        self,
-        tokens: Sequence[Sequence[int]],
-        logits_at: str = "all",
-        parents: Sequence[Sequence[int]] | None = None,
-        tree_start: Sequence[int] | None = None,
+        self, tokens: Chunk, logits_at: str = "all", parents: Chunk | None = None, tree_start: Slots | None = None
     ) -> Tensor:
         """Append tokens[b] to row b (chains, or token trees by `parents`); float32 logits [B, T, V] ("all") or
         [B, V] ("last"). See `HFRunner.forward`."""
@@ -74,8 +72,8 @@ class Staged(Protocol):
 
 @runtime_checkable
 class Staging(Protocol):
-    """A runner that can prefill a new row outside its running batch (chunked prefill: the session feeds a long
-    prompt one chunk per step while the batch decodes). `HFRunner`, `FastRunner` and `LlamaCppRunner` are."""
+    """A runner that can prefill a new row outside its running batch (chunked prefill: a long prompt fed one chunk
+    per step while the batch decodes)."""
 
     def stage(self, tokens: Sequence[int], capacity: int) -> Staged:
         """A row holding `tokens` (fed by `Staged.feed`) with room for `capacity` tokens, outside the batch."""

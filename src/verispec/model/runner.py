@@ -1,11 +1,7 @@
-"""Model runner: ragged chunks of tokens in, logits out, over a `RowKVCache` with rollback.
-
-Works with any HF transformers decoder-only model whose attention accepts a ready-made 4D mask and
-explicit position ids (Llama, Qwen2, Mistral, SmolLM2, ... — the families verispec tests). The runner
-builds the mask itself: row b's query i sits at absolute position lengths[b] + i and sees slots
-[0, lengths[b] + i]. Padding inside a chunk (rows with fewer new tokens) is written beyond the row's
-length, hidden from real queries, and overwritten later, so the cache never needs compaction.
-"""
+"""Model runner: ragged chunks of tokens in, logits out, over a `RowKVCache` with rollback, for any transformers
+decoder-only model whose attention takes a ready-made 4D mask and position ids (Llama, Qwen2, Mistral, ...).
+Row b's query i sits at position lengths[b] + i and sees slots [0, lengths[b] + i]; padding (rows with fewer new
+tokens) is written beyond the row's length, hidden from real queries and overwritten later: no compaction."""
 
 from __future__ import annotations
 
@@ -17,6 +13,7 @@ from torch import Tensor
 
 from ..sampling.tree import tree_ancestors
 from .cache import RowKVCache
+from .protocol import Chunk, Slots
 
 __all__ = ["NORMED", "HFRunner", "StagedPrompt", "layer_inputs"]
 
@@ -48,7 +45,7 @@ def layer_inputs(decoder, ids: Sequence[int]):
             h.remove()
 
 
-def _tree_structure(parents: Sequence[Sequence[int]], n_new: list[int], T: int) -> tuple[Tensor, Tensor]:
+def _tree_structure(parents: Chunk, n_new: list[int], T: int) -> tuple[Tensor, Tensor]:
     """Per-row parent lists -> depth [B, T] (0 for roots) and ancestor-or-self [B, T, T] (anc[b, i, j]: node j
     is node i or one of its ancestors). Padding nodes get depth 0 and see only themselves."""
     B = len(n_new)
@@ -100,10 +97,9 @@ class HFRunner:
 
     # --- hidden states for drafters that read them (EAGLE, Medusa, MTP heads) -------------------------------
     def capture_hidden(self, layers: Sequence[int]) -> None:
-        """From the next `start` / `fill` on, keep the hidden states at `layers` of every token in the cache, beside
-        its keys and values (`cache.extras[0]`, [B, L, len(layers) * H], layers in this order): id i < num_layers is
-        layer i's input, num_layers the last layer's output (before the final norm), NORMED (-1) the final norm's
-        output. They come from the forwards that run anyway (verification, prefill) and roll back with the cache."""
+        """From the next `start` / `fill` on, keep every token's hidden states at `layers` beside its keys and values
+        (`cache.extras[0]`, [B, L, len(layers) * H]): id i < num_layers is layer i's input, num_layers the last
+        layer's output, NORMED (-1) the final norm's. They come from the forwards that run anyway."""
         layers = tuple(int(i) for i in layers)
         if not layers or len(set(layers)) != len(layers) or any(not NORMED <= i <= self.num_layers for i in layers):
             raise ValueError(
@@ -117,9 +113,7 @@ class HFRunner:
         parts = [hidden if i == NORMED else self._grabbed.pop(i) for i in self.capture]
         return torch.cat(parts, -1) if len(parts) > 1 else parts[0]
 
-    # --- batch lifecycle ------------------------------------------------------------------------------
     def start(self, batch: int, capacity: int) -> None:
-        """Allocate a fresh cache for `batch` rows of up to `capacity` tokens each."""
         self.cache = self._new_cache(batch, capacity)
 
     def _new_cache(self, batch: int, capacity: int) -> RowKVCache:
@@ -128,9 +122,8 @@ class HFRunner:
             self.num_layers, batch, self.num_kv_heads, self.head_dim, capacity, self.dtype, self.device, extras
         )
 
-    def fill(self, seqs: Sequence[Sequence[int]], capacity: int) -> None:
-        """A fresh cache for len(seqs) rows with seqs[i] prefilled into row i. Identical sequences (the samples
-        of one group share their prompt) are computed once and their KV rows copied: no recompute."""
+    def fill(self, seqs: Chunk, capacity: int) -> None:
+        """Identical sequences (a group's samples share their prompt) are computed once, their KV rows copied."""
         unique: dict[tuple[int, ...], int] = {}
         rows = [unique.setdefault(tuple(s), len(unique)) for s in seqs]
         self.start(len(unique), capacity)
@@ -138,8 +131,7 @@ class HFRunner:
         if len(unique) < len(rows):
             self.cache.select(rows)
 
-    def add_rows(self, seqs: Sequence[Sequence[int]], capacity: int) -> None:
-        """New rows join the batch after the existing ones, with seqs[i] prefilled into their cache."""
+    def add_rows(self, seqs: Chunk, capacity: int) -> None:
         old = self.cache
         self.fill(seqs, capacity)
         if old is not None and old.batch_size:
@@ -148,13 +140,10 @@ class HFRunner:
 
     # --- chunked prefill: a row's prompt computed outside the running batch, a chunk at a time --------------
     def stage(self, tokens: Sequence[int], capacity: int) -> StagedPrompt:
-        """A row holding `tokens`, prefilled outside the batch (a cache of its own, `capacity` slots) by
-        `StagedPrompt.feed`, then appended to the batch by `join`; the batch runs meanwhile."""
+        """`Staging.stage`: the row gets a cache of its own until it joins."""
         return StagedPrompt(self, tokens, capacity)
 
     def join(self, staged: StagedPrompt, copies: int = 1, replace: bool = False) -> None:
-        """The staged row, complete, joins after the batch's rows as `copies` rows sharing its cache entries (a
-        group's samples: computed once). replace: they become the batch (the runner's rows are dropped)."""
         if staged.runner is not self or staged.cache is None or staged.remaining:
             raise ValueError("only a staged prompt of this runner, completely fed, can join its batch")
         if copies < 1:
@@ -177,8 +166,7 @@ class HFRunner:
         return self.cache.capacity if self.cache is not None else 0
 
     def reserve(self, capacity: int) -> None:
-        """Room for at least `capacity` tokens per row, the rows kept (a cross-vocabulary draft's rows grow by a
-        variable number of its tokens per target token)."""
+        """Room for at least `capacity` tokens per row, the rows kept."""
         self.cache.reserve(capacity)
 
     def truncate(self, lengths: list[int]) -> None:
@@ -187,17 +175,11 @@ class HFRunner:
     def select(self, rows: list[int]) -> None:
         self.cache.select(rows)
 
-    # --- forward --------------------------------------------------------------------------------------
     def _run(
-        self,
-        tokens: Sequence[Sequence[int]],
-        parents: Sequence[Sequence[int]] | None = None,
-        tree_start: Sequence[int] | None = None,
+        self, tokens: Chunk, parents: Chunk | None = None, tree_start: Slots | None = None
     ) -> tuple[Tensor, list[int]]:
-        """One forward over a ragged chunk (a chain per row, or a tree per row when `parents` is given);
-        returns hidden states [B, T, H] and the rows' new-token counts. With `tree_start`, row b's tree began at
-        slot tree_start[b] in an earlier forward: parents[b] covers the whole tree (earlier nodes, then the new
-        ones) and indexes into it."""
+        """One forward over a ragged chunk (chains, or trees: `forward`'s parents and tree_start); returns hidden
+        states [B, T, H] and the rows' new-token counts."""
         cache = self.cache
         B = cache.batch_size
         if len(tokens) != B:
@@ -210,45 +192,54 @@ class HFRunner:
         for b, t in enumerate(tokens):
             if n_new[b]:
                 ids[b, : n_new[b]] = torch.as_tensor(list(t), dtype=torch.int64)
-        dev = self.device
-        ids = ids.to(dev)
-        lengths = torch.tensor(cache.lengths, device=dev).unsqueeze(1)  # [B, 1]
-        tree = None
-        if parents is not None:  # validated before any write
-            start = list(cache.lengths) if tree_start is None else [int(s) for s in tree_start]
-            old = [n - s for n, s in zip(cache.lengths, start)]  # tree nodes already in the cache
-            if len(start) != B or any(o < 0 for o in old):
-                raise ValueError(f"tree_start {start} must give one slot <= each row's length {cache.lengths}")
-            total = [o + n for o, n in zip(old, n_new)]
-            tree = _tree_structure(parents, total, max(total)), start, old, total
+        ids = ids.to(self.device)
+        tree = None if parents is None else self._tree_rows(parents, tree_start, n_new)  # checked before any write
         cache.begin_chunk(T)
-        slots = torch.arange(cache._used, device=dev)  # [L]
-        if tree is None:  # a chain: chunk token i sits at position lengths + i and sees every slot before it
-            position_ids = lengths + torch.arange(T, device=dev)  # [B, T]: absolute positions
-            distance = position_ids.unsqueeze(-1) - slots.view(1, 1, -1)  # [B, T, L]: query pos - key pos
-            visible = distance >= 0
-        else:
-            (depth, anc), start, old, total = tree
-            depth, anc = depth.to(dev), anc.to(dev)  # [B, Tt], [B, Tt, Tt]: depth, ancestor-or-self
-            Tt = depth.shape[1]
-            start = torch.tensor(start, device=dev).unsqueeze(1)  # [B, 1]
-            node = (torch.tensor(old, device=dev).unsqueeze(1) + torch.arange(T, device=dev)).clamp(max=Tt - 1)
-            position_ids = start + depth.gather(1, node)  # [B, T]: a node's position is its depth below the prefix
-            rel = slots.view(1, -1) - start  # [B, L]: tree index of each slot (< 0: the committed prefix)
-            in_tree = (rel >= 0) & (rel < torch.tensor(total, device=dev).unsqueeze(1))
-            j = rel.clamp(0, Tt - 1)
-            key_pos = torch.where(in_tree, start + depth.gather(1, j), slots.view(1, -1))  # [B, L]
-            anc_q = anc.gather(1, node.unsqueeze(-1).expand(B, T, Tt))  # [B, T, Tt]: the queries' ancestors
-            visible = (rel < 0).unsqueeze(1) | (
-                anc_q.gather(2, j.unsqueeze(1).expand(B, T, -1)) & in_tree.unsqueeze(1)
-            )  # [B, T, L]
-            distance = position_ids.unsqueeze(-1) - key_pos.unsqueeze(1)
+        position_ids, visible, distance = self._chain_mask(T) if tree is None else self._tree_mask(T, *tree)
         hidden = self._body(ids, self._masks(visible, distance), position_ids)
         if self.capture:
             cache.write_extra(0, self._captured(hidden))
         cache.commit(n_new)
         self.tokens_computed += sum(n_new)
         return hidden, n_new
+
+    def _tree_rows(self, parents: Chunk, tree_start: Slots | None, n_new: list[int]) -> tuple:
+        """A tree forward's rows: ((depth, ancestors), start, old, total) per `_tree_structure`, where row b's tree
+        began at slot start[b], holds old[b] nodes in the cache already and total[b] with the new ones."""
+        lengths = self.cache.lengths
+        start = list(lengths) if tree_start is None else [int(s) for s in tree_start]
+        old = [n - s for n, s in zip(lengths, start)]  # tree nodes already in the cache
+        if len(start) != len(lengths) or any(o < 0 for o in old):
+            raise ValueError(f"tree_start {start} must give one slot <= each row's length {lengths}")
+        total = [o + n for o, n in zip(old, n_new)]
+        return _tree_structure(parents, total, max(total)), start, old, total
+
+    def _chain_mask(self, T: int) -> tuple[Tensor, Tensor, Tensor]:
+        """A chain: chunk token i sits at position length + i and sees every slot before it. Returns position_ids
+        [B, T], visible [B, T, L] and distance [B, T, L] (query position - key position)."""
+        dev = self.device
+        position_ids = torch.tensor(self.cache.lengths, device=dev).unsqueeze(1) + torch.arange(T, device=dev)
+        distance = position_ids.unsqueeze(-1) - torch.arange(self.cache._used, device=dev).view(1, 1, -1)
+        return position_ids, distance >= 0, distance
+
+    def _tree_mask(self, T: int, structure, start: list[int], old: list[int], total: list[int]) -> tuple:
+        """`_chain_mask` for trees (`_tree_rows`): a node's position is its depth below the prefix, and it sees
+        the prefix and its own ancestors."""
+        dev = self.device
+        depth, anc = structure[0].to(dev), structure[1].to(dev)  # [B, Tt], [B, Tt, Tt]: depth, ancestor-or-self
+        B, Tt = depth.shape
+        slots = torch.arange(self.cache._used, device=dev)  # [L]
+        start = torch.tensor(start, device=dev).unsqueeze(1)  # [B, 1]
+        node = (torch.tensor(old, device=dev).unsqueeze(1) + torch.arange(T, device=dev)).clamp(max=Tt - 1)
+        position_ids = start + depth.gather(1, node)  # [B, T]
+        rel = slots.view(1, -1) - start  # [B, L]: tree index of each slot (< 0: the committed prefix)
+        in_tree = (rel >= 0) & (rel < torch.tensor(total, device=dev).unsqueeze(1))
+        j = rel.clamp(0, Tt - 1)
+        key_pos = torch.where(in_tree, start + depth.gather(1, j), slots.view(1, -1))  # [B, L]
+        anc_q = anc.gather(1, node.unsqueeze(-1).expand(B, T, Tt))  # [B, T, Tt]: the queries' ancestors
+        seen = anc_q.gather(2, j.unsqueeze(1).expand(B, T, -1)) & in_tree.unsqueeze(1)
+        visible = (rel < 0).unsqueeze(1) | seen  # [B, T, L]
+        return position_ids, visible, position_ids.unsqueeze(-1) - key_pos.unsqueeze(1)
 
     def _body(self, ids: Tensor, masks, position_ids: Tensor) -> Tensor:
         """ids [B, T], masks (see `_masks`), position_ids [B, T] -> final hidden states [B, T, H]."""
@@ -283,25 +274,14 @@ class HFRunner:
 
     @torch.inference_mode()
     def forward(
-        self,
-        tokens: Sequence[Sequence[int]],
-        logits_at: str = "all",
-        parents: Sequence[Sequence[int]] | None = None,
-        tree_start: Sequence[int] | None = None,
+        self, tokens: Chunk, logits_at: str = "all", parents: Chunk | None = None, tree_start: Slots | None = None
     ) -> Tensor:
-        """Append tokens[b] to row b (rows may differ in length, even be empty) and return float32 logits.
-
-        logits_at="all":  [B, T, V] for every chunk position (T = longest row; padding positions are junk);
-        logits_at="last": [B, V] at each row's last new token (a row with no new tokens gets junk).
-        parents: None (each row's tokens are a chain) or, per row, the parent of each new token: -1 (it
-        follows the committed prefix) or the index of an earlier token of the same chunk — a token tree,
-        checked in one pass (tree attention: a node sees the prefix and its own ancestors; its position is
-        the prefix length plus its depth). All nodes are written to the cache; `keep_paths` then keeps one
-        root-to-node path per row.
-        tree_start: grow a tree over several forwards (a drafter expanding level by level): row b's tree began
-        at slot tree_start[b]; its nodes since then are in the cache, and parents[b] lists the parents of all of
-        its nodes, old and new, as indices into the tree (-1: the prefix before tree_start).
-        """
+        """Append tokens[b] to row b (rows may differ in length, even be empty) and return float32 logits:
+        [B, T, V] at every chunk position (logits_at="all"; padding positions are junk) or [B, V] at each row's last
+        new token ("last"). parents: None (chains) or per row each new token's parent, -1 (the committed prefix) or
+        an earlier token of the chunk: a token tree (a node sees the prefix and its ancestors, at the prefix length
+        plus its depth); `keep_paths` then keeps one root-to-node path per row. tree_start: a tree grown over
+        several forwards began at slot tree_start[b], and parents[b] covers all its nodes, old and new."""
         check_forward_args(logits_at, parents, tree_start)
         hidden, n_new = self._run(tokens, parents, tree_start)  # [B, T, H]
         if logits_at == "last":
@@ -309,13 +289,11 @@ class HFRunner:
             hidden = hidden[torch.arange(len(n_new), device=self.device), last]  # [B, H]
         return self._logits(hidden)
 
-    def keep_paths(self, old_lengths: list[int], paths: Sequence[Sequence[int]]) -> None:
-        """After a tree forward from `old_lengths`: row b keeps the chunk nodes paths[b] (indices into its
-        chunk, root first), moved to the slots right after its prefix; everything else is dropped."""
+    def keep_paths(self, old_lengths: list[int], paths: Chunk) -> None:
         self.cache.keep_paths(old_lengths, paths)
 
     @torch.inference_mode()
-    def prefill(self, tokens: Sequence[Sequence[int]], chunk: int = 512) -> None:
+    def prefill(self, tokens: Chunk, chunk: int = 512) -> None:
         """Feed prompts into the cache without computing logits (chunked to bound memory)."""
         longest = max((len(t) for t in tokens), default=0)
         for s in range(0, longest, chunk):
@@ -325,9 +303,8 @@ class HFRunner:
 
 
 class StagedPrompt:
-    """One row's prompt being prefilled outside a torch runner's batch (`HFRunner.stage`): a cache of its own that
-    `feed` fills a chunk at a time, with the runner's forward (the batch's cache set aside meanwhile), until
-    `HFRunner.join` appends it to the batch."""
+    """One row's prompt prefilled outside a torch runner's batch (`HFRunner.stage`): a cache of its own that `feed`
+    fills a chunk at a time until `HFRunner.join` appends it to the batch."""
 
     def __init__(self, runner: HFRunner, tokens: Sequence[int], capacity: int):
         self.runner = runner
@@ -341,8 +318,7 @@ class StagedPrompt:
 
     @torch.inference_mode()
     def feed(self, n: int, chunk: int = 512) -> int:
-        """Compute the next min(n, remaining) prompt tokens (forwards of at most `chunk`, as `prefill`); returns
-        how many."""
+        """Compute the next min(n, remaining) prompt tokens (forwards of at most `chunk`); returns how many."""
         if self.cache is None:
             raise ValueError("this staged prompt has joined the batch")
         done = self.cache.lengths[0]

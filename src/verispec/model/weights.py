@@ -1,17 +1,7 @@
-"""In-place weight updates (RL: the policy changes after every optimizer step).
-
-`update_weights(model, named_tensors)` takes an iterable of `(name, tensor)` — what a trainer's
-`model.named_parameters()` or `state_dict().items()` yields — validates every name, shape, dtype and value
-first, and only then copies them into the model's own parameter storage (`Tensor.copy_` under no_grad).
-A bad update therefore changes nothing, and its error lists what was wrong. Copying in place, not
-re-binding `.data`, matters: the fast runner's fused q/k/v and gate/up matrices, its output layer and its
-norms are views of (or the same tensors as) the model's parameters, so a dense runner sees the new weights
-with no rebuild. Quantized copies (an int4 / int8 self-draft) do not share storage and must be rebuilt by
-whoever owns them.
-
-`load_safetensors_dir(path)` yields the `(name, tensor)` pairs of every `*.safetensors` file in a directory
-(a `save_pretrained` checkpoint, sharded or not). `update_items` / `is_named_pair` are the shape checks every
-reader of an update shares (`check_update` here, `verispec.model.payload` for the rollout replicas).
+"""In-place weight updates (RL: the policy changes after every optimizer step): every (name, tensor) pair checked
+before anything is written (a bad update changes nothing), then copied in place (`Tensor.copy_`, not re-binding
+`.data`: the fast runner's fused matrices and norms are views of the model's parameters, so a dense runner sees the
+new weights with no rebuild; quantized copies must be rebuilt by their owner).
 """
 
 from __future__ import annotations
@@ -23,14 +13,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-__all__ = [
-    "WeightUpdateError",
-    "check_update",
-    "is_named_pair",
-    "load_safetensors_dir",
-    "update_items",
-    "update_weights",
-]
+__all__ = ["WeightUpdateError", "is_named_pair", "load_safetensors_dir", "update_items", "update_weights"]
 
 _MAX_LISTED = 8
 
@@ -38,11 +21,6 @@ _MAX_LISTED = 8
 class WeightUpdateError(ValueError):
     """A weight update was refused before anything was written (a ValueError); the message lists every problem
     found: unknown names, wrong shapes or dtypes, NaN / inf values."""
-
-
-def _targets(model: torch.nn.Module) -> dict[str, Tensor]:
-    """Every name an update may use: parameters and persistent buffers, tied weights under each of their names."""
-    return dict(model.state_dict(keep_vars=True))
 
 
 def update_items(named_tensors: Iterable, error: type[Exception] = WeightUpdateError) -> list:
@@ -64,7 +42,7 @@ def is_named_pair(item) -> bool:
 def check_update(model: torch.nn.Module, named_tensors: Iterable[tuple[str, Tensor]]) -> list[tuple[Tensor, Tensor]]:
     """Validate an update against the model: (destination, source) pairs, or WeightUpdateError listing every
     unknown name, duplicate, non-tensor, shape or dtype mismatch and non-finite value."""
-    targets = _targets(model)
+    targets = dict(model.state_dict(keep_vars=True))  # parameters and persistent buffers, tied weights under each name
     problems: list[str] = []
     pairs: list[tuple[Tensor, Tensor]] = []
     seen: set[str] = set()
@@ -112,7 +90,6 @@ def update_weights(model: torch.nn.Module, named_tensors: Iterable[tuple[str, Te
 
 def load_safetensors_dir(path: str | os.PathLike) -> Iterator[tuple[str, Tensor]]:
     """The (name, tensor) pairs of every *.safetensors file in a directory (or of one file)."""
-
     p = Path(path)
     if p.is_file():
         files = [p]

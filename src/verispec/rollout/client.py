@@ -1,11 +1,5 @@
 """An HTTP client for `verispec serve`'s RL routes (`verispec.serve.rl`): rollouts by token ids with logprobs,
 weight updates in the request body or from a path, abort. What a trainer process imports instead of vLLM's client.
-
-    client = RolloutClient("http://127.0.0.1:8000")
-    client.wait_for_server(60)
-    out = client.generate([[1, 2, 3]], n=8, temperature=1.0, max_tokens=256, seed=step)
-    out["completion_ids"], out["logprobs"]            # [P * n][...], prompt-major, EOS included when it ended one
-    client.update_weights(model.named_parameters())    # one safetensors body; returns the new weight version
 """
 
 from __future__ import annotations

@@ -1,28 +1,11 @@
-"""TRL's GRPOTrainer with rollouts from a `verispec serve` server: a `rollout_func` (TRL's hook for custom
-generation, `GRPOTrainer(..., rollout_func=...)`; TRL 1.x) that syncs the policy's weights to the server whenever
-the trainer has taken an optimizer step, then samples the batch's groups by token ids with their logprobs.
+"""TRL's GRPOTrainer with rollouts from a `verispec serve` server (the guide: docs/guides/rl-rollouts.md#trl).
 
-    from trl import GRPOConfig, GRPOTrainer
-    from verispec.rollout.trl import verispec_rollout_func
-
-    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=GRPOConfig(..., use_vllm=False),
-                          train_dataset=ds, rollout_func=verispec_rollout_func("http://127.0.0.1:8000"))
-
-TRL hands the function the batch's prompts with each prompt repeated num_generations times in a row; the function
-sends each distinct group once with n = num_generations (the server prefills a group's prompt once) and returns one
-completion per entry, in order: prompt_ids (as TRL's own `_tokenize_prompts` builds them: the chat template with a
-generation prompt for message lists, the tokenizer for text), completion_ids (EOS included when it ended a sample)
-and logprobs (log softmax(logits / temperature) of each sampled token: what TRL computes for the policy). The
-trainer's temperature and max_completion_length are used; top_p / top_k / min_p / repetition_penalty must be
-neutral (the server refuses others: TRL's own logprobs never apply them). Weights: the unwrapped policy's
-named_parameters, cast to float32, in one HTTP body, from the main process, before the first rollout and after
-every optimizer step. With several processes the main one gathers every process's prompts and sends one request.
-
-`OnPolicyCheck` (a mixin: `class Trainer(OnPolicyCheck, GRPOTrainer)`) proves it while training: after each generated
-batch it recomputes the completions' logprobs with the trainer's own method under the weights it trains and logs
-the largest gap to the rollout logprobs (`verispec/logprob_gap_max`; fp32 on both sides: ~1e-6 on tiny models,
-< 1e-4 on SmolLM2-135M). It means something only with `disable_dropout=True` (TRL's default is False: dropout
-would then perturb the trainer's side).
+`verispec_rollout_func(url)` is a `rollout_func` (TRL's hook for custom generation, TRL 1.x): it syncs the policy's
+weights to the server whenever the trainer has taken an optimizer step, then samples each distinct group of the
+batch once (n = num_generations) by token ids, returning prompt_ids (as TRL's own `_tokenize_prompts` builds them),
+completion_ids (EOS included when it ended a sample) and logprobs (log softmax(logits / T), what TRL computes for
+the policy). `OnPolicyCheck` (a mixin: `class Trainer(OnPolicyCheck, GRPOTrainer)`) logs the largest gap between
+those logprobs and the trainer's own recomputation (`verispec/logprob_gap_max`; meaningful with disable_dropout).
 """
 
 from __future__ import annotations
@@ -42,13 +25,10 @@ def verispec_rollout_func(
 ) -> Callable[[list, object], dict]:
     """TRL's `rollout_func` over a verispec server, for GRPOTrainer.
 
-    Before the first rollout and after every optimizer step it sends the policy's weights to the server; then it
-    sends each group of the batch once with `n = num_generations` and hands TRL `prompt_ids`, `completion_ids` and
-    `logprobs` (`log_softmax(logits / T)` of each sampled token, what TRL computes for the policy).
-
-    With several training processes each one calls it with its own prompts (a group may straddle processes): the
-    main process gathers them all, syncs the weights, sends one request and hands every process its slice, as
-    TRL's vLLM server mode does; a failure there is raised on every process (none waits forever).
+    The weights go as the unwrapped policy's named_parameters in one HTTP body, from the main process. With several
+    training processes the main one gathers every process's prompts (a group may straddle processes), sends one
+    request and hands every process its slice, as TRL's vLLM server mode does; a failure there is raised on every
+    process (none waits forever).
 
     ```python
     rollout = verispec_rollout_func("http://127.0.0.1:8000")

@@ -51,7 +51,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from .chain import ChainVerifyOutput, _check_inputs, _normalise_args, draw_uniforms, sample_from_weights
+from .chain import ChainVerifyOutput, _normalise_args, emitted, prepared, sample_from_weights
 
 __all__ = ["block_final_weights", "block_stop_law", "block_terms", "verify_block", "verify_block_with_uniforms"]
 
@@ -165,33 +165,26 @@ def verify_block_with_uniforms(
     pos = torch.arange(1, K1, device=dev)
     passed = accept_u < h[:, 1:]  # [B, k]; h = 0 past num_draft and where nothing is left to stop at
     tau = torch.where(passed, pos, 0).amax(1) if k > 0 else torch.zeros(B, dtype=torch.int64, device=dev)  # [B]
-
     weights = block_final_weights(target_probs, draft_token_ids, draft_probs, num_draft, rho, tau)
     final = sample_from_weights(weights, final_u)  # [B]
-
-    token_ids = torch.where(pos - 1 < tau.unsqueeze(1), draft_token_ids, -1)
-    token_ids = torch.cat([token_ids, torch.full((B, 1), -1, dtype=torch.int64, device=dev)], dim=1)
-    token_ids.scatter_(1, tau.unsqueeze(1), final.unsqueeze(1))
-    return ChainVerifyOutput(token_ids=token_ids, num_accepted=tau)
+    return ChainVerifyOutput(token_ids=emitted(draft_token_ids, tau, final), num_accepted=tau)
 
 
 def verify_block(
-    target_probs: Tensor,  # [B, k + 1, V] float: processed target distributions (last row: bonus position)
-    draft_token_ids: Tensor,  # [B, k] int64
-    draft_probs: Tensor | None = None,  # [B, k, V] float: the distributions the drafts were sampled from
-    num_draft_tokens: Tensor | None = None,  # [B] int64: row b uses its first num_draft_tokens[b] drafts
-    generators: Sequence[torch.Generator | None] | None = None,  # one per row (per-request seeds)
+    target_probs: Tensor,
+    draft_token_ids: Tensor,
+    draft_probs: Tensor | None = None,
+    num_draft_tokens: Tensor | None = None,
+    generators: Sequence[torch.Generator | None] | None = None,
     *,
     check: bool = True,
 ) -> ChainVerifyOutput:
     """Verify a batch of draft chains by block verification (Sun et al. 2025), exactly.
 
-    The kept prefix is decided from the whole block: with the capped prefix ratios
-    rho_i = min(1, rho_{i-1} p(x_i) / q(x_i)) and the block residual masses Z_i, it keeps the last i whose uniform
-    falls below h_i = Z_i / (Z_i + 1 - rho_i) (h_n = rho_n at the last draft), then draws the next token from
+    The kept prefix is decided from the whole block (the rule and its proof sketch: the module docstring): it keeps
+    the last i whose uniform falls below h_i = Z_i / (Z_i + 1 - rho_i), then draws the next token from
     (rho_i p - q)+ / Z_i, or from p after the whole block. The accepted prefix is at least as long in expectation
-    as token-wise verification's, and equal at k = 1 and for one-hot drafts. The proof sketch is in the module
-    docstring.
+    as token-wise verification's, and equal at k = 1 and for one-hot drafts.
 
     Args:
         target_probs: [B, k + 1, V] float: processed target distributions; the last row is the bonus position.
@@ -207,8 +200,5 @@ def verify_block(
     Raises:
         ValueError: With `check`, bad input (as `verify_chain`).
     """
-    _, k, _, draft_token_ids, num_draft = _normalise_args(target_probs, draft_token_ids, draft_probs, num_draft_tokens)
-    if check:
-        _check_inputs(target_probs, draft_token_ids, draft_probs, num_draft)
-    accept_u, final_u = draw_uniforms(num_draft, k, generators, target_probs.device)
-    return verify_block_with_uniforms(target_probs, draft_token_ids, draft_probs, num_draft, accept_u, final_u)
+    args = prepared(target_probs, draft_token_ids, draft_probs, num_draft_tokens, generators, check)
+    return verify_block_with_uniforms(target_probs, *args)

@@ -131,20 +131,28 @@ def _normalise_args(target_probs, draft_token_ids, draft_probs, num_draft_tokens
             raise ValueError(
                 f"draft_probs is {draft_probs.dtype} but target_probs is {target_probs.dtype}: pass both in one dtype"
             )
-    if num_draft_tokens is None:
-        num_draft = torch.full((B,), k, dtype=torch.int64, device=dev)
-    else:
-        if not isinstance(num_draft_tokens, Tensor):
-            num_draft_tokens = torch.as_tensor(num_draft_tokens)
-        if tuple(num_draft_tokens.shape) != (B,) or num_draft_tokens.is_floating_point():
-            raise ValueError(
-                f"num_draft_tokens must be an integer tensor of shape [B] = [{B}], "
-                f"got {num_draft_tokens.dtype} {tuple(num_draft_tokens.shape)}"
-            )
-        num_draft = num_draft_tokens.to(device=dev, dtype=torch.int64)
-        if bool(((num_draft < 0) | (num_draft > k)).any()):
-            raise ValueError(f"num_draft_tokens must lie in [0, k] = [0, {k}], got {num_draft.tolist()}")
-    return B, k, V, draft_token_ids, num_draft
+    return B, k, V, draft_token_ids, row_counts("num_draft_tokens", num_draft_tokens, B, k, "k", dev)
+
+
+def row_counts(name: str, counts, B: int, n: int, letter: str, dev) -> Tensor:  # [B] int64 on dev, in [0, n]
+    """A per-row count argument (`num_draft_tokens`, `num_nodes`): None means n for every row."""
+    if counts is None:
+        return torch.full((B,), n, dtype=torch.int64, device=dev)
+    if isinstance(counts, (list, tuple)):  # host counts: checked on the host (no device sync)
+        if len(counts) != B or not all(isinstance(c, int) and not isinstance(c, bool) for c in counts):
+            raise ValueError(f"{name} must be {B} integers, got {counts!r}")
+        if any(not 0 <= c <= n for c in counts):
+            raise ValueError(f"{name} must lie in [0, {letter}] = [0, {n}], got {list(counts)}")
+        return torch.tensor(counts, dtype=torch.int64, device=dev)
+    counts = torch.as_tensor(counts)
+    if tuple(counts.shape) != (B,) or counts.is_floating_point():
+        raise ValueError(
+            f"{name} must be an integer tensor of shape [B] = [{B}], got {counts.dtype} {tuple(counts.shape)}"
+        )
+    counts = counts.to(device=dev, dtype=torch.int64)
+    if bool(((counts < 0) | (counts > n)).any()):
+        raise ValueError(f"{name} must lie in [0, {letter}] = [0, {n}], got {counts.tolist()}")
+    return counts
 
 
 def draw_uniforms(
@@ -152,12 +160,10 @@ def draw_uniforms(
     k: int,
     generators: Sequence[torch.Generator | None] | None,
     device: torch.device,
+    host: Sequence[int] | None = None,  # num_draft as host integers, where the caller has them (no transfer)
 ) -> tuple[Tensor, Tensor]:  # accept_u [B, k] float64 (0 where unused), final_u [B] float64
-    """The uniforms verify_chain consumes: num_draft[b] acceptance uniforms, then one for the final draw.
-
-    With `generators`, row b draws from generators[b] (or the global generator where None), so its
-    numbers do not depend on other rows. Without, the whole batch draws from the global generator.
-    """
+    """The uniforms verify_chain consumes: num_draft[b] acceptance uniforms, then one for the final draw; row b
+    draws from generators[b] (its numbers independent of other rows), or all from the global generator."""
     B = num_draft.shape[0]
     pos = torch.arange(k, device=device)
     if generators is None:
@@ -169,7 +175,9 @@ def draw_uniforms(
         bad = [g for g in generators if g is not None and not isinstance(g, torch.Generator)]
         if bad:
             raise ValueError(f"generators must be torch.Generator objects or None, got {type(bad[0]).__name__}")
-        u = _rows_of_uniforms(num_draft.tolist(), k + 1, generators, device)  # [B, k + 1]
+        u = _rows_of_uniforms(
+            num_draft.tolist() if host is None else list(host), k + 1, generators, device
+        )  # [B, k + 1]
     accept_u = u[:, :k].masked_fill(pos >= num_draft.unsqueeze(1), 0.0)
     final_u = u.gather(1, num_draft.unsqueeze(1)).squeeze(1)
     return accept_u, final_u
@@ -242,12 +250,12 @@ def sample_from_weights(
 
 
 def verify_chain_with_uniforms(
-    target_probs: Tensor,  # [B, k + 1, V] float: processed target distributions; row k is the bonus position
-    draft_token_ids: Tensor,  # [B, k] int64
-    draft_probs: Tensor | None,  # [B, k, V] float or None (one-hot drafts)
-    num_draft: Tensor,  # [B] int64 in [0, k]
-    accept_u: Tensor,  # [B, k] float64 in [0, 1): acceptance uniforms (entries >= num_draft unused)
-    final_u: Tensor,  # [B] float64 in [0, 1): uniform for the recovered / bonus draw
+    target_probs: Tensor,
+    draft_token_ids: Tensor,
+    draft_probs: Tensor | None,
+    num_draft: Tensor,
+    accept_u: Tensor,
+    final_u: Tensor,
 ) -> ChainVerifyOutput:
     """Token-wise chain verification with the randomness given explicitly; inputs are assumed valid.
 
@@ -264,10 +272,9 @@ def verify_chain_with_uniforms(
     Returns:
         The accepted tokens and counts, as `verify_chain`.
     """
-    B, K1, V = target_probs.shape
+    _, K1, V = target_probs.shape
     k = K1 - 1
-    dev = target_probs.device
-    pos = torch.arange(K1, device=dev)
+    pos = torch.arange(K1, device=target_probs.device)
     ids = draft_token_ids.clamp(0, V - 1)  # padding (-1) must not index; masked out below
 
     p_t = target_probs[:, :k].gather(-1, ids.unsqueeze(-1)).squeeze(-1).to(torch.float64)  # [B, k]
@@ -280,11 +287,15 @@ def verify_chain_with_uniforms(
     rejected = num_accepted < num_draft  # [B]: stopped at a draft (recovered) rather than after all (bonus)
     residual, p_row = _residual_at_stop(target_probs, ids, draft_probs, num_accepted, rejected)
     final = sample_from_weights(residual, final_u, fallback=p_row)  # [B]; Z = 0 (inexact arithmetic): p
+    return ChainVerifyOutput(token_ids=emitted(draft_token_ids, num_accepted, final), num_accepted=num_accepted)
 
-    token_ids = torch.where(pos[:k] < num_accepted.unsqueeze(1), draft_token_ids, -1)
-    token_ids = torch.cat([token_ids, torch.full((B, 1), -1, dtype=torch.int64, device=dev)], dim=1)
-    token_ids.scatter_(1, num_accepted.unsqueeze(1), final.unsqueeze(1))
-    return ChainVerifyOutput(token_ids=token_ids, num_accepted=num_accepted)
+
+def emitted(ids: Tensor, num_accepted: Tensor, final: Tensor) -> Tensor:  # [B, k + 1] int64
+    """A step's tokens: the first num_accepted[b] of ids [B, k] (a path's tokens), then final [B], then -1."""
+    B, k = ids.shape
+    on_path = torch.arange(k, device=ids.device) < num_accepted.unsqueeze(1)
+    tok = torch.cat([torch.where(on_path, ids, -1), torch.full((B, 1), -1, dtype=torch.int64, device=ids.device)], 1)
+    return tok.scatter_(1, num_accepted.unsqueeze(1), final.unsqueeze(1))
 
 
 def _residual_at_stop(
@@ -320,14 +331,13 @@ def _residual_at_stop(
 
 
 def verify_chain(
-    target_probs: Tensor,  # [B, k + 1, V] float: processed target distributions (last row: bonus position)
-    draft_token_ids: Tensor,  # [B, k] int64
-    draft_probs: Tensor
-    | None = None,  # [B, k, V] float: the distributions the drafts were sampled from; None = one-hot
-    num_draft_tokens: Tensor | None = None,  # [B] int64: row b uses its first num_draft_tokens[b] drafts
-    generators: Sequence[torch.Generator | None] | None = None,  # one per row (per-request seeds)
+    target_probs: Tensor,
+    draft_token_ids: Tensor,
+    draft_probs: Tensor | None = None,
+    num_draft_tokens: Tensor | Sequence[int] | None = None,
+    generators: Sequence[torch.Generator | None] | None = None,
     *,
-    check: bool = True,  # validate inputs (two read passes); switch off on a hot path with trusted inputs
+    check: bool = True,
 ) -> ChainVerifyOutput:
     """Verify a batch of draft chains against the target, exactly (token-wise; Leviathan et al. 2023).
 
@@ -358,8 +368,14 @@ def verify_chain(
         ValueError: With `check`, bad input: NaN / inf / negative probabilities, rows not summing to 1, shape /
             dtype / device mismatches, token ids outside [0, V), a draft token with q = 0.
     """
-    _, k, _, draft_token_ids, num_draft = _normalise_args(target_probs, draft_token_ids, draft_probs, num_draft_tokens)
+    args = prepared(target_probs, draft_token_ids, draft_probs, num_draft_tokens, generators, check)
+    return verify_chain_with_uniforms(target_probs, *args)
+
+
+def prepared(target_probs, draft_token_ids, draft_probs, num_draft_tokens, generators, check: bool) -> tuple:
+    """verify_chain's arguments checked and its uniforms drawn: the rest of `verify_chain_with_uniforms`' arguments."""
+    _, k, _, ids, num_draft = _normalise_args(target_probs, draft_token_ids, draft_probs, num_draft_tokens)
     if check:
-        _check_inputs(target_probs, draft_token_ids, draft_probs, num_draft)
-    accept_u, final_u = draw_uniforms(num_draft, k, generators, target_probs.device)
-    return verify_chain_with_uniforms(target_probs, draft_token_ids, draft_probs, num_draft, accept_u, final_u)
+        _check_inputs(target_probs, ids, draft_probs, num_draft)
+    host = num_draft_tokens if isinstance(num_draft_tokens, (list, tuple)) else None
+    return ids, draft_probs, num_draft, *draw_uniforms(num_draft, k, generators, target_probs.device, host)

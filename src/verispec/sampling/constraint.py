@@ -26,10 +26,7 @@ MAX_CONSTRAINT_CHARS = 1 << 16  # a schema, regex or grammar's text (64 KiB): co
 
 
 class ConstraintError(ValueError):
-    """A constraint that cannot be used (a ValueError): malformed, or refused by the grammar engine when compiled.
-
-    The message names the problem; the server answers it as a 400.
-    """
+    """A constraint that cannot be used (a ValueError): malformed, or refused by the grammar engine when compiled."""
 
 
 @dataclass(frozen=True)
@@ -62,11 +59,7 @@ class Constraint:
             raise ConstraintError(
                 f"a constraint's kind must be one of {', '.join(CONSTRAINT_KINDS)}, got {self.kind!r}"
             )
-        if not isinstance(self.source, str):
-            raise ConstraintError(
-                f"a {self.kind} constraint's source must be a string, got {type(self.source).__name__}"
-            )
-        if len(self.source) > MAX_CONSTRAINT_CHARS:
+        if len(_text(f"a {self.kind} constraint's source", self.source)) > MAX_CONSTRAINT_CHARS:
             raise ConstraintError(
                 f"a {self.kind} constraint is at most {MAX_CONSTRAINT_CHARS} characters, got {len(self.source)}"
             )
@@ -84,9 +77,6 @@ class Constraint:
         Args:
             schema: The JSON schema: a dict, or its JSON text; `True` allows any JSON value.
             whitespace: Allow any whitespace between tokens.
-
-        Returns:
-            The constraint.
 
         Raises:
             ConstraintError: The schema is not valid JSON, not an object, or nested too deeply. Keywords the
@@ -115,9 +105,6 @@ class Constraint:
 
         Args:
             whitespace: Allow any whitespace between tokens.
-
-        Returns:
-            The constraint.
         """
         return cls("json_object", "", whitespace)
 
@@ -128,15 +115,10 @@ class Constraint:
         Args:
             pattern: The regular expression.
 
-        Returns:
-            The constraint.
-
         Raises:
             ConstraintError: The pattern is not a string (a malformed one is refused when it is compiled).
         """
-        if not isinstance(pattern, str):
-            raise ConstraintError(f"a regex must be a string, got {type(pattern).__name__}")
-        return cls("regex", pattern)
+        return cls("regex", _text("a regex", pattern))
 
     @classmethod
     def choice(cls, choices: Sequence[str]) -> Constraint:
@@ -144,9 +126,6 @@ class Constraint:
 
         Args:
             choices: The strings allowed, none empty.
-
-        Returns:
-            The constraint.
 
         Raises:
             ConstraintError: `choices` is not a non-empty list of non-empty strings.
@@ -164,15 +143,10 @@ class Constraint:
         Args:
             ebnf: The grammar, starting at rule `root` (xgrammar's dialect, which reads llama.cpp's GBNF).
 
-        Returns:
-            The constraint.
-
         Raises:
             ConstraintError: The grammar is not a string (a malformed one is refused when it is compiled).
         """
-        if not isinstance(ebnf, str):
-            raise ConstraintError(f"a grammar must be a string, got {type(ebnf).__name__}")
-        return cls("grammar", ebnf)
+        return cls("grammar", _text("a grammar", ebnf))
 
     @property
     def choices(self) -> list[str]:
@@ -185,3 +159,9 @@ class Constraint:
         if self.kind == "regex" and len(self.source) <= 40:
             return f"regex {self.source!r}"
         return f"{self.kind} ({len(self.source)} chars)"
+
+
+def _text(what: str, value) -> str:
+    if not isinstance(value, str):
+        raise ConstraintError(f"{what} must be a string, got {type(value).__name__}")
+    return value

@@ -3,21 +3,17 @@ and drafter-invariant speculative decoding", 2024), with the noise keyed by (req
 
 Plain decoding under the coupling draws output token i as the exponential race (Gumbel-max)
     x_i = argmax_x p_i(x) / E_i(x),     E_i(x) ~ Exp(1) i.i.d. over x, a function of (seed, i) only,
-which is an exact sample of p_i (P(argmax = x) = p_i(x) / sum p_i = p_i(x)). A drafter that sees the same noise
-samples argmax_x q_i(x) / E_i(x): it agrees with the target with probability between (1 - TV) / (1 + TV) (the
-paper's bound; TV = TV(p_i, q_i)) and 1 - TV (no coupling does better; the optimal rules reach it). Verification keeps a draft token iff it equals the target's own race winner at that
-position, and at the first disagreement emits the target's winner: every emitted token is x_i, so the output is
-plain decoding's under the same seed, token for token, whatever drafted (a model, prompt lookup, a tree), whatever
-gamma, batch or timing. The engine implements this by handing its usual verifiers the one-hot target
-onehot(x_i) at each position (`coupled_targets`): with a one-hot p every rule — token, block, every tree rule —
-is exact match that emits the argmax, so one mechanism covers chains and trees.
+an exact sample of p_i (P(argmax = x) = p_i(x)). A drafter that sees the same noise samples argmax_x q_i(x) / E_i(x):
+it agrees with the target with probability between (1 - TV) / (1 + TV) (the paper's bound) and 1 - TV (optimal).
+Verification keeps a draft token iff it equals the target's race winner there, and at the first disagreement emits
+that winner: every emitted token is x_i, plain decoding's output under the same seed, whatever drafted and whatever
+gamma, batch or timing. The engine hands its usual verifiers the one-hot target onehot(x_i) (`coupled_targets`):
+with a one-hot p every rule (token, block, every tree rule) is exact match emitting the argmax.
 
 Exactness needs only that E_i does not depend on anything the drafter or the step decides: it is a counter-based
-hash of (seed, i, token), never a stream whose position depends on gamma, and the same on every device. Numerics:
-the race runs in float64 over the target's probabilities; E = -log(1 - U) with U a 53-bit uniform in [0, 1), so no
-token with p > 0 is starved (an fp32 race loses the tail: vLLM #43150). Cost: one [V] hash and log per row and
-output position, for the target's slots and again for the draft's draws (about 2 ms at V = 151 936 on CPU). A tree
-drafter's children under the coupling are the top of q / E at their position (`coupled_children`).
+hash of (seed, i, token), the same on every device. The race runs in float64 with E = -log(1 - U), U a 53-bit
+uniform, so no token with p > 0 is starved (an fp32 race loses the tail: vLLM #43150). Cost: one [V] hash and log
+per row and position (about 2 ms at V = 151 936 on CPU). Tree children: the top of q / E (`coupled_children`).
 """
 
 from __future__ import annotations

@@ -1,21 +1,17 @@
-"""Lossy acceptance rules, opt-in and labelled: they trade exactness for acceptance.
-
-They exist so that `verispec certify study` can measure how far each moves the output from the target's
-distribution and show that the certificate catches them. The engine never uses them unless told to
-(SpeculativeGenerator(verifier=...)). Same interface as verify_chain.
+"""Lossy acceptance rules, opt-in and labelled: they trade exactness for acceptance, so that `verispec certify
+study` can measure how far each moves the output from the target's distribution and show that the certificate
+catches them. The engine uses them only when told to (a `verispec.engine.verify.Verification` strategy). Same
+interface as verify_chain.
 
   lenient(l)            accept t with probability min(1, p(t) / (l q(t))), l in (0, 1] (Leviathan et al.'s
                         "lenience"; l = 1 is exact); at a rejection draw from (p - q)+ / Z as usual
   typical(eps, delta)   Medusa's typical acceptance: accept t iff p(t) > min(eps, delta exp(-H(p))); at the
                         first rejection draw from p (no residual)
   spec_rl(l)            SPEC-RL's rollout reuse (Liu et al. 2025), q = the old policy's rollout: accept t with
-                        probability min(1, l p(t) / q(t)), l >= 1 (l = 1 the paper's rule; its scripts' `--bias b`
-                        is l = e^b); at the first rejection draw a fresh token from p, not from (p - q)+ / Z.
-                        Biased: at l = 1 the first position's law is min(p, q) + (1 - alpha) p, not p (the
-                        rejected mass is redrawn from p, not from what acceptance left out: the seed's "resample
-                        from p" mistake, injected as verispec.certify.bugs' resample_from_p). The engine applies
-                        it at every step; SPEC-RL cuts one old rollout once and decodes plainly after the cut:
-                        the same first-position law, another law beyond it
+                        probability min(1, l p(t) / q(t)), l >= 1 (the paper's rule at l = 1; its `--bias b` is
+                        l = e^b); at the first rejection a fresh draw from p, not from (p - q)+ / Z. Biased: at
+                        l = 1 the first position's law is min(p, q) + (1 - alpha) p, not p (the seed's "resample
+                        from p" mistake, verispec.certify.bugs' resample_from_p)
 
 `one_step_law_*` give the exact law of the token emitted at the first draft position, for measuring deviations.
 """
@@ -24,12 +20,11 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
-from .chain import ChainVerifyOutput, _normalise_args, draw_uniforms, sample_from_weights
+from .chain import ChainVerifyOutput, _normalise_args, draw_uniforms, emitted, sample_from_weights
 
 __all__ = [
     "lenient_verifier",
@@ -54,13 +49,8 @@ def draft_q(draft_probs: Tensor | None, ids: Tensor, V: int) -> Tensor:
 def finish_chain(ids: Tensor, na: Tensor, w: Tensor, p_row: Tensor, final_u: Tensor) -> ChainVerifyOutput:
     """A chain step's output: the na accepted drafts, then a token drawn with final_u from the weights w [B, V]
     (p_row where w has no mass), then -1."""
-    B, k = ids.shape
     w = torch.where(w.sum(1, keepdim=True) > 0, w, p_row)
-    final = sample_from_weights(w, final_u)
-    tok = torch.where(torch.arange(k, device=ids.device) < na.unsqueeze(1), ids, -1)
-    tok = torch.cat([tok, torch.full((B, 1), -1, dtype=torch.int64, device=ids.device)], 1)
-    tok.scatter_(1, na.unsqueeze(1), final.unsqueeze(1))
-    return ChainVerifyOutput(token_ids=tok, num_accepted=na)
+    return ChainVerifyOutput(token_ids=emitted(ids, na, sample_from_weights(w, final_u)), num_accepted=na)
 
 
 def chain_interface(name: str, impl, owner):
@@ -68,15 +58,7 @@ def chain_interface(name: str, impl, owner):
     function with verify_chain's interface (its `check` is accepted and ignored), named `name`; reports label it
     as a closure of `owner`, the factory that builds it."""
 
-    def verify(
-        target_probs: Tensor,
-        draft_token_ids: Tensor,
-        draft_probs: Tensor | None = None,
-        num_draft_tokens: Tensor | None = None,
-        generators: Sequence[torch.Generator | None] | None = None,
-        *,
-        check: bool = True,
-    ) -> ChainVerifyOutput:
+    def verify(target_probs, draft_token_ids, draft_probs=None, num_draft_tokens=None, generators=None, *, check=True):
         return impl(target_probs, draft_token_ids, draft_probs, num_draft_tokens, generators)
 
     verify.__name__ = name
@@ -144,13 +126,18 @@ def spec_rl_verifier(lenience: float = 1.0):
     return _chain_verifier(f"spec_rl_{lenience:g}", accept, lambda p, q: p)
 
 
-def one_step_law_lenient(p: Tensor, q: Tensor, lenience: float) -> Tensor:  # p, q [..., V] -> [..., V]
-    a = torch.where(q > 0, torch.minimum(torch.ones_like(p), p / (lenience * q).clamp_min(1e-300)), torch.zeros_like(p))
-    acc = q * a
-    r = (p - q).clamp_min(0)
+def _one_step_law(p: Tensor, q_sampled: Tensor, q_used: Tensor, lenience: float = 1.0) -> Tensor:  # [..., V] each
+    """Drafts from q_sampled kept with probability min(1, p / (l q_used)); at a rejection a draw from (p - q_used)+."""
+    a = torch.where(q_used > 0, torch.minimum(torch.ones_like(p), p / (lenience * q_used).clamp_min(1e-300)), 0.0)
+    acc = q_sampled * a
+    r = (p - q_used).clamp_min(0)
     z = r.sum(-1, keepdim=True)
     r = torch.where(z > 0, r / z.clamp_min(1e-300), p)
     return acc + (1 - acc.sum(-1, keepdim=True)) * r
+
+
+def one_step_law_lenient(p: Tensor, q: Tensor, lenience: float) -> Tensor:  # p, q [..., V] -> [..., V]
+    return _one_step_law(p, q, q, lenience)
 
 
 def one_step_law_typical(p: Tensor, q: Tensor, eps: float = 0.3, delta: float = 0.09) -> Tensor:
@@ -166,9 +153,4 @@ def one_step_law_spec_rl(p: Tensor, q: Tensor, lenience: float = 1.0) -> Tensor:
 
 def one_step_law_mismatched_q(p: Tensor, q_sampled: Tensor, q_used: Tensor) -> Tensor:
     """Drafts sampled from q_sampled, verified as if from q_used (the exact rule otherwise)."""
-    a = torch.where(q_used > 0, torch.minimum(torch.ones_like(p), p / q_used.clamp_min(1e-300)), torch.zeros_like(p))
-    acc = q_sampled * a
-    r = (p - q_used).clamp_min(0)
-    z = r.sum(-1, keepdim=True)
-    r = torch.where(z > 0, r / z.clamp_min(1e-300), p)
-    return acc + (1 - acc.sum(-1, keepdim=True)) * r
+    return _one_step_law(p, q_sampled, q_used)

@@ -1,11 +1,6 @@
-"""A batch's sampling parameters as tensors, built once per batch membership (vLLM's SamplingMetadata).
-
-`probs_from_logits` needs, per row, the temperature, top-k / top-p / min-p, penalties, and for the token options
-a [B, V] mask of blocked tokens, the logit-bias entries and the multi-token bad words. Building those on every
-call (target and drafter, every draft position) would cost a host-to-device copy each time; a
-`SamplingMetadata` holds them for as long as the batch's rows stay the same. The engine builds one when rows join
-or leave (`GenerationSession._admit` / `_keep`) and hands it to every `probs_from_logits` call of the batch, for
-the target's p and each drafter's q alike. Pure tensor code: it knows SamplingParams, not models.
+"""A batch's sampling parameters as tensors, built once per batch membership (vLLM's SamplingMetadata): the engine
+builds one when rows join or leave and hands it to every `probs_from_logits` call of the batch (the target's p and
+each drafter's q), instead of a host-to-device copy per call. Pure tensor code: it knows SamplingParams, not models.
 """
 
 from __future__ import annotations
@@ -25,10 +20,8 @@ _COLUMNS = ("temperature", "top_p", "min_p", "repetition", "presence", "frequenc
 
 @dataclass(frozen=True, eq=False)
 class SamplingMetadata:
-    """Per-row SamplingParams of a batch of B rows over a vocabulary of V tokens, as tensors on `device`.
-
-    Build it with `SamplingMetadata.build(params, vocab_size, device)`; `select(rows)` gives the metadata of a
-    subset of rows. The tensors are never modified after construction."""
+    """Per-row SamplingParams of a batch of B rows over V tokens, as tensors on `device` (never modified): build it
+    with `SamplingMetadata.build(params, vocab_size, device)`; `select(rows)` gives a subset's."""
 
     params: tuple[SamplingParams, ...]
     vocab_size: int

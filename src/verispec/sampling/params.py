@@ -1,8 +1,5 @@
-"""Sampling parameters: one frozen, validated description of the distribution to sample from.
-
-The same `SamplingParams` is used to build the target's distribution p and the draft's distribution q
-(see `verispec.sampling.processors.probs_from_logits`), which is what keeps speculative decoding lossless.
-"""
+"""Sampling parameters: one frozen, validated description of the distribution to sample from; the same
+`SamplingParams` builds the target's p and the draft's q (`probs_from_logits`), which keeps decoding lossless."""
 
 from __future__ import annotations
 
@@ -49,10 +46,7 @@ def check_seed(seed, field: str = "seed") -> int | None:
 
 
 class ParamError(ValueError):
-    """A sampling parameter out of range (a ValueError).
-
-    Each front end can name the field in its own words: the CLI's `--temperature`, the server's request field
-    `temperature`.
+    """A sampling parameter out of range (a ValueError); front ends name the field in their own words.
 
     Attributes:
         field: The SamplingParams field at fault.
@@ -61,8 +55,7 @@ class ParamError(ValueError):
 
     def __init__(self, field: str, message: str):
         super().__init__(f"SamplingParams.{field} {message}")
-        self.field = field
-        self.message = message  # without the field name: "must be >= 0 (0 = greedy), got -1.0"
+        self.field, self.message = field, message
 
 
 def _real(name: str, value: object) -> float:
@@ -72,6 +65,26 @@ def _real(name: str, value: object) -> float:
     if not math.isfinite(value):
         raise ParamError(name, f"must be finite, got {value!r}")
     return value + 0.0  # -0.0 -> 0.0
+
+
+def _in_range(name: str, value: object, lo: float, hi: float, interval: str, open_low: bool = False) -> float:
+    v = _real(name, value)
+    if not (lo < v if open_low else lo <= v) or v > hi:
+        raise ParamError(name, f"must be in {interval}, got {v}")
+    return v
+
+
+def _temperature(value: object) -> float:
+    t = _real("temperature", value)
+    if t < 0:
+        raise ParamError("temperature", f"must be >= 0 (0 = greedy), got {t}")
+    if t != 0 and not MIN_TEMPERATURE <= t <= MAX_TEMPERATURE:
+        raise ParamError(
+            "temperature",
+            f"must be 0 (greedy) or a normal float32 number in [{MIN_TEMPERATURE:.4g}, {MAX_TEMPERATURE:.4g}] "
+            f"(beyond it the temperature is subnormal or inf in float32 and the probabilities NaN), got {t!r}",
+        )
+    return t
 
 
 def _token_id(name: str, value: object) -> int:
@@ -143,10 +156,7 @@ def bad_words_from_text(words: Sequence[str], encode: Callable[[str], list[int]]
             `lambda s: tokenizer.encode(s, add_special_tokens=False)`.
 
     Returns:
-        One or two token-id sequences per word.
-
-    Raises:
-        ParamError: `words` is not a list of strings, or a word tokenizes to nothing.
+        One or two token-id sequences per word (ParamError for a word that tokenizes to nothing).
     """
     if isinstance(words, str) or not isinstance(words, Sequence):
         raise ParamError("bad_words", f"must be a list of strings, got {type(words).__name__}")
@@ -168,10 +178,8 @@ def bad_words_from_text(words: Sequence[str], encode: Callable[[str], list[int]]
 class SamplingParams:
     """How to turn a model's logits into the distribution that is sampled from. Frozen and validated.
 
-    The processing order is fixed and documented in `probs_from_logits`: allowed_token_ids -> bad_words ->
-    logit_bias -> penalties -> temperature -> top_k -> top_p -> min_p -> softmax. The defaults give plain sampling
-    from the model at temperature 1. Token ids are checked against the vocabulary where it is known
-    (`check_vocab`).
+    The processing order is `probs_from_logits`'. The defaults give plain sampling at temperature 1. Token ids are
+    checked against the vocabulary where it is known (`check_vocab`).
 
     Attributes:
         temperature: > 0 divides the logits (shifted so their largest is 0: nothing overflows); 0 means greedy (a
@@ -199,7 +207,7 @@ class SamplingParams:
             forbids at a position has probability 0 there, for p and q alike.
 
     Raises:
-        ParamError: A field is out of range or of the wrong type (it names the field).
+        ParamError: A field is out of range or of the wrong type.
     """
 
     temperature: float = 1.0
@@ -217,39 +225,17 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: normalise the validated values in place, once
-        t = _real("temperature", self.temperature)
-        if t < 0:
-            raise ParamError("temperature", f"must be >= 0 (0 = greedy), got {t}")
-        if t != 0 and not MIN_TEMPERATURE <= t <= MAX_TEMPERATURE:
-            raise ParamError(
-                "temperature",
-                f"must be 0 (greedy) or a normal float32 number in [{MIN_TEMPERATURE:.4g}, {MAX_TEMPERATURE:.4g}] "
-                f"(beyond it the temperature is subnormal or inf in float32 and the probabilities NaN), got {t!r}",
-            )
-        set_(self, "temperature", t)
+        set_(self, "temperature", _temperature(self.temperature))
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, Integral) or self.top_k < 0:
             raise ParamError("top_k", f"must be an integer >= 0 (0 = disabled), got {self.top_k!r}")
         set_(self, "top_k", int(self.top_k))
-        top_p = _real("top_p", self.top_p)
-        if not 0.0 < top_p <= 1.0:
-            raise ParamError("top_p", f"must be in (0, 1], got {top_p}")
-        set_(self, "top_p", top_p)
-        min_p = _real("min_p", self.min_p)
-        if not 0.0 <= min_p <= 1.0:
-            raise ParamError("min_p", f"must be in [0, 1], got {min_p}")
-        set_(self, "min_p", min_p)
-        rep = _real("repetition_penalty", self.repetition_penalty)
-        if not MIN_REPETITION_PENALTY <= rep <= MAX_REPETITION_PENALTY:
-            raise ParamError(
-                "repetition_penalty",
-                f"must be in [{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}] (1 = disabled), got {rep!r}",
-            )
+        set_(self, "top_p", _in_range("top_p", self.top_p, 0.0, 1.0, "(0, 1]", open_low=True))
+        set_(self, "min_p", _in_range("min_p", self.min_p, 0.0, 1.0, "[0, 1]"))
+        lo, hi = MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY
+        rep = _in_range("repetition_penalty", self.repetition_penalty, lo, hi, f"[{lo:g}, {hi:g}] (1 = disabled)")
         set_(self, "repetition_penalty", rep)
         for name in ("presence_penalty", "frequency_penalty"):
-            v = _real(name, getattr(self, name))
-            if not -2.0 <= v <= 2.0:
-                raise ParamError(name, f"must be in [-2, 2], got {v}")
-            set_(self, name, v)
+            set_(self, name, _in_range(name, getattr(self, name), -2.0, 2.0, "[-2, 2]"))
         set_(self, "seed", check_seed(self.seed))
         set_(self, "logit_bias", _logit_bias(self.logit_bias))
         set_(self, "allowed_token_ids", _allowed(self.allowed_token_ids))

@@ -36,34 +36,36 @@ from .tree import tree_ancestors
 __all__ = ["counts_at_nodes", "probs_from_logits", "recent_at_nodes", "recent_tokens"]
 
 
-def _per_row(params: SamplingParams | Sequence[SamplingParams], batch: int) -> list[SamplingParams]:
+def _metadata(params, logits: Tensor) -> SamplingMetadata:
+    """`params` as the batch's SamplingMetadata (one SamplingParams for all rows, one per row, or built already),
+    checked against the logits [B, T, V]."""
+    B, V = logits.shape[0], logits.shape[-1]
+    meta = params
     if isinstance(params, SamplingParams):
-        return [params] * batch
-    rows = list(params)
-    if len(rows) != batch:
-        raise ValueError(f"got {len(rows)} SamplingParams for a batch of {batch} rows")
-    for r in rows:
-        if not isinstance(r, SamplingParams):
-            raise ValueError(f"params must be SamplingParams, got {type(r).__name__}")
-    return rows
+        meta = SamplingMetadata.build([params] * B, V, logits.device)
+    elif not isinstance(params, SamplingMetadata):
+        rows = list(params)
+        if len(rows) != B:
+            raise ValueError(f"got {len(rows)} SamplingParams for a batch of {B} rows")
+        meta = SamplingMetadata.build(rows, V, logits.device)  # (it refuses anything but SamplingParams)
+    meta.check(B, V, logits.device)
+    return meta
 
 
 def probs_from_logits(
-    logits: Tensor,  # [B, T, V] or [B, V] float: raw model logits
-    params: SamplingParams | Sequence[SamplingParams] | SamplingMetadata,  # one for all rows, one per row, or built
+    logits: Tensor,
+    params: SamplingParams | Sequence[SamplingParams] | SamplingMetadata,
     *,
-    prompt_mask: Tensor | None = None,  # [B, V] bool: token occurs in the prompt (repetition penalty)
-    output_counts: Tensor | None = None,  # [B, T, V] or [B, V] int/float: occurrences in the output so far
-    recent_tokens: Tensor | None = None,  # [B, T, M] or [B, M] int64: the context's last tokens, most recent first
-    allowed: Tensor | None = None,  # [B, T, V] or [B, V] bool: tokens a structured-output grammar allows there
+    prompt_mask: Tensor | None = None,
+    output_counts: Tensor | None = None,
+    recent_tokens: Tensor | None = None,
+    allowed: Tensor | None = None,
     check: bool = True,
-) -> Tensor:  # same shape as logits, float32 (float64 if logits are float64): rows sum to 1
+) -> Tensor:
     """Turn logits into the processed distribution that sampling (and verification) uses.
 
-    The same function processes the target's logits (p) and the draft's (q): that is what makes verification
-    exact. Order: the structured-output mask; the token options in vLLM's order (allowed_token_ids, bad_words,
-    logit_bias); then HF transformers' order: repetition / presence / frequency penalties, temperature (greedy
-    takes the argmax here), top-k, top-p, min-p, softmax.
+    The same function builds the target's p and the draft's q: that is what makes verification exact. The order of
+    the steps is the module docstring's (grammar mask, token options, penalties, temperature, top-k/p, min-p).
 
     ```python
     p = probs_from_logits(target_logits, params)   # [B, k+1, V]
@@ -72,67 +74,56 @@ def probs_from_logits(
 
     Args:
         logits: [B, T, V] or [B, V] float: raw model logits.
-        params: One SamplingParams for all rows, one per row, or a `SamplingMetadata` built once for the batch
-            (the engine's hot path; SamplingParams are turned into one per call).
+        params: One SamplingParams for all rows, one per row, or a `SamplingMetadata` built once for the batch.
         prompt_mask: [B, V] bool: the token occurs in the prompt (for the repetition penalty).
-        output_counts: [B, T, V] or [B, V]: occurrences in the output so far. May differ per position T (a
-            draft position j has seen the drafts before j): see `counts_at_nodes`.
-        recent_tokens: [B, T, M] or [B, M] int64: the context's last tokens, most recent first, -1 where the
-            context is shorter (`recent_at_nodes`). Needed when a row has a multi-token bad word; it holds at
-            least the metadata's `bad_depth` tokens.
-        allowed: [B, T, V] or [B, V] bool: the tokens a structured-output grammar allows there
-            (`verispec.structured`), applied first; rows without a constraint allow every token.
-        check: Raise on NaN / +inf logits and on rows with no finite logit, instead of producing NaN
-            probabilities.
+        output_counts: [B, T, V] or [B, V]: occurrences in the output so far, per position (`counts_at_nodes`).
+        recent_tokens: [B, T, M] or [B, M] int64: each position's last context tokens, most recent first, -1
+            padded (`recent_at_nodes`); needed for multi-token bad words (M >= the metadata's `bad_depth`).
+        allowed: [B, T, V] or [B, V] bool: the tokens a structured-output grammar allows (`verispec.structured`).
+        check: Raise on NaN / +inf logits and on rows with no finite logit, instead of producing NaN.
 
     Returns:
         The processed distributions, the shape of `logits`, float32 (float64 for float64 logits); rows sum to 1.
 
     Raises:
-        ValueError: With `check`, NaN / +inf logits or a row with no finite logit; mismatched shapes or
-            parameters.
+        ValueError: With `check`, NaN / +inf logits or a row with no finite logit; mismatched shapes or parameters.
     """
     logits, squeeze = _with_positions(logits)  # [B, T, V]
-    B, V = logits.shape[0], logits.shape[-1]
-    meta = params
-    if not isinstance(meta, SamplingMetadata):
-        meta = SamplingMetadata.build(_per_row(params, B), V, logits.device)
-    meta.check(B, V, logits.device)
+    meta = _metadata(params, logits)
     dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
-    x = logits.to(dtype)
-
-    if check:
-        row_max = x.amax(dim=-1)  # [B, T]; NaN and +inf propagate, all -inf stays -inf
-        if not bool(torch.isfinite(row_max).all()):
-            raise ValueError("logits contain NaN or +inf, or a row where every logit is -inf")
-
-    if allowed is not None:
-        x = x.masked_fill(~_allowed_mask(allowed, x.shape), float("-inf"))
-    elif meta.any_constraint:
-        raise ValueError("a row has a structured-output constraint: pass its grammar's mask (`allowed`)")
-    x = _token_options(x, meta, recent_tokens)
-    if check and (meta.blocked is not None or allowed is not None) and not bool(torch.isfinite(x.amax(dim=-1)).all()):
-        raise ValueError(
-            "every token a row allows has logit -inf (the grammar, allowed_token_ids and bad_words leave nothing)"
-        )
+    x = _restricted(logits.to(dtype), meta, allowed, recent_tokens, check)
     if meta.any_penalties:
         x = _penalise(x, meta, prompt_mask, output_counts)
-
     greedy_probs = _greedy(x, check) if meta.any_greedy else None
     if meta.all_greedy:
         return greedy_probs.squeeze(1) if squeeze else greedy_probs
-
     if meta.any_temperature:  # (all 1: nothing to divide)
         x = _temperature(x, meta)
     if meta.any_truncation:
         x = _truncate(x, meta)
     if meta.any_min_p:
         x = _min_p(x, meta)
-
     probs = x.softmax(dim=-1)
     if greedy_probs is not None:
-        probs = torch.where(meta.greedy.view(B, 1, 1), greedy_probs, probs)
+        probs = torch.where(meta.greedy.view(-1, 1, 1), greedy_probs, probs)
     return probs.squeeze(1) if squeeze else probs
+
+
+def _restricted(x: Tensor, meta: SamplingMetadata, allowed: Tensor | None, recent: Tensor | None, check: bool):
+    """Steps -1 and 0 on x [B, T, V]: the grammar's mask, then the token options; with `check`, ValueError for
+    NaN / +inf logits, a row with no finite logit, or a position where the masks leave no token."""
+    if check and not bool(torch.isfinite(x.amax(dim=-1)).all()):  # NaN and +inf propagate, all -inf stays -inf
+        raise ValueError("logits contain NaN or +inf, or a row where every logit is -inf")
+    if allowed is not None:
+        x = x.masked_fill(~_allowed_mask(allowed, x.shape), float("-inf"))
+    elif meta.any_constraint:
+        raise ValueError("a row has a structured-output constraint: pass its grammar's mask (`allowed`)")
+    x = _token_options(x, meta, recent)
+    if check and (meta.blocked is not None or allowed is not None) and not bool(torch.isfinite(x.amax(dim=-1)).all()):
+        raise ValueError(
+            "every token a row allows has logit -inf (the grammar, allowed_token_ids and bad_words leave nothing)"
+        )
+    return x
 
 
 def _greedy(x: Tensor, check: bool) -> Tensor:  # [B, T, V] -> [B, T, V]
@@ -258,11 +249,8 @@ def counts_at_nodes(
     token_ids: Tensor,  # [B, N] int64: draft tokens; entries < 0 (padding) are not counted
     parents: Tensor,  # [B, N] int64: -1 = child of the root, else an earlier node (a chain: -1, 0, 1, ...)
 ) -> Tensor:  # [B, N + 1, V]: counts seen at the root (slot 0) and after node n (slot n + 1, its path included)
-    """Per-node output counts for penalties inside a speculative step, for chains and trees alike.
-
-    The distribution after node n is conditioned on the path to n, so its presence / frequency / repetition
-    penalties count that path's tokens; p and q are built with the same counts.
-    """
+    """Per-node output counts for penalties inside a speculative step (chains and trees): the distribution after
+    node n is conditioned on the path to n, so its penalties count that path's tokens, for p and q alike."""
     B, N = token_ids.shape
     V = output_counts.shape[-1]
     parents = torch.where(token_ids >= 0, parents, -1)  # padding nodes hang off the root

@@ -37,10 +37,7 @@ def acceptance_rate(p: Tensor, q: Tensor) -> Tensor:  # p, q [..., V] -> alpha [
         q: [..., V] draft distributions, the shape of p.
 
     Returns:
-        [...] the acceptance probability of each position.
-
-    Raises:
-        ValueError: p and q differ in shape.
+        [...] the acceptance probability of each position (ValueError where p and q differ in shape).
     """
     if p.shape != q.shape:
         raise ValueError(f"p and q must have the same shape, got {tuple(p.shape)} and {tuple(q.shape)}")
@@ -62,10 +59,8 @@ def expected_tokens_per_pass(alpha: float, gamma: int) -> float:
         gamma: Drafts per step, an integer >= 0.
 
     Returns:
-        The expected accepted drafts plus the recovered or bonus token (gamma + 1 when alpha = 1).
-
-    Raises:
-        ValueError: alpha outside [0, 1], or gamma not an integer >= 0.
+        The expected accepted drafts plus the recovered or bonus token (gamma + 1 when alpha = 1); ValueError for
+        alpha outside [0, 1] or gamma not an integer >= 0.
     """
     _check_alpha_gamma(alpha, gamma)
     if alpha == 1.0:
@@ -82,10 +77,7 @@ def speedup_constant_cost(alpha: float, gamma: int, c: float) -> float:
         c: The cost of one draft step in target steps (verifying gamma + 1 tokens costs one target step).
 
     Returns:
-        The expected speedup (1 = plain decoding's speed).
-
-    Raises:
-        ValueError: c < 0, alpha outside [0, 1], or a bad gamma.
+        The expected speedup (1 = plain decoding's speed); ValueError for c < 0, a bad alpha or gamma.
     """
     if c < 0:
         raise ValueError(f"cost ratio c must be >= 0, got {c}")
@@ -120,10 +112,8 @@ def speedup_cost_curve(
             [T(1), T(2), ...] or a callable n -> T(n).
 
     Returns:
-        The expected speedup over plain decoding.
-
-    Raises:
-        ValueError: draft_cost < 0, a curve too short for gamma + 1 tokens, or a bad alpha or gamma.
+        The expected speedup over plain decoding; ValueError for draft_cost < 0, a curve too short for gamma + 1
+        tokens, or a bad alpha or gamma.
     """
     if draft_cost < 0:
         raise ValueError(f"draft_cost must be >= 0, got {draft_cost}")
@@ -157,10 +147,7 @@ def optimal_gamma_cost_curve(
         max_gamma: The largest gamma considered (from 0). Default for a sequence: its length - 1.
 
     Returns:
-        (gamma, speedup) at the best gamma.
-
-    Raises:
-        ValueError: max_gamma is missing with a callable curve.
+        (gamma, speedup) at the best gamma (ValueError where max_gamma is missing with a callable curve).
     """
     if max_gamma is None:
         if callable(verify_cost):

@@ -56,7 +56,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .chain import check_probability_rows, draw_uniforms, sample_from_weights, workspace
+from .chain import check_probability_rows, draw_uniforms, emitted, row_counts, sample_from_weights, workspace
 
 __all__ = [
     "TREE_RULES",
@@ -84,10 +84,9 @@ class TreeVerifyOutput:
         path: [B, D] int64: the node indices of the accepted path, the root's child first, -1 padded.
     """
 
-    token_ids: Tensor  # [B, D + 1] int64: the accepted path's tokens, then the recovered / bonus token, then -1
-    num_accepted: Tensor  # [B] int64: accepted nodes per row (the path's length); emitted = num_accepted + 1
-    path: Tensor  # [B, D] int64: node indices of the accepted path, root's child first, -1 padded
-    # (D = the deepest node of the batch, at least 1: an empty tree still gives [B, 2] and [B, 1])
+    token_ids: Tensor
+    num_accepted: Tensor
+    path: Tensor
 
     @property
     def num_emitted(self) -> Tensor:  # [B] int64
@@ -100,12 +99,10 @@ def chain_parents(batch: int, k: int, device: torch.device | str = "cpu") -> Ten
     return (torch.arange(k, device=device) - 1).expand(batch, k).contiguous()
 
 
-def tree_ancestors(
-    parents: Tensor,  # [B, N] int64: -1 = child of the root, else an earlier node (padding: set it to -1)
-) -> tuple[
-    Tensor, Tensor
-]:  # anc [B, N, N] bool (anc[b, n, m]: m is n or an ancestor of n), depth [B, N] (root's children: 1)
-    """Ancestor-or-self relation and depth of every node; one pass in node order (parents precede children)."""
+def tree_ancestors(parents: Tensor) -> tuple[Tensor, Tensor]:
+    """Ancestor-or-self relation and depth of every node; one pass in node order (parents precede children).
+    parents [B, N] int64 (-1: a child of the root, else an earlier node; padding: set it to -1) -> anc [B, N, N]
+    bool (anc[b, n, m]: m is n or an ancestor of n), depth [B, N] (the root's children: 1)."""
     B, N = parents.shape
     anc = torch.eye(N, dtype=torch.bool, device=parents.device).repeat(B, 1, 1)
     rows = torch.arange(B, device=parents.device)
@@ -253,14 +250,10 @@ class _TreeWalk:
 
     def _emit(self, final_u: Tensor) -> TreeVerifyOutput:
         """The accepted path's tokens, then one token drawn from each row's final residual with final_u [B]."""
-        B, dev = self.B, self.rows.device
         final = sample_from_weights(self.final_w, final_u)  # [B]
-        path, num_accepted = self.path, self.num_accepted
-        on_path = torch.arange(path.shape[1], device=dev) < num_accepted.unsqueeze(1)  # [B, D]
-        tok = torch.where(on_path, self.ids.gather(1, path.clamp(min=0)), -1) if self.N else torch.full_like(path, -1)
-        tok = torch.cat([tok, torch.full((B, 1), -1, dtype=torch.int64, device=dev)], 1)  # [B, D + 1]
-        tok.scatter_(1, num_accepted.unsqueeze(1), final.unsqueeze(1))
-        return TreeVerifyOutput(token_ids=tok, num_accepted=num_accepted, path=path)
+        path_ids = self.ids.gather(1, self.path.clamp(min=0)) if self.N else self.path  # [B, D]
+        tok = emitted(path_ids, self.num_accepted, final)  # [B, D + 1]
+        return TreeVerifyOutput(token_ids=tok, num_accepted=self.num_accepted, path=self.path)
 
 
 def _reject(
@@ -388,37 +381,36 @@ def _q_at_nodes(draft_probs: Tensor, ids: Tensor, parents: Tensor) -> Tensor:  #
 
 
 def verify_tree(
-    target_probs: Tensor,  # [B, N + 1, V] float: processed p at the root (slot 0) and after each node (slot n + 1)
-    draft_token_ids: Tensor,  # [B, N] int64: node tokens (-1 / anything beyond num_nodes[b]: padding)
-    parents: Tensor,  # [B, N] int64: -1 = child of the root, else the index of an earlier node
-    draft_probs: Tensor | None = None,  # [B, N + 1, V] float: the q each slot's children were drawn from
-    num_nodes: Tensor | None = None,  # [B] int64: row b uses its first num_nodes[b] nodes (default: all N)
-    generators: Sequence[torch.Generator | None] | None = None,  # one per row (per-request seeds)
+    target_probs: Tensor,
+    draft_token_ids: Tensor,
+    parents: Tensor,
+    draft_probs: Tensor | None = None,
+    num_nodes: Tensor | Sequence[int] | None = None,
+    generators: Sequence[torch.Generator | None] | None = None,
     *,
-    rule: str = "deterministic",  # "iid", "without_replacement", "deterministic" or "mixed" (module docstring)
+    rule: str = "deterministic",
     check: bool = True,
-    sampled: Tensor | None = None,  # [B, N] bool, rule "mixed" only: node n was sampled from its parent slot's q
+    sampled: Tensor | None = None,
 ) -> TreeVerifyOutput:
     """Verify a batch of draft trees against the target, exactly.
 
     At each node a running distribution r starts as p; the children are tried in drafting order, each against
     r with the q it was drawn from (on a rejection r becomes (r - q_i)+ / Z); the first child accepted becomes the
     current node, and when every child is rejected (or at a leaf) one token is drawn from r. The rules differ in
-    q_i (see the module docstring for them and the proof). A chain is the tree with parents [-1, 0, 1, ...]: with
-    rule "iid" this is verify_chain's rule. Row b consumes exactly `num_nodes[b] + 1` uniforms.
+    q_i (the module docstring gives them and the proof); a chain (parents -1, 0, 1, ...) with rule "iid" is
+    verify_chain's rule. Row b consumes exactly `num_nodes[b] + 1` uniforms.
 
     Args:
         target_probs: [B, N + 1, V] float: processed p at the root (slot 0) and after each node (slot n + 1).
         draft_token_ids: [B, N] int64: the node tokens (anything beyond num_nodes[b] is padding).
         parents: [B, N] int64: -1 for a child of the root, else the index of an earlier node; siblings in
             drafting order.
-        draft_probs: [B, N + 1, V] float: the q each slot's children were drawn from (the sampled rules; unused
-            by "deterministic").
+        draft_probs: [B, N + 1, V] float: the q each slot's children were drawn from (unused by "deterministic";
+            rule "mixed": the first S <= N + 1 slots suffice).
         num_nodes: [B] int64: row b uses its first num_nodes[b] nodes (default: all N).
         generators: One torch.Generator (or None) per row: per-request seeds.
-        rule: How the children were drawn: "deterministic" (top-k of q or prompt matches, q_i one-hot), "iid"
-            (i.i.d. samples of q), "without_replacement" (samples of q without replacement) or "mixed" (each
-            child sampled or chosen, as `sampled` says).
+        rule: How the children were drawn: "deterministic" (chosen: top-k of q, prompt matches), "iid" and
+            "without_replacement" (samples of q, with / without replacement) or "mixed" (as `sampled` says).
         check: Validate the inputs.
         sampled: [B, N] bool, rule "mixed" only: node n was sampled from its parent slot's q (else chosen).
 
@@ -428,8 +420,7 @@ def verify_tree(
 
     Raises:
         ValueError: An unknown rule; with `check`, bad input: probabilities that are not distributions, a parent
-            that is not an earlier node, token ids outside [0, V), a sampled node with q = 0, repeated siblings
-            outside rule "iid".
+            that is not an earlier node, ids outside [0, V), a sampled node with q = 0, repeated siblings (not "iid").
     """
     if rule not in VERIFY_RULES:
         raise ValueError(f"rule must be one of {', '.join(VERIFY_RULES)}, got {rule!r}")
@@ -437,28 +428,18 @@ def verify_tree(
     N, dev = N1 - 1, target_probs.device
     draft_token_ids, parents = draft_token_ids.long(), parents.long()
     rule, sampled = _mixed_rule(rule, sampled, B, N, dev)
-    if N == 0:  # no nodes: every row draws its token from p at the root
-        rule, draft_probs = "deterministic", None
+    rule = "deterministic" if N == 0 else rule  # no nodes: every row draws its token from p at the root
     draft_probs = None if rule == "deterministic" else _check_draft_probs(draft_probs, rule, B, N1, V, dev)
-    num_nodes = _check_num_nodes(num_nodes, B, N, dev)
+    host = num_nodes if isinstance(num_nodes, (list, tuple)) else None
+    num_nodes = row_counts("num_nodes", num_nodes, B, N, "N", dev)
     if rule == "mixed":
-        reach = torch.arange(N, device=dev) < num_nodes.unsqueeze(1)
-        if bool((reach & sampled & (parents + 1 >= draft_probs.shape[1])).any()):
-            raise ValueError("a sampled node's parent slot lies beyond draft_probs (its q is missing)")
+        _check_mixed_slots(draft_probs, sampled, parents, num_nodes)
     if check:
         _check_tree(target_probs, draft_token_ids, parents, draft_probs, num_nodes, rule, sampled)
-    accept_u, final_u = draw_uniforms(num_nodes, N, generators, dev)
-    return verify_tree_with_uniforms(
-        target_probs,
-        draft_token_ids,
-        parents,
-        draft_probs,
-        num_nodes,
-        rule,
-        accept_u,
-        final_u,
-        sampled=sampled if rule == "mixed" else None,
-    )
+    accept_u, final_u = draw_uniforms(num_nodes, N, generators, dev, host)
+    sampled = sampled if rule == "mixed" else None
+    walk = _TreeWalk(target_probs, draft_token_ids, parents, draft_probs, num_nodes, rule, accept_u, sampled)
+    return walk.run(final_u)
 
 
 def _check_node_tensors(target_probs, draft_token_ids, parents) -> tuple[int, int, int]:  # (B, N + 1, V)
@@ -506,16 +487,11 @@ def _check_draft_probs(draft_probs, rule: str, B: int, N1: int, V: int, dev) -> 
     return draft_probs
 
 
-def _check_num_nodes(num_nodes, B: int, N: int, dev) -> Tensor:  # [B] int64 on dev, in [0, N] (default: all N)
-    if num_nodes is None:
-        return torch.full((B,), N, dtype=torch.int64, device=dev)
-    num_nodes = torch.as_tensor(num_nodes, device=dev)
-    if tuple(num_nodes.shape) != (B,) or num_nodes.is_floating_point():
-        raise ValueError(f"num_nodes must be an integer tensor of shape [B] = [{B}]")
-    num_nodes = num_nodes.long()
-    if bool(((num_nodes < 0) | (num_nodes > N)).any()):
-        raise ValueError(f"num_nodes must lie in [0, N] = [0, {N}], got {num_nodes.tolist()}")
-    return num_nodes
+def _check_mixed_slots(draft_probs: Tensor, sampled: Tensor, parents: Tensor, num_nodes: Tensor) -> None:
+    """Rule "mixed": every sampled node's parent slot lies among draft_probs' S slots."""
+    reach = torch.arange(parents.shape[1], device=parents.device) < num_nodes.unsqueeze(1)  # [B, N]
+    if bool((reach & sampled & (parents + 1 >= draft_probs.shape[1])).any()):
+        raise ValueError("a sampled node's parent slot lies beyond draft_probs (its q is missing)")
 
 
 def _check_sampled(sampled, B: int, N: int, dev) -> Tensor:

@@ -1,6 +1,5 @@
-"""OpenAI-compatible HTTP serving: `create_app(generator, model_name)` and the engine thread behind it;
-`served_model_id(name)` is the plain model id a server built from `name` reports and accepts. Imported lazily: the
-CLI reads `serve.limits` without loading the server."""
+"""OpenAI-compatible HTTP serving: `create_app(generator, model_name)`, and `served_model_id(name)` (the model id such a
+server reports and accepts). Imported lazily: the CLI reads `serve.limits` without loading the server."""
 
 from importlib import import_module
 

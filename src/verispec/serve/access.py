@@ -1,37 +1,20 @@
-"""Who may reach the server, and how much a request may send: ASGI middleware installed by `create_app`.
-
-    HostCheck   the Host header must name an allowed host: on a loopback server only localhost, 127.0.0.1 and
-                [::1] (and --allowed-host's), so a web page cannot reach it through DNS rebinding; 400 otherwise
-    KeyCheck    --api-key K: `Authorization: Bearer K` (the scheme in any case) on every route but GET /health,
-                /health/, /version and /metrics — /docs and /openapi.json included; 401 (code invalid_api_key)
-    BodyLimit   a request body is counted while it is read (chunked bodies too) and refused past its cap: 413,
-                from Content-Length before reading when the header says so. JSON routes' bodies are read whole by
-                the middleware (at most --max-request-bytes) before the route runs; a streamed route
-                (`STREAMED`: the weight upload, which writes its body to disk) reads its own under its own cap.
-
-Every refusal is an OpenAI-style error object (`serve.errors`). Mutating routes take JSON or octet-stream bodies
-only (the request models; /abort_request's body is `{}`), so a browser cannot send them cross-site without a CORS
-preflight, which only --cors-origin's origins pass.
-"""
+"""Who may reach the server, and how much a request may send: ASGI middleware that `install_access` puts on the app
+(docs/guides/serving.md, "Security defaults"): the Host check against DNS rebinding (`HostCheck`, 400), --api-key
+(`KeyCheck`, 401 but on `OPEN_ROUTES`) and the body caps (`BodyLimit`, 413). Mutating routes take JSON or
+octet-stream bodies only, so a browser cannot send them cross-site without a CORS preflight (--cors-origin)."""
 
 from __future__ import annotations
 
 import hmac
 import ipaddress
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
+
+from fastapi.middleware.cors import CORSMiddleware
 
 from .errors import APIError
 
-__all__ = [
-    "DEFAULT_MAX_REQUEST_BYTES",
-    "LOOPBACK_HOSTS",
-    "OPEN_ROUTES",
-    "BodyLimit",
-    "HostCheck",
-    "KeyCheck",
-    "allowed_hosts",
-    "is_loopback",
-]
+__all__ = ["DEFAULT_MAX_REQUEST_BYTES", "LOOPBACK_HOSTS", "OPEN_ROUTES", "BodyLimit", "HostCheck", "KeyCheck"]
+__all__ += ["allowed_hosts", "install_access", "is_loopback"]
 
 DEFAULT_MAX_REQUEST_BYTES = 4 << 20  # 4 MiB: ~600k prompt token ids; json.loads of that holds the GIL ~50 ms
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
@@ -52,9 +35,7 @@ def allowed_hosts(bind_host: str, extra: Iterable[str] = ()) -> tuple[str, ...] 
     """The Host names a server bound to `bind_host` answers: a loopback server its loopback names and `extra`;
     another server `extra` when given, else any (None)."""
     extra = tuple(extra)
-    if is_loopback(bind_host):
-        return LOOPBACK_HOSTS + extra
-    return extra or None
+    return LOOPBACK_HOSTS + extra if is_loopback(bind_host) else extra or None
 
 
 def _hostname(value: str) -> str:
@@ -67,11 +48,7 @@ def _hostname(value: str) -> str:
 
 def _matches(name: str, pattern: str) -> bool:
     pattern = pattern.lower()
-    if pattern == "*":
-        return True
-    if pattern.startswith("*."):
-        return name.endswith(pattern[1:])
-    return name == pattern.strip("[]")
+    return pattern == "*" or (name.endswith(pattern[1:]) if pattern.startswith("*.") else name == pattern.strip("[]"))
 
 
 class HostCheck:
@@ -111,16 +88,15 @@ class KeyCheck:
 
 def _too_large(limit: int, size: int | None = None) -> APIError:
     got = f"{size} bytes" if size is not None else f"more than {limit} bytes"
-    return APIError(
-        413, f"the request body has {got}; this route takes at most {limit} (--max-request-bytes)", code="too_large"
-    )
+    why = f"the request body has {got}; this route takes at most {limit} (--max-request-bytes)"
+    return APIError(413, why, code="too_large")
 
 
 class BodyLimit:
-    """ASGI middleware: request bodies bounded while they are read. `limit` bytes for every route but those in
-    `streamed` (path -> a function giving that route's cap, or None for no cap), which read their own body
-    through a counting `receive`; every other body is read here, whole, before the route runs (and handed to it
-    as one message), so a route never sees an unbounded body and a refusal never reaches a route."""
+    """ASGI middleware: request bodies bounded while they are read (chunked ones too; from Content-Length when it says
+    so). `limit` bytes for every route but those in `streamed` (path -> a function giving that route's cap, or None),
+    which read their own body through a counting `receive`; every other body is read here, whole, before the route
+    runs, so a route never sees an unbounded body."""
 
     def __init__(self, app, limit: int, streamed: Mapping[str, Callable[[], int | None]] | None = None):
         self.app, self.limit, self.streamed = app, limit, dict(streamed or {})
@@ -169,14 +145,10 @@ async def _read_all(receive, cap: int | None) -> bytes | None:
 
 def _replay(body: bytes, receive):
     """A `receive` that gives the body already read, then whatever the connection says (a disconnect)."""
-    sent = False
+    first = [{"type": "http.request", "body": body, "more_body": False}]
 
     async def replay():
-        nonlocal sent
-        if not sent:
-            sent = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        return await receive()
+        return first.pop() if first else await receive()
 
     return replay
 
@@ -195,3 +167,24 @@ def _counting(receive, cap: int | None):
         return message
 
     return counted
+
+
+def install_access(
+    app,
+    api_key: str | None,
+    cors_origins: Sequence[str] | None,
+    hosts: Sequence[str] | None,
+    max_request_bytes: int,
+    streamed: Mapping[str, Callable[[], int | None]],
+) -> None:
+    """Outermost first: the Host check, CORS (a browser's preflight carries no key), the key, the body caps (bodies are
+    read only for requests that passed the key)."""
+    app.add_middleware(BodyLimit, limit=max_request_bytes, streamed=streamed)
+    if api_key is not None:
+        if not api_key:
+            raise ValueError("the API key must not be empty")
+        app.add_middleware(KeyCheck, key=api_key)
+    if cors_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["*"], allow_headers=["*"])
+    if hosts is not None:
+        app.add_middleware(HostCheck, hosts=hosts)

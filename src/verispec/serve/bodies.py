@@ -1,17 +1,8 @@
 """Heavy request work kept off the event loop, one job at a time, with the memory given back after it.
-
-- `OffLoopRoute`: the route class of the JSON routes (completions, chat, /tokenize, /detokenize). A JSON body of
-  `OFF_LOOP_BYTES` or more is parsed (`json.loads`) and validated (the route's pydantic model, exactly as FastAPI
-  would) in the body worker, one body at a time; FastAPI then finds the validated model and accepts it as it is.
-  On the event loop, 20 concurrent chat bodies of 100k content parts each (~0.7 s of validation apiece) held
-  /health for seconds; in the worker, the loop only waits for the GIL between the worker's steps (json.loads of a
-  4 MiB body, the longest single step, is some 50 ms). Smaller bodies take FastAPI's own path (a thread hop would
-  cost more than they do).
-- `run_heavy(fn, ...)`: a job over a large input (tokenizing a long prompt: a 3.9 MB prompt is ~2M tokens, ~0.4 GB
-  of the tokenizer's buffers) runs in the heavy worker, one at a time, and `release_memory()` follows it. Run
-  concurrently in the default pool's threads, each thread's malloc arena kept what it had freed: RSS rose by GBs
-  and stayed there. One thread reuses one arena, and glibc's `malloc_trim` hands the free pages back to the system.
-"""
+`OffLoopRoute`: a JSON body of `OFF_LOOP_BYTES` or more is parsed and validated in the body worker (on the loop, 20
+chat bodies of 100k content parts held /health for seconds; smaller bodies take FastAPI's own path). `offload`: a job
+over a large input (a 3.9 MB prompt is ~2M tokens, ~0.4 GB of tokenizer buffers) runs in the heavy worker, then
+`release_memory()` (glibc's `malloc_trim`: run concurrently in the default pool, RSS rose by GBs and stayed there)."""
 
 from __future__ import annotations
 
@@ -19,7 +10,6 @@ import asyncio
 import ctypes
 import email.message
 import json
-import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -29,11 +19,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
 from starlette.requests import Request
 
-__all__ = ["HEAVY_CHARS", "OFF_LOOP_BYTES", "OffLoopRoute", "offload", "release_memory", "run_heavy"]
+__all__ = ["HEAVY_CHARS", "OFF_LOOP_BYTES", "OffLoopRoute", "offload", "release_memory"]
 
 OFF_LOOP_BYTES = 64 << 10  # a JSON body this large or larger is parsed and validated in the body worker
 HEAVY_CHARS = 64 << 10  # an input this long or longer (characters or token ids) is a heavy job (`offload`)
-log = logging.getLogger("verispec.serve")
 T = TypeVar("T")
 
 # One worker each: a second thread would not run Python any faster (the GIL), only add another claimant the event
@@ -55,8 +44,7 @@ _malloc_trim = _load_malloc_trim()
 
 
 def release_memory() -> None:
-    """Hand the malloc heap's free pages back to the system (glibc's malloc_trim, every arena; a no-op elsewhere).
-    Some milliseconds: call it after a large job, not after every request."""
+    """Hand the malloc heap's free pages back to the system (glibc's malloc_trim; a no-op elsewhere): some ms."""
     if _malloc_trim is not None:
         _malloc_trim(0)
 
@@ -68,22 +56,16 @@ def _heavy_job(fn: Callable[..., T], args: tuple) -> T:
         release_memory()  # fn's intermediates are freed by now; what it returns is what the caller keeps
 
 
-async def run_heavy(fn: Callable[..., T], *args: Any) -> T:
-    """`fn(*args)` in the heavy worker (one job at a time, queued in order), then `release_memory()`."""
-    return await asyncio.get_running_loop().run_in_executor(_HEAVY, _heavy_job, fn, args)
-
-
 async def offload(size: int, fn: Callable[..., T], *args: Any) -> T:
-    """`fn(*args)` off the event loop: in the heavy worker when `size` (the input's characters or token ids) is
-    `HEAVY_CHARS` or more (`run_heavy`), else in the default pool (`asyncio.to_thread`)."""
+    """`fn(*args)` off the event loop: when `size` (the input's characters or token ids) is `HEAVY_CHARS` or more in
+    the heavy worker (one job at a time, in order) and then `release_memory()`, else in the default pool."""
     if size >= HEAVY_CHARS:
-        return await run_heavy(fn, *args)
+        return await asyncio.get_running_loop().run_in_executor(_HEAVY, _heavy_job, fn, args)
     return await asyncio.to_thread(fn, *args)
 
 
 def _is_json(content_type: str | None) -> bool:
-    """Whether FastAPI parses a body of this content type as JSON (its rule: application/json or +json; none at
-    all is not, with its strict_content_type default)."""
+    """Whether FastAPI parses a body of this content type as JSON (application/json or +json; not none at all)."""
     if not content_type:
         return False
     message = email.message.Message()
@@ -106,11 +88,9 @@ def _parse_and_validate(field, body: bytes) -> Any:
 
 
 class OffLoopRoute(APIRoute):
-    """An APIRoute whose large JSON body (`OFF_LOOP_BYTES` or more) is parsed and validated in the body worker.
-    The validated model is left where Starlette caches a request's parsed JSON, so FastAPI's own validation sees an
-    instance of the model and passes it through (pydantic does not revalidate instances); a body that fails gets
-    the same RequestValidationError FastAPI raises. Routes with no body, or several body parameters, are left as
-    FastAPI builds them."""
+    """An APIRoute whose large JSON body is parsed and validated in the body worker, the model left where Starlette
+    caches a request's parsed JSON (FastAPI passes the instance through; a bad body gets FastAPI's own error). Routes
+    with no body, or several body parameters, are left as FastAPI builds them."""
 
     def get_route_handler(self):
         handler = super().get_route_handler()

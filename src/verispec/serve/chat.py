@@ -3,7 +3,6 @@ streamed."""
 
 from __future__ import annotations
 
-from functools import partial
 from pathlib import Path
 
 from fastapi import APIRouter, Request
@@ -14,7 +13,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from ..engine.generator import Completion, StreamEvent
 from .bodies import OffLoopRoute, offload
 from .errors import APIError
-from .jobs import Run, Served, usage
+from .jobs import Run, Served
 from .protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -33,65 +32,40 @@ __all__ = ["check_chat_template", "encode_messages", "load_chat_template", "rout
 router = APIRouter(route_class=OffLoopRoute)  # large bodies validated off the event loop
 
 
-def chat_logprobs(served: Served, ids: list[int], lps: list[float], tops, as_ids: bool = False) -> ChatLogprobs:
-    name = served.namer(as_ids)
-
-    def top(token: int, logprob: float) -> TopLogprob:
-        s = name(token)
-        return TopLogprob(token=s, logprob=logprob, bytes=list(s.encode()))
-
-    content = []
-    for j, (t, v) in enumerate(zip(ids, lps)):
-        alts = [] if tops is None else [top(a, b) for a, b in tops[j]]
-        content.append(TokenLogprob(**top(t, v).model_dump(), top_logprobs=alts))
-    return ChatLogprobs(content=content)
-
-
 class _Reply:
+    """How a chat request answers (`Run.respond`)."""
+
+    prefix, response, chunk = "chatcmpl", ChatCompletionResponse, ChatCompletionChunk
+
     def __init__(self, served: Served, req: ChatCompletionRequest, run: Run):
-        self.served, self.logprobs, self.prompt_tokens = served, req.logprobs, run.prompt_tokens
-        self.as_ids = req.return_tokens_as_token_ids
-        self.id, self.created = f"chatcmpl-{run.job.id}", int(run.job.created)
-        envelope = partial(ChatCompletionChunk, id=self.id, created=self.created, model=served.model_id)
-        self.chunk = lambda **kw: envelope(weight_version=run.job.weight_version, **kw)  # known once the job starts
-        self.run = run
+        self.name = served.namer(req.return_tokens_as_token_ids) if req.logprobs else None
         self.first = [ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content="")) for i in range(run.n)]
 
-    def answer(self, done: list[Completion]) -> ChatCompletionResponse:
-        choices = [
-            ChatChoice(
-                index=i,
-                message=ChatMessage(content=c.text),
-                finish_reason=c.finish_reason,
-                logprobs=chat_logprobs(self.served, c.token_ids, c.raw_logprobs, c.top_logprobs, self.as_ids)
-                if self.logprobs
-                else None,
-            )
-            for i, c in enumerate(done)
-        ]
-        return ChatCompletionResponse(
-            id=self.id,
-            created=self.created,
-            model=self.served.model_id,
-            choices=choices,
-            usage=usage(self.prompt_tokens, done),
-            weight_version=self.run.job.weight_version,
+    def _top(self, token: int, logprob: float) -> TopLogprob:
+        s = self.name(token)
+        return TopLogprob(token=s, logprob=logprob, bytes=list(s.encode()))
+
+    def _lp(self, out: Completion | StreamEvent) -> ChatLogprobs | None:
+        if self.name is None:
+            return None
+        tops = out.top_logprobs
+        alts = [[] if tops is None else [self._top(a, b) for a, b in tops[j]] for j in range(len(out.token_ids))]
+        tokens = zip(out.token_ids, out.raw_logprobs, alts)
+        return ChatLogprobs(
+            content=[TokenLogprob(**self._top(t, v).model_dump(), top_logprobs=a) for t, v, a in tokens]
         )
 
+    def final(self, index: int, c: Completion) -> ChatChoice:
+        message = ChatMessage(content=c.text)
+        return ChatChoice(index=index, message=message, finish_reason=c.finish_reason, logprobs=self._lp(c))
+
     def choice(self, ev: StreamEvent) -> ChatChunkChoice | None:
-        lp = (
-            chat_logprobs(self.served, ev.token_ids, ev.raw_logprobs, ev.top_logprobs, self.as_ids)
-            if self.logprobs and ev.token_ids
-            else None
-        )
-        c = ev.completion
+        lp, c = self._lp(ev) if ev.token_ids else None, ev.completion
         if not (ev.delta or lp or c is not None):
             return None
+        reason = c.finish_reason if c is not None else None
         return ChatChunkChoice(
-            index=ev.index,
-            delta=ChatDelta(content=ev.delta or None),
-            logprobs=lp,
-            finish_reason=c.finish_reason if c is not None else None,
+            index=ev.index, delta=ChatDelta(content=ev.delta or None), logprobs=lp, finish_reason=reason
         )
 
 
@@ -113,21 +87,16 @@ def load_chat_template(arg: str) -> str:
     return check_chat_template(template)
 
 
-def _compile(template: str) -> None:
-    """Compile the template as transformers' apply_chat_template does (its sandbox, with {% break %} /
-    {% continue %} and its {% generation %} tag), so that every template it renders passes; TemplateError if not."""
-    try:
-        from transformers.utils.chat_template_utils import _compile_jinja_template
-    except ImportError:  # a transformers without it: its environment's extensions, all but {% generation %}
-        ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols]).parse(template)
-    else:
-        _compile_jinja_template(template)
-
-
 def check_chat_template(template: str) -> str:
-    """The template, once it compiles as transformers compiles chat templates (ValueError otherwise)."""
+    """The template, once it compiles as transformers' apply_chat_template compiles it (its sandbox, with {% break %},
+    {% continue %} and {% generation %}), so that every template it renders passes; ValueError otherwise."""
     try:
-        _compile(template)
+        from transformers.utils.chat_template_utils import _compile_jinja_template as compile_template
+    except ImportError:  # a transformers without it: its environment's extensions, all but {% generation %}
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+        compile_template = env.parse
+    try:
+        compile_template(template)
     except TemplateError as e:
         raise ValueError(f"--chat-template: the template does not compile: {e}") from None
     except ImportError as e:  # transformers' compiler needs a newer jinja2
@@ -156,5 +125,4 @@ async def chat(req: ChatCompletionRequest, request: Request):
     top_n = (req.top_logprobs or 0) if req.logprobs else 0
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     run = await served.submit(req, request, [ids], max_tokens, top_n, "messages")
-    reply = _Reply(served, req, run)
-    return await run.respond(reply.answer, reply.choice, reply.chunk, reply.first)
+    return await run.respond(_Reply(served, req, run))

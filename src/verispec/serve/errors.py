@@ -1,6 +1,5 @@
-"""OpenAI-style errors: `{"error": {"message", "type", "param", "code"}}` for every failure the server answers —
-a bad field (400 naming the request field as the client wrote it: `temperature`, `messages[0].content`),
-an unknown model or route (404), a full queue (429), a server fault (500)."""
+"""OpenAI-style errors (`{"error": {"message", "type", "param", "code"}}`) for every failure the server answers: a bad
+field (400 naming it as the client wrote it: `messages[0].content`), an unknown model or route (404), a fault (500)."""
 
 from __future__ import annotations
 
@@ -13,9 +12,8 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from ..sampling import ParamError
-from .protocol import ErrorInfo, ErrorResponse
 
-__all__ = ["APIError", "error_body", "install_error_handlers", "internal_error"]
+__all__ = ["APIError", "install_error_handlers", "internal_error"]
 
 log = logging.getLogger("verispec.serve")
 
@@ -33,14 +31,8 @@ class APIError(Exception):
         headers: dict | None = None,
     ):
         super().__init__(message)
-        self.status, self.message, self.param, self.kind, self.code, self.headers = (
-            status,
-            message,
-            param,
-            kind,
-            code,
-            headers,
-        )
+        self.status, self.message, self.param = status, message, param
+        self.kind, self.code, self.headers = kind, code, headers
 
     @classmethod
     def bad_value(cls, e: ValueError, param: str | None = None) -> APIError:
@@ -50,16 +42,10 @@ class APIError(Exception):
         return cls(400, str(e), param)
 
     def body(self) -> dict:
-        return error_body(self.message, self.param, self.kind, self.code)
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
-
-
-def error_body(
-    message: str, param: str | None = None, kind: str = "invalid_request_error", code: str | None = None
-) -> dict:
-    return ErrorResponse(error=ErrorInfo(message=message, type=kind, param=param, code=code)).model_dump()
 
 
 def field_path(loc) -> str | None:
@@ -85,10 +71,7 @@ def validation_error(e: RequestValidationError) -> APIError:
         return APIError(400, "the request body is not valid JSON")
     if param is None:  # the body itself: absent, empty, or not an object
         what = "empty" if kind == "missing" else "not a JSON object"
-        return APIError(
-            400,
-            f"the request body is {what}: send the request's fields as a JSON object (content-type: application/json)",
-        )
+        return APIError(400, f"the request body is {what}: send its fields as a JSON object (application/json)")
     if kind == "extra_forbidden":
         return APIError(400, f"unknown field {param!r}: this server does not support it", param)
     # A union field fails once per member: name the member that got furthest into the value (a list of parts
@@ -96,9 +79,7 @@ def validation_error(e: RequestValidationError) -> APIError:
     inside = [x for x in errors if _within(field_path(x.get("loc", ())) or "", param)]
     depth = max(len(x.get("loc", ())) for x in inside)
     param = field_path(next(x for x in inside if len(x.get("loc", ())) == depth)["loc"])
-    msgs = dict.fromkeys(
-        str(x.get("msg")) for x in inside if len(x.get("loc", ())) == depth and field_path(x["loc"]) == param
-    )
+    msgs = dict.fromkeys(str(x.get("msg")) for x in inside if len(x["loc"]) == depth and field_path(x["loc"]) == param)
     return APIError(400, f"{param}: {' or '.join(msgs)}", param)
 
 
@@ -129,9 +110,5 @@ def internal_error(e: BaseException, where: str) -> APIError:
     """A 500 that says only "internal error" and a request id; the log has the id, where, and the traceback."""
     rid = uuid.uuid4().hex[:16]
     log.error("internal error %s in %s", rid, where, exc_info=(type(e), e, e.__traceback__))
-    return APIError(
-        500,
-        f"internal error (request id {rid}): see the server's log",
-        kind="server_error",
-        headers={"X-Request-Id": rid},
-    )
+    message = f"internal error (request id {rid}): see the server's log"
+    return APIError(500, message, kind="server_error", headers={"X-Request-Id": rid})

@@ -1,24 +1,6 @@
-"""Prometheus metrics, named after vLLM's (prefix `verispec:` instead of `vllm:`) so existing dashboards and
-alerts carry over:
-
-* speculation: spec_decode_num_drafts / num_draft_tokens / num_accepted_tokens / num_accepted_tokens_per_pos;
-* load: num_requests_running / num_requests_waiting (choices in the batch / not yet in it), kv_cache_usage_perc
-  (the fraction of the target's allocated KV slots holding committed tokens; 0 with nothing running) and
-  kv_cache_slots (token slots the target's cache holds allocated);
-* tokens: prompt_tokens (each prompt once, whatever n is: counted when its first choice joins the batch),
-  generation_tokens (as they are produced, also for a choice that is later aborted);
-* latency histograms, per choice: request_queue_time_seconds (arrival to joining the batch),
-  time_to_first_token_seconds (arrival to its first tokens), inter_token_latency_seconds (between two steps that
-  gave it tokens: one observation per step, as vLLM counts it, even when speculation gives several tokens at once),
-  e2e_request_latency_seconds (arrival to its end, however it ended);
-* request_success{finished_reason}: each choice once, when it ends: "stop" / "length" when it finished, "abort" when
-  it was cut short (its client went away, --request-timeout, a shutdown past --shutdown-timeout, /abort_request for
-  the RL routes' rollouts), "error" when an engine fault ended it; so e2e_request_latency_seconds_count equals its
-  sum. request_rejected counts requests (not choices) refused with 429 because the queue was full.
-* RL routes: their rollouts count the same way (one per sample), plus weight_updates and weight_version.
-
-No `_created` series (vLLM leaves them out too): prometheus_client's switch is process-wide, turned off here.
-"""
+"""Prometheus metrics named after vLLM's (prefix `verispec:` instead of `vllm:`), so dashboards and alerts carry over;
+docs/guides/serving.md ("Metrics") lists them. Every choice is counted once where it ends, so
+e2e_request_latency_seconds_count equals the sum of request_success. No `_created` series (as vLLM)."""
 
 from __future__ import annotations
 
@@ -108,12 +90,6 @@ class Metrics:
         self.request_success.labels(finished_reason=reason, **self._lbl).inc(choices)
         for _ in range(choices):
             self.latency.observe(seconds)
-
-    def observe_request(self, prompt_tokens: int, generated: int, reason: str, seconds: float) -> None:
-        """A whole choice at once (the RL routes' rollouts, which run outside the engine thread)."""
-        self.prompt_tokens.inc(prompt_tokens)
-        self.generation_tokens.inc(generated)
-        self.observe_end(reason, seconds)
 
     def observe_weight_update(self, version: int) -> None:
         self.weight_updates.inc()

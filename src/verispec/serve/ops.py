@@ -1,14 +1,5 @@
-"""What operators need around the model routes: an API key, CORS, tokenizer routes, the version, one model's card.
-
---api-key, --allowed-host, --max-request-bytes: `serve.access`. --cors-origin O (repeatable, "*" for any): CORS
-headers and preflight answers for those origins (CORS is checked before the key, so preflights need none).
-
-POST /tokenize   {model?, prompt | messages, add_special_tokens = true, add_generation_prompt = true}
-                 -> {count, max_model_len, tokens}          (vLLM's shapes)
-POST /detokenize {model?, tokens} -> {prompt}
-GET  /version    {"version": verispec's}
-GET  /v1/models/{id} the model's card, 404 for another id
-"""
+"""What operators need around the model routes: GET /health, /v1/models (and /v1/models/{id}: 404 for another id),
+/metrics and /version, and vLLM's /tokenize and /detokenize."""
 
 from __future__ import annotations
 
@@ -16,47 +7,24 @@ import asyncio
 import json
 from typing import Annotated
 
-from fastapi import APIRouter, FastAPI, Request
-from fastapi.middleware.cors import CORSMiddleware
+from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from jinja2 import TemplateError
-from pydantic import BaseModel, ConfigDict, Field
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import Field
 
 from .. import __version__
-from .access import BodyLimit, HostCheck, KeyCheck
 from .bodies import OffLoopRoute, offload
 from .errors import APIError
 from .jobs import Served
-from .protocol import MAX_TOKEN_LIST, Messages, ModelCard, Text
+from .protocol import MAX_TOKEN_LIST, Messages, ModelCard, ModelList, Strict, Text
 
-__all__ = ["install_access", "router"]
+__all__ = ["router"]
 
 router = APIRouter(route_class=OffLoopRoute)  # large bodies validated off the event loop
 
 
-def install_access(
-    app: FastAPI,
-    api_key: str | None,
-    cors_origins: list[str] | None,
-    hosts: tuple[str, ...] | None,
-    max_request_bytes: int,
-    streamed: dict,
-) -> None:
-    """Outermost first: the Host check, CORS (a browser's preflight carries no key), the key, the body caps
-    (`serve.access`; bodies are read only for requests that passed the key)."""
-    app.add_middleware(BodyLimit, limit=max_request_bytes, streamed=streamed)
-    if api_key is not None:
-        if not api_key:
-            raise ValueError("the API key must not be empty")
-        app.add_middleware(KeyCheck, key=api_key)
-    if cors_origins:
-        app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["*"], allow_headers=["*"])
-    if hosts is not None:
-        app.add_middleware(HostCheck, hosts=hosts)
-
-
-class TokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class TokenizeRequest(Strict):
     model: Text | None = None
     prompt: Text | None = None
     messages: Messages | None = None
@@ -64,8 +32,7 @@ class TokenizeRequest(BaseModel):
     add_generation_prompt: bool = True
 
 
-class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class DetokenizeRequest(Strict):
     model: Text | None = None
     tokens: Annotated[list[int], Field(max_length=MAX_TOKEN_LIST)]
 
@@ -80,21 +47,15 @@ def _served(request: Request, model: str | None) -> Served:
 @router.post("/tokenize")
 async def tokenize(req: TokenizeRequest, request: Request) -> Response:
     """vLLM's /tokenize: a prompt or chat messages as token ids, with `count` and `max_model_len`. Tokenized and
-    answered (its JSON text built) off the event loop; a long input in the heavy worker, one at a time, with the
-    memory handed back after it (`serve.bodies.offload`)."""
+    answered (its JSON text built) off the event loop (`serve.bodies.offload`)."""
     served = _served(request, req.model)
     size = len(req.prompt) if req.prompt is not None else sum(len(m.text()) for m in req.messages or ())
     return Response(await offload(size, _tokenized, served, req), media_type="application/json")
 
 
 def _tokenized(served: Served, req: TokenizeRequest) -> bytes:
-    """`_tokenize`'s answer as JSON text, as FastAPI's JSONResponse writes it. Built here, not by FastAPI on the event
-    loop: its jsonable_encoder walks a list of 2M token ids for seconds."""
-    answer = _tokenize(served, req)
-    return json.dumps(answer, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
-
-
-def _tokenize(served: Served, req: TokenizeRequest) -> dict:
+    """The answer as JSON text, as FastAPI's JSONResponse writes it: built here, not by FastAPI on the event loop (its
+    jsonable_encoder walks a list of 2M token ids for seconds)."""
     tok = served.gen.tokenizer
     if (req.prompt is None) == (req.messages is None):
         raise APIError(400, "send exactly one of prompt and messages", "prompt")
@@ -109,18 +70,36 @@ def _tokenize(served: Served, req: TokenizeRequest) -> dict:
         except (TemplateError, ValueError) as e:  # the template's raise_exception(...): the request's fault
             raise APIError(400, str(e), "messages") from None
         ids = list(enc["input_ids"] if hasattr(enc, "keys") else enc)
-    return {"count": len(ids), "max_model_len": served.context, "tokens": [int(t) for t in ids]}
+    answer = {"count": len(ids), "max_model_len": served.context, "tokens": [int(t) for t in ids]}
+    return json.dumps(answer, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
 
 
 @router.post("/detokenize")
 async def detokenize(req: DetokenizeRequest, request: Request):
     """vLLM's /detokenize: token ids as text."""
     served = _served(request, req.model)
-    vocab = served.gen.vocab_size
-    bad = [t for t in req.tokens if not 0 <= t < vocab]
-    if bad:
-        raise APIError(400, f"token ids must lie in [0, {vocab}), got {bad[:3]}", "tokens")
-    return {"prompt": await asyncio.to_thread(served.gen.tokenizer.decode, req.tokens)}
+    tokens = served.token_ids(req.tokens, "tokens")
+    return {"prompt": await asyncio.to_thread(served.gen.tokenizer.decode, tokens)}
+
+
+@router.get("/health")
+async def health():
+    """Liveness: `{"status": "ok"}` (no API key needed; 503 once a shutdown starts)."""
+    return {"status": "ok"}
+
+
+@router.get("/v1/models")
+async def models(request: Request) -> ModelList:
+    """The served model: its id (what clients send as `model`) and `max_model_len`."""
+    return ModelList(data=[await model_card(request.app.state.served.model_id, request)])
+
+
+@router.get("/metrics")
+async def prometheus(request: Request) -> Response:
+    """Prometheus metrics, vLLM's names with a `verispec:` prefix (no API key needed)."""
+    served: Served = request.app.state.served
+    served.metrics.set_queue(served.engine.num_waiting, served.engine.num_running)
+    return Response(served.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
 @router.get("/version")

@@ -1,25 +1,14 @@
-"""OpenAI-compatible request and response bodies (pydantic).
-
-Requests: unknown fields are refused (400 naming the field): a sampling option the server cannot honour must
-never be silently ignored. Responses: what the handlers return, field for field what OpenAI's API sends
-(plus `usage.speculation`); stream chunks leave out what OpenAI leaves out (a chunk's `usage` until the last,
-a delta's unset `role` / `content`)."""
+"""OpenAI-compatible request and response bodies (pydantic). Requests refuse unknown fields (400 naming the field: an
+option the server cannot honour is never silently ignored). Responses are field for field OpenAI's (plus
+`usage.speculation`); stream chunks leave out what OpenAI leaves out (`usage` until the last, a delta's unset fields)."""
 
 from __future__ import annotations
 
 import json
 from typing import Annotated, Any, ClassVar, Generic, Literal, TypeVar
 
-from pydantic import (
-    AfterValidator,
-    BaseModel,
-    BeforeValidator,
-    ConfigDict,
-    Field,
-    StrictBool,
-    StrictInt,
-    model_serializer,
-)
+import pydantic
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictInt
 
 from ..sampling.constraint import MAX_CONSTRAINT_CHARS
 
@@ -42,9 +31,8 @@ def _unicode(text: str) -> str:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
-        raise ValueError(
-            f"not valid Unicode: a lone surrogate U+{ord(text[e.start]):04X} at character {e.start}"
-        ) from None
+        why = f"a lone surrogate U+{ord(text[e.start]):04X} at character {e.start}"
+        raise ValueError(f"not valid Unicode: {why}") from None
     return text
 
 
@@ -71,9 +59,8 @@ ChoiceList = Annotated[list[ConstraintText], Field(min_length=1, max_length=MAX_
 
 def _backend(name: str) -> str:
     if name not in ("auto", "xgrammar"):
-        raise ValueError(
-            f"verispec compiles structured outputs with xgrammar: the backend must be 'auto' or 'xgrammar', got {name!r}"
-        )
+        why = "verispec compiles structured outputs with xgrammar: the backend must be 'auto' or 'xgrammar'"
+        raise ValueError(f"{why}, got {name!r}")
     return name
 
 
@@ -82,39 +69,39 @@ Backend = Annotated[Text, Field(max_length=64), AfterValidator(_backend)]  # "au
 # --- requests ----------------------------------------------------------------------------------------------
 
 
-class StreamOptions(BaseModel):
+class Strict(BaseModel):
+    """A request body (or part of one): unknown fields are refused."""
+
     model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(Strict):
     include_usage: bool = False
 
 
-class JsonSchemaFormat(BaseModel):
+class JsonSchemaFormat(Strict):
     """OpenAI's `response_format.json_schema`."""
 
-    model_config = ConfigDict(extra="forbid")
     name: Annotated[Text, Field(max_length=256)]
     description: Annotated[Text, Field(max_length=MAX_CONSTRAINT_CHARS)] | None = None
     schema_: Schema = Field(alias="schema")
-    strict: bool | None = Field(
-        None, description="accepted either way: verispec enforces the schema whether strict is true or false"
-    )
+    strict: bool | None = Field(None, description="accepted either way: verispec enforces the schema")
 
 
-class ResponseFormat(BaseModel):
+class ResponseFormat(Strict):
     """OpenAI's `response_format`: `{"type": "text"}` (no constraint), `{"type": "json_object"}` (any JSON object),
     or `{"type": "json_schema", "json_schema": {"name", "schema", "strict", "description"}}`: the output is JSON valid
     under the schema. verispec enforces the schema whether `strict` is true or false (it masks every token the
     schema does not allow), and a choice ends with finish_reason "stop" only where the JSON is complete."""
 
-    model_config = ConfigDict(extra="forbid")
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
 
-class StructuredOutputs(BaseModel):
+class StructuredOutputs(Strict):
     """vLLM's `structured_outputs`: at most one of json (a schema, object or JSON text), regex, choice, grammar
     (EBNF: xgrammar's dialect, which reads llama.cpp's GBNF), json_object; backend only "auto" or "xgrammar"."""
 
-    model_config = ConfigDict(extra="forbid")
     json_: SchemaOrText | None = Field(None, alias="json")
     regex: ConstraintText | None = None
     choice: ChoiceList | None = None
@@ -123,9 +110,7 @@ class StructuredOutputs(BaseModel):
     backend: Backend | None = None
 
 
-class _Common(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class _Common(Strict):
     model: Text
     temperature: float = 1.0
     top_p: float = 1.0
@@ -136,33 +121,27 @@ class _Common(BaseModel):
     stream_options: StreamOptions | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    logit_bias: Annotated[dict[Text, float], Field(max_length=MAX_LOGIT_BIAS)] | None = (
-        None  # {"token id": bias in [-100, 100]}, added to the logits
-    )
+    # {"token id": bias in [-100, 100]}, added to the logits
+    logit_bias: Annotated[dict[Text, float], Field(max_length=MAX_LOGIT_BIAS)] | None = None
     user: Text | None = None  # metadata only
     # extra fields (send with the openai client's extra_body=)
     top_k: int = 0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
-    allowed_token_ids: Annotated[list[StrictInt], Field(max_length=MAX_TOKEN_LIST)] | None = (
-        None  # vLLM's: only these tokens may be sampled
-    )
+    allowed_token_ids: Annotated[list[StrictInt], Field(max_length=MAX_TOKEN_LIST)] | None = None  # only these
     bad_words: (
         Annotated[list[Annotated[Text, Field(max_length=MAX_WORD_CHARS)]], Field(max_length=MAX_BAD_WORDS)] | None
     ) = None  # vLLM's: never produced (tokenized with and without a leading space)
     # this request's draft length; 0 turns speculation off; the server caps it at its own maximum
     num_speculative_tokens: StrictInt | None = Field(None, ge=0, le=MAX_SPECULATIVE_TOKENS)
     ignore_eos: bool = False
-    # vLLM's: token ids that end a choice like EOS (finish_reason "stop", the token not in the text), even with
-    # ignore_eos
+    # vLLM's: token ids that end a choice like EOS (finish_reason "stop", not in the text), even with ignore_eos
     stop_token_ids: Annotated[list[StrictInt], Field(max_length=MAX_TOKEN_LIST)] | None = None
     # vLLM's extension: logprobs' `token` fields as "token_id:N" (exact ids, for RL trainers and certifiers)
     return_tokens_as_token_ids: bool = False
-    # structured outputs (at most one constraint per request; `verispec.serve.structured`)
+    # structured outputs (at most one constraint per request; `serve.jobs.request_constraint`)
     response_format: ResponseFormat | None = Field(
-        None,
-        description='OpenAI\'s: {"type": "text" | "json_object" | "json_schema", "json_schema": {"name", "schema", '
-        '"strict", "description"}}; verispec enforces the schema whether strict is true or false',
+        None, description="OpenAI's: verispec enforces a json_schema whether strict is true or false"
     )
     structured_outputs: StructuredOutputs | None = None  # vLLM's
     guided_json: SchemaOrText | None = None  # vLLM's older fields, one constraint each
@@ -180,14 +159,12 @@ class CompletionRequest(_Common):
     echo: bool = False
 
 
-class TextContent(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class TextContent(Strict):
     type: Literal["text"]
     text: Text
 
 
-class Message(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class Message(Strict):
     role: Literal["system", "developer", "user", "assistant"]
     content: Text | list[TextContent]
     name: Text | None = None
@@ -202,10 +179,8 @@ def _content_parts(messages: Any) -> Any:
         lists = (m.get("content") for m in messages if isinstance(m, dict))
         parts = sum(len(c) for c in lists if isinstance(c, list))
         if parts > MAX_CONTENT_PARTS:
-            raise ValueError(
-                f"the messages hold {parts} content parts; a request may send at most {MAX_CONTENT_PARTS} "
-                "(join adjacent text parts)"
-            )
+            why = f"the messages hold {parts} content parts; a request may send at most {MAX_CONTENT_PARTS}"
+            raise ValueError(f"{why} (join adjacent text parts)")
     return messages
 
 
@@ -228,21 +203,10 @@ class _OmitNone(BaseModel):
 
     omit_if_none: ClassVar[tuple[str, ...]] = ()
 
-    @model_serializer(mode="wrap")
+    @pydantic.model_serializer(mode="wrap")
     def _omit(self, handler) -> dict[str, Any]:
         data = handler(self)
         return {k: v for k, v in data.items() if v is not None or k not in self.omit_if_none}
-
-
-class ErrorInfo(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | None = None
-
-
-class ErrorResponse(BaseModel):
-    error: ErrorInfo
 
 
 class ModelCard(BaseModel):
@@ -286,8 +250,7 @@ C = TypeVar("C", bound=_Choice)
 
 
 class _Envelope(_OmitNone, Generic[C]):
-    """What every completion response and stream chunk carries; `usage` is left out of the chunks before the
-    last."""
+    """What every completion response and stream chunk carries (`usage` only in a stream's last chunk)."""
 
     omit_if_none: ClassVar[tuple[str, ...]] = ("usage", "weight_version")
     id: str

@@ -1,41 +1,13 @@
-"""The server's RL routes: TRL's rollout interface and weight updates over HTTP, backed by a `RolloutEngine` on the
-server's own generator (one model, shared with the OpenAI routes): a /generate/ call is a job of the engine thread
-like any OpenAI request (queued, batched, timed out at --request-timeout, aborted, counted in the metrics), and a
-weight update runs on the engine thread between jobs.
-
-TRL (`trl vllm-serve` before TRL 1.0; the shapes its `VLLMClient` and most RL stacks built on it speak):
-    GET  /health/, /get_world_size/ (also without the slash)     -> {"status": "ok"}, {"world_size": 1}
-    POST /generate/  {prompts: [text] | [[token ids]], n, temperature, top_p, top_k, min_p, repetition_penalty,
-                      max_tokens, truncate_prompt_tokens, logprobs, generation_kwargs: {seed, stop, ignore_eos}}
-                  -> {prompt_ids: [P][...] (one per prompt), completion_ids: [P*n][...] (prompt-major, EOS
-                      included when it ended the sample, as vLLM's token_ids), logprobs: [P*n][...] (the sampled
-                      token's log-probability under softmax(logits / temperature): vLLM's processed_logprobs),
-                      finish_reasons, weight_version, speculation}
-    POST /reset_prefix_cache/   {"success": true}: no cache outlives a call (rollouts of new weights never read
-                                KV entries of old ones)
-    POST /close_communicator/   {}: nothing to close
-    POST /init_communicator/, /update_named_param/, /batch_update_named_params/, /init_weight_transfer_engine,
-         /update_weights -> 501: NCCL weight sync is not offered (CPU machines have no NCCL); use:
-Weight updates (SGLang's names, which verl and OpenRLHF call) — off unless the server runs with
---enable-weight-updates (403 otherwise; see `WeightRoutes`), from disk only under --weight-dir:
-    POST /update_weights_from_tensor  body: a safetensors file's bytes (`safetensors.torch.save(named tensors)`),
-                                      content-type application/octet-stream
-    POST /update_weights_from_disk    {"model_path": a *.safetensors file or save_pretrained directory on the server}
-         -> {weight_version, tensors, seconds, requantize_seconds}; a bad update is a 400 that changed nothing.
-    GET  /get_weight_version          {"weight_version": n}
-    POST /abort_request               {} or {"abort_all": true} (a JSON body: no cross-site form can send it): ends
-                                      the running and waiting /generate/ calls after their step; unfinished samples
-                                      return what they have, finish_reason "abort" (so does a /generate/ whose
-                                      client goes away)
-An update waits for every request submitted before it to finish — all of its samples or choices, not only those
-already running — and holds those submitted after it until it is written: every request is drawn under one weight
-version, which its reply reports (`weight_version`). Options under which the sampled law is not softmax(logits / T) (top-k, top-p, min-p,
-penalties, greedy) are refused (400): the trainer could not recompute its logprobs (`RolloutEngine`).
-"""
+"""The server's RL routes (docs/guides/rl-rollouts.md, "The RL routes"): TRL's rollout interface (`trl vllm-serve`
+before TRL 1.0: /generate/ and its housekeeping) and SGLang's weight-update routes (which verl and OpenRLHF call), backed
+by a `RolloutEngine` on the server's generator. A /generate/ call is an engine job like any OpenAI request (queued,
+batched, timed out, aborted, counted); options under which its logprobs are not the sampled law's are refused (400). A
+weight update runs between jobs, only with --enable-weight-updates (403; from disk only under --weight-dir)."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import tempfile
 import uuid
@@ -46,16 +18,18 @@ from typing import Annotated, Literal
 import torch
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
-from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from pydantic import BaseModel, Field, StrictInt
 from starlette.requests import ClientDisconnect
 
+from ..engine.request import Job
 from ..model.weights import WeightUpdateError, load_safetensors_files
 from ..rollout import RolloutEngine, check_on_policy
-from ..sampling import ParamError, SamplingParams, check_seed
+from ..sampling import SamplingParams, check_seed
 from .bodies import OffLoopRoute
-from .engine import Closing, Job
+from .engine import Call, Closing
 from .errors import APIError
-from .protocol import MAX_PROMPTS, MAX_TOKEN_LIST, StopList, Text
+from .jobs import Run
+from .protocol import MAX_PROMPTS, MAX_TOKEN_LIST, StopList, Strict, Text
 
 __all__ = ["WeightRoutes", "router"]
 
@@ -63,16 +37,15 @@ router = APIRouter(route_class=OffLoopRoute)  # large bodies (a rollout batch) v
 _NCCL_ROUTES = (
     "/init_communicator/",
     "/update_named_param/",
-    "/batch_update_named_params/",
+    "/batch_update_named_params/",  # TRL's and vLLM's
     "/init_weight_transfer_engine",
     "/update_weights",
-)
+)  # NCCL weight sync: 501
 
 
-class GenerationKwargs(BaseModel):
+class GenerationKwargs(Strict):
     """The `generation_kwargs` this server honours; any other key is refused (400 naming it)."""
 
-    model_config = ConfigDict(extra="forbid")
     seed: StrictInt | None = None
     stop: StopList = None
     ignore_eos: bool = False
@@ -84,8 +57,7 @@ _TokenPrompts = Annotated[
 ]
 
 
-class GenerateRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class GenerateRequest(Strict):
     prompts: _Prompts | _TokenPrompts
     images: None = None  # text models only
     n: int = Field(1, ge=1)
@@ -123,15 +95,13 @@ class WeightUpdateResponse(BaseModel):
     requantize_seconds: float
 
 
-class DiskUpdate(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class DiskUpdate(Strict):
     model_path: Text
 
 
-class AbortRequest(BaseModel):
+class AbortRequest(Strict):
     """SGLang's body (`{"abort_all": true}`; `{}` says the same): every /generate/ call is aborted."""
 
-    model_config = ConfigDict(extra="forbid")
     abort_all: Literal[True] = True
 
 
@@ -139,58 +109,38 @@ def _rollout(request: Request) -> RolloutEngine:
     return request.app.state.rollout
 
 
-@router.get("/health/")
-async def health():
-    """TRL's health check: `{"status": "ok"}`."""
-    return {"status": "ok"}
+def _answering(answer: dict):
+    async def housekeeping():
+        return answer
+
+    return housekeeping
 
 
-@router.get("/get_world_size/")
-@router.get("/get_world_size")
-async def world_size():
-    """TRL's housekeeping: `{"world_size": 1}`."""
-    return {"world_size": 1}
-
-
-@router.post("/reset_prefix_cache/")
-@router.post("/reset_prefix_cache")
-async def reset_prefix_cache():
-    """TRL's housekeeping: `{"success": true}` (no KV cache outlives a call, so nothing of old weights is read)."""
-    return {"success": True}
-
-
-@router.post("/close_communicator/")
-async def close_communicator():
-    """TRL's housekeeping: `{}` (there is no NCCL communicator)."""
-    return {}
+for _method, _paths, _answer, _what in (  # TRL's housekeeping routes: each gives one answer
+    ("GET", ["/health/"], {"status": "ok"}, "TRL's health check"),
+    ("GET", ["/get_world_size/", "/get_world_size"], {"world_size": 1}, "TRL's housekeeping"),
+    (
+        "POST",
+        ["/reset_prefix_cache/", "/reset_prefix_cache"],
+        {"success": True},
+        "TRL's housekeeping (no KV cache outlives a call, so nothing of old weights is read)",
+    ),
+    ("POST", ["/close_communicator/"], {}, "TRL's housekeeping (there is no NCCL communicator)"),
+):
+    for _path in _paths:
+        what = {"description": f"{_what}: `{json.dumps(_answer)}`.", "name": _paths[0].strip("/").removeprefix("get_")}
+        router.add_api_route(_path, _answering(_answer), methods=[_method], **what)
 
 
 async def nccl_refused(request: Request):
     """501: NCCL weight sync is not offered; the answer names the HTTP weight routes to use instead."""
-    raise APIError(
-        501,
-        f"{request.url.path}: NCCL weight sync is not offered (CPU machines have no NCCL); send the weights over HTTP: "
-        "POST /update_weights_from_tensor with a safetensors body, or POST /update_weights_from_disk "
-        '{"model_path": ...} (see docs/guides/rl-rollouts.md)',
-        kind="not_implemented",
-    )
+    why = f"{request.url.path}: NCCL weight sync is not offered (CPU machines have no NCCL); send the weights over HTTP"
+    http = 'POST /update_weights_from_tensor with a safetensors body, or POST /update_weights_from_disk {"model_path": ...}'
+    raise APIError(501, f"{why}: {http} (see docs/guides/rl-rollouts.md)", kind="not_implemented")
 
 
 for _path in _NCCL_ROUTES:
     router.add_api_route(_path, nccl_refused, methods=["POST"])
-
-
-def _params(req: GenerateRequest) -> SamplingParams:
-    try:
-        return SamplingParams(
-            temperature=req.temperature,
-            top_p=req.top_p,
-            top_k=max(req.top_k, 0),
-            min_p=req.min_p,
-            repetition_penalty=req.repetition_penalty,
-        )
-    except ValueError as e:
-        raise APIError.bad_value(e) from None
 
 
 def _prompts(eng: RolloutEngine, req: GenerateRequest, context: int | None) -> list[list[int]]:
@@ -205,11 +155,8 @@ def _prompts(eng: RolloutEngine, req: GenerateRequest, context: int | None) -> l
         if req.truncate_prompt_tokens is not None:
             ids = ids[-req.truncate_prompt_tokens :]
         if context is not None and len(ids) + req.max_tokens > context:
-            raise APIError(
-                400,
-                f"prompts[{i}] ({len(ids)} tokens) + max_tokens ({req.max_tokens}) exceeds the context ({context})",
-                f"prompts[{i}]",
-            )
+            why = f"prompts[{i}] ({len(ids)} tokens) + max_tokens ({req.max_tokens}) exceeds the context ({context})"
+            raise APIError(400, why, f"prompts[{i}]")
         out.append(ids)
     return out
 
@@ -224,29 +171,34 @@ async def generate(req: GenerateRequest, request: Request) -> GenerateResponse:
     kw = req.generation_kwargs
     try:
         check_seed(kw.seed, "generation_kwargs.seed")  # /v1's rule
-    except ParamError as e:
+        same = {k: getattr(req, k) for k in ("temperature", "top_p", "min_p", "repetition_penalty")}
+        params = SamplingParams(**same, top_k=max(req.top_k, 0))
+    except ValueError as e:
         raise APIError.bad_value(e) from None
-    params = _params(req)
     ids = await asyncio.to_thread(_prompts, eng, req, served.context)  # tokenizing: off the event loop
     try:  # every check before queueing
         if eng.strict_on_policy:
             check_on_policy(params)
         spec, seed = eng.job(
-            ids, req.n, params, max_new_tokens=req.max_tokens, seed=kw.seed, stop=kw.stop or (),
+            ids,
+            req.n,
+            params,
+            max_new_tokens=req.max_tokens,
+            seed=kw.seed,
+            stop=kw.stop or (),
             ignore_eos=kw.ignore_eos,
-        )  # fmt: skip
+        )
     except ValueError as e:
         raise APIError.bad_value(e) from None
-    job = Job(id=uuid.uuid4().hex, requests=spec.requests, loop=asyncio.get_running_loop(), per_prompt=req.n)
-    # the queue's limits, as /v1; a deadline only where --request-timeout was set (a rollout cut at a default deadline
-    # would come back "abort" and be trained on)
-    run = served.enqueue(job, request, [len(p) for p in ids], prompt_field="prompts", timeout=served.rollout_timeout)
-    jobs: set = request.app.state.rl_jobs
-    jobs.add(job)  # /abort_request ends it
+    key = uuid.uuid4().hex  # the rollout's requests under keys unique in the server's session: (key, i)
+    job = Job([r.keyed((key, i)) for i, r in enumerate(spec.requests)], key=key, group=req.n)
+    call = Call(job, asyncio.get_running_loop())  # the queue's limits as /v1; a deadline only if one was given
+    run = served.enqueue(Run(served, call, request, [len(p) for p in ids]), "prompts", served.rollout_timeout)
+    request.app.state.rl_jobs.add(call)  # /abort_request ends it
     try:
         done = await run.collect()
     finally:
-        jobs.discard(job)
+        request.app.state.rl_jobs.discard(call)
     if done is None:  # the client went away: its samples were aborted
         return Response(status_code=499)
     return _generated(eng, spec, seed, ids, done, job)
@@ -254,26 +206,23 @@ async def generate(req: GenerateRequest, request: Request) -> GenerateResponse:
 
 def _generated(eng: RolloutEngine, spec, seed: int, ids: list[list[int]], done: list, job: Job) -> GenerateResponse:
     outs = [eng.rollout(c, seed, key=spec.requests[c.index].key) for c in done]
-    seqs = [o.with_eos() for o in outs]
+    seqs, version = [o.with_eos() for o in outs], job.weight_version
+    figures = {"draft_tokens": "drafted", "accepted_tokens": "accepted", "target_passes": "target_passes"}
+    spec = Speculation(**{k: sum(getattr(o.stats, v) for o in outs) for k, v in figures.items()})
     return GenerateResponse(
         prompt_ids=ids,
         completion_ids=[t for t, _ in seqs],
         logprobs=[lp for _, lp in seqs],
         finish_reasons=[o.finish_reason for o in outs],
-        weight_version=job.weight_version if job.weight_version is not None else eng.weight_version,
-        speculation=Speculation(
-            draft_tokens=sum(o.stats.drafted for o in outs),
-            accepted_tokens=sum(o.stats.accepted for o in outs),
-            target_passes=sum(o.stats.target_passes for o in outs),
-        ),
+        speculation=spec,
+        weight_version=eng.weight_version if version is None else version,
     )
 
 
 @dataclass
 class WeightRoutes:
-    """Who may replace the served model over HTTP: nobody unless `enabled` (--enable-weight-updates); from disk,
-    only files under `dirs` (--weight-dir, resolved: symlinks followed). Uploads are taken one at a time (`lock`),
-    each written to a temporary file as it arrives, so memory holds one update and the model."""
+    """Who may replace the served model over HTTP: nobody unless `enabled`; from disk, only files under `dirs`
+    (resolved). Uploads are taken one at a time (`lock`), each written to a temporary file as it arrives."""
 
     enabled: bool = False
     dirs: tuple[Path, ...] = ()
@@ -282,21 +231,17 @@ class WeightRoutes:
 
     def check(self) -> None:
         if not self.enabled:
-            raise APIError(
-                403,
-                "weight updates are off on this server: start it with --enable-weight-updates (and --api-key)",
-                code="weight_updates_disabled",
-            )
+            why = "weight updates are off on this server: start it with --enable-weight-updates (and --api-key)"
+            raise APIError(403, why, code="weight_updates_disabled")
 
     def upload_cap(self, eng: RolloutEngine) -> int | None:
-        """The largest body an update may be: every tensor of the target once, plus room for the safetensors
+        """The largest body an update may be: every tensor of the target once, plus 64 MiB for the safetensors
         header (None: the target is no torch model, and takes no updates)."""
         if not self._cap:
             model = eng.target.model
-            ok = isinstance(model, torch.nn.Module)
-            self._cap.append(
-                sum(t.numel() * t.element_size() for t in model.state_dict().values()) + (64 << 20) if ok else None
-            )
+            tensors = model.state_dict().values() if isinstance(model, torch.nn.Module) else None
+            size = None if tensors is None else sum(t.numel() * t.element_size() for t in tensors)
+            self._cap.append(None if size is None else size + (64 << 20))
         return self._cap[0]
 
     def files(self, path: str) -> list[Path]:
@@ -304,11 +249,8 @@ class WeightRoutes:
         of `dirs`; one 400 for a path outside them, missing or unreadable (nothing said about which)."""
         if not self.dirs:
             raise APIError(400, "this server reads no weights from disk: start it with --weight-dir DIR", "model_path")
-        refused = APIError(
-            400,
-            f"model_path {path!r} is no readable safetensors file or directory under the server's --weight-dir",
-            "model_path",
-        )
+        why = f"model_path {path!r} is no readable safetensors file or directory under the server's --weight-dir"
+        refused = APIError(400, why, "model_path")
         try:
             p = Path(path).expanduser().resolve(strict=True)
             files = sorted(p.glob("*.safetensors")) if p.is_dir() else [p]
@@ -321,10 +263,6 @@ class WeightRoutes:
         return files
 
 
-def _weights(request: Request) -> WeightRoutes:
-    return request.app.state.weight_routes
-
-
 async def _update(request: Request, fn) -> WeightUpdateResponse:
     try:
         up = await request.app.state.engine.run_between_jobs(fn)
@@ -333,26 +271,15 @@ async def _update(request: Request, fn) -> WeightUpdateResponse:
     except Closing:
         raise APIError(503, "the server is shutting down", kind="server_error") from None
     request.app.state.metrics.observe_weight_update(up.version)
-    return WeightUpdateResponse(
-        weight_version=up.version, tensors=up.tensors, seconds=up.seconds, requantize_seconds=up.requantize_seconds
-    )
-
-
-async def _receive_to(request: Request, path: Path) -> int:
-    """Write the request's body to `path` as it arrives (counted against its cap by `serve.access.BodyLimit`)."""
-    size = 0
-    with path.open("wb") as f:
-        async for chunk in request.stream():
-            size += len(chunk)
-            f.write(chunk)
-    return size
+    figures = {k: getattr(up, k) for k in ("tensors", "seconds", "requantize_seconds")}
+    return WeightUpdateResponse(weight_version=up.version, **figures)
 
 
 @router.post("/update_weights_from_tensor")
 async def update_weights_from_tensor(request: Request) -> WeightUpdateResponse:
     """Replace weights in place from a safetensors body (`application/octet-stream`); needs
     `--enable-weight-updates`. Runs between requests; a bad update is a 400 that changes nothing."""
-    eng, routes = _rollout(request), _weights(request)
+    eng, routes = _rollout(request), request.app.state.weight_routes
     routes.check()
     kind = request.headers.get("content-type", "").split(";")[0].strip()
     if kind != "application/octet-stream":
@@ -362,8 +289,9 @@ async def update_weights_from_tensor(request: Request) -> WeightUpdateResponse:
     async with routes.lock:  # one upload in memory at a time; the others wait unread
         with tempfile.TemporaryDirectory(prefix="verispec-upload-") as tmp:
             path = Path(tmp) / "update.safetensors"
-            try:
-                size = await _receive_to(request, path)
+            try:  # written as it arrives (counted against its cap by `serve.access.BodyLimit`)
+                with path.open("wb") as f:
+                    size = sum([f.write(chunk) async for chunk in request.stream()])
             except ClientDisconnect:  # the client went away mid-body
                 return Response(status_code=499)
             if not size:
@@ -375,7 +303,7 @@ async def update_weights_from_tensor(request: Request) -> WeightUpdateResponse:
 async def update_weights_from_disk(req: DiskUpdate, request: Request) -> WeightUpdateResponse:
     """Replace weights in place from a safetensors file or directory under `--weight-dir`; needs
     `--enable-weight-updates`."""
-    eng, routes = _rollout(request), _weights(request)
+    eng, routes = _rollout(request), request.app.state.weight_routes
     routes.check()
     files = await asyncio.to_thread(routes.files, req.model_path)
     return await _update(request, lambda: eng.update_weights(load_safetensors_files(files)))
@@ -389,9 +317,8 @@ async def weight_version(request: Request):
 
 @router.post("/abort_request")
 async def abort(body: AbortRequest, request: Request):
-    """End the running and waiting /generate/ calls after their current step (unfinished samples end
-    "abort")."""
-    for job in list(request.app.state.rl_jobs):  # waiting or running: unfinished samples end "abort"
-        request.app.state.engine.expire(job)
+    """End the running and waiting /generate/ calls after their current step (unfinished samples end "abort")."""
+    for call in list(request.app.state.rl_jobs):
+        request.app.state.engine.expire(call)
     _rollout(request).abort()  # a RolloutEngine.generate called by anyone else
     return {"success": True}

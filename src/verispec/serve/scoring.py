@@ -1,7 +1,6 @@
-"""Prompt logprobs for completions' `echo` with `logprobs`: one target forward over the prompt (in chunks), on a
-runner of its own that shares the target's weights (a second dense runner reuses the fused tensors; nothing is
-copied) and holds a cache only while it scores. Raw log-softmax, as every logprob the server returns; the first
-token has none (None), as in OpenAI's and vLLM's answers."""
+"""Prompt logprobs for completions' `echo` with `logprobs`: one target forward over the prompt (in chunks), on a runner
+of its own that shares the target's weights (nothing is copied) and holds a cache only while it scores. Raw
+log-softmax, as every logprob the server returns; the first token has none (None), as OpenAI and vLLM answer."""
 
 from __future__ import annotations
 
@@ -23,14 +22,14 @@ class PromptScorer:
     @property
     def unavailable(self) -> str | None:
         """Why prompts cannot be scored here (None: they can)."""
-        if not isinstance(self.gen.runner, HFRunner):
+        if not isinstance(self.gen.core.runner, HFRunner):
             return "prompt logprobs (echo with logprobs) need a torch runner; this model runs on llama.cpp"
         return None
 
     def _make(self) -> HFRunner:
         if self._runner is None:
-            kind = "fast" if isinstance(self.gen.runner, FastRunner) else "hf"
-            self._runner = make_runner(self.gen.target.model, self.gen.vocab_size, runner=kind)
+            kind = "fast" if isinstance(self.gen.core.runner, FastRunner) else "hf"
+            self._runner = make_runner(self.gen.target.model, self.gen.core.vocab_size, runner=kind)
         return self._runner
 
     @torch.inference_mode()

@@ -1,22 +1,8 @@
-"""Graceful shutdown for `verispec serve` (`serve(app, ...)`, what the CLI runs).
-
-On SIGTERM (or Ctrl-C) the server stops admitting requests: every route but /metrics answers 503 with
-`Retry-After` and `Connection: close` (an OpenAI-style error; /health too, so a load balancer takes the replica out of
-rotation), and a request whose body is still arriving gets an OpenAI-style 503 at once, as soon as its read finds no
-bytes at hand (`serve.transport.BodyReads.cut`): a body trickled a byte a second would otherwise hold the drain for
-all of --shutdown-timeout. The requests in flight go on. Once they have all been answered, or after
---shutdown-timeout seconds, whichever comes first, the rest are cut short: their unfinished choices end with
-finish_reason "abort" and what they have so far (streams get their last chunks and [DONE]), the RL routes' rollouts
-end as /abort_request ends them, and a request that passed the gate before the drain but reaches the engine after
-the cut gets 503. Then the listening socket closes and the process exits; the log's last line says how every choice
-ended. A second Ctrl-C exits at once.
-
-Whatever the clients do, the process exits within --shutdown-timeout + 2 s of the signal: after the cut the
-requests get up to 1 s to send their last answers (`_STRAGGLERS_S`), and uvicorn's own shutdown (closing the
-connections, then cancelling what is left) has the rest of a `_AFTER_CUT_S` budget (at least `_CLOSE_MIN_S`).
-`serve()` also pins the read timeouts of `serve.transport` (--read-timeout) and uvicorn's cap on concurrent
-connections and requests (--max-connections: beyond it, 503).
-"""
+"""Graceful shutdown for `verispec serve` (`serve(app, ...)`; docs/guides/serving.md, "Shutdown"). On SIGTERM or Ctrl-C
+every route but /metrics answers 503 (`Gate`), bodies still arriving get 503 (`BodyReads.cut`), requests in flight run
+until answered or --shutdown-timeout, then the rest are cut short (`abort_everything`), and the process exits within
+--shutdown-timeout + 2 s whatever the clients do: the cut requests get `_STRAGGLERS_S` to answer, and uvicorn's own
+shutdown the rest of `_AFTER_CUT_S` (at least `_CLOSE_MIN_S`). A second Ctrl-C exits at once."""
 
 from __future__ import annotations
 
@@ -95,13 +81,8 @@ async def drain(app, timeout: float, forced: Callable[[], bool] = lambda: False)
     reads = getattr(app.state, "body_reads", None)
     bodies = reads.cut() if reads is not None else 0  # a body still arriving would hold the drain: no waiting for it
     if gate.in_flight:
-        log.warning(
-            "shutting down: %d request(s) in flight get up to %gs, but %d still sending a body (503) end now; new ones "
-            "get 503",
-            gate.in_flight,
-            timeout,
-            bodies,
-        )
+        why = "shutting down: %d request(s) in flight get up to %gs, but %d still sending a body (503) end now"
+        log.warning(why + "; new ones get 503", gate.in_flight, timeout, bodies)
     if await _settled(gate, timeout, forced) or forced():
         return
     jobs = abort_everything(app)
@@ -111,9 +92,8 @@ async def drain(app, timeout: float, forced: Callable[[], bool] = lambda: False)
 
 
 class GracefulServer(uvicorn.Server):
-    """uvicorn's server with `drain` before its own shutdown (which closes the sockets and connections); the whole
-    shutdown takes at most `shutdown_timeout` + `_AFTER_CUT_S` seconds, and uvicorn's wait for the connections
-    gets what the drain left of that."""
+    """uvicorn's server with `drain` before its own shutdown, all in at most `shutdown_timeout` + `_AFTER_CUT_S`
+    seconds (uvicorn's wait for the connections gets what the drain left)."""
 
     def __init__(self, config: uvicorn.Config, shutdown_timeout: float):
         super().__init__(config)
@@ -137,11 +117,9 @@ def make_server(
     read_timeout: float | None = None,
     max_connections: int | None = None,
 ) -> GracefulServer:
-    """The server `serve` runs (`.run()`; tests run it in a thread and set `should_exit`). read_timeout: the
-    seconds a request's headers may take and a body may go without bytes (`serve.transport`); None: the app's own
-    (`install_transport`, which create_app calls), else DEFAULT_READ_TIMEOUT_S. Given, it rules both.
-    max_connections: uvicorn's limit_concurrency (open connections, and requests being answered, at most; beyond,
-    uvicorn answers 503); None: no cap."""
+    """The server `serve` runs (`.run()`). read_timeout: the seconds headers may take and a body may go without bytes
+    (None: the app's own, from `install_transport`, else DEFAULT_READ_TIMEOUT_S). max_connections: uvicorn's
+    limit_concurrency (None: no cap)."""
     if max_connections is not None and (type(max_connections) is not int or max_connections < 1):
         raise ValueError(f"max_connections must be an integer >= 1, got {max_connections!r}")
     reads = getattr(app.state, "body_reads", None)
@@ -149,39 +127,22 @@ def make_server(
         reads = install_transport(app, DEFAULT_READ_TIMEOUT_S if read_timeout is None else read_timeout)
     elif read_timeout is not None:
         reads.read_timeout = check_read_timeout(read_timeout)
+    http, close = header_deadline_protocol(reads.read_timeout), _CLOSE_MIN_S  # (GracefulServer.shutdown sets close)
     config = uvicorn.Config(
         app,
         host=host,
         port=port,
         log_level=log_level,
-        http=header_deadline_protocol(reads.read_timeout),
+        http=http,
         limit_concurrency=max_connections,
-        timeout_graceful_shutdown=_CLOSE_MIN_S,  # GracefulServer.shutdown sets it to what the drain left
+        timeout_graceful_shutdown=close,
     )
     return GracefulServer(config, shutdown_timeout)
 
 
-def serve(
-    app,
-    *,
-    host: str,
-    port: int,
-    log_level: str = "warning",
-    shutdown_timeout: float = 30.0,
-    read_timeout: float | None = None,
-    max_connections: int | None = None,
-) -> None:
-    """Run `app` (from `create_app`) until SIGTERM / Ctrl-C, then shut down gracefully (see the module docstring).
-    read_timeout, max_connections: see `make_server`."""
-    server = make_server(
-        app,
-        host=host,
-        port=port,
-        log_level=log_level,
-        shutdown_timeout=shutdown_timeout,
-        read_timeout=read_timeout,
-        max_connections=max_connections,
-    )
+def serve(app, **options) -> None:
+    """Run `app` (from `create_app`) until SIGTERM / Ctrl-C, then shut down gracefully; options: `make_server`'s."""
+    server = make_server(app, **options)
     server.run()
     if not server.started:
         sys.exit(3)  # uvicorn's status for a server that could not start (e.g. the port is taken)

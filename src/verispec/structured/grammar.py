@@ -20,8 +20,10 @@ import json
 import re
 import sys
 import threading
+import time
 import urllib.parse
 from collections.abc import Iterable, Sequence
+from functools import wraps
 
 import numpy as np
 import torch
@@ -106,10 +108,12 @@ class Grammars:
 
     def state(self, c: Constraint, stop_ids: Iterable[int] = ()) -> GrammarState:
         """A matcher at the start of an output; stop_ids: the request's own stop tokens beside EOS (ended like it)."""
-        xgr = _xgrammar()
+        xgr, t0 = _xgrammar(), time.perf_counter()
         stops = sorted(set(self.stop_ids) | {int(t) for t in stop_ids})
         matcher = xgr.GrammarMatcher(self.compile(c), override_stop_tokens=stops or None)
-        return GrammarState(matcher, self.info.vocab_size, self.vocab_size, xgr, self, stops)
+        state = GrammarState(matcher, self.info.vocab_size, self.vocab_size, xgr, self, stops)
+        state.seconds = time.perf_counter() - t0  # its setup counts as its own time
+        return state
 
 
 _TEMPERATURE = re.compile(r"\[\s*temperature\s*=")  # an EBNF rule attribute: rule[temperature=0.1] ::= ...
@@ -237,6 +241,23 @@ def _ebnf_string(s: str) -> str:
     return json.dumps(s, ensure_ascii=False)
 
 
+def _timed(method):
+    """A GrammarState method whose wall time adds to the state's `seconds` (the outermost call: no time twice)."""
+
+    @wraps(method)
+    def timed(self, *args):
+        if self._timing:
+            return method(self, *args)
+        self._timing, t0 = True, time.perf_counter()
+        try:
+            return method(self, *args)
+        finally:
+            self.seconds += time.perf_counter() - t0
+            self._timing = False
+
+    return timed
+
+
 class GrammarState:
     """One request's grammar matcher: at its committed output (`advance`), and able to walk any path of drafts below
     it (`mask`, `accepts`, `jump`). One matcher does both: a walk accepts the path's tokens and rolls back to the
@@ -252,8 +273,11 @@ class GrammarState:
         self._at: list[int] = []  # the walk: tokens accepted beyond the committed output
         self._masks: dict[tuple[int, ...], Tensor] = {}  # path -> [V] bool, this step's
         self._all = torch.ones(vocab_size, dtype=torch.bool)
-        self.masks_filled = 0  # grammar masks computed (for the mask-cost share in benchmarks)
+        # the grammar's cost to this request, read by benchmarks: masks computed, their seconds, and the seconds of
+        # every call (masks, walks, jump-forward, advances; setup included)
+        self.masks_filled, self.mask_seconds, self.seconds, self._timing = 0, 0.0, 0.0, False
 
+    @_timed
     def advance(self, tokens: Sequence[int]) -> int:
         """The request emitted these tokens: the committed state moves past them. Returns how many to keep: all of
         them, or those before the first the grammar refuses — which happens only after a dead end (a state no
@@ -268,6 +292,7 @@ class GrammarState:
         return len(tokens)
 
     @property
+    @_timed
     def stuck(self) -> bool:
         """The committed state is a dead end: the output is incomplete and no token of the vocabulary continues it
         (a tokenizer without some character the grammar needs next). The request ends there, "length"."""
@@ -287,10 +312,12 @@ class GrammarState:
             at.append(int(t))
         return len(at)
 
+    @_timed
     def accepts(self, path: Sequence[int]) -> int:
         """How many tokens of `path` (from the committed state) the grammar accepts in a row."""
         return self._walk(list(path))
 
+    @_timed
     def mask(self, path: Sequence[int] = ()) -> Tensor:  # [V] bool, CPU
         """The tokens the grammar allows after `path` (see the module docstring for dead and finished paths; a dead
         end, where the grammar allows nothing, allows every token: what is drawn there is cut by `advance`)."""
@@ -313,13 +340,15 @@ class GrammarState:
         if self.matcher.is_terminated():
             m = self._all
         else:
+            t0 = time.perf_counter()
             self.matcher.fill_next_token_bitmask(self._bits, 0)
-            self.masks_filled += 1
             packed = self._bits[0].numpy().view(np.uint8)  # bit i of word w is token 32 w + i (little-endian bytes)
             m = torch.from_numpy(np.unpackbits(packed, bitorder="little")[: self.V].view(np.bool_))
+            self.masks_filled, self.mask_seconds = self.masks_filled + 1, self.mask_seconds + time.perf_counter() - t0
         self._masks[key] = m
         return m
 
+    @_timed
     def jump(self, path: Sequence[int], limit: int) -> list[int]:
         """Up to `limit` (and at most JUMP_CAP) tokens the grammar forces after `path` (jump-forward), walked one
         token at a time (`_forced`), so a grammar that forces an endless text costs `limit` steps, not all memory.

@@ -1,21 +1,13 @@
-"""`verispec train-draft`: an EAGLE-3 head for a target, trained here from the target's own samples
-(self-distillation), written in the published layout (SafeAILab / SpecForge: what vLLM and SGLang load).
+"""`verispec train-draft`: an EAGLE-3 head for a target, trained by self-distillation on the target's own samples
+and written in the SafeAILab / SpecForge layout (what vLLM and SGLang load); docs/guides/train-draft-head.md.
 
-1. Data: the target samples `samples_per_prompt` continuations of every prompt (temperature 1, seeded, batched
-   through verispec's own engine); the token ids are kept on disk (`data.pt`), so a resumed run does not resample.
-2. Draft vocabulary: the `draft_vocab` most frequent tokens of those continuations (ties: the lower id; the
-   prompts' tokens fill up the rest). d2t[i] = id_i - i, t2d a mask over the target's ids.
-3. Training: each step runs the target over a batch of sequences (no grad) for the aux hidden states (inputs of
-   layers 2, L // 2, L - 3) and its softmax, and the head with the training-time test (EAGLE-3): unroll step 0
-   reads the target's hidden states; step s > 0 reads the head's own outputs of step s - 1 at the previous
-   position, and its attention sees the target-fed keys up to the position where drafting began and its own keys
-   after — exactly what the head sees when it drafts s + 1 tokens deep. Loss: cross-entropy of the head's q against
-   the target's p restricted to the draft vocabulary (renormalized), weighted decay**s.
-4. Checkpoints every `checkpoint_every` steps (`train_state.pt`: head, optimizer, step, data order) and at the end;
-   `resume=True` continues from one. The head is written (config.json + model.safetensors) at every checkpoint.
-
-The head is initialized from the target: lm_head from the target's output rows of the draft vocabulary, the norms
-from the target's final norm, the embedding shared (not trained, not saved).
+Data: `samples_per_prompt` seeded continuations per prompt (kept in `data.pt`); the draft vocabulary: their
+`draft_vocab` most frequent tokens (d2t[i] = id_i - i). Each step runs the target (no grad) for its aux hidden states
+(the inputs of layers 2, L // 2, L - 3) and p, and the head with EAGLE-3's training-time test: unroll step s > 0
+reads the head's own outputs of step s - 1 and attends to the target-fed keys up to where drafting began and its own
+after, exactly as when it drafts s + 1 deep. Loss: cross-entropy of q against p restricted to the draft vocabulary
+(renormalized), weighted decay**s. The head starts from the target's output rows and final norm, shares its
+embedding (not trained, not saved), and is written at every checkpoint (`train_state.pt`, resumable).
 """
 
 from __future__ import annotations
@@ -28,11 +20,16 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import save_file
 from torch import Tensor
+from torch.nn.utils.rnn import pad_sequence
 from transformers import LlamaConfig
 
-from ..model.runner import layer_inputs
+from ..drafting.base import padded
+from ..engine import SpecConfig, SpeculativeGenerator
 from ..heads.modules import PairHead
+from ..model.runner import layer_inputs
+from ..sampling import SamplingParams
 
 __all__ = ["TrainConfig", "choose_vocab", "init_head", "save_eagle3", "train_eagle3", "ttt_logits", "ttt_loss"]
 
@@ -59,21 +56,21 @@ class TrainConfig:
         head_intermediate: The head's MLP width (None: the target's).
     """
 
-    samples_per_prompt: int = 2  # continuations sampled per prompt
-    max_new_tokens: int = 192  # per continuation
-    temperature: float = 1.0  # the target's sampling temperature for the data
-    draft_vocab: int = 8192  # the head's output ids (most frequent tokens of the data)
-    ttt: int = 3  # training-time-test unroll steps (the depth the head is trained to draft at)
-    decay: float = 0.8  # loss weight of unroll step s: decay ** s
+    samples_per_prompt: int = 2
+    max_new_tokens: int = 192
+    temperature: float = 1.0
+    draft_vocab: int = 8192
+    ttt: int = 3
+    decay: float = 0.8
     lr: float = 5e-4
-    batch_tokens: int = 2048  # tokens per step (whole sequences)
-    minutes: float = 120.0  # stop after this much training time (the data sampling not counted)
-    max_steps: int | None = None  # or after this many steps
+    batch_tokens: int = 2048
+    minutes: float = 120.0
+    max_steps: int | None = None
     checkpoint_every: int = 100
     seed: int = 0
-    chat: bool = True  # prompts go through the target's chat template
-    cache_features: bool = False  # run the target over the data once and keep its hidden states and p (bfloat16)
-    head_intermediate: int | None = None  # the head's MLP width (None: the target's)
+    chat: bool = True
+    cache_features: bool = False
+    head_intermediate: int | None = None
 
     def check(self) -> None:
         for name in ("samples_per_prompt", "max_new_tokens", "draft_vocab", "ttt", "batch_tokens", "checkpoint_every"):
@@ -141,25 +138,16 @@ def init_head(target, vocab_ids: Tensor, aux: tuple[int, ...], intermediate: int
 def head_config(head: PairHead, vocab: int, target_layers: int | None = None) -> dict:
     """config.json of the SafeAILab / SpecForge layout (the default aux layers of a target of `target_layers` layers
     are left implicit, as vLLM and SGLang both read them)."""
-    L = target_layers or 0
-    c = head.config
-    out = {
-        "architectures": ["LlamaForCausalLMEagle3"],
-        "model_type": "llama",
-        "hidden_size": c.hidden_size,
-        "intermediate_size": c.intermediate_size,
-        "num_attention_heads": c.num_attention_heads,
-        "num_key_value_heads": c.num_key_value_heads,
-        "head_dim": getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
-        "num_hidden_layers": 1,
-        "rms_norm_eps": c.rms_norm_eps,
-        "max_position_embeddings": c.max_position_embeddings,
-        "vocab_size": vocab,
-        "draft_vocab_size": int(head.lm_head.weight.shape[0]),
-        "target_hidden_size": head.fc.in_features // len(head.layers_read),
-        "hidden_act": "silu",
-        "tie_word_embeddings": False,
+    L, c = target_layers or 0, head.config
+    out = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama"}
+    out |= {
+        k: getattr(c, k) for k in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads")
     }
+    out |= {"head_dim": getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads, "num_hidden_layers": 1}
+    out |= {k: getattr(c, k) for k in ("rms_norm_eps", "max_position_embeddings")}
+    out |= {"vocab_size": vocab, "draft_vocab_size": int(head.lm_head.weight.shape[0])}
+    out |= {"target_hidden_size": head.fc.in_features // len(head.layers_read), "hidden_act": "silu"}
+    out["tie_word_embeddings"] = False
     if not L or head.layers_read != (2, L // 2, L - 3):  # SafeAILab / SpecForge name the outputs before the layers read
         out["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in head.layers_read]}
     rope = getattr(c, "rope_parameters", None)
@@ -174,8 +162,6 @@ def head_config(head: PairHead, vocab: int, target_layers: int | None = None) ->
 
 def save_eagle3(head: PairHead, folder: Path, vocab: int, target_layers: int | None = None) -> None:
     """Write the head as config.json + model.safetensors (fc, midlayer.*, norm, lm_head, d2t, t2d)."""
-    from safetensors.torch import save_file
-
     folder.mkdir(parents=True, exist_ok=True)
     tensors = {}
     for k, v in head.state_dict().items():
@@ -197,13 +183,12 @@ def _ttt_masks(n: int, steps: int, lengths: Tensor) -> list[Tensor]:
     """Additive masks per unroll step s: [B, 1, n, (s + 1) n]. Query slot j at step s sees step-0 keys at slots
     1..j - s (target-fed) and step-t keys at slot j - s + t (its own drafts, t = 1..s); slot 0 and padding never."""
     j = torch.arange(n, device=lengths.device)
-    p = j
-    real = p.view(1, 1, -1) < lengths.view(-1, 1, 1)  # [B, 1, n]: real key slots
+    key, query = j.view(1, -1), j.view(-1, 1)  # [1, n] key slots, [n, 1] query slots
+    real = j.view(1, 1, -1) < lengths.view(-1, 1, 1)  # [B, 1, n]: real key slots
     masks = []
     for s in range(steps):
-        blocks = [((p.view(1, -1) <= j.view(-1, 1) - s) & (p.view(1, -1) >= 1)).unsqueeze(0) & real]
-        for t in range(1, s + 1):
-            blocks.append((p.view(1, -1) == j.view(-1, 1) - s + t).unsqueeze(0) & real)
+        blocks = [((key <= query - s) & (key >= 1)).unsqueeze(0) & real]
+        blocks += [(key == query - s + t).unsqueeze(0) & real for t in range(1, s + 1)]
         visible = torch.cat(blocks, -1)  # [B, n, (s + 1) n]
         mask = torch.zeros(visible.shape, dtype=torch.float32, device=visible.device)
         masks.append(mask.masked_fill(~visible, torch.finfo(torch.float32).min).unsqueeze(1))
@@ -243,10 +228,9 @@ def ttt_loss(head: PairHead, ids: Tensor, lengths: Tensor, aux: Tensor, p: Tenso
     total, agree = 0.0, []
     slots = torch.arange(n, device=ids.device)
     for s, logits in enumerate(ttt_logits(head, ids, lengths, aux, steps)):
-        valid = (slots.view(1, -1) >= s + 1) & (slots.view(1, -1) < lengths.view(-1, 1))  # p_j: x_{j+1}'s law
+        w = ((slots.view(1, -1) >= s + 1) & (slots.view(1, -1) < lengths.view(-1, 1))).float()  # p_j: x_{j+1}'s law
         logq = logits.float().log_softmax(-1)
         ce = -(p * logq).sum(-1)  # [B, n]
-        w = valid.float()
         total = total + decay**s * (ce * w).sum() / w.sum().clamp_min(1)
         agree.append(float(((logq.argmax(-1) == p.argmax(-1)).float() * w).sum() / w.sum().clamp_min(1)))
     return total, agree
@@ -271,17 +255,14 @@ class _TargetTap:
 
 def _batches(seqs: list[list[int]], batch_tokens: int, gen: torch.Generator) -> list[list[int]]:
     """Shuffled batches of sequence indices of similar length, about batch_tokens tokens each."""
-    order = sorted(range(len(seqs)), key=lambda k: len(seqs[k]))
     batches, cur, longest = [], [], 0
-    for k in order:
-        longest_new = max(longest, len(seqs[k]))
-        if cur and longest_new * (len(cur) + 1) > batch_tokens:
+    for k in sorted(range(len(seqs)), key=lambda k: len(seqs[k])):
+        longest = max(longest, len(seqs[k]))
+        if cur and longest * (len(cur) + 1) > batch_tokens:
             batches.append(cur)
-            cur, longest_new = [], len(seqs[k])
+            cur, longest = [], len(seqs[k])
         cur.append(k)
-        longest = longest_new
-    if cur:
-        batches.append(cur)
+    batches += [cur] if cur else []
     perm = torch.randperm(len(batches), generator=gen).tolist()
     return [batches[i] for i in perm]
 
@@ -300,19 +281,12 @@ def _cache_features(tap, seqs: list[list[int]], vocab_ids: Tensor, pad: int, cfg
 
 def _pad_rows(rows: list[Tensor]) -> Tensor:
     """[n_k, F] tensors -> [B, max n_k, F] float32, zero-padded."""
-    out = torch.zeros((len(rows), max(r.shape[0] for r in rows), rows[0].shape[1]), device=rows[0].device)
-    for b, r in enumerate(rows):
-        out[b, : r.shape[0]] = r.float()
-    return out
+    return pad_sequence([r.float() for r in rows], batch_first=True)
 
 
 def _pad(seqs: list[list[int]], pad: int, device=None) -> tuple[Tensor, Tensor]:
     """Token lists -> right-padded ids [B, n] and lengths [B], on `device`."""
-    n = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), n), pad, dtype=torch.int64)
-    for b, s in enumerate(seqs):
-        ids[b, : len(s)] = torch.as_tensor(s)
-    return ids.to(device), torch.tensor([len(s) for s in seqs], device=device)
+    return padded(seqs, fill=pad).to(device), torch.tensor([len(s) for s in seqs], device=device)
 
 
 RESUME_KEYS = ("head_intermediate", "draft_vocab", "batch_tokens", "seed", "ttt")  # must match to resume a run
@@ -331,12 +305,9 @@ def _resumed_state(path: Path, cfg: TrainConfig) -> dict:
 
 
 def train_eagle3(target, data: dict, out: Path, cfg: TrainConfig, resume: bool = False, progress=None) -> dict:
-    """Train (or resume) an EAGLE-3 head for `target` by self-distillation, and write it into `out`.
-
-    The head is a one-layer module shaped like the target's layers, initialized from the target's output rows and
-    final norm, trained by AdamW on the target's p over the draft vocabulary with the training-time test unrolled
-    `cfg.ttt` steps. `out` gets `config.json` + `model.safetensors` (the SafeAILab / SpecForge layout, which vLLM
-    and SGLang load too), `train_state.pt` every `cfg.checkpoint_every` steps, and `train.json`.
+    """Train (or resume) an EAGLE-3 head for `target` by self-distillation, and write it into `out` (`config.json` +
+    `model.safetensors`, `train_state.pt` every `cfg.checkpoint_every` steps); returns the run's summary (steps, loss,
+    top-1 agreement per unroll step), also written to `out/train.json`.
 
     Args:
         target (LoadedModel): The target, a torch model of at least 7 layers.
@@ -345,9 +316,6 @@ def train_eagle3(target, data: dict, out: Path, cfg: TrainConfig, resume: bool =
         cfg: The training settings.
         resume: Continue from `out`'s checkpoint.
         progress (Callable | None): Called with (step, info dict) after every step, for a progress display.
-
-    Returns:
-        The run's summary (steps, loss, top-1 agreement per unroll step), also written to `out/train.json`.
     """
     run = _Run(target, data, out, cfg, resume)
     done = False
@@ -386,9 +354,8 @@ class _Run:
         self.dev = next(model.parameters()).device
         self.vocab_ids = data["vocab_ids"].to(self.dev)  # [V_d]
         self.head = init_head(model, data["vocab_ids"], self.aux, cfg.head_intermediate)
-        self.opt = torch.optim.AdamW(
-            [p for p in self.head.parameters() if p.requires_grad], lr=cfg.lr, weight_decay=0.0
-        )
+        trained = [p for p in self.head.parameters() if p.requires_grad]
+        self.opt = torch.optim.AdamW(trained, lr=cfg.lr, weight_decay=0.0)
         self.steps, self.epoch, self.cursor, self.seconds, self.history = 0, 0, 0, 0.0, []
         self.state_path = out / "train_state.pt"
         if resume and self.state_path.is_file():
@@ -449,23 +416,17 @@ class _Run:
 
 
 def sample_data(target, prompts: list[str], cfg: TrainConfig, progress=None) -> dict:
-    """The target's own continuations of every prompt: the training data of `train_eagle3`.
-
-    Plain decoding through verispec's engine, at temperature `cfg.temperature`, with seeds `cfg.seed + k`.
+    """The target's own continuations of every prompt (verispec's engine, temperature `cfg.temperature`, seeds
+    `cfg.seed + k`): `{"seqs": prompt + continuation token ids, "starts": where each continuation starts}`, the
+    training data of `train_eagle3`.
 
     Args:
         target (LoadedModel): The target model.
         prompts: The prompts' texts.
         cfg: `samples_per_prompt`, `max_new_tokens`, `temperature`, `seed` and `chat` are read.
         progress (Callable | None): Called with (samples done, samples in all) after each batch.
-
-    Returns:
-        `{"seqs": prompt + continuation token ids, "starts": where each continuation starts}`.
     """
-    from ..engine import SpeculativeGenerator
-    from ..sampling import SamplingParams
-
-    gen = SpeculativeGenerator(target, None)
+    gen = SpeculativeGenerator(target, config=SpecConfig(draft="none"))
     seqs, starts = [], []
     batch = 32
     jobs = [(pr, s) for pr in prompts for s in range(cfg.samples_per_prompt)]

@@ -1,0 +1,123 @@
+"""The speculative step, top to bottom (the session, `engine.session`, decides which rows run):
+
+    draft   the proposer's Draft: a token tree per row below its pending token (a chain: parents -1, 0, 1, ...)
+    fit     a constrained row's chain cut before the first token its grammar refuses, then jump-forward tokens
+    score   one target forward over every row's pending token and draft nodes; p from the same processing as q
+    verify  verify_chain / verify_block (chains) or verify_tree (trees), against the randomness's targets of p
+    commit  the target's cache keeps each row's accepted path, the rows their tokens, the proposer its own state
+
+Results stay tensors until one host transfer (`engine.verify.outputs`); observers see the step after each stage.
+"""
+
+from __future__ import annotations
+
+import time
+
+from ..drafting import Draft
+from ..drafting.batch import BatchView
+from ..drafting.grammar import fit_draft
+from .core import EngineCore
+from .rows import Row, RowFault
+from .stats import SpecStats
+from .verify import Batch, StepOutput
+
+__all__ = ["draft_caps", "speculative_step"]
+
+
+def speculative_step(
+    core: EngineCore, rows: list[Row], view: BatchView, all_identity: bool, stats: SpecStats
+) -> tuple[StepOutput, dict[int, Exception]]:
+    """One draft -> fit -> score -> verify -> commit step for `rows` (the batch `view` shows, in cache row order).
+    all_identity: p is softmax(logits) for every row (no processing). Returns the step's output and the rows that
+    failed in it (row -> its RowFault; they end in the session, the others go on unchanged)."""
+    B, t0 = len(rows), time.perf_counter()
+    caps = draft_caps(core, rows)
+    if core.proposer is None:
+        draft = Draft.empty(B, core.device)
+    else:  # also with every cap 0: the proposer's state then follows the step (update)
+        draft = core.proposer.propose(view, [c + core.randomness.lookahead for c in caps])
+    draft = _observed(core, "after_draft", view, draft)
+    if view.grammars is not None and core.proposer is not None:
+        # not where a row drafts nothing this step (speculation off, the controller's plain probe), nor under
+        # position seeding (a forced token's one-hot q would make a seed's tokens depend on where steps start)
+        room = [r if c > 0 else 0 for r, c in zip(room_left(core, rows), caps)]
+        fitted = fit_draft(draft, view.grammars, room, 0 if core.randomness.name == "position" else core.jump)
+        draft = _observed(core, "after_fit", view, draft, fitted)
+    t1 = time.perf_counter()
+    stats.draft_time += t1 - t0
+    if draft.chain and max(draft.num_nodes) > 0:
+        core.controller.observe_draft((t1 - t0) / max(draft.num_nodes), B)
+
+    out, width = core.verification(Batch(core.runner, rows, view, all_identity), draft)  # score + verify
+    seconds = time.perf_counter() - t1
+    stats.verify_time += seconds
+    if draft.chain:
+        core.controller.observe_verify(width, seconds, B)
+    for o in core.observers:
+        o.after_verify(view, draft, out)
+
+    faults: dict[int, Exception] = {b: RowFault(why) for b, why in view.faults.items()}
+    commit(core, rows, view, draft, out, faults, stats)
+    for o in core.observers:
+        o.after_commit(view, out)
+    return out, faults
+
+
+def commit(core, rows, view, draft, out: StepOutput, faults: dict[int, Exception], stats: SpecStats) -> None:
+    """Keep each row's pending token and accepted path in the target's cache (everything else is dropped), append
+    the emitted tokens, count the step, and let the proposer roll its own state forward. A row whose grammar
+    raises joins `faults` (its state stays consistent until the session ends it)."""
+    old_lengths = [len(r.seq) for r in rows]
+    core.runner.keep_paths([n - 1 for n in old_lengths], [[0] + [n + 1 for n in path] for path in out.paths])
+    for b, r in enumerate(rows):
+        if r.grammar is not None and b not in faults:
+            try:
+                out.cut(b, r.grammar.advance(out.tokens[b]))  # past a dead end: nothing (the row ends there)
+            except Exception as e:  # this request's grammar: it fails alone
+                faults[b] = row_fault("its grammar", e)
+        r.seq.extend(out.tokens[b])  # view.seqs are these lists: the proposer sees the committed tokens
+        if b in faults:  # its step verified a placeholder: not counted anywhere
+            continue
+        r.observe(out.drafted[b], out.accepted[b], out.nodes[b])
+        stats.observe(out.drafted[b], out.accepted[b], out.nodes[b])
+        if draft.chain:
+            core.controller.observe_acceptance(out.accepted[b], int(out.accepted[b] < out.drafted[b]))
+    if core.proposer is not None:
+        core.proposer.update(view, old_lengths, draft, out.paths)
+
+
+def room_left(core: EngineCore, rows: list[Row]) -> list[int]:
+    """Per row, the most draft tokens its budget and the context leave room for (the step adds one more)."""
+    end = core.max_positions or 1 << 30
+    return [min(r.max_new - len(r.tokens), end - len(r.seq)) - 1 for r in rows]
+
+
+def draft_caps(core: EngineCore, rows: list[Row]) -> list[int]:
+    """Per row, the most draft tokens to draft: its room, and its gamma (or the gamma controller's choice)."""
+    caps = room_left(core, rows)
+    if core.proposer is not None and core.proposer.tree is not None:  # the tree's shape sets the draft
+        return [0 if r.gamma == 0 else c for r, c in zip(rows, caps)]
+    controller, B = core.controller, len(rows)
+    probe = controller.wants_plain_probe(B)  # measure T(1) at this batch size once
+
+    def cap(r: Row, c: int) -> int:  # a request's own gamma, else the controller's (0 on a plain probe)
+        if r.gamma is not None:
+            return max(0, min(r.gamma, c))
+        return 0 if probe else controller.choose(r.stats.accepted, r.failures, c, r.stats.target_passes, batch=B)
+
+    return [cap(r, c) for r, c in zip(rows, caps)]
+
+
+def row_fault(where: str, e: Exception) -> RowFault:
+    """A request's own failure inside a step, as the RowFault that ends it (the cause kept)."""
+    fault = RowFault(f"{where} failed: {type(e).__name__}: {e}")
+    fault.__cause__ = e
+    return fault
+
+
+def _observed(core: EngineCore, hook: str, view: BatchView, *drafts: Draft) -> Draft:
+    """The draft after every observer's `hook` (one that returns a Draft replaces it)."""
+    draft = drafts[-1]
+    for o in core.observers:
+        draft = getattr(o, hook)(view, *drafts[:-1], draft) or draft
+    return draft
