@@ -128,7 +128,7 @@ def outputs(
     if path is None:  # a chain: the emitted token j sits at slot j
         p_e, logits_e = p[:, :D1], logits[:, :D1]
     else:  # slot 0 (the root), then the accepted path's nodes (padding -> the root, never read)
-        slots = torch.cat([torch.zeros((B, 1), dtype=torch.int64, device=dev), path[:, : D1 - 1].clamp(min=-1) + 1], 1)
+        slots = torch.cat([torch.zeros((B, 1), dtype=torch.int64, device=dev), path[:, : D1 - 1] + 1], 1)
         sl = slots.unsqueeze(-1).expand(-1, -1, logits.shape[-1])
         p_e, logits_e = p.gather(1, sl), logits.gather(1, sl)  # [B, D + 1, V]
     lp = p_e.gather(-1, tok).squeeze(-1).log()  # [B, D + 1]
