@@ -16,6 +16,7 @@ from ..crossvocab import same_tokenizer
 from ..engine.config import SpecConfig
 from ..engine.generator import SpeculativeGenerator
 from ..model import loading
+from ..model.threads import set_threads
 from ..sampling import SamplingParams
 from .endpoint import Endpoint, TokenMapper
 from .kernel import load_sampler
@@ -153,7 +154,7 @@ def build_method(spec: MethodSpec) -> SampleFn:
 
     The models come from the per-process cache (`_load`) and are shared: nothing here modifies them."""
     if spec.threads:
-        torch.set_num_threads(spec.threads)
+        set_threads(spec.threads)  # torch's and llama.cpp's (`load_model` then keeps it)
     if spec.method == "callable":
         return _callable_method(spec)
     target = _load(spec.target, "float32" if spec.method == "openai" else spec.dtype)

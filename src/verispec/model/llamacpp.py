@@ -25,6 +25,7 @@ from torch import Tensor
 
 from .protocol import Chunk, Slots
 from .runner import check_forward_args
+from .threads import set_threads
 
 __all__ = ["DECODE_CHUNK", "INSTALL_HINT", "LlamaCppModel", "LlamaCppRunner", "StagedPrompt", "llamacpp_available"]
 
@@ -73,6 +74,7 @@ class LlamaCppModel:
     model stands in `LoadedModel.model`; `make_runner` gives it a `LlamaCppRunner`."""
 
     def __init__(self, path: str | os.PathLike, *, threads: int | None = None, gpu_layers: int = 0):
+        """threads: the CPU threads of its contexts (None: the process's count, `verispec.model.threads`)."""
         lib = _lib()
         self.path = Path(path)
         params = lib.llama_model_default_params()
@@ -86,7 +88,7 @@ class LlamaCppModel:
         self.vocab = lib.llama_model_get_vocab(self.ptr)
         self.n_vocab = lib.llama_vocab_n_tokens(self.vocab)
         self.n_ctx_train = lib.llama_model_n_ctx_train(self.ptr)
-        self.threads = threads or torch.get_num_threads()
+        self.threads = threads or set_threads()  # n_threads and n_threads_batch of its contexts
         eog = [t for t in (lib.llama_vocab_eos(self.vocab), lib.llama_vocab_eot(self.vocab)) if t >= 0]
         self.generation_config = SimpleNamespace(eos_token_id=sorted(set(eog)))
         self.device = torch.device("cpu")  # logits come back to the host: verification runs on the CPU

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from .threads import set_threads
+
 __all__ = [
     "DEFAULT_MODEL_NAME",
     "LoadedModel",
@@ -248,7 +250,9 @@ def load_model(
             checkpoint with an MTP layer is the model (its layer: `--draft mtp`).
         dtype: The weights' precision: "float32" (default), "bfloat16", "float16" or a torch dtype.
         device: "cpu" (default), "cuda" or "cuda:N".
-        threads: Torch CPU threads to set (`torch.set_num_threads`); None leaves torch's choice.
+        threads: CPU threads of every model in the process: torch's intra-op threads and llama.cpp's n_threads /
+            n_threads_batch (`verispec.model.threads.set_threads`). None keeps a count chosen before, else takes one
+            thread per CPU that other processes leave idle (`verispec.model.threads.default_threads`).
         backend: "torch" (a transformers model) or "llamacpp" (a GGUF file run by llama.cpp in its own
             quantization, `verispec.model.llamacpp`; the tokenizer still comes from transformers, read from the
             same file).
@@ -262,10 +266,8 @@ def load_model(
     """
     if backend not in BACKENDS:
         raise ModelLoadError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
-    if threads is not None:
-        if threads < 1:
-            raise ModelLoadError(f"threads must be >= 1, got {threads}")
-        torch.set_num_threads(threads)
+    if threads is not None and threads < 1:
+        raise ModelLoadError(f"threads must be >= 1, got {threads}")
     _check_device(device)
     torch_dtype = parse_dtype(dtype)
     source, name, kwargs = _resolve(spec)
@@ -274,6 +276,7 @@ def load_model(
             f"{name} is a draft head, not a model: name it as the draft (draft=model,model=PATH / --draft PATH; "
             "`verispec.engine.drafters.load_draft` loads either)"
         )
+    threads = set_threads(threads)
     if backend == "llamacpp":
         return _load_llamacpp(source, name, kwargs, device, threads)
     model, tokenizer = _from_pretrained(source, name, kwargs, torch_dtype)
@@ -282,7 +285,7 @@ def load_model(
     return LoadedModel(model=model, tokenizer=tokenizer, name=name, gguf=gguf)
 
 
-def _load_llamacpp(source: str, name: str, kwargs: dict, device: str, threads: int | None) -> LoadedModel:
+def _load_llamacpp(source: str, name: str, kwargs: dict, device: str, threads: int) -> LoadedModel:
     from .llamacpp import LlamaCppModel
 
     if "gguf_file" not in kwargs:

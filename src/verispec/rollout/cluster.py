@@ -24,6 +24,7 @@ from ..engine.config import SpecConfig
 from ..engine.stats import SpecStats
 from ..model.loading import load_model
 from ..model.payload import from_payload, tensors_payload
+from ..model.threads import set_threads
 from ..model.weights import load_safetensors_dir
 from ..sampling import SamplingParams
 from .engine import Rollout, RolloutEngine, RolloutRequest, WeightUpdate, check_count
@@ -104,7 +105,7 @@ class _Replica:
     driver sends it at most one piece of work at a time."""
 
     def __init__(self, factory: Callable[[], RolloutEngine], threads: int, index: int, incarnation: int):
-        torch.set_num_threads(threads)
+        set_threads(threads)  # torch's and llama.cpp's, before the factory loads the model (`load_model` keeps it)
         self.threads, self.index, self.incarnation = threads, index, incarnation
         self.engine = factory()
         if not isinstance(self.engine, RolloutEngine):
