@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import socket
 
 import pytest
 
@@ -36,7 +37,7 @@ def usage_error(argv, capsys) -> str:
     return err.strip().splitlines()[-1]
 
 
-GAMMA = ["0", "-3", "65", "1000000", "abc", "2.5"]
+GAMMA = ["-3", "65", "1000000", "abc", "2.5"]  # (0: no drafts, as --spec gamma=0)
 
 SPECULATION = [  # options of generate and serve
     (["--tree", "0-1"], r"--tree 0-1: .*widths >= 1"),
@@ -66,7 +67,39 @@ SPECULATION = [  # options of generate and serve
     (["--spec", "draft=ngram,random=position"], r"--spec .*: random=position needs a draft model"),
     (["--spec", "draft=history"], r"draft=history is drafted by objects the command line cannot give"),
     (["--spec", "draft=model"], r"draft=model needs the draft model: --draft PATH, or model=PATH in --spec"),
-] + [(["--gamma", g], rf"--gamma: must be auto or an integer from 1 to 64 .*got '{g}'") for g in GAMMA]
+    # the llama.cpp runner's refusals (docs/guides/llamacpp.md), named as typed
+    (
+        ["--spec", "runner=llamacpp,draft=self,quant=int4"],
+        r"^verispec: error: --spec runner=llamacpp,draft=self,"
+        r"quant=int4: draft=self quantizes the target's torch weights \(quant=int4\), but runner=llamacpp runs a GGUF",
+    ),
+    (
+        ["--draft", "self", "--spec", "quant=int4,runner=llamacpp"],
+        r"--spec quant=int4,runner=llamacpp: --draft self "
+        r"quantizes",
+    ),
+    (["--spec", "runner=llamacpp", "--device", "cuda"], r"runner=llamacpp runs on the CPU here, not on --device cuda"),
+    (
+        ["--spec", "runner=llamacpp", "--draft", "mtp"],
+        r"--draft mtp reads the target's hidden states, which "
+        r"runner=llamacpp does not expose",
+    ),
+    (["--spec", "runner=llamacpp", "--target", "org/model"], r"--target org/model: --spec runner=llamacpp runs GGUF"),
+    (["--spec", "runner=llamacpp", "--draft", "org/draft"], r"--draft org/draft: --spec runner=llamacpp runs GGUF"),
+    # files that are not there (a hub id, org/name, is left to the loader)
+    (["--draft", "/no/such/draft.gguf"], r"^verispec: error: --draft /no/such/draft.gguf: no such file or directory"),
+    (["--draft", "./no-such-draft"], r"--draft ./no-such-draft: no such file or directory"),
+    (["--spec", "draft=model,model=~/no/such"], r"--spec model=~/no/such: no such file or directory"),
+    (["--target", "no-such.gguf"], r"--target no-such.gguf: no such file or directory"),
+    # the shorthands --stop-below and --max-gamma
+    (["--stop-below", "2"], r"--stop-below: must be a number in \[0, 1\] or none, got '2'"),
+    (["--stop-below", "0.2"], r"--stop-below 0.2: a draft model's chains stop below .* not apply to --draft ngram"),
+    (["--draft", "m/d", "--tree", "2-1", "--stop-below", "0.2"], r"--stop-below 0.2: .* --draft m/d with a tree"),
+    (["--draft", "m/d", "--stop-below", "0.2", "--spec", "stop_below=0.3"], r"--stop-below 0.2 disagrees with --spec"),
+    (["--max-gamma", "65"], r"--max-gamma: must be an integer from 1 to 64"),
+    (["--gamma", "4", "--max-gamma", "16"], r"--max-gamma 16 caps what --gamma auto picks"),
+    (["--max-gamma", "16", "--spec", "max_gamma=8"], r"--max-gamma 16 disagrees with --spec max_gamma=8"),
+] + [(["--gamma", g], rf"--gamma: must be auto or an integer from 0 to 64 .*got '{g}'") for g in GAMMA]
 
 SAMPLING = [
     (["--temperature", "-1"], r"^verispec: error: --temperature must be >= 0"),
@@ -83,6 +116,10 @@ GENERATE_ONLY = [
     (["--frequency-penalty", "-2.5"], r"--frequency-penalty must be in \[-2, 2\]"),
     (["--seed", "-1"], r"--seed: must be an integer from 0"),
     (["--max-new-tokens", "0"], r"--max-new-tokens: must be an integer >= 1"),
+    # structured output: parsed without a tokenizer, before any model loads
+    (["--regex", "("], r"^verispec: error: --regex: the regex '\(' constraint does not compile: .*parenthesis"),
+    (["--json-object", "--stop", "x"], r"--stop cannot be combined with --json-object"),
+    (["--json-schema", "/no/such/schema.json"], r"--json-schema: cannot read /no/such/schema.json"),
 ]
 
 
@@ -98,7 +135,6 @@ REMOVED = [  # the speculation flags of earlier versions: --spec keys now, the f
     ["--verify", "block"],
     ["--draft-quant", "int4"],
     ["--runner", "hf"],
-    ["--max-gamma", "4"],
     ["--ngram-sizes", "2,1"],
     ["--cross-vocab", "slem"],
 ]
@@ -107,7 +143,8 @@ REMOVED = [  # the speculation flags of earlier versions: --spec keys now, the f
 @pytest.mark.parametrize("command", [["generate", "a b"], ["serve"]])
 @pytest.mark.parametrize("removed", REMOVED, ids=[r[0] for r in REMOVED])
 def test_the_older_speculation_flags_are_refused(command, removed, capsys):
-    assert f"unrecognized arguments: {' '.join(removed)}" in usage_error([*command, *removed], capsys)
+    error = usage_error([*command, *removed], capsys)
+    assert f"unrecognized arguments: {' '.join(removed)}; {removed[0]} is --spec " in error
 
 
 @pytest.mark.parametrize(
@@ -137,7 +174,7 @@ def test_serve_checks_options_before_loading(extra, msg, capsys):
         (["--spec", "quant=int4"], r"--spec quant=int4: quant applies to a draft model"),
         (["--method", "hf-assisted"], r"--method hf-assisted needs --draft"),
         (["--method", "callable"], r"--method callable needs --callable"),
-        (["--gamma", "0"], r"--gamma:"),
+        (["--gamma", "65"], r"--gamma:"),
         (["--threads", "0"], r"--threads: must be an integer >= 1"),
         (["--samples", "5"], r"--samples: must be an integer >= 20"),
         (["--length", "0"], r"--length: must be an integer >= 1"),
@@ -193,11 +230,36 @@ def test_certify_study_checks_options_before_loading(extra, msg, capsys, tmp_pat
         (["--batch", "0"], r"--batch: must be an integer >= 1"),
         (["--self-quant", "int2"], r"--self-quant: invalid choice"),
         ([], r"cannot read prompts from /no/such/prompts.jsonl"),
+        (["--runner", "llamacpp", "--device", "cuda"], r"--runner llamacpp runs on the CPU here, not on --device cuda"),
+        (["--runner", "llamacpp", "--draft", "a/b", "--draft-quant", "int4"], r"--draft-quant int4 quantizes torch"),
+        (["--runner", "lamacpp"], r"--runner: invalid choice: 'lamacpp' .*; did you mean 'llamacpp'\?"),
     ],
 )
 def test_bench_e2e_checks_options_before_loading(extra, msg, capsys):
     argv = ["bench", "e2e", "--prompts", "/no/such/prompts.jsonl", *extra]
     assert re.search(msg, usage_error(argv, capsys))
+
+
+@pytest.mark.parametrize("flag", ["--target", "--draft"])
+def test_bench_commands_check_model_files_before_loading(flag, capsys, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "a", "category": "c"}\n')
+    msg = usage_error(["bench", "e2e", "--prompts", str(prompts), flag, "./no-such.gguf"], capsys)
+    assert msg == f"verispec: error: {flag} ./no-such.gguf: no such file or directory"
+
+
+@pytest.mark.parametrize(
+    "flag,text,msg",
+    [
+        ("--grammar", 'root ::= "a" | ', r"--grammar: the grammar .* does not compile: EBNF parser error"),
+        ("--grammar", "root ::= missing", r"--grammar: .*Rule \"missing\" is not defined"),
+        ("--json-schema", '{"type": "nope"}', r"--json-schema: the json_schema .* does not compile"),
+        ("--json-schema", "{not json", r"--json-schema: the JSON schema is not valid JSON"),
+    ],
+)
+def test_structured_output_files_are_parsed_before_loading(flag, text, msg, capsys, tmp_path):
+    (tmp_path / "c").write_text(text)
+    assert re.search(msg, usage_error(["generate", "a b", flag, str(tmp_path / "c")], capsys))
 
 
 @pytest.mark.parametrize(
@@ -221,6 +283,9 @@ def test_bench_runner_checks_options_before_loading(extra, msg, capsys):
         ["certify", "generate", "--target", "some/target", "--method", "hf-assisted", "--draft", "some/draft"],
         ["certify", "study", "--target", "some/target", "--draft", "some/draft", "--certify-samples", "20"],
         ["bench", "runner", "--paths", "fast"],
+        ["generate", "a b", "--regex", "[a-z]+", "--gamma", "0"],
+        ["generate", "a b", "--draft", "org/draft", "--stop-below", "0.1", "--max-gamma", "16"],
+        ["generate", "a b", "--draft", "mtp", "--stop-below", "none", "--spec", "runner=hf"],
     ],
 )
 def test_valid_options_reach_the_loader(argv, tmp_path):
@@ -247,6 +312,21 @@ def test_valid_options_reach_the_loader(argv, tmp_path):
         (
             ["--spec", "gamma=4,random=stream,runner=hf", "--gamma", "4"],
             "draft=ngram,gamma=4,verify=token,random=stream,runner=hf",
+        ),
+        (["--gamma", "0"], "draft=ngram,gamma=0,verify=token,random=auto"),  # as --spec gamma=0: the same config
+        (["--spec", "gamma=0"], "draft=ngram,gamma=0,verify=token,random=auto"),
+        (["--max-gamma", "16"], "draft=ngram,gamma=auto,max_gamma=16,verify=token,random=auto"),
+        (
+            ["--draft", "m/d", "--stop-below", "0.1"],
+            "draft=model,model=m/d,stop_below=0.1,gamma=auto,verify=token,random=auto",
+        ),
+        (
+            ["--draft", "m/d", "--stop-below", "none"],
+            "draft=model,model=m/d,stop_below=none,gamma=auto,verify=token,random=auto",
+        ),
+        (
+            ["--draft", "m/d", "--stop-below", "0.3", "--spec", "stop_below=0.30"],
+            "draft=model,model=m/d,gamma=auto,verify=token,random=auto",
         ),
     ],
 )
@@ -303,3 +383,44 @@ def test_auto_keeps_torch_where_llamacpp_cannot_serve(monkeypatch):
     assert backend_for("m.gguf", args) == "llamacpp" and backend_for("model-dir", args) == "torch"
     for change in (dict(draft="self"), dict(dtype="bfloat16"), dict(runner="fast"), dict(torch_only=True)):
         assert backend_for("m.gguf", argparse.Namespace(**{**vars(args), **change})) == "torch", change
+
+
+def test_a_port_in_use_is_refused_before_loading(capsys):
+    """`verispec serve --port P` with P taken: one line, exit 2, before the model loads (not uvicorn's Errno 98)."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        msg = usage_error(["serve", "--port", str(port)], capsys)
+    assert msg == f"verispec: error: --port {port}: cannot listen on 127.0.0.1:{port}: Address already in use"
+
+
+def test_a_free_port_is_held_while_loading_and_then_released():
+    with socket.socket() as probe:  # a port free now
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    with pytest.raises(ModelLoaded):
+        main(["serve", "--port", str(port)])
+    with socket.socket() as again:  # released when loading failed: nothing keeps it
+        again.bind(("127.0.0.1", port))
+
+
+def test_the_port_is_held_while_the_model_loads(monkeypatch):
+    import verispec.model.loading as loading
+
+    seen = []
+
+    def loading_model(*args, **kwargs):  # another server starting now cannot take the port
+        with socket.socket() as other, pytest.raises(OSError):
+            other.bind(("127.0.0.1", port))
+            other.listen()
+        seen.append(True)
+        raise ModelLoaded
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    monkeypatch.setattr(loading, "load_model", loading_model)
+    with pytest.raises(ModelLoaded):
+        main(["serve", "--port", str(port)])
+    assert seen

@@ -194,7 +194,11 @@ class Endpoint:
     def _drop_refused(self, text: str, body: dict) -> bool:
         """Drop an optional field, or a knob at its neutral value, that the server names in its refusal; send the
         prompt as text when token ids are refused. True when something changed (retry)."""
-        for f in OPTIONAL_FIELDS + tuple(NEUTRAL):
+        droppable = OPTIONAL_FIELDS + tuple(NEUTRAL)
+        named = _refused_param(text)  # the field the refusal names (an OpenAI error's `param`), where it says
+        for f in droppable:
+            if named in droppable and named != f:  # (a message may name others: "did you mean 'repetition_penalty'")
+                continue
             if f in body and f in text and (f in OPTIONAL_FIELDS or body[f] == NEUTRAL[f]):
                 self._drop(f)
                 return True
@@ -286,3 +290,12 @@ class Endpoint:
             return None, None
         lps = None if values is None else [float("nan") if v is None else float(v) for v in values[: len(ids)]]
         return ids, lps
+
+
+def _refused_param(text: str) -> str | None:
+    """The `param` of an OpenAI-style error body (`{"error": {"param": ...}}`), or None where the body has none."""
+    try:
+        param = json.loads(text).get("error", {}).get("param")
+    except (ValueError, AttributeError):
+        return None
+    return param if isinstance(param, str) else None

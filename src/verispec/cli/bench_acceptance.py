@@ -8,13 +8,14 @@ import argparse
 from .bench_common import TARGET_HELP, run_on_models
 from .options import UsageError, add_bench_inputs, add_bench_model_args, bench_config
 
+HELP = "what token-wise, block and coupled verification keep, without sampling noise"
+
 
 def add_parser(sub) -> None:
     from ..bench.acceptance import AcceptanceConfig
 
     d = AcceptanceConfig()
-    what = "what token-wise, block and coupled verification keep, without sampling noise"
-    p = sub.add_parser("acceptance", help=what)
+    p = sub.add_parser("acceptance", help=HELP)
     counts = [("--num-prompts", 1, d.num_prompts, "prompts per category (default %(default)s)")]
     counts += [("--max-new-tokens", 1, d.max_new_tokens, "per prompt (default %(default)s)")]
     counts += [("--gamma", 1, d.gamma, "drafts per step, full chains (default %(default)s)")]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from .options import load, log_stderr, model_errors, read_bench_prompts
+from .options import check_model_path, load, log_stderr, model_errors, read_bench_prompts
 
 TARGET_HELP = "target model (default: the built-in default model)"
 
@@ -24,6 +24,8 @@ def run_on_models(args: argparse.Namespace, name: str, module, cfg, run, prompts
     cfg, log=...)` (prompts: the --prompts files by category unless given; `drafts`: more draft models' paths, passed
     loaded as drafts=), and report."""
     prompts = read_bench_prompts(args.prompts) if prompts is None else prompts
+    for model in ("target", "draft"):  # a missing file is reported before anything loads
+        check_model_path(f"--{model} {getattr(args, model)}", getattr(args, model))
     with model_errors():
         target = load(args.target, args)
         draft = load(args.draft, args, threads=False, draft=heads) if args.draft else None

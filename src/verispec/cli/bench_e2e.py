@@ -21,6 +21,8 @@ SPEC_HELP = (
     "methods name their drafters and trees, --draft-quant and --self-quant their quantizations"
 )
 
+HELP = "end-to-end tokens/s: verispec (plain, draft, ngram) vs HF generate"
+
 
 def _batches(text: str) -> tuple[int, ...]:
     check = int_range(1)
@@ -30,7 +32,7 @@ def _batches(text: str) -> tuple[int, ...]:
 def add_parser(sub) -> None:
     from ..bench import e2e
 
-    p = sub.add_parser("e2e", help="end-to-end tokens/s: verispec (plain, draft, ngram) vs HF generate")
+    p = sub.add_parser("e2e", help=HELP)
     draft_help = "draft model for verispec-draft and hf-assisted (omit: those are skipped)"
     counts = [("--num-prompts", 1, 2, "prompts per category at batch 1 (default %(default)s)")]
     add_bench_inputs(p, TARGET_HELP, draft_help, *counts, ("--max-new-tokens", 1, 64, "default %(default)s"))

@@ -7,6 +7,8 @@ import argparse
 from .bench_common import report
 from .options import UsageError, int_range
 
+HELP = "time verify_chain against a reference and one read pass"
+
 
 def _shape(text: str) -> tuple[int, int, int]:
     try:
@@ -22,7 +24,7 @@ def add_parser(sub) -> None:
     from ..bench.kernel import DEFAULT_SHAPES
 
     shapes = ", ".join("x".join(map(str, s)) for s in DEFAULT_SHAPES)
-    p = sub.add_parser("kernel", help="time verify_chain against a reference and one read pass")
+    p = sub.add_parser("kernel", help=HELP)
     shape_help = f"batch x drafts x vocabulary, BxKxV (repeatable); default: {shapes}"
     p.add_argument("--shape", type=_shape, action="append", help=shape_help)
     p.add_argument("--repeats", type=int_range(1), default=10, help="timed repeats per variant (default 10)")

@@ -14,6 +14,8 @@ from .options import UsageError, bench_config, log_stderr, model_errors, read_be
 REPLICAS_HELP = (
     "layouts: replica counts, each optionally xTHREADS per replica (else --threads), e.g. 1,2,1x2 (default 1,2)"
 )
+
+HELP = "rollout tokens/s on 1, 2, ... Ray replicas, side by side"
 RAY_HELP = "a running Ray cluster ('auto', or HEAD:6379); default: a local Ray instance with the CPUs the largest "
 RAY_HELP += "layout needs (at least this machine's)"
 
@@ -38,7 +40,7 @@ def _layouts(text: str) -> tuple[tuple[int, int | None], ...]:
 def add_parser(sub) -> None:
     from ..bench.replicas import ReplicasBenchConfig
 
-    p = sub.add_parser("replicas", help="rollout tokens/s on 1, 2, ... Ray replicas, side by side")
+    p = sub.add_parser("replicas", help=HELP)
     target_help = "the policy (default: the built-in default model); every replica loads it"
     counts = ("group", "num_prompts", "max_new_tokens", "gamma", "shards_per_replica")
     add_rollout_args(p, ReplicasBenchConfig(), "replicas", target_help, *counts)

@@ -23,6 +23,8 @@ _OPTIONS = (  # bench rollout's own: (flag, type, help)
     ("--choose-depth", int, "history/*: the trie alone where it is this deep, else the chain (default %(default)s)"),
 )
 
+HELP = "RL rollout tokens/s: groups of samples over epochs with weight updates"
+
 
 def _methods(text: str) -> tuple[str, ...]:
     from ..bench.rollout import METHODS
@@ -54,7 +56,7 @@ def check_methods(args: argparse.Namespace) -> None:
 def add_parser(sub) -> None:
     from ..bench.rollout import RolloutBenchConfig
 
-    p = sub.add_parser("rollout", help="RL rollout tokens/s: groups of samples over epochs with weight updates")
+    p = sub.add_parser("rollout", help=HELP)
     d, counts = RolloutBenchConfig(), ("group", "num_prompts", "max_new_tokens", "epochs", "gamma")
     add_rollout_args(p, d, "rollout", "the policy (default: the built-in default model)", *counts)
     add_fields(p, d, *_OPTIONS)

@@ -7,12 +7,13 @@ import argparse
 from .bench_common import report
 from .options import UsageError, add_counts, add_device_args, load, log_stderr, model_errors
 
+HELP = "decode(1) / verify(k) cost curves: transformers vs fast runner vs quantized self-drafts"
+
 
 def add_parser(sub) -> None:
     from ..bench.runner import PATHS, TORCH_PATHS
 
-    what = "decode(1) / verify(k) cost curves: transformers vs fast runner vs quantized self-drafts"
-    p = sub.add_parser("runner", help=what)
+    p = sub.add_parser("runner", help=HELP)
     p.add_argument("--model", help="model (hub id, directory, .gguf; default: the built-in default model)")
     paths_help = f"comma-separated subset of {', '.join(PATHS)} (default: {', '.join(TORCH_PATHS)}; llamacpp needs a "
     p.add_argument("--paths", default=",".join(TORCH_PATHS), help=paths_help + ".gguf model and the llamacpp extra)")

@@ -8,12 +8,14 @@ import argparse
 from .bench_common import report
 from .options import int_range
 
+HELP = "what many stop strings cost per step (tiny random model, no download)"
+
 
 def add_parser(sub) -> None:
     from ..bench.stops import StopsConfig
 
     d = StopsConfig()
-    p = sub.add_parser("stops", help="what many stop strings cost per step (tiny random model, no download)")
+    p = sub.add_parser("stops", help=HELP)
     p.add_argument("--num-stops", type=int_range(1), default=d.num_stops, help="per request (default %(default)s)")
     p.add_argument("--num-prompts", type=int_range(1), default=d.num_prompts, help="batch (default %(default)s)")
     p.add_argument("--max-new-tokens", type=int_range(1), default=d.max_new_tokens, help="(default %(default)s)")

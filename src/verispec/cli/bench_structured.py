@@ -7,6 +7,8 @@ import argparse
 from .bench_common import TARGET_HELP, run_on_models, temperatures
 from .options import UsageError, add_bench_model_args, add_counts, bench_model_options, pick, user_errors
 
+HELP = "constrained decoding (JSON schemas): plain vs speculation with and without jump-forward"
+
 PROMPTS_HELP = "JSONL prompt set, lines {'category', 'prompt', 'schema'} (default: the extraction set shipped with "
 PROMPTS_HELP += "verispec, verispec/bench/data/extract.jsonl)"
 RANDOM_HELP = "SpecConfig's random key of every method (default auto: seeded requests Gumbel-coupled, so every method "
@@ -17,8 +19,7 @@ def add_parser(sub) -> None:
     from ..bench.structured import METHODS, StructuredConfig
 
     d = StructuredConfig()
-    what = "constrained decoding (JSON schemas): plain vs speculation with and without jump-forward"
-    p = sub.add_parser("structured", help=what)
+    p = sub.add_parser("structured", help=HELP)
     p.add_argument("--target", help=TARGET_HELP)
     p.add_argument("--draft", help="draft model for the 'draft' method (omit: that method is skipped)")
     p.add_argument("--prompts", metavar="FILE", help=PROMPTS_HELP)

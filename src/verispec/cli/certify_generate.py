@@ -134,6 +134,13 @@ def _add_certificate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", type=int, default=1, help="processes drawing samples (default 1)")
     add_seed_arg(p)
     p.add_argument("--out", default="certify-out", help="folder for generate-certificate.{md,json,png}")
+    p.add_argument(
+        "--quiet",
+        "-q",
+        action="store_true",
+        help="no progress on stderr (default: a bar on a terminal, else a line every 30 s per phase: sampling, "
+        "scoring, two-sample reference)",
+    )
 
 
 def _method_spec(args: argparse.Namespace):
@@ -172,7 +179,8 @@ def load_reference(args: argparse.Namespace, texts: list[str]):
     from ..certify.generate import encode_prompt
     from ..certify.methods import _load
 
-    print("loading the reference target (float32) ...", file=sys.stderr, flush=True)
+    if not getattr(args, "quiet", False):
+        print("loading the reference target (float32) ...", file=sys.stderr, flush=True)
     ref = _load(args.target, "float32")
     return ref, [encode_prompt(ref.tokenizer, t, args.chat) for t in texts]
 
@@ -185,6 +193,7 @@ def run(args: argparse.Namespace) -> int:
     1 = FAIL or INCONCLUSIVE."""
     from ..certify.generate import certify_generate
     from ..certify.report import write_report
+    from .progress import ProgressDisplay
 
     params = sampling_params(args)
     spec = _method_spec(args)
@@ -197,7 +206,8 @@ def run(args: argparse.Namespace) -> int:
         ref, prompts = load_reference(args, texts)
         options = pick(args, "samples", "length", "level", "seed", "workers", "two_sample_tokens")
         options |= dict(reference=ref, reference_fn=_reference_fn(args, spec), tv_tolerance=args.tv_tolerance)
-        report = certify_generate(spec, prompts, params, **options)
+        with ProgressDisplay(args.quiet) as display:
+            report = certify_generate(spec, prompts, params, **options, show_progress=False, progress=display.update)
     files = write_report(report, args.out)
     print(report.to_markdown())
     print(f"report: {', '.join(str(f) for f in files)}", file=sys.stderr)

@@ -7,9 +7,11 @@ import json
 
 from .options import user_errors
 
+HELP = "walk one speculative step through exact arithmetic"
+
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("explain", help="walk one speculative step through exact arithmetic", description=run.__doc__)
+    p = sub.add_parser("explain", help=HELP, description=run.__doc__)
     p.add_argument("--p", required=True, help="target distribution, e.g. 0.6,0.3,0.1")
     p.add_argument("--q", required=True, help="draft distribution, e.g. 0.4,0.5,0.1")
     p.add_argument("--labels", help="token names, e.g. cat,dog,fish")

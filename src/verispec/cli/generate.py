@@ -12,6 +12,7 @@ from .options import (
     add_sampling_args,
     add_seed_arg,
     add_speculation_args,
+    check_gguf,
     compile_constraint,
     int_range,
     load,
@@ -61,6 +62,10 @@ def build_generator(args: argparse.Namespace, config):
     from ..engine.generator import SpeculativeGenerator
 
     check_heads(args, [config.model] if config.drafter.model else [], config.runner)
+    if config.runner == "llamacpp":  # (a head was refused above)
+        check_gguf(f"--target {args.target}", args.target, "--spec runner=llamacpp")
+        model = f"--draft {config.model}" if args.draft else f"--spec model={config.model}"
+        check_gguf(model, config.model, "--spec runner=llamacpp")
     with model_errors():
         target = load(args.target, args)
         draft = load(config.model, args, threads=False, draft=True) if config.drafter.model else None
@@ -78,21 +83,38 @@ def run(args: argparse.Namespace) -> int:
     gen = build_generator(args, config)
     compile_constraint(gen.core, params, args)
     kwargs = dict(max_new_tokens=args.max_new_tokens, stop=args.stop or (), chat=args.chat)
+    from ..model.threads import read_sample, threads_hint
+
+    start = read_sample()  # the CPUs' counters: was the run starved of CPU by other processes? (`threads_hint`)
     with user_errors():
         if args.json:
             out = gen.generate(prompt, params, **kwargs)[0]
             doc = {k: getattr(out, k) for k in ("text", "token_ids", "finish_reason", "logprobs", "raw_logprobs")}
-            stats = out.stats.summary() | {"tokens_per_second": gen.last_stats.tokens_per_second}
+            # one request: the call's pooled stats are its own, times included (its Completion's carry none)
+            stats = {"drafter": gen.drafter} | gen.last_stats.summary()
             print(dumps(doc | {"stats": stats}, indent=2))
-            return 0
-        for event in gen.stream(prompt, params, **kwargs):
-            sys.stdout.write(event.delta)
-            sys.stdout.flush()
+        else:
+            for event in gen.stream(prompt, params, **kwargs):
+                sys.stdout.write(event.delta)
+                sys.stdout.flush()
+            _print_summary(gen, config)
+    hint = threads_hint(start)
+    if hint:
+        print(hint, file=sys.stderr)
+    return 0
+
+
+def _print_summary(gen, config) -> None:
+    """The summary line on stderr after a streamed run: tokens, speed, the drafter in use, rates and times."""
+    from ..engine.drafters import describe_fallback
+
     s = gen.last_stats
+    fallback = describe_fallback(s, gen.core.proposer is not None)
+    drafter = gen.drafter + (f", {fallback}" if fallback else "")
+    acceptance = f"{s.acceptance_rate:.2f}" if s.drafted else "-"  # nothing drafted: no rate
     print(
-        f"\n[{s.output_tokens} tokens, {s.tokens_per_second:.1f} tok/s, spec {config}, "
-        f"acceptance={s.acceptance_rate:.2f}, tau={s.tau:.2f} tokens/pass, "
-        f"draft {s.draft_time:.1f}s / verify {s.verify_time:.1f}s / other {s.other_time:.1f}s]",
+        f"\n[{s.output_tokens} tokens, {s.tokens_per_second:.1f} tok/s, drafter={drafter}, spec {config}, "
+        f"acceptance={acceptance}, tau={s.tau:.2f} tokens/pass, prefill {s.prefill_time:.2f}s / "
+        f"draft {s.draft_time:.2f}s / verify {s.verify_time:.2f}s / other {s.other_time:.2f}s]",
         file=sys.stderr,
     )
-    return 0

@@ -12,9 +12,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import sys
 from contextlib import contextmanager
 from pathlib import Path
+
+from ..data import PROMPT_SETS, prompt_file
+from . import constants
 
 __all__ = [
     "UsageError",
@@ -38,6 +43,9 @@ __all__ = [
     "spec_config",
     "user_errors",
 ]
+
+
+BUILTIN = f"or a built-in set: {', '.join(PROMPT_SETS)}; repeatable"  # the --prompts names (verispec.data)
 
 
 class UsageError(Exception):
@@ -85,8 +93,9 @@ def int_range(low: int, high: int | None = None):
 
 
 def gamma_type(auto: bool = True):
-    """An argparse type for a draft length: 1..MAX_GAMMA, or 'auto' (when allowed)."""
-    from ..engine.adaptive import MAX_GAMMA
+    """An argparse type for a draft length. auto: the spec key gamma's values, 'auto' or 0..MAX_GAMMA (0: no drafts,
+    the target decodes plainly with the drafter loaded); else a fixed chain length, 1..MAX_GAMMA."""
+    low = 0 if auto else 1
 
     def gamma(text: str) -> int | str:
         if auto and text == "auto":
@@ -94,14 +103,25 @@ def gamma_type(auto: bool = True):
         try:
             value = int(text)
         except ValueError:
-            value = 0
-        if not 1 <= value <= MAX_GAMMA:
-            expected = f"an integer from 1 to {MAX_GAMMA}"
-            hint = " (drafts per step; for no drafts at all use --draft none)" if auto else ""
+            value = -1
+        if not low <= value <= constants.MAX_GAMMA:
+            expected = f"an integer from {low} to {constants.MAX_GAMMA}"
+            hint = " (drafts per step; 0: none, plain decoding)" if auto else ""
             raise argparse.ArgumentTypeError(f"must be {'auto or ' if auto else ''}{expected}{hint}, got {text!r}")
         return value
 
     return gamma
+
+
+def fraction_or_none(text: str) -> float | str:
+    """An argparse type: a number in [0, 1], or 'none' (kept as the string: None means the flag was not given)."""
+    try:
+        value = math.nan if text == "none" else float(text)
+    except ValueError:
+        value = math.nan
+    if text != "none" and not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"must be a number in [0, 1] or none, got {text!r}")
+    return text if text == "none" else value
 
 
 def level_type(text: str) -> float:
@@ -117,12 +137,8 @@ def level_type(text: str) -> float:
 
 def dtype_name(text: str) -> str:
     """An argparse type for a precision: float32, bfloat16 or float16 (as load_model reads them)."""
-    from ..model.loading import ModelLoadError, parse_dtype
-
-    try:
-        parse_dtype(text)
-    except ModelLoadError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+    if text not in constants.DTYPES:
+        raise argparse.ArgumentTypeError(f"unknown dtype {text!r}; choose one of float32, bfloat16, float16")
     return text
 
 
@@ -134,11 +150,16 @@ _HELP = {
     "spec": "the speculation configuration in one string, comma-separated key=value items, e.g. "
     "draft=model,model=PATH,gamma=4,verify=block (keys: draft, model, quant, ngram, stop_below, min_share, "
     "choose_depth, gamma, max_gamma, tree, jump, verify, random, runner, cross_vocab; see docs/guides/generating.md). "
-    "--draft, --gamma and --tree are shorthands for its keys; a shorthand that disagrees with --spec is an error",
+    "--draft, --gamma, --tree, --max-gamma and --stop-below are shorthands for its keys; a shorthand that disagrees "
+    "with --spec is an error",
     "draft": "the drafter: a draft model (hub id, directory, .gguf; or an EAGLE-3 / EAGLE / Medusa head's directory), "
     "'self' (the target's weights quantized: with --spec quant=int4 or int8), 'mtp' (the multi-token-prediction "
     "layer in the target's own checkpoint), 'ngram' (prompt lookup, default) or 'none' (the spec keys draft and model)",
-    "gamma": "drafts per step, or 'auto' (default auto; the spec key gamma)",
+    "gamma": "drafts per step (0: none, plain decoding steps), or 'auto' (default auto; the spec key gamma)",
+    "max_gamma": "the most drafts per step --gamma auto picks (default 8; the spec key max_gamma; llama.cpp's "
+    "--draft-max)",
+    "stop_below": "a draft model stops a chain once its own probability of a drafted token falls below P, or 'none' "
+    "(always gamma drafts) (default 0.3; the spec key stop_below; llama.cpp's --draft-p-min)",
     "tree": "tree speculation: children per node at each depth (e.g. 4-2-2-1) or dynamic-D-K-M (EAGLE-2: depth D, "
     "top-K expansion, budget of M nodes) (the spec key tree; --spec verify=iid|without_replacement picks the rule)",
 }
@@ -150,7 +171,13 @@ def add_device_args(
     p.add_argument("--dtype", type=dtype_name, default="float32", help=dtype_help)
     if device:
         p.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
-    p.add_argument("--threads", type=int_range(1), help="torch CPU threads (default: torch's own choice)")
+    p.add_argument(
+        "--threads",
+        type=int_range(1),
+        help="CPU threads of every model in the process: torch's intra-op threads and llama.cpp's n_threads / "
+        "n_threads_batch (default: OMP_NUM_THREADS if set, else one per CPU that other processes leave idle, "
+        "at most one per core)",
+    )
 
 
 def add_counts(p: argparse.ArgumentParser, *counts: tuple[str, int, int | None, str], metavar: str | None = None):
@@ -169,11 +196,14 @@ def add_seed_arg(p: argparse.ArgumentParser, default: int | None = 0, help: str 
 
 def add_spec_args(p: argparse.ArgumentParser, draft_help: str = _HELP["draft"], gamma_help: str = _HELP["gamma"]):
     """--spec, the whole speculation configuration in one string (`SpecConfig.parse`), and its shorthands --draft,
-    --gamma and --tree (default None: `spec_config` fills what none of them sets from the defaults)."""
+    --gamma, --tree, --max-gamma and --stop-below (default None: `spec_config` fills what none of them sets from the
+    defaults)."""
     p.add_argument("--spec", metavar="SPEC", help=_HELP["spec"])
     p.add_argument("--draft", help=draft_help)
     p.add_argument("--gamma", type=gamma_type(), help=gamma_help)
     p.add_argument("--tree", help=_HELP["tree"])
+    p.add_argument("--max-gamma", type=int_range(1, constants.MAX_GAMMA), metavar="N", help=_HELP["max_gamma"])
+    p.add_argument("--stop-below", type=fraction_or_none, metavar="P", help=_HELP["stop_below"])
 
 
 def add_speculation_args(p: argparse.ArgumentParser) -> None:
@@ -196,12 +226,10 @@ _SAMPLING_HELP = {  # SamplingParams field -> (type, help); defaults come from S
 
 def add_sampling_args(p: argparse.ArgumentParser, names=tuple(_SAMPLING_HELP), **defaults) -> None:
     """The sampling options `names` (SamplingParams fields), with SamplingParams' defaults unless overridden."""
-    from ..sampling import SamplingParams
-
-    base = SamplingParams(**defaults)
+    base = constants.SAMPLING_DEFAULTS | defaults
     for name in names:
         kind, text = _SAMPLING_HELP[name]
-        p.add_argument(flag(name), type=kind, default=getattr(base, name), help=f"{text}; default %(default)s")
+        p.add_argument(flag(name), type=kind, default=base[name], help=f"{text}; default %(default)s")
     p.set_defaults(sampling_fields=tuple(names))
 
 
@@ -218,8 +246,10 @@ def add_constraint_args(p: argparse.ArgumentParser) -> None:
 
 
 def constraint(args: argparse.Namespace):
-    """The Constraint of the structured-output flags (None: none given); a bad file or schema names its flag."""
+    """The Constraint of the structured-output flags (None: none given), its regex, grammar or schema parsed (no
+    tokenizer needed: before any model loads); a bad file, schema, regex or grammar names its flag."""
     from ..sampling import Constraint, ConstraintError
+    from ..structured import check_syntax
 
     if not getattr(args, "constraint_flags", False):
         return None
@@ -233,18 +263,21 @@ def constraint(args: argparse.Namespace):
 
     try:
         if args.json_schema is not None:
-            return Constraint.json_schema(read(args.json_schema, "--json-schema"))
-        if args.json_object:
-            return Constraint.json_object()
-        if args.regex is not None:
-            return Constraint.regex(args.regex)
-        if args.choice:
-            return Constraint.choice(args.choice)
-        if args.grammar is not None:
-            return Constraint.grammar(read(args.grammar, "--grammar"))
+            c = Constraint.json_schema(read(args.json_schema, "--json-schema"))
+        elif args.json_object:
+            c = Constraint.json_object()
+        elif args.regex is not None:
+            c = Constraint.regex(args.regex)
+        elif args.choice:
+            c = Constraint.choice(args.choice)
+        elif args.grammar is not None:
+            c = Constraint.grammar(read(args.grammar, "--grammar"))
+        else:
+            return None
+        check_syntax(c)
     except ConstraintError as e:
         raise UsageError(f"{_constraint_flag(args)}: {e}") from None
-    return None
+    return c
 
 
 def _constraint_flag(args: argparse.Namespace) -> str:
@@ -267,7 +300,7 @@ def compile_constraint(core, params, args: argparse.Namespace) -> None:
 
 def add_prompt_args(p: argparse.ArgumentParser, chat_help: str = "wrap prompts in the tokenizer's chat template"):
     p.add_argument("--prompt", action="append", help="prompt text (repeatable)")
-    p.add_argument("--prompts", nargs="+", action="extend", help="JSONL prompt files ({'prompt': ...}; repeatable)")
+    p.add_argument("--prompts", nargs="+", action="extend", help=f"JSONL prompt files ({{'prompt': ...}}; {BUILTIN})")
     p.add_argument("--num-prompts", type=int_range(1), default=1, help="prompts taken from each file (default 1)")
     p.add_argument("--chat", action="store_true", help=chat_help)
 
@@ -281,6 +314,12 @@ def sampling_params(args: argparse.Namespace, **extra):
 
     if "constraint" not in extra and getattr(args, "constraint_flags", False):
         extra["constraint"] = constraint(args)
+    flags_constraint = getattr(args, "constraint_flags", False) and extra.get("constraint") is not None
+    if flags_constraint and getattr(args, "stop", None):  # (engine.request.Request's rule, before any model loads)
+        raise UsageError(
+            f"--stop cannot be combined with {_constraint_flag(args)}: a structured-output constraint ends the output "
+            "where its grammar does (stop strings could cut the structure short)"
+        )
     try:
         return SamplingParams(**{name: getattr(args, name) for name in args.sampling_fields}, **extra)
     except ParamError as e:
@@ -305,10 +344,12 @@ def spec_config(args: argparse.Namespace, defaults: dict | None = None):
             raise UsageError(f"{typed} disagrees with --spec {key}={format_value(given[key])}: give it once")
     try:
         cfg = SpecConfig(**(dict(defaults or {}) | given | {key: value for key, (_, value) in flags.items()}))
+        _check_runner(cfg, getattr(args, "device", "cpu"))
     except SpecError as e:
         in_spec = e.key in given  # the message then follows --spec's text, naming the keys it has not as --spec ...
         message = e.render(lambda key, value: _named(key, value, given, flags, in_spec))
         raise UsageError(f"--spec {text}: {message}" if in_spec else message) from None
+    _check_shorthands(cfg, flags, lambda key, value: _named(key, value, given, flags, False))
     if not cfg.drafter.built_by_generator:
         raise UsageError(
             f"--spec {text}: draft={cfg.draft} is drafted by objects the command line cannot give (a RolloutEngine's "
@@ -316,8 +357,66 @@ def spec_config(args: argparse.Namespace, defaults: dict | None = None):
         )
     if cfg.drafter.model and cfg.model is None:
         raise UsageError("draft=model needs the draft model: --draft PATH, or model=PATH in --spec")
+    check_model_path(flags["model"][0] if "model" in flags else f"--spec model={cfg.model}", cfg.model)
+    check_model_path(f"--target {getattr(args, 'target', None)}", getattr(args, "target", None))
     args.config = cfg
     return cfg
+
+
+def _check_runner(cfg, device: str | None) -> None:
+    """What the llama.cpp runner refuses (docs/guides/llamacpp.md, "What it refuses"), before any model loads: a
+    SpecError naming the keys, as `spec_config` renders them."""
+    from ..engine.config import SpecError
+
+    if cfg.runner != "llamacpp":
+        return
+    if device not in (None, "cpu"):
+        raise SpecError(
+            "runner", f"[runner=llamacpp] runs on the CPU here, not on --device {device} (a torch runner runs there)"
+        )
+    if cfg.quant is not None:
+        self_draft = cfg.drafter.target_weights
+        what = "[draft=self] quantizes the target's torch weights" if self_draft else "[quant] quantizes"
+        raise SpecError(
+            "runner",
+            f"{what} ([quant={cfg.quant}]), but [runner=llamacpp] runs a GGUF file in its own quantization "
+            "([runner=auto] loads the target with torch for it)",
+        )
+    if cfg.drafter.target_head:
+        raise SpecError(
+            "runner",
+            "[draft=mtp] reads the target's hidden states, which [runner=llamacpp] does not expose ([runner=auto] "
+            "loads the target with torch for it)",
+        )
+
+
+def _check_shorthands(cfg, flags: dict, named) -> None:
+    """--stop-below and --max-gamma apply to what they concern only (their spec keys are kept silently)."""
+    if "stop_below" in flags and (not (cfg.drafter.uses_model or cfg.drafter.target_head) or cfg.tree is not None):
+        raise UsageError(
+            f"{flags['stop_below'][0]}: a draft model's chains stop below this probability of their own; it does not "
+            f"apply to {named('draft', cfg.draft)}" + (" with a tree" if cfg.tree is not None else "")
+        )
+    if "max_gamma" in flags and cfg.gamma != "auto":
+        raise UsageError(f"{flags['max_gamma'][0]} caps what --gamma auto picks; it does not apply to a fixed gamma")
+
+
+def check_gguf(typed: str, spec: str | None, runner: str) -> None:
+    """Before anything loads: what the llama.cpp runner runs is a GGUF file (a .gguf path, or a directory holding
+    one; None, the built-in default model, is one)."""
+    if spec is None or spec.endswith(".gguf") or (Path(spec).expanduser().is_dir() and any(Path(spec).glob("*.gguf"))):
+        return
+    raise UsageError(f"{typed}: {runner} runs GGUF files (a .gguf file, or a directory holding one)")
+
+
+def check_model_path(typed: str, spec: str | None) -> None:
+    """Before anything loads: a model named by a local path (a .gguf file; an absolute, ./ or ~ path; a path with
+    more than one /) must exist. A hub id (`name`, `org/name`) is left to the loader. typed: how the user named it."""
+    if spec is None or Path(spec).expanduser().exists():
+        return
+    local = spec.endswith((".gguf", "/")) or spec.startswith((".", "~", "/")) or spec.count("/") > 1
+    if local or os.sep in spec.replace("/", ""):
+        raise UsageError(f"{typed}: no such file or directory")
 
 
 def _flag_items(args: argparse.Namespace) -> dict:
@@ -328,9 +427,10 @@ def _flag_items(args: argparse.Namespace) -> dict:
         out["draft"] = (f"--draft {draft}", draft)
     elif draft is not None:  # a path: a draft model (or a head's directory)
         out["draft"], out["model"] = (f"--draft {draft}", "model"), (f"--draft {draft}", draft)
-    for key in ("gamma", "tree"):
+    for key in ("gamma", "tree", "max_gamma", "stop_below"):
         if getattr(args, key, None) is not None:
-            out[key] = (f"--{key} {getattr(args, key)}", getattr(args, key))
+            value = getattr(args, key)
+            out[key] = (f"{flag(key)} {value}", None if value == "none" else value)
     return out
 
 
@@ -343,8 +443,8 @@ def _named(key: str, value: str | None, given: dict, flags: dict, in_spec: bool)
         return spec_name(key, value)
     if key == "model" or (key == "draft" and value == "model"):
         return flags["model"][0] if "model" in flags else "--draft PATH"
-    if key in ("draft", "gamma", "tree"):
-        return f"--{key}" if value is None else f"--{key} {value}"
+    if key in ("draft", "gamma", "tree") or key in flags:
+        return flag(key) if value is None else f"{flag(key)} {value}"
     return spec_name(key, value) if in_spec else f"--spec {spec_name(key, value)}"
 
 
@@ -394,7 +494,7 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
     texts = list(args.prompt or [])
     for path in args.prompts or []:
         try:
-            rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+            rows = [json.loads(line) for line in prompt_file(path).read_text().splitlines() if line.strip()]
             texts += [str(r["prompt"]) for r in rows[: args.num_prompts]]
         except (OSError, json.JSONDecodeError) as e:
             raise UsageError(f"cannot read prompts from {path}: {e}") from None
@@ -410,7 +510,7 @@ def read_bench_prompts(paths: list[str]) -> dict[str, list[str]]:
     from ..bench.e2e import load_prompts
 
     try:
-        return load_prompts(paths)
+        return load_prompts([prompt_file(p) for p in paths])
     except OSError as e:
         raise UsageError(f"cannot read prompts from {e.filename}: {e.strerror}") from None
     except ValueError as e:
@@ -428,7 +528,7 @@ def add_bench_inputs(
         nargs="+",
         action="extend",
         required=True,
-        help="JSONL prompt files ({'prompt', 'category'}; repeatable)",
+        help=f"JSONL prompt files ({{'prompt', 'category'}}; {BUILTIN})",
     )
     add_counts(p, *counts)
 
@@ -438,8 +538,7 @@ def add_bench_model_args(
 ) -> None:
     """The options a model benchmark shares: seed, chat template, runner (torch_only: no llamacpp), draft / self-draft
     quantization, device, --out."""
-    from ..model.fast import RUNNER_KINDS
-    from ..model.linear import QUANT_MODES
+    from .constants import QUANT_MODES, RUNNER_KINDS
 
     add_seed_arg(p)
     p.add_argument("--no-chat", action="store_true", help="feed prompts raw instead of through the chat template")
@@ -453,7 +552,15 @@ def add_bench_model_args(
 
 
 def bench_model_options(args: argparse.Namespace) -> dict:
-    """The benchmark config fields that add_bench_model_args' options give (seed, chat, runner, quantizations)."""
+    """The benchmark config fields that add_bench_model_args' options give (seed, chat, runner, quantizations);
+    what --runner llamacpp refuses (docs/guides/llamacpp.md) is refused here, before any model loads."""
+    if args.runner == "llamacpp" and args.device != "cpu":
+        raise UsageError(f"--runner llamacpp runs on the CPU here, not on --device {args.device}")
+    if args.runner == "llamacpp" and args.draft_quant is not None:
+        raise UsageError(
+            f"--draft-quant {args.draft_quant} quantizes torch weights, but --runner llamacpp runs a GGUF file in its "
+            "own quantization (--runner auto loads torch models for it)"
+        )
     return pick(args, "seed", "runner", "draft_quant", "self_quant") | {"chat": not args.no_chat}
 
 

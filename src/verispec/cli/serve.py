@@ -5,18 +5,25 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import socket
 import sys
 
-from ..engine.core import PREFILL_CHUNK
 from ..serve.limits import DEFAULT_MAX_QUEUE, DEFAULT_MAX_QUEUE_TOKENS, DEFAULT_REQUEST_TIMEOUT_S
+from .constants import (
+    DEFAULT_BODY_TIMEOUT_S,
+    DEFAULT_MAX_REQUEST_BYTES,
+    DEFAULT_READ_TIMEOUT_S,
+    LOG_LEVELS,
+    PREFILL_CHUNK,
+)
 from .generate import build_generator
 from .options import UsageError, add_counts, add_speculation_args, int_range, pick, spec_config, user_errors
 
+HELP = "OpenAI-compatible HTTP server (completions, chat, streaming, metrics)"
+
 
 def add_parser(sub) -> None:
-    from uvicorn.config import LOG_LEVELS
-
-    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, streaming, metrics)")
+    p = sub.add_parser("serve", help=HELP)
     add_speculation_args(p)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int_range(1, 65535), default=8000)
@@ -74,8 +81,6 @@ def add_parser(sub) -> None:
 
 
 def _add_exposure_args(p: argparse.ArgumentParser) -> None:
-    from ..serve.access import DEFAULT_MAX_REQUEST_BYTES
-
     p.add_argument(
         "--enable-weight-updates",
         action="store_true",
@@ -114,8 +119,6 @@ def _add_exposure_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_operator_args(p: argparse.ArgumentParser) -> None:
-    from ..serve.transport import DEFAULT_BODY_TIMEOUT_S, DEFAULT_READ_TIMEOUT_S
-
     add_counts(
         p,
         (
@@ -171,6 +174,32 @@ def _add_operator_args(p: argparse.ArgumentParser) -> None:
         metavar="FILE_OR_STRING",
         help="a Jinja chat template (a file, or the template itself) replacing the tokenizer's",
     )
+    _add_log_args(p)
+
+
+def _add_log_args(p: argparse.ArgumentParser) -> None:
+    """verispec's own log lines (serve.logs), at INFO: vLLM's flags."""
+    p.add_argument(
+        "--disable-log-requests",
+        action="store_true",
+        help="no access line per request (default: one at INFO on the verispec.serve.access logger: client, method, "
+        "path, status, request id, prompt and output tokens, latency)",
+    )
+    p.add_argument(
+        "--disable-log-stats",
+        action="store_true",
+        help="no periodic stats lines (default: vLLM's, at INFO on verispec.serve.stats: throughput, running and "
+        "waiting requests, KV cache use, and the speculative-decoding line: mean acceptance length, accepted and "
+        "drafted tokens, per-position acceptance rate)",
+    )
+    p.add_argument(
+        "--log-stats-interval",
+        type=_seconds(0, inclusive=False),
+        default=10.0,
+        metavar="SECONDS",
+        help="seconds between two stats lines, each logged only when something happened since the last (default "
+        "%(default)s, as vLLM)",
+    )
 
 
 def _seconds(low: float, inclusive: bool = True):
@@ -190,14 +219,29 @@ def _seconds(low: float, inclusive: bool = True):
     return seconds
 
 
-def run(args: argparse.Namespace) -> int:
-    import logging
+def _reserve_port(host: str, port: int) -> socket.socket:
+    """Listen on --host:--port before anything loads, as uvicorn will (SO_REUSEADDR), so that a port in use is a usage
+    error now and not uvicorn's once the model has loaded. The caller holds the socket while the model loads and
+    closes it just before uvicorn binds the port again."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen()
+    except socket.gaierror as e:
+        sock.close()
+        raise UsageError(f"--host {host}: cannot resolve it ({e.strerror or e})") from None
+    except OSError as e:
+        sock.close()
+        raise UsageError(f"--port {port}: cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock
 
-    from ..model.loading import DEFAULT_MODEL_NAME
-    from ..serve import create_app
+
+def _check_access(args: argparse.Namespace):
+    """The access options, checked before anything loads: (the chat template, the Host names answered)."""
     from ..serve.access import allowed_hosts, is_loopback
     from ..serve.chat import load_chat_template
-    from ..serve.shutdown import serve
 
     if args.api_key == "":
         raise UsageError("--api-key must not be empty")
@@ -210,22 +254,38 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--weight-dir is for updates from disk: give --enable-weight-updates too")
     with user_errors():
         template = None if args.chat_template is None else load_chat_template(args.chat_template)
+        return template, allowed_hosts(args.host, args.allowed_hosts)
+
+
+def run(args: argparse.Namespace) -> int:
+    import logging
+
+    from ..model.loading import DEFAULT_MODEL_NAME
+    from ..serve import create_app
+    from ..serve.shutdown import serve
+
+    template, hosts = _check_access(args)
     config = spec_config(args)
-    gen = build_generator(args, config)
+    listener = _reserve_port(args.host, args.port)
+    try:
+        gen = build_generator(args, config)
+    finally:
+        listener.close()  # uvicorn binds the port again below (the model has loaded: nothing is left to fail first)
     gen.core.prefill_chunk = args.prefill_chunk  # before the server's session is made: it reads it then
     name = args.served_model_name or args.target or DEFAULT_MODEL_NAME
     with user_errors():
         limits = ("max_batch", "max_queue", "max_queue_tokens", "api_key", "cors_origins", "max_model_len")
         exposure = ("enable_weight_updates", "weight_dirs", "max_request_bytes", "read_timeout", "body_timeout")
-        hosts = allowed_hosts(args.host, args.allowed_hosts)
         timeouts = {  # the default on the OpenAI routes; /generate/ only when given
             "request_timeout": DEFAULT_REQUEST_TIMEOUT_S if args.request_timeout is None else args.request_timeout,
             "rollout_timeout": args.request_timeout,
         }
+        logs = {"log_requests": not args.disable_log_requests}
+        logs["log_stats_interval"] = None if args.disable_log_stats else args.log_stats_interval
         app = create_app(
-            gen, name, **pick(args, *limits, *exposure), **timeouts, allowed_hosts=hosts, chat_template=template
+            gen, name, **pick(args, *limits, *exposure), **timeouts, **logs, allowed_hosts=hosts, chat_template=template
         )
-    logging.basicConfig(level=logging.INFO)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     print(f"serving {name!r} on http://{args.host}:{args.port}/v1 (spec {config})", file=sys.stderr, flush=True)
     serve(
         app,

@@ -8,14 +8,15 @@ import sys
 from pathlib import Path
 
 from .options import UsageError, add_counts, add_device_args, add_seed_arg, load, model_errors, pick, user_errors
+from .progress import duration
+
+HELP = "train an EAGLE-3 draft head for a target from its own samples"
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser(
-        "train-draft", help="train an EAGLE-3 draft head for a target from its own samples", description=run.__doc__
-    )
+    p = sub.add_parser("train-draft", help=HELP, description=run.__doc__)
     p.add_argument("--target", help="the target model (directory, .gguf file or hub id; default: the built-in model)")
-    p.add_argument("--prompts", nargs="+", required=True, help="JSONL prompt files ({'prompt': ...} per line)")
+    p.add_argument("--prompts", nargs="+", required=True, help="JSONL prompt files or built-in sets: chat, code, math")
     p.add_argument(
         "--out", required=True, help="directory for the head (config.json + model.safetensors), data and checkpoints"
     )
@@ -43,6 +44,13 @@ def add_parser(sub) -> None:
     add_seed_arg(p)
     p.add_argument("--no-chat", action="store_true", help="feed prompts as plain text (default: the chat template)")
     p.add_argument("--resume", action="store_true", help="continue from --out's checkpoint (and its sampled data)")
+    p.add_argument(
+        "--quiet",
+        "-q",
+        action="store_true",
+        help="no progress on stderr (default: a bar on a terminal, else a line every 30 s: samples drawn, then "
+        "steps with loss, top-1 agreement, epoch, tokens/s and the time budget left)",
+    )
     add_device_args(p)
     p.set_defaults(func=run, torch_only=True)
 
@@ -58,14 +66,14 @@ def run(args: argparse.Namespace) -> int:
     train.json). Use it with `--draft OUT`."""
     import torch
 
-    from ..bench.e2e import load_prompts
     from ..training.heads import TrainConfig, default_aux_layers, sample_data, train_eagle3
 
     with user_errors():
         cfg = TrainConfig(**pick(args, *_TRAIN_FIELDS), chat=not args.no_chat)
         cfg.check()
-    with user_errors(OSError):
-        by_cat = load_prompts(args.prompts)
+    from .options import read_bench_prompts  # files or the built-in sets (verispec.data), as every --prompts
+
+    by_cat = read_bench_prompts(args.prompts)
     out = Path(args.out)
     if not args.resume and (out / "train_state.pt").exists():
         raise UsageError(f"{out} holds a training run already: pass --resume to continue it, or another --out")
@@ -82,57 +90,47 @@ def run(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     data_path = out / "data.pt"
 
-    with _Reporter() as report:
+    from .progress import ProgressDisplay
+
+    with ProgressDisplay(args.quiet) as display:
+        shown = TrainProgress(display, cfg)
         if args.resume and data_path.is_file():
             data = torch.load(data_path, weights_only=False)
         else:
-            task = report.task("sampling", len(prompts) * cfg.samples_per_prompt)
-            data = sample_data(target, prompts, cfg, progress=lambda k, n: report.update(task, k, f"{k}/{n}"))
+            shown.sampling(0, len(prompts) * cfg.samples_per_prompt)
+            data = sample_data(target, prompts, cfg, progress=shown.sampling)
             torch.save(data, data_path)
-        task = report.task("training", cfg.max_steps)
-
-        def show(step, info):
-            top1 = "/".join(f"{a:.2f}" for a in info["top1"])
-            report.update(task, step, f"step {step} loss {info['loss']:.3f} top1 {top1} {info['seconds']:.0f}s")
-
-        summary = train_eagle3(target, data, out, cfg, resume=args.resume, progress=show)
+        summary = train_eagle3(target, data, out, cfg, resume=args.resume, progress=shown.training)
         torch.save(data, data_path)  # with the draft vocabulary chosen
     print(json.dumps({k: v for k, v in summary.items() if k != "config"}, indent=2), file=sys.stdout)
     return 0
 
 
-class _Reporter:
-    """A rich progress bar on a terminal; elsewhere (a log file, CI) a plain line per update at most every 10 s."""
+class TrainProgress:
+    """train-draft's progress: `sample_data`'s and `train_eagle3`'s callbacks shown on a `ProgressDisplay` (the
+    training line: steps of --max-steps, with the loss, top-1 agreement per unroll step, epoch, tokens/s and the time
+    budget left, --minutes)."""
 
-    def __init__(self):
-        from rich.console import Console
+    def __init__(self, display, cfg):
+        self.display, self.cfg = display, cfg
+        self._first: float | None = None  # the training seconds at the first step seen
+        self._tokens = 0  # sequence tokens the steps read since
 
-        self.live = Console(stderr=True).is_terminal
-        self.bar = None
-        self._last = 0.0
+    def sampling(self, done: int, total: int) -> None:
+        self.display.update("sampling", done, total, unit="samples")
 
-    def __enter__(self):
-        if self.live:
-            from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
-            self.bar = Progress(
-                TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[info]}"), TimeElapsedColumn()
-            )
-            self.bar.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        if self.bar is not None:
-            self.bar.__exit__(*exc)
-
-    def task(self, name: str, total: int | None):
-        return self.bar.add_task(name, total=total, info="") if self.bar is not None else name
-
-    def update(self, task, completed: int, info: str) -> None:
-        import time
-
-        if self.bar is not None:
-            self.bar.update(task, completed=completed, info=info)
-        elif time.monotonic() - self._last >= 10:
-            self._last = time.monotonic()
-            print(f"{task}: {info}", file=sys.stderr, flush=True)
+    def training(self, step: int, info: dict) -> None:
+        if info.get("phase") == "features":
+            self.display.update("target features", info["done"], info["total"], unit="sequences")
+            return
+        if self._first is None:
+            self._first = info["seconds"]
+        else:
+            self._tokens += info["tokens"]
+        spent = info["seconds"] - self._first
+        top1 = "/".join(f"{a:.2f}" for a in info["top1"])
+        figures = [f"loss {info['loss']:.3f}", f"top1 {top1}", f"epoch {info['epoch']:.2f}"]
+        figures += [f"{self._tokens / spent:.3g} tokens/s"] if spent > 0 else []
+        left = self.cfg.minutes * 60 - info["seconds"]
+        figures.append(f"time budget left {duration(left)}")
+        self.display.update("training", step, self.cfg.max_steps, ", ".join(figures), unit="steps")

@@ -6,6 +6,7 @@ ngram, stop_below and max_gamma are read only by the drafters they concern (kept
 
 from __future__ import annotations
 
+import difflib
 import re
 from collections.abc import Callable
 from contextlib import suppress
@@ -222,8 +223,9 @@ class SpecConfig:
         choices = {"draft": tuple(DRAFTERS), "cross_vocab": CROSS_VOCABS, "verify": (None, *VERIFIES)}
         for key, allowed in (choices | {"random": RANDOMS, "runner": RUNNER_KINDS}).items():
             if getattr(self, key) not in allowed:
-                shown = ", ".join(a for a in allowed if a is not None)
-                raise SpecError(key, f"[{key}] must be one of {shown}, got {getattr(self, key)!r}")
+                shown = [a for a in allowed if a is not None]
+                hint = _did_you_mean(getattr(self, key), shown)
+                raise SpecError(key, f"[{key}] must be one of {', '.join(shown)}, got {getattr(self, key)!r}{hint}")
         model = self.model
         if model is not None and not (isinstance(model, str) and model.strip() == model != "" and "," not in model):
             raise SpecError("model", f"[model] must be a path or hub id without commas, got {model!r}")
@@ -411,11 +413,19 @@ def parse_items(text: str) -> dict:
                 None, f"each item of a spec is key=value (keys: {', '.join(KEYS)}), got {part!r} in {text!r}"
             )
         if key not in KEYS:
-            raise SpecError(None, f"unknown key {key!r} in spec {text!r}; the keys are {', '.join(KEYS)}")
+            raise SpecError(
+                None, f"unknown key {key!r} in spec {text!r}; the keys are {', '.join(KEYS)}{_did_you_mean(key, KEYS)}"
+            )
         if key in items:
             raise SpecError(key, f"[{key}] is given twice in spec {text!r}")
         items[key] = _read(key, value)
     return items
+
+
+def _did_you_mean(typed, known) -> str:
+    """ "; did you mean 'gamma'?" for a misspelt key or value ('' when nothing known is close)."""
+    close = difflib.get_close_matches(typed, list(known), n=1) if isinstance(typed, str) else []
+    return f"; did you mean {close[0]!r}?" if close else ""
 
 
 def canonical(key: str, value):

@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from ..sampling import ParamError
+from .protocol import did_you_mean
 
 __all__ = ["APIError", "install_error_handlers", "internal_error"]
 
@@ -73,7 +74,7 @@ def validation_error(e: RequestValidationError) -> APIError:
         what = "empty" if kind == "missing" else "not a JSON object"
         return APIError(400, f"the request body is {what}: send its fields as a JSON object (application/json)")
     if kind == "extra_forbidden":
-        return APIError(400, f"unknown field {param!r}: this server does not support it", param)
+        return APIError(400, f"unknown field {param!r}: this server does not support it{did_you_mean(param)}", param)
     # A union field fails once per member: name the member that got furthest into the value (a list of parts
     # with a bad part: that part), and where several got as far ("a valid string", "a valid list") say each.
     inside = [x for x in errors if _within(field_path(x.get("loc", ())) or "", param)]

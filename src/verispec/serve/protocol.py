@@ -4,6 +4,7 @@ option the server cannot honour is never silently ignored). Responses are field 
 
 from __future__ import annotations
 
+import difflib
 import json
 from typing import Annotated, Any, ClassVar, Generic, Literal, TypeVar
 
@@ -70,9 +71,27 @@ Backend = Annotated[Text, Field(max_length=64), AfterValidator(_backend)]  # "au
 
 
 class Strict(BaseModel):
-    """A request body (or part of one): unknown fields are refused."""
+    """A request body (or part of one): unknown fields are refused (`did_you_mean` names the closest known one)."""
 
     model_config = ConfigDict(extra="forbid")
+
+
+def _request_fields() -> tuple[str, ...]:
+    """Every field name a request body (or a part of one) knows, as clients spell them (aliases): the models of
+    every module imported (the server imports them all before it answers)."""
+    names, todo = set(), [Strict]
+    while todo:
+        cls = todo.pop()
+        todo += cls.__subclasses__()
+        names |= {f.alias or name for name, f in cls.model_fields.items()}
+    return tuple(sorted(names))
+
+
+def did_you_mean(path: str) -> str:
+    """For an unknown request field (`temprature`, `messages[0].contnet`): " (did you mean 'temperature'?)" naming the
+    closest field a request knows, or "" when none is close."""
+    close = difflib.get_close_matches(path.rsplit(".", 1)[-1], _request_fields(), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 class StreamOptions(Strict):

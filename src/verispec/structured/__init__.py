@@ -3,7 +3,7 @@ for the engine's tokenizer (`Grammars`, xgrammar), one `GrammarState` per reques
 slot of a draft, folded into p and q alike (`allowed_at_nodes`). Jump-forward: `verispec.drafting.grammar`."""
 
 from ..sampling.constraint import CONSTRAINT_KINDS, Constraint, ConstraintError
-from .grammar import Grammars, GrammarState
+from .grammar import Grammars, GrammarState, check_syntax
 from .masks import allowed_at_nodes, root_allowed
 
 __all__ = [
@@ -13,5 +13,6 @@ __all__ = [
     "GrammarState",
     "Grammars",
     "allowed_at_nodes",
+    "check_syntax",
     "root_allowed",
 ]

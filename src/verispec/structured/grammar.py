@@ -31,7 +31,7 @@ from torch import Tensor
 
 from ..sampling.constraint import Constraint, ConstraintError
 
-__all__ = ["JUMP_CAP", "GrammarState", "Grammars"]
+__all__ = ["JUMP_CAP", "GrammarState", "Grammars", "check_syntax"]
 
 # bit i of word w of xgrammar's bitmask is token 32 w + i: on a little-endian host byte k of word w holds tokens
 # 32 w + 8 k ... + 7, lowest bit first, which np.unpackbits(bitorder="little") reads in one C pass
@@ -100,10 +100,7 @@ class Grammars:
             return comp.compile_regex(c.source)
         if c.kind == "choice":
             return comp.compile_grammar("root ::= " + " | ".join(_ebnf_string(s) for s in c.choices))
-        if _TEMPERATURE.search(c.source):  # xgrammar reads per-rule temperatures; the sampling here would not
-            raise ConstraintError(
-                "a grammar rule's temperature attribute is not supported: set the request's temperature"
-            )
+        _check_no_temperature(c.source)
         return comp.compile_grammar(c.source)
 
     def state(self, c: Constraint, stop_ids: Iterable[int] = ()) -> GrammarState:
@@ -114,6 +111,38 @@ class Grammars:
         state = GrammarState(matcher, self.info.vocab_size, self.vocab_size, xgr, self, stops)
         state.seconds = time.perf_counter() - t0  # its setup counts as its own time
         return state
+
+
+def check_syntax(c: Constraint) -> None:
+    """Parse a constraint's regex, EBNF grammar or JSON schema without a tokenizer (xgrammar's `Grammar`; well under
+    a millisecond for a typical one), so that a malformed one is refused before any model loads. `Grammars.compile`
+    still compiles it for the tokenizer (what only a vocabulary can refuse is refused there).
+
+    Raises:
+        ConstraintError: The regex, grammar or schema does not parse, or the schema has a keyword the grammar would
+            not enforce; the message is the one `Grammars.compile` gives.
+    """
+    if not isinstance(c, Constraint):
+        raise ConstraintError(f"expected a Constraint, got {type(c).__name__}")
+    grammar = _xgrammar().Grammar
+    try:
+        if c.kind == "json_schema":
+            _check_enforceable(json.loads(c.source))
+            grammar.from_json_schema(c.source, any_whitespace=c.whitespace, strict_mode=True)
+        elif c.kind == "regex":
+            grammar.from_regex(c.source)
+        elif c.kind == "grammar":
+            _check_no_temperature(c.source)
+            grammar.from_ebnf(c.source)
+    except ConstraintError:
+        raise
+    except Exception as e:  # xgrammar raises RuntimeError / ValueError / its own errors with the reason
+        raise ConstraintError(f"the {c.describe()} constraint does not compile: {_reason(e)}") from None
+
+
+def _check_no_temperature(ebnf: str) -> None:
+    if _TEMPERATURE.search(ebnf):  # xgrammar reads per-rule temperatures; the sampling here would not
+        raise ConstraintError("a grammar rule's temperature attribute is not supported: set the request's temperature")
 
 
 _TEMPERATURE = re.compile(r"\[\s*temperature\s*=")  # an EBNF rule attribute: rule[temperature=0.1] ::= ...
