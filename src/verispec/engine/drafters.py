@@ -18,8 +18,9 @@ from ..model.fast import make_runner
 from ..model.loading import LoadedModel, load_model, parse_dtype, shared_vocab_size
 from ..model.protocol import Runner
 from .config import SpecConfig
+from .stats import SpecStats
 
-__all__ = ["BUILDERS", "Drafting", "build_proposer", "load_draft"]
+__all__ = ["BUILDERS", "Drafting", "build_proposer", "describe_drafter", "describe_fallback", "load_draft"]
 
 
 @dataclass(frozen=True)
@@ -189,3 +190,63 @@ BUILDERS: dict[str, Callable[[_Inputs], tuple[Proposer | None, int]]] = {
     "custom": _given,
     # "mtp": the target checkpoint's MTP layer, a head (`_head`)
 }
+
+
+HEAD_NAMES = {"eagle3": "EAGLE-3 head", "eagle": "EAGLE head", "medusa": "Medusa heads", "mtp": "MTP layer"}
+"""How `describe_drafter` names each hidden-state head kind (`heads.HEAD_KINDS`)."""
+
+
+def describe_drafter(proposer: Proposer | None, target_model=None) -> str:
+    """What drafts, read from the built proposer (`build_proposer`'s, or a given one), as the CLI's summary line and
+    `--json` stats name it: "none", "prompt lookup", "EAGLE-3 head", "draft model", "int4 draft model
+    (cross-vocabulary bridge)", "int4 self-draft", "rollout history + draft model", ...
+
+    Args:
+        proposer: The engine's proposer (None: plain decoding).
+        target_model: The target's model, to tell the target's own (quantized) weights from a draft model's.
+
+    Returns:
+        A short description of the drafter.
+    """
+    if proposer is None:
+        return "none"
+    if isinstance(proposer, PromptLookupProposer):
+        return "prompt lookup"
+    if isinstance(proposer, HistoryProposer):
+        return "rollout history"
+    if isinstance(proposer, CombinedProposer):
+        return " + ".join(describe_drafter(part, target_model) for part in (proposer.chooser, proposer.sampler))
+    if isinstance(proposer, SlemProposer):
+        return _quantized(proposer.runner, "draft model (cross-vocabulary, string-level match)")
+    if isinstance(proposer, DraftModelProposer):
+        head = proposer.name.removesuffix("-head") if proposer.name.endswith("-head") else None
+        if head in HEAD_NAMES:  # `_head` names it
+            return HEAD_NAMES[head]
+        if target_model is not None and proposer.model is target_model:
+            return _quantized(proposer.runner, "self-draft")
+        bridged = " (cross-vocabulary bridge)" if isinstance(proposer.runner, BridgedRunner) else ""
+        return _quantized(proposer.runner, "draft model" + bridged)
+    return f"custom ({type(proposer).__name__})"
+
+
+def _quantized(runner, what: str) -> str:
+    quant = getattr(runner, "quant", None)  # (a BridgedRunner reads its draft runner's)
+    return f"{quant} {what}" if quant else what
+
+
+def describe_fallback(stats: SpecStats, drafting: bool = True) -> str | None:
+    """The steps on which a drafter drafted nothing (the target then decodes plainly): gamma 0, gamma auto judging
+    that drafting does not pay (or its plain-decoding probe), a drafter with nothing to propose (no n-gram match),
+    a budget with one token left. None when every step drafted (or there is no drafter: `drafting` False).
+
+    Args:
+        stats: A call's stats (one request's, or pooled).
+        drafting: Whether a drafter was built.
+
+    Returns:
+        "no draft on N of M steps" (M: the target's passes), or None.
+    """
+    plain, steps = stats.steps_by_drafted.get(0, 0), stats.target_passes
+    if not drafting or not plain:
+        return None
+    return f"no draft on {plain} of {steps} step{'s' if steps != 1 else ''}"

@@ -15,7 +15,7 @@ from ..sampling import CHAIN_RULES, SamplingParams
 from .adaptive import GammaController, measure_cost_curve
 from .config import SpecConfig
 from .core import EngineCore
-from .drafters import build_proposer
+from .drafters import build_proposer, describe_drafter
 from .observe import StepObserver
 from .request import Job, check_limits
 from .rows import Completion, StreamEvent
@@ -102,6 +102,12 @@ class SpeculativeGenerator:
         )
         self.stats = SpecStats()  # pooled over every call
         self.last_stats = SpecStats()  # the last generate / stream call's
+
+    @property
+    def drafter(self) -> str:
+        """The drafter in use, described (`engine.drafters.describe_drafter`): "prompt lookup", "EAGLE-3 head",
+        "draft model (cross-vocabulary bridge)", "int4 self-draft", "none", ..."""
+        return describe_drafter(self.core.proposer, self.target.model)
 
     @property
     def tokenizer(self):
@@ -228,18 +234,25 @@ class SpeculativeGenerator:
         return GenerationSession(self.core, max_batch)
 
     def _drive(self, sess: GenerationSession) -> Iterator[StreamEvent]:
+        """The session's steps' events, then the call's stats (`last_stats`, merged into `stats`): its counts and
+        times (wall = prefill + draft + verify + other; for one request, that request's)."""
+        pooled = sess.stats  # the steps add draft_time and verify_time (`speculative_step`)
         t_start = time.perf_counter()
         try:
             while not sess.idle:
-                for event in sess.step():
+                t0 = time.perf_counter()
+                sess.schedule()  # (`sess.step()`: schedule, then run) admission: prompts prefilled
+                pooled.prefill_time += time.perf_counter() - t0
+                for event in sess.run():
                     if event.completion is not None and event.completion.error is not None:
                         raise event.completion.error  # a RowFault: this request failed inside a step
+                    if event.token_ids and not pooled.first_token_time:
+                        pooled.first_token_time = time.perf_counter() - t_start
                     yield event
         finally:
             sess.close()  # (a raise, or a caller that stopped iterating: staged prompts freed)
-        pooled = sess.stats
         pooled.wall_time = time.perf_counter() - t_start
-        pooled.other_time = pooled.wall_time - pooled.draft_time - pooled.verify_time
+        pooled.other_time = max(0.0, pooled.wall_time - pooled.prefill_time - pooled.draft_time - pooled.verify_time)
         self.last_stats = pooled
         self.stats.merge(pooled)
 

@@ -26,11 +26,18 @@ class SpecStats:
         reached_at: Per draft position j: of those, the steps whose drafts 0..j-1 were all accepted.
         accepted_at: Per draft position j: of those, the steps whose draft j was accepted too.
         steps_by_drafted: Drafts in a step -> the number of such steps.
-        draft_time: Seconds spent drafting (pooled stats only).
-        verify_time: Seconds spent verifying (pooled stats only).
-        other_time: Seconds spent on everything else (pooled stats only).
-        wall_time: Wall-clock seconds (pooled stats only).
+        draft_time: Seconds spent drafting (pooled stats only, as every time below but `wall_time`).
+        verify_time: Seconds spent verifying: the target's passes and the verification rule.
+        prefill_time: Seconds admitting requests: their prompts into the target's and the draft's caches.
+        other_time: Seconds spent on everything else (detokenizing, stop strings, the caller's own work between
+            streamed events): `wall_time - prefill_time - draft_time - verify_time`.
+        wall_time: Wall-clock seconds: a call's (pooled stats); a request's own stats: its latency from joining
+            the batch (after its prefill) to its last token.
+        first_token_time: Seconds from the call's start to its first token (of any request): the time to first
+            token of a one-request call (a part of `wall_time`, not a term of its sum).
         output_tokens: Tokens returned to the user.
+
+    Merged stats (`merge`) add every count and time: pooled over calls, the times are totals.
     """
 
     drafted: int = 0  # draft depth summed over steps (a chain: its draft tokens)
@@ -44,8 +51,10 @@ class SpecStats:
     steps_by_drafted: dict[int, int] = field(default_factory=dict)  # drafts in a step -> number of such steps
     draft_time: float = 0.0
     verify_time: float = 0.0
+    prefill_time: float = 0.0
     other_time: float = 0.0
     wall_time: float = 0.0
+    first_token_time: float = 0.0
     output_tokens: int = 0  # tokens returned to the user
 
     def observe(self, drafted: int, accepted: int, nodes: int | None = None) -> None:
@@ -97,20 +106,27 @@ class SpecStats:
 
     @property
     def tokens_per_second(self) -> float:
+        """output_tokens / wall_time (NaN before any time is measured)."""
         return self.output_tokens / self.wall_time if self.wall_time > 0 else float("nan")
 
     def summary(self) -> dict:
+        """The figures as one dict (`verispec generate --json`'s stats): counts, rates (NaN where undefined:
+        `strict_json` writes null) and times in seconds (`*_s`; wall = prefill + draft + verify + other)."""
         return {
             "output_tokens": self.output_tokens,
+            "emitted": self.emitted,
             "drafted": self.drafted,
             "nodes": self.nodes,
             "accepted": self.accepted,
             "target_passes": self.target_passes,
+            "steps_by_drafted": dict(sorted(self.steps_by_drafted.items())),
             "acceptance_rate": self.acceptance_rate,
             "tau": self.tau,
             "per_position_acceptance": self.per_position_acceptance,
             "tokens_per_second": self.tokens_per_second,
             "wall_time_s": self.wall_time,
+            "time_to_first_token_s": self.first_token_time or float("nan"),  # (no token: none)
+            "prefill_time_s": self.prefill_time,
             "draft_time_s": self.draft_time,
             "verify_time_s": self.verify_time,
             "other_time_s": self.other_time,
