@@ -6,11 +6,10 @@ whatever the batching, so `workers` processes share the samples without changing
 
 from __future__ import annotations
 
-import functools
 import math
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass, replace
@@ -41,13 +40,41 @@ DEFAULT_LENGTH = 8  # tokens per continuation
 REFERENCE_SEED_OFFSET = 7_919_000  # the two-sample reference's samples use seeds offset by this
 
 
-def _progress(stack: ExitStack, label: str, total: int):
-    """A progress bar for `total` samples, open until `stack` closes; returns its advance(k)."""
+# progress(phase, done, total): `done` of `total` samples of a phase ("sampling", "scoring", "two-sample
+# reference") so far; called once with done = 0 as the phase starts, then after each batch
+ProgressFn = Callable[[str, int, int], None]
+
+
+def _transient_bar(stack: ExitStack) -> ProgressFn:
+    """The ProgressFn of `show_progress` without a `progress` callback (callers that render nothing themselves): a
+    transient rich bar per phase, open until `stack` closes."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
     bar = stack.enter_context(Progress(*columns, transient=True))
-    return functools.partial(bar.advance, bar.add_task(label, total=total))
+    tasks: dict[str, object] = {}
+
+    def show(phase: str, done: int, total: int) -> None:
+        if phase not in tasks:
+            tasks[phase] = bar.add_task(phase, total=total)
+        bar.update(tasks[phase], completed=done, total=total)
+
+    return show
+
+
+def _counter(progress: ProgressFn | None, phase: str, total: int) -> Callable[[int], None]:
+    """advance(k): k more of `total` done, told to `progress` (which hears `done = 0` now)."""
+    if progress is None:
+        return lambda k: None
+    done = 0
+    progress(phase, 0, total)
+
+    def advance(k: int) -> None:
+        nonlocal done
+        done += k
+        progress(phase, done, total)
+
+    return advance
 
 
 _WORKER: dict = {}
@@ -73,10 +100,12 @@ def draw_samples(
     label="sampling",
     show_progress=True,
     sample_fn: SampleFn | None = None,
+    progress: ProgressFn | None = None,
 ):
     """n continuations of `length` tokens per prompt (a MethodSpec's, or sample_fn's; sample i of prompt j with seed
     seed + j * n + i, `chunk` seeds a task): samples[prompt][i] (token lists), the pooled SpecStats (or None) and
-    logprobs[prompt][i] (the method's returned logprobs of sample i, or None)."""
+    logprobs[prompt][i] (the method's returned logprobs of sample i, or None). Each batch is told to `progress` as
+    phase `label`; without it, `show_progress` draws a transient bar on the terminal."""
     tasks = [
         (j, list(prompts[j]), params, list(range(seed + j * n + i, seed + j * n + min(i + chunk, n))), length)
         for j in range(len(prompts))
@@ -85,7 +114,8 @@ def draw_samples(
     samples, logprobs = [[] for _ in prompts], [[] for _ in prompts]  # [prompt][i]: tokens, logprobs
     pooled, seen_stats = SpecStats(), False
     with ExitStack() as stack:
-        advance = _progress(stack, label, n * len(prompts)) if show_progress else lambda k: None
+        progress = progress or (_transient_bar(stack) if show_progress else None)
+        advance = _counter(progress, label, n * len(prompts))
         for (j, *_), (tokens, stats, *lps) in zip(tasks, _results(stack, spec, tasks, workers, sample_fn)):
             samples[j] += tokens
             logprobs[j] += lps[0] if lps and lps[0] is not None else [None] * len(tokens)
@@ -128,6 +158,7 @@ def certify_generate(
     sample_fn: SampleFn | None = None,
     reference_fn: SampleFn | None = None,
     tv_tolerance: float = 0.0,
+    progress: ProgressFn | None = None,
 ) -> GenerateReport:
     """Certify a generator against the target model's own conditionals (`verispec certify generate`).
 
@@ -146,18 +177,22 @@ def certify_generate(
         sequence_tokens: m for the whole-sequence test (only when V^m <= 4096).
         reference (LoadedModel | None): The scoring model in float32 (None: loaded from spec.target); the
             two-sample test's reference is plain decoding of it unless reference_fn says otherwise.
-        show_progress: Show a progress bar.
+        show_progress: Without `progress`: show a transient progress bar on the terminal.
         sample_fn: Draws the method's samples instead of `build_method(spec)`.
         reference_fn: Draws the two-sample reference instead (e.g. another endpoint with speculation off).
         tv_tolerance: > 0: test TV <= tolerance instead of equality (another engine's numerics).
+        progress (Callable | None): Told (phase, done, total) as the samples are drawn and scored (phases
+            "sampling", "scoring", "two-sample reference"), for a caller's display; the library prints nothing then.
 
     Returns:
         The report; `write_report` writes it as generate-certificate.{md,json,png}.
     """
     _check_request(params, samples, length, prompts, level, tv_tolerance)
     _check_constraint(spec, params)
-    run = _Run(spec, prompts, params, samples, length, level, power, seed, workers, show_progress, tv_tolerance)
-    return _certify(run, reference, sample_fn, reference_fn, two_sample_tokens, sequence_tokens)
+    with ExitStack() as stack:
+        shown = progress or (_transient_bar(stack) if show_progress else None)
+        run = _Run(spec, prompts, params, samples, length, level, power, seed, workers, shown, tv_tolerance)
+        return _certify(run, reference, sample_fn, reference_fn, two_sample_tokens, sequence_tokens)
 
 
 @dataclass(frozen=True)
@@ -173,7 +208,7 @@ class _Run:
     power: float
     seed: int
     workers: int
-    show_progress: bool
+    progress: ProgressFn | None
     tv_tolerance: float
 
 
@@ -189,12 +224,13 @@ def _certify(run: _Run, reference, sample_fn, reference_fn, two_sample: int, seq
     eos = eos_set(scorer) if endpoint or params.constraint is not None else []
     grammar = None if params.constraint is None else grammar_state(scorer, params.constraint, V, eos)
     chunk = 4 * spec.max_in_flight if endpoint else 16
-    drawing = (run.samples, run.length, run.seed, run.workers, chunk, spec.label(), run.show_progress, sample_fn)
+    drawing = (run.samples, run.length, run.seed, run.workers, chunk, "sampling", False, sample_fn, run.progress)
     got, stats, lps = draw_samples(spec, prompts, params, *drawing)
     got, lps, unusable = _usable(got, lps, "")
     sc, tolerance = Scores(), run.tv_tolerance
     exact = (prompts, got, params, np.random.default_rng(run.seed), sc, sequence_tokens, tolerance, eos, grammar)
-    tests, laws, tolerant = _exact_tests(scorer.model, *exact)
+    scored = _counter(run.progress, "scoring", sum(1 for g in got for x in g if x))
+    tests, laws, tolerant = _exact_tests(scorer.model, *exact, on_scored=scored)
     fit = None if tolerance else _fit_tests(sc, tests)
     if two_sample > 0 and spec.method != "plain" and (not tolerance or reference_fn is not None):
         m = min(run.length, two_sample)
@@ -205,7 +241,7 @@ def _certify(run: _Run, reference, sample_fn, reference_fn, two_sample: int, seq
     per_test = run.level / len(tests)
     _size_tests(tests, laws, per_test, run.power, fit, tolerant)
     return GenerateReport(
-        **_record(run, tests, stats, sample_fn, reference_fn),
+        **_record(run, tests, stats, sample_fn, reference_fn, getattr(scorer, "name", None)),
         tests=tests,
         pit=sc.pit,
         unusable=unusable,
@@ -216,10 +252,10 @@ def _certify(run: _Run, reference, sample_fn, reference_fn, two_sample: int, seq
     )
 
 
-def _record(run: _Run, tests: list, stats: SpecStats | None, sample_fn, reference_fn) -> dict:
-    """The report's record of the request, the acceptance of a speculative method (empty / nan otherwise), the
-    endpoint logs (the reference's, when it was the two-sample reference) and every request's seed (to replay any
-    sample alone)."""
+def _record(run: _Run, tests: list, stats: SpecStats | None, sample_fn, reference_fn, scorer_name=None) -> dict:
+    """The report's record of the request (the target as given, else the name of the model scored against: the
+    default model's), the acceptance of a speculative method (empty / nan otherwise), the endpoint logs (the
+    reference's, when it was the two-sample reference) and every request's seed (to replay any sample alone)."""
     acc = stats.per_position_acceptance if stats is not None and stats.drafted else []
     two_sample = any(t.kind == "two-sample" for t in tests)
     first_last = [[run.seed + j * run.samples, run.seed + (j + 1) * run.samples - 1] for j in range(len(run.prompts))]
@@ -229,7 +265,7 @@ def _record(run: _Run, tests: list, stats: SpecStats | None, sample_fn, referenc
     asked = {f: getattr(run, f) for f in ("samples", "length", "level", "power", "seed", "tv_tolerance")}
     return asked | dict(
         method=run.spec.label(),
-        target=run.spec.target,
+        target=run.spec.target if run.spec.target is not None else scorer_name,
         params=asdict(run.params),
         prompts=len(run.prompts),
         acceptance=acc,
@@ -308,11 +344,10 @@ def _reference_samples(run: _Run, reference, reference_fn, m: int):
     )
     if reference_fn is None and reference is not None:  # plain decoding of the model the scores come from
         reference_fn = _verispec_method(ref_spec, reference)
-    label = "plain decoding (two-sample reference)"
+    label = "two-sample reference"
     seed = run.seed + REFERENCE_SEED_OFFSET
-    ref_samples, _, _ = draw_samples(
-        ref_spec, run.prompts, run.params, run.samples, m, seed, run.workers, 16, label, run.show_progress, reference_fn
-    )
+    drawing = (run.samples, m, seed, run.workers, 16, label, False, reference_fn, run.progress)
+    ref_samples, _, _ = draw_samples(ref_spec, run.prompts, run.params, *drawing)
     return ref_samples
 
 

@@ -57,8 +57,10 @@ def score(
     keys=None,
     eos: Sequence[int] = (),
     grammar=None,
+    on_scored=None,
 ):
     """Score samples of one prompt under the processed target; returns p(. | prompt) [V] (float64).
+    on_scored(k): called after each batch of k samples (a progress display).
     keys: each sample's key (recorded in out.key with each token's position; default 0, 1, ...). eos: an EOS set
     scored as one outcome, eos[0] (the probabilities of the others moved onto it). grammar: a structured-output
     `GrammarState` at the start of the output (None: unconstrained); p at position t is masked after s[:t]."""
@@ -93,6 +95,8 @@ def score(
             out.variance += var.clamp_min(0).flatten().tolist()
             out.pit += (before + v * px).flatten().tolist()
             out.position += list(range(length)) * len(part)
+            if on_scored is not None:
+                on_scored(len(part))
     if first is None:
         logits = model(input_ids=torch.tensor([prompt], device=dev), logits_to_keep=1).logits[:, -1:].float()
         allowed = grammar_masks(grammar, [[]], 1, logits.shape[-1], dev)
@@ -155,7 +159,9 @@ def exact_sequence_law(
     return joint.cpu().numpy()
 
 
-def _exact_tests(model, prompts, got, params, rng, sc: Scores, m: int, tolerance: float = 0.0, eos=(), grammar=None):
+def _exact_tests(
+    model, prompts, got, params, rng, sc: Scores, m: int, tolerance=0.0, eos=(), grammar=None, on_scored=None
+):
     """Score every sample into `sc`; per prompt the first-token test (of TV <= tolerance, when given) and, for small
     vocabularies without a tolerance or an EOS set, the first-m-token sequence test (samples that ended at EOS padded
     with eos[0]). Returns the tests, (test, law, n) per chi-square test and (test, ToleranceResult) per tolerance test."""
@@ -164,7 +170,10 @@ def _exact_tests(model, prompts, got, params, rng, sc: Scores, m: int, tolerance
     laws, tolerant = [], []
     for j, group in enumerate(got):
         keys = [(j, i) for i, s in enumerate(group) if s]
-        first = score(model, prompts[j], [s for s in group if s], params, rng, sc, keys=keys, eos=eos, grammar=grammar)
+        kept = [s for s in group if s]
+        first = score(
+            model, prompts[j], kept, params, rng, sc, keys=keys, eos=eos, grammar=grammar, on_scored=on_scored
+        )
         first = first / first.sum()
         counts = np.bincount([s[0] for s in group if s], minlength=V)[:V]
         if tolerance:

@@ -24,6 +24,7 @@ from .engine import EngineThread
 from .errors import install_error_handlers
 from .jobs import Served
 from .limits import DEFAULT_MAX_QUEUE, DEFAULT_MAX_QUEUE_TOKENS, DEFAULT_REQUEST_TIMEOUT_S
+from .logs import DEFAULT_LOG_STATS_INTERVAL_S, AccessLog, StatsLogger
 from .metrics import Metrics
 from .rl import WeightRoutes
 from .scoring import PromptScorer
@@ -83,6 +84,9 @@ class ServeOptions:
         max_request_bytes: Every body's cap but a weight upload's (the model's size).
         read_timeout: The seconds a body may go without bytes (then 408), and headers may take.
         body_timeout: The seconds a whole body may take from its first read, plus one per MiB received (then 408).
+        log_requests: One INFO line per HTTP request on `verispec.serve.access` (`serve.logs.AccessLog`).
+        log_stats_interval: Seconds between vLLM's periodic stats lines on `verispec.serve.stats`, logged when
+            something happened (`serve.logs.StatsLogger`; None: none).
     """
 
     max_batch: int = 8
@@ -102,12 +106,14 @@ class ServeOptions:
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     read_timeout: float = DEFAULT_READ_TIMEOUT_S
     body_timeout: float = DEFAULT_BODY_TIMEOUT_S
+    log_requests: bool = True
+    log_stats_interval: float | None = DEFAULT_LOG_STATS_INTERVAL_S
 
     def __post_init__(self) -> None:
         for name, low in (("max_model_len", 2), ("max_request_bytes", 1)):
             if (value := getattr(self, name)) is not None and (type(value) is not int or value < low):
                 raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
-        for name in ("request_timeout", "rollout_timeout"):
+        for name in ("request_timeout", "rollout_timeout", "log_stats_interval"):
             if (value := getattr(self, name)) is not None and not value > 0:
                 raise ValueError(f"{name} must be a number of seconds > 0, got {value!r}")
 
@@ -139,7 +145,7 @@ def create_app(gen: SpeculativeGenerator, model_name: str, **options) -> FastAPI
     if opts.chat_template is not None:
         gen.tokenizer.chat_template = check_chat_template(opts.chat_template)
     served = _served(gen, model_name, opts)
-    app = FastAPI(title="verispec", lifespan=partial(_lifespan, served))
+    app = FastAPI(title="verispec", lifespan=partial(_lifespan, served, opts.log_stats_interval))
     app.state.served, app.state.engine, app.state.metrics = served, served.engine, served.metrics
     app.state.rl_jobs = set()  # the running and waiting /generate/ calls (/abort_request expires them)
     rollout = RolloutEngine.from_generator(gen, max_batch_size=opts.max_batch, strict_on_policy=opts.strict_on_policy)
@@ -150,16 +156,22 @@ def create_app(gen: SpeculativeGenerator, model_name: str, **options) -> FastAPI
     install_access(app, opts.api_key, opts.cors_origins, opts.allowed_hosts, opts.max_request_bytes, upload)
     install_transport(app, opts.read_timeout, opts.body_timeout)  # outside the body cap: a slow body ends 408
     app.add_middleware(Gate, state=app.state.gate, retry_after_s=opts.retry_after_s)
+    if opts.log_requests:  # outermost: every answer has its line, the refusals above too
+        app.add_middleware(AccessLog)
     for module in (ops, completions, chat, rl):
         app.include_router(module.router)
     return app
 
 
 @asynccontextmanager
-async def _lifespan(served: Served, app: FastAPI):
+async def _lifespan(served: Served, stats_interval: float | None, app: FastAPI):
     served.engine.start()
     log.info("serving model id %r (context %s tokens)", served.model_id, served.context)
-    yield
+    if stats_interval is None:
+        yield
+    else:
+        async with StatsLogger(served.metrics, stats_interval).running():
+            yield
     served.engine.stop()
     log.info("stopped; %s", served.metrics.summary())
 

@@ -26,8 +26,10 @@ from ..engine.request import Barrier, Job, Request
 from ..engine.session import GenerationSession
 from ..sampling import ConstraintError, ParamError
 from .limits import DEFAULT_MAX_QUEUE, DEFAULT_MAX_QUEUE_TOKENS
+from .logs import note_call
 
 __all__ = ["Call", "Closing", "EngineThread", "Overloaded", "PromptLogprobs", "TooLarge", "kv_cache_usage"]
+__all__ += ["prompt_tokens"]
 
 log = logging.getLogger("verispec.serve")
 
@@ -72,6 +74,7 @@ class Call:
     end: str | None = None  # cut short: "cancel" (its client left), "expire", or "error" (it failed)
     ended: int = 0  # choices counted in the metrics (engine thread)
     finished: int = 0  # choices whose last event the handler has read
+    tokens: int = 0  # tokens its choices have been given (engine thread; the access log's output_tokens)
     last: dict[int, float] = field(default_factory=dict)  # choice -> when its last tokens came (engine thread)
 
     def push(self, item) -> None:
@@ -80,7 +83,7 @@ class Call:
             self.loop.call_soon_threadsafe(self.events.put_nowait, item)
 
 
-def _prompt_tokens(job: Job, start: int) -> int:
+def prompt_tokens(job: Job, start: int = 0) -> int:
     """The prompt tokens of the job's choices from `start` on, each prompt once (its choices share it)."""
     reqs, n = job.requests, job.group
     return sum(len(reqs[i].prompt_token_ids) for i in range(start, len(reqs)) if i == start or i % n == 0)
@@ -171,6 +174,7 @@ class EngineThread:
             job.on_admit, job.on_event = partial(self._admitted, call), partial(self._event, call)
             self._inbox.append(call)
             self._cond.notify_all()
+        note_call(call)  # the HTTP request's access line counts its tokens
         self._gauges()
 
     def between_jobs(self, fn, on_done=None) -> Barrier:
@@ -219,7 +223,7 @@ class EngineThread:
 
     def _check_size(self, job: Job) -> None:
         """TooLarge for a job no wait would let in (more choices than batch and queue hold, or prompt tokens)."""
-        n, budget, tokens = len(job.requests), self.max_batch + self.max_queue, _prompt_tokens(job, 0)
+        n, budget, tokens = len(job.requests), self.max_batch + self.max_queue, prompt_tokens(job)
         if n > budget:
             limits = f"--max-batch {self.max_batch} + --max-queue {self.max_queue}"
             why = f"the request has {n} choices (prompts x n); this server holds at most {budget} at once ({limits})"
@@ -253,7 +257,7 @@ class EngineThread:
                 take = min(size, free)
                 at, free, held = at + take, free - take, held + take
             choices += len(job.requests) - at
-            tokens += _prompt_tokens(job, at)
+            tokens += prompt_tokens(job, at)
         return choices, tokens
 
     def _publish(self) -> None:
@@ -290,6 +294,7 @@ class EngineThread:
         try:
             if c is not None and c.error is not None:  # this choice failed (alone inside a step, or its job)
                 return self._fail(call, _client_error(c.error))
+            call.tokens += len(ev.token_ids)
             if c is None or c.finish_reason != "abort":
                 self._observe(call, ev)
             if c is not None:

@@ -4,16 +4,35 @@ e2e_request_latency_seconds_count equals the sum of request_success. No `_create
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
+
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-__all__ = ["Metrics"]
+__all__ = ["Metrics", "Snapshot"]
 
 # vLLM's buckets, with finer ones at the short end for small models on CPUs
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 20, 40, 80)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1, 2.5, 5, 10)
 _REQUEST_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1, 1.5, 2, 2.5, 5, 10, 15, 20, 30, 40, 60, 120, 300, 600, 1200)
 REASONS = ("stop", "length", "abort", "error")
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """The counters and gauges the periodic log line reads (`serve.logs`), at one time (`Metrics.snapshot`)."""
+
+    time: float  # monotonic seconds
+    prompt_tokens: float = 0.0
+    generation_tokens: float = 0.0
+    drafts: float = 0.0  # speculative steps that drafted, per row
+    draft_tokens: float = 0.0
+    accepted_tokens: float = 0.0
+    accepted_per_pos: tuple[float, ...] = ()  # accepted draft tokens at position 0, 1, ... of a draft
+    running: int = 0
+    waiting: int = 0
+    kv_usage: float = 0.0  # 0 to 1
 
 
 class Metrics:
@@ -45,6 +64,7 @@ class Metrics:
         )
         self.ttft = self._histogram("time_to_first_token_seconds", "Time to first token", _TTFT_BUCKETS)
         self.itl = self._histogram("inter_token_latency_seconds", "Time between steps giving tokens", _ITL_BUCKETS)
+        self.longest_draft = 0  # the most tokens one row drafted in a step (the per-position figures' width)
 
     def _one(self, kind, name: str, doc: str, **kw):
         """A metric of this server's model: `verispec:<name>{model_name}`."""
@@ -68,6 +88,7 @@ class Metrics:
     def observe_step(self, per_row: list[tuple[int, int]]) -> None:
         """(drafted, accepted) per row of one engine step."""
         for drafted, accepted in per_row:
+            self.longest_draft = max(self.longest_draft, drafted)
             if drafted:
                 self.drafts.inc()
                 self.draft_tokens.inc(drafted)
@@ -99,6 +120,25 @@ class Metrics:
         """One series' current value (0 when it has none yet): `value("request_success_total", finished_reason=...)`."""
         v = self.registry.get_sample_value(f"verispec:{name}", {**self._lbl, **labels})
         return v or 0.0
+
+    def snapshot(self, now: float | None = None) -> Snapshot:
+        """The counters and gauges the periodic log line reads, now (`now`: monotonic seconds, default the clock)."""
+        v = self.value
+        per_pos = tuple(
+            v("spec_decode_num_accepted_tokens_per_pos_total", position=str(p)) for p in range(self.longest_draft)
+        )
+        return Snapshot(
+            time=time.monotonic() if now is None else now,
+            prompt_tokens=v("prompt_tokens_total"),
+            generation_tokens=v("generation_tokens_total"),
+            drafts=v("spec_decode_num_drafts_total"),
+            draft_tokens=v("spec_decode_num_draft_tokens_total"),
+            accepted_tokens=v("spec_decode_num_accepted_tokens_total"),
+            accepted_per_pos=per_pos,
+            running=int(v("num_requests_running")),
+            waiting=int(v("num_requests_waiting")),
+            kv_usage=v("kv_cache_usage_perc"),
+        )
 
     def summary(self) -> str:
         """One line for the log: how every choice ended, and the rejected requests."""

@@ -267,15 +267,20 @@ def _batches(seqs: list[list[int]], batch_tokens: int, gen: torch.Generator) -> 
     return [batches[i] for i in perm]
 
 
-def _cache_features(tap, seqs: list[list[int]], vocab_ids: Tensor, pad: int, cfg: TrainConfig):
-    """The target's aux hidden states and p for every sequence, computed once: ([n_k, F] bf16, [n_k, V_d] bf16)."""
+def _cache_features(tap, seqs: list[list[int]], vocab_ids: Tensor, pad: int, cfg: TrainConfig, told=None):
+    """The target's aux hidden states and p for every sequence, computed once: ([n_k, F] bf16, [n_k, V_d] bf16).
+    told(done, total): the sequences done so far, after each batch."""
     aux, probs = [None] * len(seqs), [None] * len(seqs)
+    done = 0
     for batch in _batches(seqs, cfg.batch_tokens, torch.Generator().manual_seed(0)):
         ids, lengths = _pad([seqs[k] for k in batch], pad, vocab_ids.device)
         a, p = tap(ids, lengths, vocab_ids)
         for b, k in enumerate(batch):
             n = len(seqs[k])
             aux[k], probs[k] = a[b, :n].bfloat16(), p[b, :n].bfloat16()
+        done += len(batch)
+        if told is not None:
+            told(done, len(seqs))
     return aux, probs
 
 
@@ -315,16 +320,20 @@ def train_eagle3(target, data: dict, out: Path, cfg: TrainConfig, resume: bool =
         out: The output directory.
         cfg: The training settings.
         resume: Continue from `out`'s checkpoint.
-        progress (Callable | None): Called with (step, info dict) after every step, for a progress display.
+        progress (Callable | None): For a progress display: called with (step, info) after every step, info being
+            the step's record (`loss`, `top1` per unroll step, `seconds` of training so far) plus `tokens` (the
+            sequence tokens the step read) and `epoch` (passes over the data, fractional); with
+            `cfg.cache_features`, first with (step, {"phase": "features", "done": n, "total": sequences}) as the
+            target's features are computed.
     """
-    run = _Run(target, data, out, cfg, resume)
+    run = _Run(target, data, out, cfg, resume, progress)
     done = False
     while not done:
         order = _batches(data["seqs"], cfg.batch_tokens, torch.Generator().manual_seed(cfg.seed + run.epoch))
         while run.cursor < len(order) and not done:
             info = run.step(order[run.cursor])
             if progress is not None:
-                progress(run.steps, info)
+                progress(run.steps, info | {"tokens": run.last_tokens, "epoch": run.epoch + run.cursor / len(order)})
             if run.steps % cfg.checkpoint_every == 0:
                 run.save()
             done = info["seconds"] >= cfg.minutes * 60 or (cfg.max_steps is not None and run.steps >= cfg.max_steps)
@@ -342,7 +351,7 @@ class _Run:
 
     WARMUP = 20  # steps of linear learning-rate warm-up
 
-    def __init__(self, target, data: dict, out: Path, cfg: TrainConfig, resume: bool):
+    def __init__(self, target, data: dict, out: Path, cfg: TrainConfig, resume: bool, progress=None):
         model = target.model
         tc = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         self.cfg, self.out, self.data, self.layers = cfg, out, data, tc.num_hidden_layers
@@ -366,15 +375,22 @@ class _Run:
             self.seconds, self.history = st["seconds"], st["history"]
         self.tap = _TargetTap(model, self.aux)
         self.pad = int(getattr(target.tokenizer, "pad_token_id", None) or 0)
-        self.cached = (
-            _cache_features(self.tap, data["seqs"], self.vocab_ids, self.pad, cfg) if cfg.cache_features else None
+        told = (
+            None
+            if progress is None
+            else lambda k, n: progress(self.steps, {"phase": "features", "done": k, "total": n})
         )
+        self.cached = (
+            _cache_features(self.tap, data["seqs"], self.vocab_ids, self.pad, cfg, told) if cfg.cache_features else None
+        )
+        self.last_tokens = 0  # the sequence tokens of the last step's batch
         self.head.train()
         self._t0 = time.perf_counter() - self.seconds
 
     def step(self, batch: list[int]) -> dict:
         """One optimizer step on the sequences `batch`; returns its history record."""
         ids, lengths = _pad([self.data["seqs"][k] for k in batch], self.pad, self.dev)
+        self.last_tokens = int(lengths.sum())
         if self.cached is None:
             a, p = self.tap(ids, lengths, self.vocab_ids)
         else:
