@@ -5,6 +5,16 @@
   cannot drift from the CLI.
 * any page: a marker `<!-- run: verispec ARGS -->` becomes that command's output, run in-process at the same
   fixed width (for quick, model-free commands such as `verispec explain`), so a worked example cannot drift.
+* any page: a marker `<!-- run-process: verispec ARGS -->` runs the command in a subprocess (`python -m
+  verispec.cli`) and shows what a terminal shows, standard output and standard error in the order written (for
+  commands that load the default model, such as `verispec generate`: its summary line). It needs the default model,
+  which CI's first command (the README's `verispec generate`) has fetched before the docs build.
+* any page: `<!--v:SOURCE-->TEXT<!--/v-->` becomes the value SOURCE names, read from the code at build time (TEXT is
+  the last value written, for readers of the raw file; tests/test_docs_values.py keeps it current). SOURCE is a
+  dotted name (`verispec.engine.adaptive.MAX_GAMMA`, a class attribute such as a dataclass default, or a call with
+  no arguments ending in `()`), `len:` and a dotted name (its length), or `default:COMMAND:--flag` (a CLI option's
+  default, e.g. `default:serve:--max-batch`, `default:certify generate:--samples`); `|SPEC` after it formats the
+  value (`|,` thousands separators, `|g` 30.0 as 30). TEXT in backticks puts the value in backticks.
 * `reference/http.md`: the marker `<!-- http-reference -->` becomes the server's routes and request / response
   schemas, read from the OpenAPI schema of an app built by `verispec.serve.create_app` over a tiny random model
   (no download, no weights read: the schema does not depend on the model). The schema itself is written into the
@@ -16,17 +26,24 @@ A page without its marker is an error, so a marker lost in an edit fails the bui
 from __future__ import annotations
 
 import argparse
+import importlib
 import io
 import json
 import os
 import re
 import shlex
+import subprocess
 import sys
 from contextlib import contextmanager, redirect_stdout
 from pathlib import Path
 
-from mkdocs.exceptions import PluginError
-from mkdocs.structure.files import File
+try:
+    from mkdocs.exceptions import PluginError
+except ImportError:  # the tests read the value markers with this module, without the docs extra installed
+
+    class PluginError(Exception):
+        """mkdocs' PluginError, where mkdocs is not installed."""
+
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -34,6 +51,9 @@ CLI_PAGE, CLI_MARKER = "reference/cli.md", "<!-- cli-reference -->"
 HTTP_PAGE, HTTP_MARKER = "reference/http.md", "<!-- http-reference -->"
 OPENAPI_FILE = "openapi.json"
 RUN_MARKER = re.compile(r"<!-- run: (verispec [^\n]*?) -->")
+PROCESS_MARKER = re.compile(r"<!-- run-process: (verispec [^\n]*?) -->")
+VALUE_MARKER = re.compile(r"<!--v:([^>|]+?)(?:\|([^>]*))?-->(.*?)<!--/v-->", re.S)
+PROCESS_TIMEOUT_S = 900  # a hang guard for run-process commands (the default model on a loaded 2-core machine)
 COLUMNS = 100  # argparse's help width: fixed, so the page does not depend on the terminal that builds it
 
 _schema: dict | None = None  # the OpenAPI schema, built once per build (on_files) and read by on_page_markdown
@@ -113,6 +133,81 @@ def command_output(command: str) -> str:
     text = re.sub(r"\x1b\[[0-9;]*m", "", out.getvalue())  # no colours, should a terminal setting force them
     lines = [line.rstrip() for line in text.splitlines()]
     return _fence("\n".join([f"$ {command}", *lines]))
+
+
+def process_output(command: str) -> str:
+    """Markdown: `$ command` and what it prints to a terminal (standard output and error interleaved as written),
+    run as `python -m verispec.cli ARGS` in a subprocess (a non-zero exit status fails the build)."""
+    _import_paths()
+    env = os.environ | {"COLUMNS": str(COLUMNS), "NO_COLOR": "1", "TERM": "dumb"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    argv = [sys.executable, "-m", "verispec.cli", *shlex.split(command)[1:]]
+    done = subprocess.run(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, timeout=PROCESS_TIMEOUT_S
+    )
+    if done.returncode != 0:
+        raise PluginError(f"`{command}` exited with status {done.returncode}:\n{done.stdout[-2000:]}")
+    lines = [line.rstrip() for line in re.sub(r"\x1b\[[0-9;]*m", "", done.stdout).splitlines()]
+    return _fence("\n".join([f"$ {command}", *lines]))
+
+
+# --- numbers the pages quote -----------------------------------------------------------------------------------------
+
+
+def _dotted(name: str):
+    """The object a dotted name gives: the longest importable module prefix, then attributes; `()` calls it."""
+    call = name.endswith("()")
+    parts = name.removesuffix("()").split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        for attr in parts[i:]:
+            obj = getattr(obj, attr)
+        return obj() if call else obj
+    raise PluginError(f"no module in {name!r}")
+
+
+def _option_default(command: str, option: str):
+    """The default of `option` in the `verispec COMMAND` parser (COMMAND: `serve`, `certify generate`, ...)."""
+    from verispec.cli import build_parser
+
+    parser = build_parser()
+    for word in command.split():
+        parser = dict((name, sub) for name, _, sub in _subcommands(parser))[word]
+    parser.format_help()  # a command's options are added on first use (verispec.cli builds its parsers lazily)
+    for action in parser._actions:
+        if option in action.option_strings:
+            return action.default
+    raise PluginError(f"`verispec {command}` has no option {option}")
+
+
+def value(source: str, spec: str = ""):
+    """The text of a value marker's SOURCE (see the module docstring), formatted by `spec`."""
+    _import_paths()
+    try:
+        if source.startswith("default:"):
+            command, option = source.removeprefix("default:").rsplit(":", 1)
+            found = _option_default(command, option)
+        elif source.startswith("len:"):
+            found = len(_dotted(source.removeprefix("len:")))
+        else:
+            found = _dotted(source)
+    except (AttributeError, KeyError, TypeError) as e:
+        raise PluginError(f"value marker {source!r}: {type(e).__name__}: {e}") from None
+    return format(found, spec) if spec else str(found)
+
+
+def fill_values(markdown: str) -> str:
+    """Every `<!--v:SOURCE|SPEC-->TEXT<!--/v-->` of a page replaced by the value it names (in backticks where TEXT
+    is in backticks: a value in a code span)."""
+
+    def fill(m: re.Match) -> str:
+        text = value(m.group(1).strip(), m.group(2) or "")
+        return f"`{text}`" if len(m.group(3)) > 1 and m.group(3)[0] == m.group(3)[-1] == "`" else text
+
+    return VALUE_MARKER.sub(fill, markdown)
 
 
 # --- the HTTP API ----------------------------------------------------------------------------------------------------
@@ -271,6 +366,8 @@ def http_reference(schema: dict) -> str:
 
 def on_files(files, config):
     """Build the OpenAPI schema once and add it to the site as `openapi.json` (so links to it are checked)."""
+    from mkdocs.structure.files import File
+
     global _schema
     _schema = openapi_schema()
     text = json.dumps(_schema, indent=2, sort_keys=False) + "\n"
@@ -282,6 +379,8 @@ def on_page_markdown(markdown, page, config, files):
     """Fill the reference pages' markers (and any page's `run:` markers) with what the code says now."""
     uri = page.file.src_uri
     markdown = RUN_MARKER.sub(lambda m: command_output(m.group(1)), markdown)
+    markdown = PROCESS_MARKER.sub(lambda m: process_output(m.group(1)), markdown)
+    markdown = fill_values(markdown)
     if uri == CLI_PAGE:
         return _fill(markdown, CLI_MARKER, cli_reference(), uri)
     if uri == HTTP_PAGE:

@@ -11,7 +11,7 @@ import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "verispec"
 LAYERS = [
-    {"strict_json", "explain"},
+    {"strict_json", "explain", "data"},
     {"sampling"},
     {"structured"},
     {"model"},

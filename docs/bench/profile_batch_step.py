@@ -10,6 +10,7 @@ import time
 import torch
 
 from verispec.bench.e2e import load_prompts
+from verispec.data import prompt_file
 from verispec.engine.config import SpecConfig
 from verispec.engine.generator import SpeculativeGenerator
 from verispec.model.loading import load_model
@@ -23,10 +24,10 @@ try:  # the commit, date and command of this run; an older checkout has no such 
 except ImportError:
     print("Made by an older checkout (no verispec.bench.provenance)\n")
 MODELS = os.path.expanduser(sys.argv[1] if len(sys.argv) > 1 else "~/models")  # fetch.sh DIR qwen-pair
-PROMPTS = sys.argv[2] if len(sys.argv) > 2 else "../shared/data/prompts/code.jsonl"
+PROMPTS = sys.argv[2] if len(sys.argv) > 2 else "code"
 target = load_model(f"{MODELS}/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf")
 draft = load_model(f"{MODELS}/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf")
-prompts = load_prompts([PROMPTS])["code"]
+prompts = load_prompts([prompt_file(PROMPTS)])["code"]  # a file, or a built-in set's name
 gen = SpeculativeGenerator(target, draft, config=SpecConfig.parse("draft=model,quant=int4,gamma=4,runner=fast"))
 acc = {}
 

@@ -5,12 +5,12 @@
 #   llamacpp  - llama.cpp's server (llama-cpp-python) plain, and with its prompt-lookup speculation against it
 #   hf        - transformers' prompt-lookup decoding, in process
 # Usage: run.sh [verispec] [llamacpp] [hf]   (default: all). Writes one folder per engine next to this script.
-# Needs MODEL=path/to/SmolLM2-135M-Instruct.Q4_1.gguf (../shared/models/fetch.sh DIR smollm2) and, for llamacpp,
+# Needs MODEL=path/to/SmolLM2-135M-Instruct.Q4_1.gguf (scripts/fetch-models.sh DIR smollm2) and, for llamacpp,
 # pip install "llama-cpp-python[server]" (builds llama.cpp from source, ~10 min on 2 cores).
 set -euo pipefail
 cd "$(dirname "$0")"
 MODEL=${MODEL:-$HOME/models/SmolLM2-135M-Instruct.Q4_1.gguf}
-PROMPTS=${PROMPTS:-../../../../shared/data/prompts/code.jsonl}
+PROMPTS=${PROMPTS:-code}
 N=${N:-800}
 N_LOOKUP=${N_LOOKUP:-400}  # llama-cpp-python serves one request at a time: the lookup run and its reference share it
 STEPS=${*:-verispec verispec-llamacpp llamacpp hf}

@@ -1,7 +1,7 @@
 """A few GRPO steps of TRL on a real model with rollouts from a running `verispec serve`, checked on-policy.
 
     python3 docs/rl/trl-smollm2/grpo.py --server http://127.0.0.1:8123 --model ~/models/SmolLM2-135M-Instruct.Q4_1.gguf \
-        --prompts ../shared/data/prompts/math.jsonl --steps 3 --out docs/rl/trl-smollm2
+        --prompts math --steps 3 --out docs/rl/trl-smollm2
 
 Per step: the weight sync (HTTP body, the server's validation and in-place copy), the rollout call, completion tokens,
 accepted / drafted tokens, and OnPolicyCheck's largest |rollout logprob - trainer logprob| (fp32 on both sides).
@@ -20,6 +20,7 @@ from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl import GRPOConfig, GRPOTrainer
 
+from verispec.data import prompt_file
 from verispec.rollout.client import RolloutClient
 from verispec.rollout.trl import OnPolicyCheck, verispec_rollout_func
 
@@ -94,7 +95,7 @@ def main() -> None:
         return
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    with open(args.prompts) as f:
+    with open(prompt_file(args.prompts)) as f:  # a file, or a built-in set: math
         rows = [json.loads(line) for line in f][: args.num_prompts * args.steps]
     ds = Dataset.from_dict({"prompt": [[{"role": "user", "content": r["prompt"]}] for r in rows]})
     client = TimedClient(args.server)

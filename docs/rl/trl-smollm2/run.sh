@@ -10,5 +10,5 @@ verispec serve --target "$POLICY" --spec runner=fast --draft ngram --max-batch 1
 SERVER=$!
 trap 'kill $SERVER 2>/dev/null || true' EXIT
 python3 docs/rl/trl-smollm2/grpo.py --server http://127.0.0.1:$PORT --model "$POLICY" \
-    --prompts ../shared/data/prompts/math.jsonl --steps 3 --num-prompts 2 --num-generations 4 \
+    --prompts math --steps 3 --num-prompts 2 --num-generations 4 \
     --max-completion-length 48 --threads 1 --out docs/rl/trl-smollm2
