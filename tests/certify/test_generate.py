@@ -260,7 +260,7 @@ class InProcessPool:
     def map(self, fn, tasks):
         return map(fn, tasks)
 
-    def shutdown(self):
+    def shutdown(self, wait=True, *, cancel_futures=False):
         pass
 
 

@@ -69,8 +69,7 @@ def test_one_prompt_stats_match_the_wall_time_and_the_steps():
     st = gen.last_stats
     s = st.summary()
     check_times(s)
-    assert 0 < s["wall_time_s"] <= outer  # measured inside the call ...
-    assert s["wall_time_s"] >= 0.25 * outer  # ... and most of it (the rest: checking and tokenizing the prompt)
+    assert 0 < s["wall_time_s"] <= outer  # measured inside the call
     check_counts(s)
     assert s["draft_time_s"] > 0 and s["output_tokens"] == len(out.token_ids) == 16
     assert s["target_passes"] == counter.steps and s["drafted"] == counter.drafted > 0
@@ -103,6 +102,7 @@ def test_generate_json_stats_are_one_calls_and_name_the_drafter(target_dir, caps
     doc = strict(capsys.readouterr().out)
     s = doc["stats"]
     assert s["drafter"] == "int8 self-draft" and s["output_tokens"] == len(doc["token_ids"]) == 12
+    assert s["threads"] >= 1  # the CPU threads the models ran (a load-dependent default: say it to reproduce)
     assert s["draft_time_s"] > 0 and s["drafted"] > 0
     check_times(s)
     assert s["wall_time_s"] < outer

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import math
 import os
+import signal
+import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass, replace
 
 import numpy as np
@@ -136,8 +138,22 @@ def _results(stack: ExitStack, spec: MethodSpec, tasks: list, workers: int, samp
 
     wspec = replace(spec, threads=max(1, (os.cpu_count() or 1) // workers))
     pool = ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=_worker_init, initargs=(wspec,))
-    stack.callback(pool.shutdown)
-    return pool.map(_worker_run, [t[1:] for t in tasks])
+    stack.callback(pool.shutdown, cancel_futures=True)  # (Ctrl-C: the tasks not started are dropped)
+    with _sigint_ignored():  # the workers start now (the first task) and inherit it: Ctrl-C is this process's alone
+        return pool.map(_worker_run, [t[1:] for t in tasks])
+
+
+@contextmanager
+def _sigint_ignored():
+    """SIGINT ignored inside the block (in the main thread; elsewhere signals are the main thread's already)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
 
 
 def certify_generate(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from .bench_common import report
-from .options import UsageError, add_counts, add_device_args, load, log_stderr, model_errors
+from .options import UsageError, add_counts, add_device_args, check_model_path, load, log_stderr, model_errors
 
 HELP = "decode(1) / verify(k) cost curves: transformers vs fast runner vs quantized self-drafts"
 
@@ -38,6 +38,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--paths: unknown path(s) {', '.join(sorted(unknown))}; choose from {choose}")
     llamacpp = argparse.Namespace(**vars(args) | {"runner": "llamacpp"})  # its backend: llama.cpp
     torch_paths = [n for n in paths if n in bench_runner.TORCH_PATHS]
+    check_model_path(f"--model {args.model}", args.model)
     with model_errors():  # each backend loads the file itself: torch for the torch paths, llama.cpp for its own
         lc = load(args.model, llamacpp) if "llamacpp" in paths else None
         loaded = load(args.model, args) if torch_paths else lc

@@ -29,11 +29,10 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
-
     from ..bench import stops
+    from ..model.threads import set_threads
 
-    torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     names = ("num_stops", "num_prompts", "max_new_tokens", "repeats", "gamma", "seed")
     cfg = stops.StopsConfig(**{n: getattr(args, n) for n in names}, reference=not args.no_reference)
     return report(args, "stops", stops, stops.run(cfg))

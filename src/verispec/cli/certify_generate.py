@@ -199,9 +199,9 @@ def run(args: argparse.Namespace) -> int:
     spec = _method_spec(args)
     texts = read_prompts(args)
     if args.threads:
-        import torch
+        from ..model.threads import set_threads
 
-        torch.set_num_threads(args.threads)
+        set_threads(args.threads)  # every model of the run, torch's and llama.cpp's (`load_model` keeps it)
     with model_errors():
         ref, prompts = load_reference(args, texts)
         options = pick(args, "samples", "length", "level", "seed", "workers", "two_sample_tokens")

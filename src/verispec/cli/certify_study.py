@@ -14,6 +14,7 @@ from .options import (
     add_prompt_args,
     add_sampling_args,
     add_seed_arg,
+    check_model_path,
     gamma_type,
     model_errors,
     pick,
@@ -77,6 +78,9 @@ def run(args: argparse.Namespace) -> int:
     params = sampling_params(args)
     variants = _variants(args)
     texts = read_prompts(args)
+    check_model_path(f"--target {args.target}", args.target)
+    if args.draft not in ("ngram", "self", "none"):
+        check_model_path(f"--draft {args.draft}", args.draft)
     with model_errors():
         _, prompts = load_reference(args, texts)
         options = pick(args, "contexts", "length", "certify_samples", "gamma", "level", "seed")

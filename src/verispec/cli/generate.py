@@ -56,16 +56,22 @@ def check_heads(args: argparse.Namespace, models, runner: str | None) -> None:
         args.torch_only = True  # (`load`: the target loads with torch, a GGUF file dequantized)
 
 
-def build_generator(args: argparse.Namespace, config):
-    """Load the target and the draft model the SpecConfig names (`spec_config`: options already checked) and build
-    a SpeculativeGenerator from the config."""
-    from ..engine.generator import SpeculativeGenerator
-
+def check_models(args: argparse.Namespace, config) -> None:
+    """Before any model loads: the target and draft the config names fit its runner (`check_heads`; llama.cpp runs
+    GGUF files only)."""
     check_heads(args, [config.model] if config.drafter.model else [], config.runner)
     if config.runner == "llamacpp":  # (a head was refused above)
         check_gguf(f"--target {args.target}", args.target, "--spec runner=llamacpp")
         model = f"--draft {config.model}" if args.draft else f"--spec model={config.model}"
         check_gguf(model, config.model, "--spec runner=llamacpp")
+
+
+def build_generator(args: argparse.Namespace, config):
+    """Load the target and the draft model the SpecConfig names (`spec_config`: options already checked;
+    `check_models`, again where the caller has not) and build a SpeculativeGenerator from the config."""
+    from ..engine.generator import SpeculativeGenerator
+
+    check_models(args, config)
     with model_errors():
         target = load(args.target, args)
         draft = load(config.model, args, threads=False, draft=True) if config.drafter.model else None
@@ -83,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
     gen = build_generator(args, config)
     compile_constraint(gen.core, params, args)
     kwargs = dict(max_new_tokens=args.max_new_tokens, stop=args.stop or (), chat=args.chat)
-    from ..model.threads import read_sample, threads_hint
+    from ..model.threads import current_threads, read_sample, threads_hint
 
     start = read_sample()  # the CPUs' counters: was the run starved of CPU by other processes? (`threads_hint`)
     with user_errors():
@@ -91,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
             out = gen.generate(prompt, params, **kwargs)[0]
             doc = {k: getattr(out, k) for k in ("text", "token_ids", "finish_reason", "logprobs", "raw_logprobs")}
             # one request: the call's pooled stats are its own, times included (its Completion's carry none)
-            stats = {"drafter": gen.drafter} | gen.last_stats.summary()
+            stats = {"drafter": gen.drafter, "threads": current_threads()} | gen.last_stats.summary()
             print(dumps(doc | {"stats": stats}, indent=2))
         else:
             for event in gen.stream(prompt, params, **kwargs):

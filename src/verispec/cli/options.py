@@ -2,7 +2,7 @@
 
 Each group is added by one function, so a subcommand's parser reads as the list of groups it takes. A value a flag
 can check alone is checked by the flag's `type` (argparse reports it and exits with status 2); checks across flags
-run in `spec_config` (--spec and its shorthands --draft, --gamma and --tree, into one `SpecConfig`) and
+run in `spec_config` (--spec and its shorthands --draft, --gamma, --tree, --max-gamma and --stop-below, into one `SpecConfig`) and
 `sampling_params`, which every handler calls before it loads a model.
 
 The library's imports stay inside the functions: `import verispec.cli` itself loads no torch.
@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 from contextlib import contextmanager
 from pathlib import Path
@@ -349,7 +348,8 @@ def spec_config(args: argparse.Namespace, defaults: dict | None = None):
         in_spec = e.key in given  # the message then follows --spec's text, naming the keys it has not as --spec ...
         message = e.render(lambda key, value: _named(key, value, given, flags, in_spec))
         raise UsageError(f"--spec {text}: {message}" if in_spec else message) from None
-    _check_shorthands(cfg, flags, lambda key, value: _named(key, value, given, flags, False))
+    typed = "draft" in given or "draft" in flags  # else the default drafter, which the user did not name
+    _check_shorthands(cfg, flags, lambda key, value: _named(key, value, given, flags, False) if typed else None)
     if not cfg.drafter.built_by_generator:
         raise UsageError(
             f"--spec {text}: draft={cfg.draft} is drafted by objects the command line cannot give (a RolloutEngine's "
@@ -395,7 +395,8 @@ def _check_shorthands(cfg, flags: dict, named) -> None:
     if "stop_below" in flags and (not (cfg.drafter.uses_model or cfg.drafter.target_head) or cfg.tree is not None):
         raise UsageError(
             f"{flags['stop_below'][0]}: a draft model's chains stop below this probability of their own; it does not "
-            f"apply to {named('draft', cfg.draft)}" + (" with a tree" if cfg.tree is not None else "")
+            f"apply to {named('draft', cfg.draft) or f'the default drafter (draft={cfg.draft})'}"
+            + (" with a tree" if cfg.tree is not None else "")
         )
     if "max_gamma" in flags and cfg.gamma != "auto":
         raise UsageError(f"{flags['max_gamma'][0]} caps what --gamma auto picks; it does not apply to a fixed gamma")
@@ -410,13 +411,15 @@ def check_gguf(typed: str, spec: str | None, runner: str) -> None:
 
 
 def check_model_path(typed: str, spec: str | None) -> None:
-    """Before anything loads: a model named by a local path (a .gguf file; an absolute, ./ or ~ path; a path with
-    more than one /) must exist. A hub id (`name`, `org/name`) is left to the loader. typed: how the user named it."""
-    if spec is None or Path(spec).expanduser().exists():
-        return
-    local = spec.endswith((".gguf", "/")) or spec.startswith((".", "~", "/")) or spec.count("/") > 1
-    if local or os.sep in spec.replace("/", ""):
-        raise UsageError(f"{typed}: no such file or directory")
+    """Before anything loads: a model named by a local path must be one (`model.loading.check_source`: it exists, and
+    a directory holds a model); a hub id is left to the loader. typed: how the user named it (the flag)."""
+    from ..model.loading import ModelLoadError, check_source
+
+    try:
+        check_source(spec)
+    except ModelLoadError as e:
+        message = str(e).removesuffix(f": {spec}")  # (the flag as typed names the path already)
+        raise UsageError(f"{typed}: {message}") from None
 
 
 def _flag_items(args: argparse.Namespace) -> dict:

@@ -16,7 +16,7 @@ from .constants import (
     LOG_LEVELS,
     PREFILL_CHUNK,
 )
-from .generate import build_generator
+from .generate import build_generator, check_models
 from .options import UsageError, add_counts, add_speculation_args, int_range, pick, spec_config, user_errors
 
 HELP = "OpenAI-compatible HTTP server (completions, chat, streaming, metrics)"
@@ -266,6 +266,7 @@ def run(args: argparse.Namespace) -> int:
 
     template, hosts = _check_access(args)
     config = spec_config(args)
+    check_models(args, config)  # every check before the port: a port in use is the last thing to go wrong
     listener = _reserve_port(args.host, args.port)
     try:
         gen = build_generator(args, config)

@@ -7,7 +7,17 @@ import json
 import sys
 from pathlib import Path
 
-from .options import UsageError, add_counts, add_device_args, add_seed_arg, load, model_errors, pick, user_errors
+from .options import (
+    UsageError,
+    add_counts,
+    add_device_args,
+    add_seed_arg,
+    check_model_path,
+    load,
+    model_errors,
+    pick,
+    user_errors,
+)
 from .progress import duration
 
 HELP = "train an EAGLE-3 draft head for a target from its own samples"
@@ -80,6 +90,7 @@ def run(args: argparse.Namespace) -> int:
     prompts = [p for ps in by_cat.values() for p in ps[args.holdout :][: args.max_prompts]]
     if not prompts:
         raise UsageError("no prompts left after --holdout")
+    check_model_path(f"--target {args.target}", args.target)
     with model_errors():
         target = load(args.target, args)
     if not isinstance(target.model, torch.nn.Module):

@@ -29,6 +29,7 @@ __all__ = [
     "DEFAULT_MODEL_NAME",
     "LoadedModel",
     "ModelLoadError",
+    "check_source",
     "default_model_path",
     "load_model",
     "shared_vocab_size",
@@ -161,6 +162,13 @@ def _looks_like_path(spec: str) -> bool:
     )
 
 
+def check_source(spec: str | os.PathLike | None) -> None:
+    """Before loading: raise the ModelLoadError `load_model` would for a local path that does not exist, a file that is
+    not a model or a directory without one; a hub id and the default model (None) pass (nothing is downloaded)."""
+    if spec is not None:
+        _resolve(spec)
+
+
 def _resolve(spec: str | os.PathLike | None) -> tuple[str, str, dict]:
     """spec -> (source for from_pretrained, display name, extra kwargs such as gguf_file); a clear
     ModelLoadError for a path that does not exist or a directory that holds no model."""
@@ -171,7 +179,7 @@ def _resolve(spec: str | os.PathLike | None) -> tuple[str, str, dict]:
     path = Path(name).expanduser()
     if path.suffix == ".gguf":
         if not path.is_file():
-            raise ModelLoadError(f"GGUF file not found: {path}")
+            raise ModelLoadError(f"no such file or directory: {name}")
         return str(path.parent), name, {"gguf_file": path.name}
     if not path.exists():
         if _looks_like_path(name):

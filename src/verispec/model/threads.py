@@ -182,7 +182,9 @@ def set_threads(threads: int | None = None) -> int:
     n_threads / n_threads_batch for models loaded from now on.
 
     None keeps a count chosen before (by `set_threads`, or by the caller's own `torch.set_num_threads`), else takes
-    `default_threads` (sampled once per process). Returns the count."""
+    `default_threads` (sampled once per process). A caller's `torch.set_num_threads` to torch's own default count
+    cannot be told from no choice at all: pass the count (`load_model(threads=...)`, `set_threads(n)`) to fix it.
+    Returns the count."""
     if threads is None:
         threads = _chosen()
     elif threads < 1:
