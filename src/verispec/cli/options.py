@@ -486,7 +486,8 @@ def backend_for(spec: str | None, args: argparse.Namespace) -> str:
         self_draft = config.drafter.target_weights or config.drafter.target_head
     else:
         self_draft = getattr(args, "draft", None) in ("self", "mtp")
-    torch_needed = getattr(args, "torch_only", False) or self_draft  # quantizes (self) or reads (mtp) torch weights
+    quantized = getattr(args, "draft_quant", None) is not None  # (bench: the draft model's weights quantized by torch)
+    torch_needed = getattr(args, "torch_only", False) or self_draft or quantized  # quantizes / reads torch weights
     gguf = spec is None or str(spec).endswith(".gguf")
     auto = runner == "auto" and gguf and not torch_needed and getattr(args, "device", "cpu") == "cpu"
     return "llamacpp" if auto and args.dtype == "float32" and llamacpp_available() else "torch"
