@@ -39,8 +39,8 @@ NAMES = {
     "load_model(None)": "load_model({target!r})",
     '"path/to/policy"': "{target!r}",
     '"Qwen/Qwen2.5-1.5B-Instruct"': "{target!r}",
-    '"qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"': "{target!r}",
-    '"qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"': "{draft!r}",
+    '"~/models/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"': "{target!r}",
+    '"~/models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"': "{draft!r}",
     f'"{SERVER}/v1"': "{url!r}",
     f'"{SERVER}"': "{base!r}",
     '"SmolLM2-135M-Instruct"': '"tiny"',  # the served model id (tests.helpers.server.MODEL)

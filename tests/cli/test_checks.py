@@ -94,6 +94,7 @@ SPECULATION = [  # options of generate and serve
     # the shorthands --stop-below and --max-gamma
     (["--stop-below", "2"], r"--stop-below: must be a number in \[0, 1\] or none, got '2'"),
     (["--stop-below", "0.2"], r"--stop-below 0.2: .* not apply to the default drafter \(draft=ngram\)"),
+    (["--spec", "gamma=2", "--spec", "verify=block"], r"--spec given twice: put every key in one --spec"),
     (["--draft", "ngram", "--stop-below", "0.2"], r"--stop-below 0.2: .* not apply to --draft ngram$"),
     (["--draft", "m/d", "--tree", "2-1", "--stop-below", "0.2"], r"--stop-below 0.2: .* --draft m/d with a tree"),
     (["--draft", "m/d", "--stop-below", "0.2", "--spec", "stop_below=0.3"], r"--stop-below 0.2 disagrees with --spec"),

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import socket
 from pathlib import Path
 
 import pytest
@@ -107,7 +108,12 @@ def test_serve_with_a_head_drafts_and_answers_plain_greedy_text(saved, plain_tok
     monkeypatch.setattr(shutdown, "serve", lambda app, **kw: apps.append(app))
     monkeypatch.setattr(logging, "basicConfig", lambda **kw: None)
     target, head = saved
-    r = run_verispec(["serve", "--target", target, "--draft", head, "--served-model-name", "tiny"], capsys)
+    with socket.socket() as probe:  # a port free now (the default, 8000, may be another program's)
+        probe.bind(("127.0.0.1", 0))
+        port = str(probe.getsockname()[1])
+    r = run_verispec(
+        ["serve", "--target", target, "--draft", head, "--served-model-name", "tiny", "--port", port], capsys
+    )
     assert r.returncode == 0, r.stderr
     assert f"model={head}" in r.stderr  # the spec the server prints
     tok = make_tokenizer()

@@ -193,11 +193,20 @@ def add_seed_arg(p: argparse.ArgumentParser, default: int | None = 0, help: str 
     p.add_argument("--seed", type=int_range(0, 2**63 - 1), default=default, help=help)
 
 
+class _Once(argparse.Action):
+    """An option that may be given once: a second one is an error (not silently the last)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if getattr(namespace, self.dest, None) is not None:
+            parser.error(f"{option_string} given twice: put every key in one {option_string} (comma-separated)")
+        setattr(namespace, self.dest, values)
+
+
 def add_spec_args(p: argparse.ArgumentParser, draft_help: str = _HELP["draft"], gamma_help: str = _HELP["gamma"]):
     """--spec, the whole speculation configuration in one string (`SpecConfig.parse`), and its shorthands --draft,
     --gamma, --tree, --max-gamma and --stop-below (default None: `spec_config` fills what none of them sets from the
     defaults)."""
-    p.add_argument("--spec", metavar="SPEC", help=_HELP["spec"])
+    p.add_argument("--spec", metavar="SPEC", action=_Once, help=_HELP["spec"])
     p.add_argument("--draft", help=draft_help)
     p.add_argument("--gamma", type=gamma_type(), help=gamma_help)
     p.add_argument("--tree", help=_HELP["tree"])
