@@ -9,6 +9,7 @@ import socket
 
 import pytest
 
+from tests.helpers.server import free_port
 from verispec.cli import main
 
 
@@ -295,9 +296,7 @@ def test_valid_options_reach_the_loader(argv, tmp_path):
     if argv[0] == "certify":
         argv = [*argv, "--out", str(tmp_path)]
     if argv[0] == "serve":  # a port free now (the default, 8000, may be another program's)
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            argv = [*argv, "--port", str(probe.getsockname()[1])]
+        argv = [*argv, "--port", str(free_port())]
     with pytest.raises(ModelLoaded):
         main(argv)
 

@@ -7,18 +7,14 @@ import pytest
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
-from verispec.cli import main
+from tests.helpers.cli import run_verispec
 
 
 def _error(argv, capsys) -> str:
     """Run the command; it must exit with status 2 and no traceback; return its stderr."""
-    try:
-        code = main(argv)
-    except SystemExit as e:
-        code = e.code
-    err = capsys.readouterr().err
-    assert code == 2 and "Traceback" not in err, err
-    return err
+    r = run_verispec(argv, capsys)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    return r.stderr
 
 
 @pytest.mark.parametrize(

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 from pathlib import Path
 
 import pytest
@@ -19,6 +18,7 @@ from verispec.sampling import SamplingParams
 
 from ..helpers.cli import run_verispec
 from ..helpers.heads import save_eagle3
+from ..helpers.server import free_port
 from ..helpers.tiny import V, make_model, make_tokenizer
 
 PROMPT = "a b c"
@@ -108,9 +108,7 @@ def test_serve_with_a_head_drafts_and_answers_plain_greedy_text(saved, plain_tok
     monkeypatch.setattr(shutdown, "serve", lambda app, **kw: apps.append(app))
     monkeypatch.setattr(logging, "basicConfig", lambda **kw: None)
     target, head = saved
-    with socket.socket() as probe:  # a port free now (the default, 8000, may be another program's)
-        probe.bind(("127.0.0.1", 0))
-        port = str(probe.getsockname()[1])
+    port = str(free_port())  # a port free now (the default, 8000, may be another program's)
     r = run_verispec(
         ["serve", "--target", target, "--draft", head, "--served-model-name", "tiny", "--port", port], capsys
     )
