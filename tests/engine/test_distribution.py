@@ -15,7 +15,7 @@ import dataclasses
 
 import pytest
 
-from verispec.drafting import DraftModelProposer, Proposer
+from verispec.drafting import DraftModelProposer, PromptLookupProposer, Proposer, SwitchProposer
 from verispec.engine.config import SpecConfig
 from verispec.engine.generator import SpeculativeGenerator
 from verispec.engine.verify import Verification
@@ -56,6 +56,7 @@ CASES = (
     + [("ngram", "temperature"), ("ngram", "penalties")]
     + [("self-int4", "top_k_top_p")]  # the target's own weights, int4-quantized, bfloat16 compute
     + [("draft-model-block", "top_k_top_p"), ("ngram-block", "penalties")]  # verify="block"
+    + [("ngram+model", "top_k_top_p")]  # per row: prompt lookup where it matches, the draft model elsewhere
 )
 SLOW_CASES = {
     ("ngram", "temperature"),
@@ -63,6 +64,7 @@ SLOW_CASES = {
     ("ngram-block", "penalties"),
     ("draft-model", "temperature"),
     ("draft-model", "top_k_top_p"),
+    ("ngram+model", "top_k_top_p"),  # the default tier: its greedy test (tests/engine/test_generator.py)
 }
 
 
@@ -83,6 +85,8 @@ def test_engine_matches_target_sequence_distribution(drafter, setting, tiny_targ
     verify = "block" if block else "token"
     if drafter == "self-int4":
         gen = SpeculativeGenerator(tiny_target, config=SpecConfig(draft="self", quant="int4", gamma=2, random="stream"))
+    elif drafter == "ngram+model":
+        gen = SpeculativeGenerator(tiny_target, tiny_draft, config=SpecConfig(draft=drafter, gamma=2, random="stream"))
     else:
         draft, kind = (tiny_draft, "model") if drafter == "draft-model" else (None, "ngram")
         config = SpecConfig(draft=kind, gamma=2, verify=verify, random="stream")
@@ -106,6 +110,32 @@ def test_plain_decoding_matches_target_sequence_distribution(tiny_target):
         exact_sequence_probs(tiny_target.model, PROMPT, params),
     )
     assert not result.rejects(LEVEL), result
+
+
+class UniformQForChosen(SwitchProposer):
+    """Broken on purpose: prompt lookup and the draft model per row, but a row prompt lookup drafted is verified
+    against a uniform q (a merge that forgot its one-hot q) instead of its own."""
+
+    def propose(self, view, caps):
+        draft = super().propose(view, caps)
+        if draft.probs is None:
+            return draft
+        probs = draft.probs.clone()  # [B, k + 1, V]
+        for b, (source, n) in enumerate(zip(view.sources, draft.num_nodes)):
+            if source == 0 and n:
+                probs[b] = 1.0 / V
+        return dataclasses.replace(draft, probs=probs)
+
+
+@pytest.mark.slow  # ~12 s, beside the case it gives power to
+def test_a_merge_that_mixes_up_q_fails(tiny_target, tiny_draft):
+    """Power of the ngram+model case above: the same sources with the chosen rows' q replaced fail the test (both
+    sources draft thousands of rows here: the prompt's last two tokens recur, the continuations mostly do not)."""
+    params = SETTINGS["top_k_top_p"]
+    broken = UniformQForChosen([PromptLookupProposer(), DraftModelProposer(tiny_draft.model, V)])
+    gen = SpeculativeGenerator(tiny_target, broken, config=SpecConfig(draft="custom", gamma=2, random="stream"))
+    result = gof(sample_sequences(gen, params), exact_sequence_probs(tiny_target.model, PROMPT, params))
+    assert result.rejects(LEVEL), result
 
 
 def test_broken_engine_fails(tiny_target, tiny_draft):

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from verispec.engine.config import SpecConfig
+from verispec.engine.drafters import describe_drafter
 from verispec.engine.generator import SpeculativeGenerator
 from verispec.model.loading import LoadedModel
 from verispec.sampling import SamplingParams
@@ -31,6 +32,22 @@ def test_greedy_equals_target_greedy(draft, batch, tiny_target, tiny_draft, tiny
         assert 0.2 < gen.last_stats.acceptance_rate < 1.0
     if draft == "self":  # a perfect draft: every draft accepted, tau = gamma + 1 until the budget binds
         assert gen.last_stats.acceptance_rate == 1.0
+
+
+@pytest.mark.parametrize("gamma", [3, "auto"])
+def test_greedy_with_prompt_lookup_or_a_draft_model_per_row(gamma, tiny_target, tiny_noisy):
+    """draft=ngram+model: each row drafts from prompt lookup where it matches, the draft model elsewhere (a fixed
+    gamma; auto: by measured gain, after a calibration so it drafts from the first step); greedy output is the
+    target's, and both sources drafted tokens that were kept."""
+    gen = SpeculativeGenerator(tiny_target, tiny_noisy, config=SpecConfig(draft="ngram+model", gamma=gamma))
+    if gamma == "auto":
+        gen.calibrate((4,), context=8, repeats=1)
+    outs = gen.generate(PROMPTS, GREEDY, max_new_tokens=24)
+    for prompt, out in zip(PROMPTS, outs):
+        assert out.token_ids == greedy_reference(tiny_target.model, prompt, 24)
+    kept = gen.core.proposer.kept  # per source: its tokens kept (auto's choices depend on timings: any split)
+    assert sum(kept) == gen.last_stats.accepted > 0 and (gamma == "auto" or min(kept) > 0)
+    assert describe_drafter(gen.core.proposer) == "prompt lookup or draft model"
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])

@@ -188,6 +188,8 @@ def test_greedy_equals_the_targets_greedy(target, trained_head_dir, greedy_refs,
     included. The distilled head's drafts are accepted often (chains and trees kept in part and in full)."""
     cfg = SpecConfig.parse(f"draft=model,{spec},runner={runner}")
     gen = SpeculativeGenerator(target, load_head(trained_head_dir), config=cfg)
+    if cfg.gamma == "auto":  # measured costs from the first step (cold, auto decodes plainly until they pay)
+        gen.calibrate((len(GREEDY_PROMPTS),), context=8, repeats=1)
     outs = gen.generate(GREEDY_PROMPTS, SamplingParams(temperature=0), max_new_tokens=GREEDY_NEW)
     assert [list(o.token_ids) for o in outs] == greedy_refs, spec
     assert [o.finish_reason for o in outs] == ["length" if len(r) == GREEDY_NEW else "stop" for r in greedy_refs]

@@ -435,7 +435,7 @@ def _flag_items(args: argparse.Namespace) -> dict:
     """The spec keys the shorthands given set: key -> (the flag as typed, value)."""
     out = {}
     draft = getattr(args, "draft", None)
-    if draft in ("ngram", "none", "self", "mtp"):
+    if draft in ("ngram", "none", "self", "mtp", "ngram+self"):
         out["draft"] = (f"--draft {draft}", draft)
     elif draft is not None:  # a path: a draft model (or a head's directory)
         out["draft"], out["model"] = (f"--draft {draft}", "model"), (f"--draft {draft}", draft)

@@ -6,7 +6,8 @@ The boundary: the last `lookbehind` committed target tokens are re-tokenized wit
 after them are proposed only where the re-tokenization starts with those exact tokens (else the draft's text alone
 is tokenized). The last proposed token is dropped (more text could merge it with what follows). A draft special
 token (EOS) ends the text, proposed as the target's special of the same content. The draft is greedy (whatever the
-request's sampling): proposals are then a function of the committed tokens, as chosen drafts must be.
+request's sampling): proposals are then a function of the committed tokens, as chosen drafts must be. A draft context
+window (`draft_context`) bounds the draft's prefill as a draft model's does (`drafting.draft_model.draft_window`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from collections.abc import Callable
 import torch
 
 from ..drafting.base import BatchView, Draft, Proposer
+from ..drafting.draft_model import check_draft_context, draft_window
 from ..model.fast import make_runner
 from .runner import BridgedRunner
 from .vocab import VocabMap
@@ -38,24 +40,31 @@ class SlemProposer(Proposer):
         runner: Callable = make_runner,
         lookbehind: int = 4,
         extra: int = 2,
+        draft_context: int | None = None,
     ):
         """model: the draft model (its vocabulary v_draft); vocab: the pair's VocabMap (how the draft reads the
         committed target tokens); runner: the factory (model, v_draft) -> the draft's own runner (bridged here into
         the target's ids); lookbehind: committed target tokens re-tokenized with the draft's text; extra: draft
-        tokens drafted beyond the row's cap (the two tokenizations' lengths differ)."""
+        tokens drafted beyond the row's cap (the two tokenizations' lengths differ); draft_context: the draft reads
+        only this many target tokens of a row when it joins, its first and its last (`draft_window`; None: all)."""
         self.model = model
         self.tokenizer = target_tokenizer
         self.map = vocab
         self.lookbehind, self.extra = lookbehind, extra
+        self.draft_context = check_draft_context(draft_context)
+        self._offset: list[int] = []  # per row: leading target tokens the draft's cache skips (`draft_window`)
         self._make_inner = lambda: runner(model, v_draft)
         self.runner = BridgedRunner(self._make_inner(), vocab, v_target)
         self._special_ids = {i for i, k in enumerate(vocab.draft_keys) if isinstance(k, str)}
 
     def start(self, view: BatchView, capacity: int) -> None:
-        self.runner.fill([s[:-1] for s in view.seqs], capacity)
+        cached, self._offset = draft_window(view.seqs, self.draft_context)
+        self.runner.fill(cached, capacity - min(self._offset, default=0))
 
     def add(self, view: BatchView, capacity: int) -> None:
-        self.runner.add_rows([s[:-1] for s in view.seqs], capacity)
+        cached, offsets = draft_window(view.seqs, self.draft_context)
+        self.runner.add_rows(cached, capacity - min(offsets, default=0))
+        self._offset = self._offset + offsets
 
     def weights_changed(self, model) -> float:
         """A quantized draft is re-quantized when its own weights were replaced (the target's change nothing here)."""
@@ -79,13 +88,14 @@ class SlemProposer(Proposer):
 
     def select(self, rows: list[int]) -> None:
         self.runner.select(rows)
+        self._offset = [self._offset[r] for r in rows]
 
     @torch.inference_mode()
     def _greedy(self, view: BatchView, caps: list[int]) -> list[list[int]]:
         """Per row, the draft's greedy continuation in its own ids (up to cap + extra; ends at a special token).
         The draft's own tokens leave its cache afterwards: it keeps only the committed target tokens."""
         runner = self.runner
-        feed = [s[n:] if c > 0 else [] for s, n, c in zip(view.seqs, runner.lengths, caps)]
+        feed = [s[o + n :] if c > 0 else [] for s, o, n, c in zip(view.seqs, self._offset, runner.lengths, caps)]
         logits = runner.draft_forward(feed, logits_at="last")  # [B, V_d]: after each row's pending token
         want = [c + self.extra if c > 0 else 0 for c in caps]
         runner.room([max(want)])

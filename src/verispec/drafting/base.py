@@ -7,8 +7,9 @@ from; deterministic drafters (prompt lookup, greedy, top-k children) return `pro
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -16,7 +17,7 @@ from torch import Tensor
 from ..sampling.tree import VERIFY_RULES, chain_parents, tree_ancestors
 from .batch import BatchView
 
-__all__ = ["BatchView", "Draft", "Proposer", "padded"]
+__all__ = ["BatchView", "Draft", "Proposer", "Signal", "padded"]
 
 
 def padded(rows: Sequence[Sequence], width: int | None = None, fill=-1, dtype=torch.int64) -> Tensor:
@@ -96,14 +97,41 @@ class Draft:
         return Draft(ids.to(device), par.to(device), probs, [len(t) for t in tokens], depth, rule, False, sampled)
 
 
+class Signal(NamedTuple):
+    """What a draft source can draft for a row now, read before it drafts (`Proposer.signals`): the draft-length
+    controller pools acceptance per (source, bucket) and never drafts deeper than `depth`."""
+
+    bucket: Hashable  # the evidence class, e.g. prompt lookup's (matched n-gram size, agreeing earlier matches)
+    depth: int  # the most tokens the source can draft for the row (prompt lookup: its continuation's length)
+
+
+ANY_DEPTH = 1 << 30  # a source that drafts as deep as it is asked
+
+
 class Proposer:
     """Base class. Subclasses implement propose (and update when they keep state such as a KV cache).
 
     `tree` is the TreeSpec of the trees the proposer drafts, or None when it drafts chains: for chains the engine
-    chooses each row's draft length (gamma), for trees the spec's shape does."""
+    chooses each row's draft length (gamma), for trees the spec's shape does.
+
+    A chain proposer has one or more draft sources (`source_costs`, one entry each; several: a proposer that
+    chooses per row between drafters, `SwitchProposer`). Before each step the engine reads `signals` and picks per
+    row a source and a length; `view.sources` tells `propose` which source each row drafts from."""
 
     name = "proposer"
     tree = None
+    cost_prior = 0.0  # seconds per drafted token before any is measured, as a share of a target decode step
+
+    @property
+    def source_costs(self) -> tuple[float, ...]:
+        """Per draft source: its `cost_prior`."""
+        return (self.cost_prior,)
+
+    def signals(self, view: BatchView) -> list[tuple[Signal | None, ...]]:
+        """Per row, per draft source: what it can draft now (None: nothing). Only the past may decide it (the
+        controller's choice must not look at anything drafting samples). Default: one source, any depth, one
+        bucket."""
+        return [(Signal(None, ANY_DEPTH),)] * len(view.seqs)
 
     def start(self, view: BatchView, capacity: int) -> None:
         """A new batch begins (prompts in view.seqs); capacity bounds any sequence length."""

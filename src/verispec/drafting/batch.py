@@ -57,6 +57,7 @@ class BatchView:
     grammars: list | None = None  # per row: its structured-output GrammarState, or None; None: no row has one
     faults: dict[int, str] = field(default_factory=dict)  # row -> why its distribution was no distribution (`settle`)
     bad: Tensor | None = None  # [B] bool: rows whose distribution `probs` replaced (on the device until `settle`)
+    sources: list[int] | None = None  # per row: the draft source the engine chose (`Proposer.signals`); None: 0
 
     def __post_init__(self):
         if self.sampling is not None:

@@ -2,6 +2,14 @@
 `probs_from_logits` as the target, so q is exactly what it sampled from: a chain of up to gamma tokens, or a tree
 (`verispec.drafting.tree`). Its KV cache keeps the accepted drafts it was fed (`keep_paths`); a fully accepted chain's
 last draft is fed at the next step.
+
+A draft context window (`draft_context`, W): a row joins the draft's cache with only W of the tokens before its
+pending token (`draft_window`): the first min(DRAFT_HEAD, W // 4) (a chat template's system prompt and the
+instruction a long document follows: without them acceptance fell further, docs/guides/generating.md) and the last
+ones, so the draft's prefill of a long prompt costs at most W tokens. Its offset (the middle tokens skipped) maps the
+row's sequence to the cache's slots past the head. The window bounds the prompt's prefill only: generated tokens
+append to it, and it is not slid once it fills up. Any context is exact: q is what the draft sampled from, whatever
+it read.
 """
 
 from __future__ import annotations
@@ -19,11 +27,36 @@ from ..sampling.tree import chain_parents
 from .base import BatchView, Draft, Proposer
 from .tree import TreeSpec, grow_tree
 
-__all__ = ["DraftModelProposer"]
+__all__ = ["DRAFT_HEAD", "DraftModelProposer", "check_draft_context", "draft_window"]
+
+DRAFT_HEAD = 64  # a window's first tokens kept from the start of the prompt (at most a quarter of the window)
+
+
+def check_draft_context(draft_context: int | None) -> int | None:
+    """draft_context, checked: an integer >= 1 or None (the whole context)."""
+    ok = draft_context is None or (
+        isinstance(draft_context, int) and not isinstance(draft_context, bool) and draft_context >= 1
+    )
+    if not ok:
+        raise ValueError(f"draft_context must be an integer >= 1 or None, got {draft_context!r}")
+    return draft_context
+
+
+def draft_window(seqs, draft_context: int | None) -> tuple[list[list[int]], list[int]]:
+    """What a draft's cache holds of each row on joining: all but its pending (last) token, or only draft_context of
+    them, its first head = min(DRAFT_HEAD, draft_context // 4) and its last; and each row's offset, the tokens
+    skipped between them (a sequence's token i >= head + offset is cache slot i - offset)."""
+    cached = [list(s[:-1]) for s in seqs]
+    if draft_context is None:
+        return cached, [0] * len(cached)
+    head = min(DRAFT_HEAD, draft_context // 4)
+    offsets = [max(0, len(c) - draft_context) for c in cached]
+    return [c[:head] + c[head + o :] for c, o in zip(cached, offsets)], offsets
 
 
 class DraftModelProposer(Proposer):
     name = "draft-model"
+    cost_prior = 0.3  # a draft forward before one is timed, as a share of a target step (engine.adaptive)
 
     def __init__(
         self,
@@ -33,33 +66,42 @@ class DraftModelProposer(Proposer):
         *,
         tree: TreeSpec | None = None,
         runner: Callable[[object, int], Runner] = make_runner,
+        draft_context: int | None = None,
     ):
         """stop_below: a chain row stops once a draft token's probability under the draft's own (temperature-1)
         distribution is below it (exact: the rule looks only at the draft's own tokens and distributions); None
         drafts the full gamma; trees ignore it. tree: draft trees of this shape instead of chains. runner: the
         factory (model, vocab_size) -> the draft's Runner (a quantized fast runner, a cross-vocabulary bridge, a
-        hidden-state head's runner: `engine.drafters.build_proposer`)."""
+        hidden-state head's runner: `engine.drafters.build_proposer`). draft_context: the draft reads only this many
+        tokens of a row's sequence when it joins, its first and its last (the module docstring); None: all of it (a
+        hidden-state head reads the target's hidden states of the whole context: it takes None)."""
         if stop_below is not None and not 0.0 <= stop_below <= 1.0:
             raise ValueError(f"stop_below must be in [0, 1] or None, got {stop_below}")
         if tree is not None and not isinstance(tree, TreeSpec):
             raise ValueError(f"tree must be a TreeSpec or None, got {tree!r}")
+        self.draft_context = check_draft_context(draft_context)
         self.model = model
         self._make_runner = lambda: runner(model, vocab_size)
         self.runner = self._make_runner()
         self.stop_below = None if tree is not None else stop_below
         self.tree = tree
+        self._offset: list[int] = []  # per row: sequence tokens the draft's cache skips after its head (`draft_window`)
         self._start: list[int] = []  # per row: the draft cache's length where this step's fed drafts begin
         self._fed: list[dict[int, int]] = []  # per row: draft node -> its index among the fed drafts
 
     def start(self, view: BatchView, capacity: int) -> None:
-        self.runner.fill([s[:-1] for s in view.seqs], capacity)  # invariant: the cache holds all but the pending token
+        # invariant: the cache holds all but the pending token, less the `offset` tokens its window skips
+        cached, self._offset = draft_window(view.seqs, self.draft_context)
+        self.runner.fill(cached, capacity - min(self._offset, default=0))  # a row needs `capacity` less its offset
 
     def add(self, view: BatchView, capacity: int) -> None:
-        self.runner.add_rows([s[:-1] for s in view.seqs], capacity)
+        cached, offsets = draft_window(view.seqs, self.draft_context)
+        self.runner.add_rows(cached, capacity - min(offsets, default=0))
+        self._offset = self._offset + offsets
 
     def propose(self, view: BatchView, caps: list[int]) -> Draft:
         if self.tree is not None:
-            draft, self._start, self._fed = grow_tree(self.runner, self.tree, view, caps)
+            draft, self._start, self._fed = grow_tree(self.runner, self.tree, view, caps, self._offset)
             return draft
         self._start, self._fed = list(self.runner.lengths), [{} for _ in caps]
         limit = getattr(self.runner, "max_draft", None)  # Medusa: as many drafts as heads
@@ -73,7 +115,7 @@ class DraftModelProposer(Proposer):
         B, k, dev = len(view.seqs), max(gammas), view.device
         ids = torch.full((B, k), -1, dtype=torch.int64, device=dev)
         probs = None  # [B, k + 1, V] once V is known
-        feed = [s[n:] if g > 0 else [] for s, n, g in zip(view.seqs, self.runner.lengths, gammas)]
+        feed = [s[o + n :] if g > 0 else [] for s, o, n, g in zip(view.seqs, self._offset, self.runner.lengths, gammas)]
         for j in range(k):
             logits = self.runner.forward(feed, logits_at="last")  # [B, V]
             if j == 0:
@@ -112,6 +154,7 @@ class DraftModelProposer(Proposer):
 
     def select(self, rows: list[int]) -> None:
         self.runner.select(rows)
+        self._offset = [self._offset[r] for r in rows]
 
     def weights_changed(self, model) -> float:
         """A dense runner reads the model's own (updated) parameters; a quantized one is re-quantized from them."""

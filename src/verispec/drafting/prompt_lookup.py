@@ -1,7 +1,12 @@
 """Prompt lookup (n-gram) drafting: the continuation of the latest earlier occurrence of the sequence's last n
 tokens, n from the largest configured size down. Deterministic, so q is one-hot. A continuation stops before a token
 the request can never sample (allowed_token_ids, one-token bad words). With a TreeSpec: the continuations of several
-matches (latest first, longer n-grams first, up to the tree's first width) as the branches of one trie."""
+matches (latest first, longer n-grams first, up to the tree's first width) as the branches of one trie.
+
+Its signal (`Signal`) for the draft-length controller: the bucket (n, votes) — the matched n-gram size and how many
+of the earlier matches continue with the same next token (capped at MAX_VOTES), as SuffixDecoding scores a
+continuation by how often it was seen — and the continuation's length as the depth. No match: no signal (the row
+decodes plainly)."""
 
 from __future__ import annotations
 
@@ -11,12 +16,14 @@ import numpy as np
 from torch import Tensor
 
 from ..sampling import SamplingParams
-from .base import BatchView, Draft, Proposer, padded
+from .base import BatchView, Draft, Proposer, Signal, padded
 from .tree import TreeSpec
 
-__all__ = ["PromptLookupProposer", "continuations", "lookup", "lookup_all", "trie", "unblocked_prefix"]
+__all__ = ["PromptLookupProposer", "continuations", "lookup", "lookup_all", "match", "trie", "unblocked_prefix"]
 
 SEP = -1  # separates the sequences of a corpus (`continuations`)
+MAX_VOTES = 3  # agreeing earlier matches counted in a signal's bucket
+SIGNAL_DEPTH = 64  # tokens of a continuation a signal reads (engine.adaptive.MAX_GAMMA)
 
 
 def checked_ngram_sizes(ngram_sizes) -> tuple[int, ...]:
@@ -31,6 +38,18 @@ def lookup(seq: Sequence[int] | Tensor, n_sizes: tuple[int, ...], gamma: int) ->
     """seq [L] -> up to gamma tokens following the latest earlier match of the last n tokens."""
     found = lookup_all(seq, n_sizes, gamma, 1)
     return found[0] if found else []
+
+
+def match(seq: Sequence[int] | Tensor, n_sizes: tuple[int, ...], depth: int) -> tuple[list[int], int, int]:
+    """(continuation, n, votes): up to `depth` tokens after the latest earlier match of the last n tokens (n the
+    largest size that matches), and how many matches of that size continue with the continuation's first token;
+    ([], 0, 0) without a match."""
+    seq = np.asarray(seq, dtype=np.int64)
+    for n in n_sizes:
+        found = continuations(seq, seq[-n:], depth, max_hits=len(seq))
+        if found:
+            return found[-1], n, sum(c[0] == found[-1][0] for c in found)
+    return [], 0, 0
 
 
 def lookup_all(seq: Sequence[int] | Tensor, n_sizes: tuple[int, ...], depth: int, branches: int) -> list[list[int]]:
@@ -76,14 +95,26 @@ class PromptLookupProposer(Proposer):
         if tree is not None and tree.rule != "deterministic":
             raise ValueError("prompt-lookup trees are deterministic (one-hot q): use tree rule 'deterministic'")
         self.tree = tree  # branches = its first width (a dynamic tree's top-k), depth = its depth
+        self._matches: list[tuple[list[int], int, int]] | None = None  # per row, from `signals`: (cont, n, votes)
+        self._lengths: list[int] = []
+
+    def signals(self, view: BatchView) -> list[tuple[Signal | None]]:
+        self._matches = [self._match(seq, params) for seq, params in zip(view.seqs, view.params)]
+        self._lengths = [len(seq) for seq in view.seqs]  # the sequences the matches are of
+        return [(Signal((n, min(votes, MAX_VOTES)), len(cont)) if cont else None,) for cont, n, votes in self._matches]
+
+    def _match(self, seq: list[int], params) -> tuple[list[int], int, int]:
+        cont, n, votes = match(seq, self.ngram_sizes, SIGNAL_DEPTH)
+        return unblocked_prefix(cont, params), n, votes
 
     def propose(self, view: BatchView, caps: list[int]) -> Draft:
         if self.tree is not None:
             return self._trie(view, caps)
-        found = [
-            unblocked_prefix(lookup(seq, self.ngram_sizes, g) if g > 0 else [], view.params[b])
-            for b, (seq, g) in enumerate(zip(view.seqs, caps))
-        ]
+        matches = self._matches  # this step's signals read them (the same sequences)
+        if matches is None or self._lengths != [len(seq) for seq in view.seqs]:
+            matches = [([], 0, 0) if g <= 0 else self._match(s, p) for s, p, g in zip(view.seqs, view.params, caps)]
+        self._matches = None
+        found = [cont[: max(g, 0)] for (cont, _, _), g in zip(matches, caps)]
         return Draft.chain_of(padded(found).to(view.device), None, [len(f) for f in found])
 
     def _trie(self, view: BatchView, caps: list[int]) -> Draft:

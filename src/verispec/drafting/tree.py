@@ -213,15 +213,19 @@ class TreeGrowth:
             self.fed[b] = {index[n]: f for n, f in self.fed[b].items() if n in index}
 
 
-def grow_tree(runner, spec: TreeSpec, view: BatchView, caps: list[int]) -> tuple[Draft, list[int], list[dict]]:
-    """Draft a tree per row with a draft model, level by level in its cache (runner: HFRunner / FastRunner).
+def grow_tree(
+    runner, spec: TreeSpec, view: BatchView, caps: list[int], offsets: list[int] | None = None
+) -> tuple[Draft, list[int], list[dict]]:
+    """Draft a tree per row with a draft model, level by level in its cache (runner: HFRunner / FastRunner; offsets:
+    per row, the sequence tokens its cache skips, a draft context window's: slot n >= its head is token n + offset).
     Returns the draft, the draft cache's tree start per row and, per row, node -> fed index (for `keep_paths`)."""
     B, dev = len(view.seqs), view.device
+    offsets = [0] * B if offsets is None else offsets
     caps = [max(0, min(c, spec.max_depth)) for c in caps]
     grown = TreeGrowth(spec, B)
     if max(caps, default=0) == 0:
         return Draft.tree_of(grown.tokens, grown.parents, None, spec.rule, dev), list(runner.lengths), grown.fed
-    feed = [s[n:] if c > 0 else [] for s, n, c in zip(view.seqs, runner.lengths, caps)]
+    feed = [s[o + n :] if c > 0 else [] for s, o, n, c in zip(view.seqs, offsets, runner.lengths, caps)]
     logits = runner.forward(feed, logits_at="last")  # [B, V]: the root (after the pending token)
     start = list(runner.lengths)
     q = view.probs(logits)  # [B, V]: the root's context

@@ -1,29 +1,48 @@
-"""Draft length control: a fixed gamma, or one chosen each step from measured acceptance and costs.
+"""Draft length control: a fixed gamma, or one chosen per row and step from measured acceptance and costs ("auto").
 
-The adaptive rule maximises the expected speedup of `verispec.sampling.theory.speedup_cost_curve`, with
-  * alpha per row: (accepted + m * a0) / (accepted + rejections + m) over the row's steps (a step: its accepted
-    drafts as successes, a rejection as one failure), shrunk towards a0, the acceptance pooled over all rows so far
-    (m = 4 pseudo-observations; a0 starts optimistic at 0.75);
-  * draft cost: the measured seconds of one draft forward (EMA);
-  * verify cost T(n): measured seconds of a target pass over n tokens per row (EMA per n), interpolated.
-Both costs are kept per batch size (a batch size not measured yet borrows the nearest one's). When no draft length
-is expected to pay — judged once `min_evidence` acceptance observations and T(1) are measured — the row decodes
-plainly and drafts again every `probe_every` steps to keep alpha measured. Any gamma is lossless; with gamma="auto"
-the samples depend on timings, so seeded outputs are reproducible only with a fixed gamma.
+The auto rule prices every choice with measured costs (`engine.costs.StepCosts`) and picks the best rate, plain
+decoding included:
+  * plain: 1 token for T_B(1) seconds (B: the batch size);
+  * drafting g tokens with source s (a drafter may offer several, e.g. prompt lookup and a draft model, and says
+    per row what each can draft now: `drafting.Signal`): E[tokens] = 1 + sum_{j<=g} prod_{i<=j} alpha_i for
+    T_B(g + 1) + g * c_s seconds (c_s: the source's seconds per drafted token).
+alpha_i is the chance that draft position i is kept once positions before it were (positions 3 and deeper share one
+figure), estimated from kept / reached counts with shrinkage up a hierarchy: the source's pooled record (towards
+PRIOR_ALPHA), the source's signal bucket (e.g. prompt lookup's matched n-gram size and how many earlier matches agree)
+towards it, the row's own record in that bucket towards that. Before T_B(1) is measured the row decodes plainly
+(which measures it); unmeasured widths are priced pessimistically (`engine.costs`).
+
+A row may instead probe: take the choice an optimistic estimate favours (the first position's alpha at the upper end
+of its spread over the bucket's evidence; a width never measured at the cost of the widest measured) where it beats the estimates' best,
+as long as the expected seconds probes lose against that best stay within `probe_budget` of the time decoded so far
+(plus one step's worth to start). So drafts and widths that were never tried get measured, a drafter that has shown
+nothing stops being tried, and probing costs a bounded share of the run.
+
+Any gamma is lossless (every choice looks only at the past); with gamma="auto" the samples depend on timings, so
+seeded outputs are reproducible only with a fixed gamma.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
+from collections.abc import Hashable, Sequence
 
 import torch
 
-from ..sampling.theory import optimal_gamma_cost_curve, speedup_cost_curve
+from ..drafting.base import Signal
+from .costs import DEFAULT_SLOPE, StepCosts
 
-__all__ = ["MAX_GAMMA", "GammaController", "check_gamma", "measure_cost_curve"]
+__all__ = ["MAX_GAMMA", "GammaController", "check_gamma", "expected_tokens", "measure_cost_curve"]
 
 MAX_GAMMA = 64  # drafts per step: far beyond where speculation pays (every draft costs a draft forward)
+DEPTHS = 3  # acceptance is kept for draft positions 1, 2 and 3-or-deeper
+PRIOR_ALPHA = 0.5  # a source's acceptance before any evidence (PRIOR_WEIGHT pseudo-observations)
+PRIOR_WEIGHT = 2.0
+SHRINK = 4.0  # pseudo-observations a bucket (a row) borrows from the source (the bucket)
+Z_PROBE = 1.0  # a probe's optimism: the scale of its confidence bound (`GammaController.alphas`)
+PROBE_BUDGET = 0.02  # the share of the run's seconds that probes may lose, in expectation
 
 
 @torch.inference_mode()
@@ -68,98 +87,152 @@ def check_gamma(value, name: str = "gamma") -> int:
     return value
 
 
+def expected_tokens(alphas: Sequence[float], gamma: int) -> float:
+    """Expected tokens of one step drafting `gamma` tokens: 1 + sum_{j<=gamma} prod_{i<=j} alphas[min(i, D) - 1]
+    (alphas [D]: the chance position i is kept once the positions before it were; the last covers deeper ones)."""
+    total, reach = 1.0, 1.0
+    for j in range(gamma):
+        reach *= alphas[min(j, len(alphas) - 1)]
+        total += reach
+    return total
+
+
+Counts = list[float]  # [2 * DEPTHS]: kept, reached per draft position (1, 2, 3+)
+
+
+def _record(table: dict, key: Hashable, drafted: int, accepted: int) -> None:
+    """A step's outcome into the counts under `key`: positions 1..min(drafted, accepted + 1) were reached."""
+    counts = table.setdefault(key, [0.0] * (2 * DEPTHS))
+    for j in range(min(drafted, accepted + 1)):
+        d = 2 * min(j, DEPTHS - 1)
+        counts[d] += j < accepted
+        counts[d + 1] += 1
+
+
+def _shrunk(counts: Counts | None, prior: list[float], weight: float) -> list[float]:
+    """Per position: (kept + weight * prior) / (reached + weight)."""
+    if counts is None:
+        return list(prior)
+    return [(counts[2 * d] + weight * prior[d]) / (counts[2 * d + 1] + weight) for d in range(DEPTHS)]
+
+
 class GammaController:
+    """The draft length (and, where a drafter offers several, the source) per row and step: `fixed`, or the auto
+    rule of the module docstring.
+
+    Attributes:
+        fixed: The fixed gamma (None: "auto").
+        max_gamma: The most drafts a step may take.
+        costs: The measured step costs.
+        counters: Cumulative figures of the auto rule's choices: "decisions" (rows x steps decided), "drafting"
+            (those that drafted), "gamma_sum" (drafts chosen), "probes" (of the drafting ones, probes) and
+            "probe_cost_s" (the seconds the probes were expected to lose against plain decoding).
+    """
+
     def __init__(
-        self, gamma: int | str, max_gamma: int = 8, ema: float = 0.3, probe_every: int = 8, min_evidence: int = 32
+        self,
+        gamma: int | str,
+        max_gamma: int = 8,
+        *,
+        slope: float = DEFAULT_SLOPE,
+        cost_priors: Sequence[float] = (0.0,),
+        probe_budget: float = PROBE_BUDGET,
     ):
+        """gamma: an integer or "auto"; slope: the target runner's prior cost of one more token per row
+        (`engine.costs.prior_slope`); cost_priors: per draft source, its seconds per drafted token before any is
+        measured, as a share of T_B(1); probe_budget: the share of decoding time probes may lose."""
         self.fixed = None if gamma == "auto" else check_gamma(gamma, "gamma (or 'auto')")
         if check_gamma(max_gamma, "max_gamma") < 1:
             raise ValueError(f"max_gamma must be >= 1, got {max_gamma}")
+        if not 0 <= probe_budget <= 1:
+            raise ValueError(f"probe_budget must be in [0, 1], got {probe_budget}")
         self.max_gamma = max_gamma if self.fixed is None else max(self.fixed, 1)
-        self.ema = ema
-        self.probe_every = probe_every
-        self.min_evidence = min_evidence  # pooled acceptance observations before a row may stop drafting
-        self.draft_costs: dict[int, float] = {}  # batch size -> seconds per draft forward
-        self.verify_costs: dict[int, dict[int, float]] = {}  # batch size -> n tokens per row -> seconds per pass
-        self.pooled = [0, 0]  # successes, failures over every row (the prior for new rows)
+        self.costs = StepCosts(slope)
+        self.cost_priors = tuple(cost_priors)
+        self.probe_budget = probe_budget
+        self.sources: dict[int, Counts] = {}  # source -> counts over every row
+        self.buckets: dict[tuple[int, Hashable], Counts] = {}  # (source, bucket) -> counts over every row
+        self.elapsed = 0.0  # seconds of steps observed
+        self.counters = dict.fromkeys(("decisions", "drafting", "gamma_sum", "probes", "probe_cost_s"), 0.0)
 
-    def seed_costs(self, batch: int, curve: list[float], draft_cost: float | None) -> None:
+    def seed_costs(self, batch: int, curve: list[float], draft_cost: float | None, source: int = 0) -> None:
         """Measured costs at one batch size before any step runs (`SpeculativeGenerator.calibrate`): the target's
-        T(1..n) at `batch` rows and the seconds of one draft forward there. Steps then refine them (EMA)."""
-        self.verify_costs[batch] = {n: t for n, t in enumerate(curve, 1)}
-        if draft_cost is not None:
-            self.draft_costs[batch] = draft_cost
+        T(1..n) at `batch` rows and the seconds of one draft forward there. Steps then add their own."""
+        self.costs.seed(batch, curve, draft_cost, source)
 
-    def _blend(self, old: float | None, new: float) -> float:
-        return new if old is None else (1 - self.ema) * old + self.ema * new
-
-    def observe_draft(self, seconds_per_step: float, batch: int = 1) -> None:
-        self.draft_costs[batch] = self._blend(self.draft_costs.get(batch), seconds_per_step)
+    def observe_draft(self, seconds: float, tokens: int, batch: int = 1, source: int = 0) -> None:
+        """A step's drafting: `seconds` for at most `tokens` drafts per row by `source`."""
+        self.costs.observe_draft(source, seconds / max(tokens, 1), batch)
+        self.elapsed += seconds
 
     def observe_verify(self, n_tokens: int, seconds: float, batch: int = 1) -> None:
-        costs = self.verify_costs.setdefault(batch, {})
-        costs[n_tokens] = self._blend(costs.get(n_tokens), seconds)
+        self.costs.observe_verify(n_tokens, seconds, batch)
+        self.elapsed += seconds
 
-    @staticmethod
-    def _nearest(table: dict, batch: int):
-        return table[min(table, key=lambda b: (abs(b - batch), -b))] if table else None
+    def observe_acceptance(self, row: dict, source: int, bucket: Hashable, drafted: int, accepted: int) -> None:
+        """One row's step: `drafted` tokens from `source` in `bucket`, `accepted` kept; `row`: the row's own counts
+        (a dict the row keeps, `Row.evidence`)."""
+        if drafted > 0:
+            for table, key in ((row, (source, bucket)), (self.buckets, (source, bucket)), (self.sources, source)):
+                _record(table, key, drafted, accepted)
 
-    def draft_cost(self, batch: int = 1) -> float | None:
-        return self._nearest(self.draft_costs, batch)
+    def alphas(self, row: dict, source: int, bucket: Hashable) -> tuple[list[float], list[float]]:
+        """Per draft position (1, 2, 3+): alpha's estimate for this row, source and bucket, and the optimistic
+        version a probe weighs: the first position at an upper confidence bound over the bucket's evidence n,
+        mean + sqrt(2 L v / n) + L / n (v = mean (1 - mean), L = Z_PROBE ln(2 + decisions so far): UCB's optimism,
+        so a bucket tried too rarely is tried again; the first position decides whether a bucket drafts at all,
+        deeper ones are measured by the drafts it keeps)."""
+        pooled = _shrunk(self.sources.get(source), [PRIOR_ALPHA] * DEPTHS, PRIOR_WEIGHT)
+        counts = self.buckets.get((source, bucket))
+        in_bucket = _shrunk(counts, pooled, SHRINK)
+        mean = _shrunk(row.get((source, bucket)), in_bucket, SHRINK)
+        n = SHRINK + (counts[1] if counts else 0.0)  # the first position's evidence in the bucket
+        log = Z_PROBE * math.log(2.0 + self.counters["decisions"])  # optimism grows slowly with the decisions made
+        spread = math.sqrt(2 * log * mean[0] * (1 - mean[0]) / n) + log / n  # an empirical-Bernstein bound
+        return mean, [min(1.0, mean[0] + spread), *mean[1:]]
 
-    def verify_cost(self, batch: int = 1) -> dict[int, float]:
-        return self._nearest(self.verify_costs, batch) or {}
-
-    def observe_acceptance(self, successes: int, failures: int) -> None:
-        self.pooled[0] += successes
-        self.pooled[1] += failures
-
-    def wants_plain_probe(self, batch: int) -> bool:
-        """True once per batch size, after its draft and verify costs are measured but its plain-decoding
-        cost T(1) is not: the whole batch then decodes plainly for one step, so that "is drafting worth
-        it at this batch size" is judged on a measured T(1), not on an optimistic extrapolation."""
-        if self.fixed is not None or batch not in self.draft_costs:
-            return False
-        return 1 not in self.verify_costs.get(batch, {})
-
-    def curve(self, batch: int = 1) -> list[float]:
-        """T(1..max_gamma + 1): measured values where there are some; linear interpolation between
-        measured n; beyond the largest measured n, that value (optimistic, so longer drafts get tried and
-        measured: CPU cost curves are far from linear, e.g. M = 2, 3 slower than M = 8)."""
-        pts = sorted(self.verify_cost(batch).items())
-        out = []
-        for n in range(1, self.max_gamma + 2):
-            lo = [(m, t) for m, t in pts if m <= n]
-            hi = [(m, t) for m, t in pts if m >= n]
-            if lo and hi:
-                (m0, t0), (m1, t1) = lo[-1], hi[0]
-                out.append(t0 if m1 == m0 else t0 + (t1 - t0) * (n - m0) / (m1 - m0))
-            else:
-                out.append((lo[-1] if lo else hi[0])[1])
-        return [max(t, 1e-9) for t in out]
-
-    def choose(self, successes: int, failures: int, cap: int, step: int = 0, batch: int = 1) -> int:
-        """gamma for one row, given its acceptance record, a cap (remaining budget, context), the row's step count
-        and the current batch size (the module docstring's rule)."""
+    def choose(self, row: dict, signals: Sequence | None, cap: int, batch: int = 1) -> tuple[int, int]:
+        """(source, gamma) for one row: its own counts `row`, what each source can draft now (`signals`: per
+        source a `drafting.Signal` or None; None: one source, no signal), its cap (remaining budget, context)."""
         cap = max(0, min(cap, self.max_gamma))
+        signals = [Signal(None, MAX_GAMMA)] if signals is None else list(signals)
         if self.fixed is not None:
-            return min(self.fixed, cap)
-        if cap == 0:
-            return 0
-        draft_cost, verify = self.draft_cost(batch), self.verify_cost(batch)
-        if draft_cost is None or not verify:
-            return min(4, cap)  # warm-up until both costs are measured
-        curve = self.curve(batch)
-        s0, f0 = self.pooled
-        prior = (s0 + 3) / (s0 + f0 + 4)  # optimistic before any evidence (0.75), then the pooled rate
-        alpha = (successes + 4 * prior) / (successes + failures + 4)
-        gamma, speedup = optimal_gamma_cost_curve(min(alpha, 0.999), draft_cost, curve, max_gamma=cap)
-        evidence = s0 + f0 >= self.min_evidence and 1 in verify  # alpha and plain cost both measured
-        if evidence and (gamma == 0 or speedup < 1.0) and step % self.probe_every:
-            return 0  # drafting does not pay: decode plainly, except on every probe_every-th step
-        if gamma == 0:  # probing, or not enough evidence yet to stop drafting: best positive length
-            gamma, _ = max(
-                ((g, speedup_cost_curve(min(alpha, 0.999), g, draft_cost, curve)) for g in range(1, cap + 1)),
-                key=lambda gs: gs[1],
-            )
-        return gamma
+            source = next((s for s, sig in enumerate(signals) if sig is not None), 0)
+            return source, min(self.fixed, cap)
+        choice = self._auto(row, signals, cap, batch)
+        self.counters["decisions"] += 1
+        self.counters["drafting"] += choice[1] > 0
+        self.counters["gamma_sum"] += choice[1]
+        return choice
+
+    def _auto(self, row: dict, signals: list, cap: int, batch: int) -> tuple[int, int]:
+        curve = self.costs.curve(batch, cap + 1) if cap else None
+        if curve is None:
+            return 0, 0  # nothing to draft, or T_B(1) unmeasured: a plain step measures it
+        hope = self.costs.curve(batch, cap + 1, optimistic=True)
+        best, probe = (1.0 / curve[0], 0, 0, 1.0), (1.0 / curve[0], 0, 0, 1.0)  # (rate, source, gamma, E[tokens])
+        for s, sig in enumerate(signals):
+            depth = 0 if sig is None else min(cap, sig.depth)
+            per_token = self.costs.draft_cost(s, batch)
+            if per_token is None:
+                per_token = self.cost_priors[min(s, len(self.cost_priors) - 1)] * curve[0]
+            mean, upper = self.alphas(row, s, sig.bucket) if depth else ([], [])
+            for g in range(1, depth + 1):
+                expected = expected_tokens(mean, g)
+                rate = expected / (curve[g] + g * per_token)
+                if rate > best[0]:
+                    best = (rate, s, g, expected)
+                rate = expected_tokens(upper, g) / (hope[g] + g * per_token)
+                if rate > probe[0]:
+                    probe = (rate, s, g, expected, curve[g] + g * per_token)
+        if probe[0] > best[0] and probe[2] != best[2]:
+            loss = probe[4] - probe[3] / best[0]  # seconds beyond what the best choice needs for its tokens
+            if self._may_probe(loss, curve[0]):
+                self.counters["probes"] += 1
+                self.counters["probe_cost_s"] += loss
+                return probe[1], probe[2]
+        return best[1], best[2]
+
+    def _may_probe(self, loss: float, step: float) -> bool:
+        """Whether a probe expected to lose `loss` seconds fits the budget (one plain step's worth to start)."""
+        return self.counters["probe_cost_s"] + loss <= self.probe_budget * self.elapsed + step

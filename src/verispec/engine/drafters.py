@@ -12,7 +12,14 @@ from functools import partial
 import torch
 
 from ..crossvocab import BridgedRunner, SlemProposer, VocabMap, same_tokenizer, vocab_sizes
-from ..drafting import CombinedProposer, DraftModelProposer, HistoryProposer, PromptLookupProposer, Proposer
+from ..drafting import (
+    CombinedProposer,
+    DraftModelProposer,
+    HistoryProposer,
+    PromptLookupProposer,
+    Proposer,
+    SwitchProposer,
+)
 from ..heads import HeadLoadError, LoadedHead, MedusaHeads, bind_head, head_kind, head_runner, load_head, mtp_head
 from ..model.fast import make_runner
 from ..model.loading import LoadedModel, load_model, parse_dtype, shared_vocab_size
@@ -122,7 +129,10 @@ def _model(x: _Inputs):
     if not cfg.drafter.target_weights and (cfg.cross_vocab != "auto" or not same_tokenizer(x.target, model)):
         return _cross_vocab(x), shared_vocab_size(x.target, None)
     vocab = shared_vocab_size(x.target, model)
-    return DraftModelProposer(model.model, vocab, cfg.stop_below, tree=cfg.tree_spec, runner=_runner(cfg)), vocab
+    proposer = DraftModelProposer(
+        model.model, vocab, cfg.stop_below, tree=cfg.tree_spec, runner=_runner(cfg), draft_context=cfg.draft_context
+    )
+    return proposer, vocab
 
 
 def _cross_vocab(x: _Inputs) -> Proposer:
@@ -133,12 +143,23 @@ def _cross_vocab(x: _Inputs) -> Proposer:
     slem = cfg.cross_vocab == "slem"
     vocab = VocabMap.build(x.target.tokenizer, x.draft.tokenizer, v_t, v_d, need_overlap=not slem)
     if slem:
-        return SlemProposer(x.draft.model, x.target.tokenizer, vocab, v_t, v_d, runner=_runner(cfg))
+        return SlemProposer(
+            x.draft.model, x.target.tokenizer, vocab, v_t, v_d, runner=_runner(cfg), draft_context=cfg.draft_context
+        )
 
     def bridged(model, v_draft):
         return BridgedRunner(_runner(cfg)(model, v_draft), vocab, v_t)
 
-    return DraftModelProposer(x.draft.model, v_d, cfg.stop_below, tree=cfg.tree_spec, runner=bridged)
+    return DraftModelProposer(
+        x.draft.model, v_d, cfg.stop_below, tree=cfg.tree_spec, runner=bridged, draft_context=cfg.draft_context
+    )
+
+
+def _switch(x: _Inputs):
+    """Prompt lookup or a draft model (the target's own quantized weights for ngram+self), per row and step."""
+    lookup, _ = _ngram(x)
+    model, vocab = _model(x)
+    return SwitchProposer([lookup, model]), vocab
 
 
 def _history(x: _Inputs):
@@ -152,7 +173,9 @@ def _history(x: _Inputs):
         return trie, shared_vocab_size(x.target, None)
     model = x.target if cfg.drafter.target_weights else x.draft
     vocab = shared_vocab_size(x.target, model)
-    sampler = DraftModelProposer(model.model, vocab, cfg.stop_below, runner=_runner(cfg))
+    sampler = DraftModelProposer(
+        model.model, vocab, cfg.stop_below, runner=_runner(cfg), draft_context=cfg.draft_context
+    )
     return CombinedProposer(trie, sampler, cfg.gamma, choose_depth=cfg.choose_depth), vocab
 
 
@@ -188,6 +211,8 @@ BUILDERS: dict[str, Callable[[_Inputs], tuple[Proposer | None, int]]] = {
     "model+history": _history,
     "self+history": _history,
     "custom": _given,
+    "ngram+model": _switch,
+    "ngram+self": _switch,
     # "mtp": the target checkpoint's MTP layer, a head (`_head`)
 }
 
@@ -214,6 +239,8 @@ def describe_drafter(proposer: Proposer | None, target_model=None) -> str:
         return "prompt lookup"
     if isinstance(proposer, HistoryProposer):
         return "rollout history"
+    if isinstance(proposer, SwitchProposer):
+        return " or ".join(describe_drafter(part, target_model) for part in proposer.parts)
     if isinstance(proposer, CombinedProposer):
         return " + ".join(describe_drafter(part, target_model) for part in (proposer.chooser, proposer.sampler))
     if isinstance(proposer, SlemProposer):

@@ -15,6 +15,7 @@ from ..sampling import CHAIN_RULES, SamplingParams
 from .adaptive import GammaController, measure_cost_curve
 from .config import SpecConfig
 from .core import EngineCore
+from .costs import prior_slope
 from .drafters import build_proposer, describe_drafter
 from .observe import StepObserver
 from .request import Job, check_limits
@@ -90,7 +91,7 @@ class SpeculativeGenerator:
         self.core = EngineCore(
             runner=built.runner,
             proposer=built.proposer,
-            controller=GammaController(0 if built.proposer is None else cfg.gamma, cfg.max_gamma),
+            controller=_controller(built, cfg),
             tokenizer=target.tokenizer,
             model=target.model,
             vocab_size=built.vocab_size,
@@ -211,15 +212,17 @@ class SpeculativeGenerator:
         ints = not isinstance(batches, int) and batches and all(isinstance(b, int) for b in batches)
         if not ints or any(isinstance(b, bool) or b < 1 for b in batches):
             raise ValueError(f"batches must be a non-empty list of integers >= 1, got {batches!r}")
-        drafter = getattr(self.core.proposer, "runner", None)  # a draft model's runner (n-gram drafting: none)
+        drafters = draft_runners(self.core.proposer)  # source -> a draft model's runner (n-gram drafting: none)
         out = {}
         for b in sorted(set(batches)):
             curve = measure_cost_curve(
                 self.core.runner, self.core.vocab_size, self.core.controller.max_gamma + 1, b, context, repeats
             )
-            step = measure_cost_curve(drafter, self.core.vocab_size, 1, b, context, repeats)[0] if drafter else None
-            self.core.controller.seed_costs(b, curve, step)
-            out[b] = {"curve": curve, "draft_step": step}
+            steps = {s: measure_cost_curve(r, self.core.vocab_size, 1, b, context, repeats)[0] for s, r in drafters}
+            self.core.controller.seed_costs(b, curve, None)
+            for source, step in steps.items():
+                self.core.controller.seed_costs(b, [], step, source)
+            out[b] = {"curve": curve, "draft_step": next(iter(steps.values()), None)}
         return out
 
     def session(self, max_batch: int | None = None) -> GenerationSession:
@@ -264,6 +267,21 @@ def _check_position_seeding(proposer) -> None:
             "random=position needs a draft model drafting chains (its q at every position) or no drafter: "
             "prompt lookup's and history's proposals depend on where a step starts, trees on their shape"
         )
+
+
+def draft_runners(proposer) -> list[tuple[int, object]]:
+    """(source, runner) of each draft source that runs a model (a SwitchProposer's parts; prompt lookup: none)."""
+    parts = getattr(proposer, "parts", None) or [proposer]
+    return [(s, p.runner) for s, p in enumerate(parts) if getattr(p, "runner", None) is not None]
+
+
+def _controller(built, cfg) -> GammaController:
+    """The draft-length controller: the config's gamma, priced with the target runner's prior slope and the
+    drafter's per-source cost priors."""
+    if built.proposer is None:
+        return GammaController(0, cfg.max_gamma)
+    priors = built.proposer.source_costs if built.proposer.tree is None else (0.0,)
+    return GammaController(cfg.gamma, cfg.max_gamma, slope=prior_slope(built.runner), cost_priors=priors)
 
 
 def _eos_ids(tokenizer, model) -> set[int]:

@@ -201,7 +201,7 @@ class Row:
     raw_logprobs: list[float] = field(default_factory=list)
     top: list[TopLogprobs] = field(default_factory=list)
     sent: str = ""  # text already streamed
-    failures: int = 0  # steps that ended in a rejection (adaptive gamma; its successes: stats.accepted)
+    evidence: dict = field(default_factory=dict)  # the gamma controller's acceptance counts for this row
     stats: SpecStats = field(default_factory=SpecStats)
     done: Completion | None = None
     detok: IncrementalDecoder = field(default_factory=IncrementalDecoder)  # the streamed text, incrementally
@@ -237,7 +237,6 @@ class Row:
     def observe(self, drafted: int, accepted: int, nodes: int) -> None:
         """One verification step: a draft `drafted` deep with `nodes` tokens, of which `accepted` were kept."""
         self.stats.observe(drafted, accepted, nodes)
-        self.failures += int(accepted < drafted)
 
     def take(
         self,

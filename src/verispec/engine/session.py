@@ -332,9 +332,9 @@ class GenerationSession:
             mask[b, torch.as_tensor(r.prompt, device=dev)] = True
         counts = torch.zeros((len(new), V), dtype=torch.float32, device=dev)
         capacity = self._capacity(new)
-        # a draft cache may lag behind by a backlog fed in one chunk (plain probes; rows another drafter served for
+        # a draft cache may lag behind by a backlog fed in one chunk (plain steps; rows another drafter served for
         # several steps: up to a whole output), and a ragged chunk is written up to the longest row + the longest chunk
-        draft_capacity = capacity + max(core.controller.probe_every, max(r.max_new for r in new)) + 2
+        draft_capacity = capacity + max(r.max_new for r in new) + 2
         view = self._view(new, True, mask, counts)
         fresh = not self.rows  # the runner's rows, if any, are those that left: replaced
         if staged is not None:

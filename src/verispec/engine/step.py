@@ -12,6 +12,7 @@ Results stay tensors until one host transfer (`engine.verify.outputs`); observer
 from __future__ import annotations
 
 import time
+from typing import NamedTuple
 
 from ..drafting import Draft
 from ..drafting.batch import BatchView
@@ -21,7 +22,7 @@ from .rows import Row, RowFault
 from .stats import SpecStats
 from .verify import Batch, StepOutput
 
-__all__ = ["draft_caps", "speculative_step"]
+__all__ = ["Plan", "draft_plan", "speculative_step"]
 
 
 def speculative_step(
@@ -31,22 +32,23 @@ def speculative_step(
     all_identity: p is softmax(logits) for every row (no processing). Returns the step's output and the rows that
     failed in it (row -> its RowFault; they end in the session, the others go on unchanged)."""
     B, t0 = len(rows), time.perf_counter()
-    caps = draft_caps(core, rows)
+    plan = draft_plan(core, rows, view)
+    view.sources = plan.sources
+    t_plan = time.perf_counter()
     if core.proposer is None:
         draft = Draft.empty(B, core.device)
     else:  # also with every cap 0: the proposer's state then follows the step (update)
-        draft = core.proposer.propose(view, [c + core.randomness.lookahead for c in caps])
+        draft = core.proposer.propose(view, [c + core.randomness.lookahead for c in plan.caps])
     draft = _observed(core, "after_draft", view, draft)
     if view.grammars is not None and core.proposer is not None:
-        # not where a row drafts nothing this step (speculation off, the controller's plain probe), nor under
+        # not where a row drafts nothing this step (speculation off, the controller's plain step), nor under
         # position seeding (a forced token's one-hot q would make a seed's tokens depend on where steps start)
-        room = [r if c > 0 else 0 for r, c in zip(room_left(core, rows), caps)]
+        room = [r if c > 0 else 0 for r, c in zip(room_left(core, rows), plan.caps)]
         fitted = fit_draft(draft, view.grammars, room, 0 if core.randomness.name == "position" else core.jump)
         draft = _observed(core, "after_fit", view, draft, fitted)
     t1 = time.perf_counter()
     stats.draft_time += t1 - t0
-    if draft.chain and max(draft.num_nodes) > 0:
-        core.controller.observe_draft((t1 - t0) / max(draft.num_nodes), B)
+    _observe_draft(core, draft, plan.sources, t1 - t_plan)
 
     out, width = core.verification(Batch(core.runner, rows, view, all_identity), draft)  # score + verify
     seconds = time.perf_counter() - t1
@@ -57,13 +59,23 @@ def speculative_step(
         o.after_verify(view, draft, out)
 
     faults: dict[int, Exception] = {b: RowFault(why) for b, why in view.faults.items()}
-    commit(core, rows, view, draft, out, faults, stats)
+    commit(core, rows, view, draft, out, faults, stats, plan)
     for o in core.observers:
         o.after_commit(view, out)
     return out, faults
 
 
-def commit(core, rows, view, draft, out: StepOutput, faults: dict[int, Exception], stats: SpecStats) -> None:
+def _observe_draft(core: EngineCore, draft: Draft, sources: list[int], seconds: float) -> None:
+    """The drafting seconds, as the cost of the one source that drafted this step (steps where several did are not
+    split between them)."""
+    used = {s for s, n in zip(sources, draft.num_nodes) if n}
+    if draft.chain and len(used) == 1:
+        core.controller.observe_draft(seconds, max(draft.num_nodes), len(sources), used.pop())
+
+
+def commit(
+    core, rows, view, draft, out: StepOutput, faults: dict[int, Exception], stats: SpecStats, plan: Plan | None = None
+) -> None:
     """Keep each row's pending token and accepted path in the target's cache (everything else is dropped), append
     the emitted tokens, count the step, and let the proposer roll its own state forward. A row whose grammar
     raises joins `faults` (its state stays consistent until the session ends it)."""
@@ -80,8 +92,9 @@ def commit(core, rows, view, draft, out: StepOutput, faults: dict[int, Exception
             continue
         r.observe(out.drafted[b], out.accepted[b], out.nodes[b])
         stats.observe(out.drafted[b], out.accepted[b], out.nodes[b])
-        if draft.chain:
-            core.controller.observe_acceptance(out.accepted[b], int(out.accepted[b] < out.drafted[b]))
+        if draft.chain and plan is not None:
+            source = plan.sources[b]
+            core.controller.observe_acceptance(r.evidence, source, plan.buckets[b], out.drafted[b], out.accepted[b])
     if core.proposer is not None:
         core.proposer.update(view, old_lengths, draft, out.paths)
 
@@ -92,20 +105,35 @@ def room_left(core: EngineCore, rows: list[Row]) -> list[int]:
     return [min(r.max_new - len(r.tokens), end - len(r.seq)) - 1 for r in rows]
 
 
-def draft_caps(core: EngineCore, rows: list[Row]) -> list[int]:
-    """Per row, the most draft tokens to draft: its room, and its gamma (or the gamma controller's choice)."""
-    caps = room_left(core, rows)
-    if core.proposer is not None and core.proposer.tree is not None:  # the tree's shape sets the draft
-        return [0 if r.gamma == 0 else c for r, c in zip(rows, caps)]
-    controller, B = core.controller, len(rows)
-    probe = controller.wants_plain_probe(B)  # measure T(1) at this batch size once
+class Plan(NamedTuple):
+    """Per row, what a step drafts: the most tokens (`caps`), from which draft source, in which signal bucket."""
 
-    def cap(r: Row, c: int) -> int:  # a request's own gamma, else the controller's (0 on a plain probe)
-        if r.gamma is not None:
-            return max(0, min(r.gamma, c))
-        return 0 if probe else controller.choose(r.stats.accepted, r.failures, c, r.stats.target_passes, batch=B)
+    caps: list[int]
+    sources: list[int]
+    buckets: list  # the source's signal bucket (None: no signal)
 
-    return [cap(r, c) for r, c in zip(rows, caps)]
+
+def draft_plan(core: EngineCore, rows: list[Row], view: BatchView) -> Plan:
+    """Per row: its room, and its gamma (a request's own, or the controller's choice from the drafter's signals)."""
+    caps, B = room_left(core, rows), len(rows)
+    none = [None] * B
+    if core.proposer is None:
+        return Plan([0] * B, [0] * B, none)
+    if core.proposer.tree is not None:  # the tree's shape sets the draft
+        return Plan([0 if r.gamma == 0 else c for r, c in zip(rows, caps)], [0] * B, none)
+    controller, several = core.controller, len(core.proposer.source_costs) > 1
+    asks = several or (controller.fixed is None and any(r.gamma is None for r in rows))
+    signals = core.proposer.signals(view) if asks else [None] * B
+
+    def pick(r: Row, cap: int, sig) -> tuple[int, int]:  # (source, gamma): the controller's, or the request's own
+        if r.gamma is None:
+            return controller.choose(r.evidence, sig, cap, batch=B)
+        return next((s for s, x in enumerate(sig or ()) if x is not None), 0), max(0, min(r.gamma, cap))
+
+    chosen = [pick(r, c, sig) for r, c, sig in zip(rows, caps, signals)]
+    sources = [s for s, _ in chosen]
+    buckets = [None if sig is None or sig[s] is None else sig[s].bucket for sig, s in zip(signals, sources)]
+    return Plan([g for _, g in chosen], sources, buckets)
 
 
 def row_fault(where: str, e: Exception) -> RowFault:

@@ -118,6 +118,8 @@ class FastRunner(HFRunner):
     weights). group_size: int4 group size (default: the largest of 128, 64, 32 dividing every layer's input).
     """
 
+    verify_slope = 0.25  # memory-bound on CPUs (fp32) and GPUs: extra tokens cost a fraction of a step (engine.costs)
+
     def __init__(
         self, model, vocab_size: int | None = None, *, quant: str | None = None, group_size: int | None = None
     ):

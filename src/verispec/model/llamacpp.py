@@ -133,6 +133,8 @@ class _Row:
 class LlamaCppRunner:
     """`HFRunner`'s interface on llama.cpp. vocab_size slices the logits to the shared vocabulary."""
 
+    verify_slope = 0.75  # Q4 kernels on a few CPU cores are compute-bound: T(2) / T(1) ~ 1.75 (engine.costs)
+
     def __init__(self, model: LlamaCppModel, vocab_size: int | None = None, *, decode_chunk: int = DECODE_CHUNK):
         """decode_chunk: tokens per llama_decode call in `forward` (see DECODE_CHUNK; larger: llama.cpp's batched
         kernels, whose logits differ from one-token decoding, the law then depends on the batch)."""

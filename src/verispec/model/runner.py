@@ -75,6 +75,10 @@ def check_forward_args(logits_at: str, parents, tree_start) -> None:
 class HFRunner:
     """Runs one HF causal LM for a batch of rows. `vocab_size` slices the logits to the shared vocabulary."""
 
+    # the prior cost of one more token per row in a pass, as a share of a one-token pass (`engine.costs`), until
+    # measured: transformers' forward carries fixed per-call overhead, so extra tokens cost less than a step
+    verify_slope = 0.5
+
     def __init__(self, model, vocab_size: int | None = None):
         self.model = model
         cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
