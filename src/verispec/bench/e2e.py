@@ -12,9 +12,9 @@ import torch
 
 from ..certify.methods import hf_assistant_kwargs
 from ..crossvocab import same_tokenizer
-from ..engine.adaptive import measure_cost_curve
-from ..engine.config import SpecConfig, SpecError, parse_items
-from ..engine.generator import SpeculativeGenerator
+from ..engine.adaptive import check_gamma, measure_cost_curve
+from ..engine.config import SpecConfig, SpecError, format_value, parse_items
+from ..engine.generator import SpeculativeGenerator, draft_runners
 from ..engine.stats import SpecStats
 from ..heads import LoadedHead
 from ..model.fast import fast_path_unsupported
@@ -22,15 +22,17 @@ from ..model.llamacpp import llamacpp_available
 from ..model.loading import LoadedModel
 from ..sampling import SamplingParams
 from ..sampling.theory import expected_tokens_per_pass
-from .harness import SelfDraftBenchConfig, bars, jsonl, ratio_to, report_head, side_by_side, started, table
+from .harness import SelfDraftBenchConfig, bars, fmt, jsonl, ratio_to, report_head, side_by_side, started, table
 
 __all__ = ["E2EConfig", "build_methods", "calibrate", "load_prompts", "method_config", "plot"]
-__all__ += ["run_e2e", "to_markdown"]
+__all__ += ["best_fixed", "decisions", "oracle", "oracle_variants", "run_e2e", "to_markdown"]
 
 NAMED = {"verispec-plain": "none", "verispec-draft": "model", "verispec-ngram": "ngram", "verispec-self": "self"}
 FOREIGN = ("hf-plain", "hf-assisted", "llamacpp-plain", "llamacpp-lookup")  # other engines' methods: batch 1 only
 STANDARD = (*NAMED, *FOREIGN[:2])
+RUNS = ("none", "ngram", "model", "self", "ngram+model", "ngram+self")  # the drafters bench e2e runs
 KNOWN = f"{', '.join(NAMED)}, verispec:SPEC (e.g. verispec:draft=model,gamma=4), {', '.join(FOREIGN)}"
+ORACLE = (1, 2, 4, 8)  # the fixed gammas `--oracle` runs beside each gamma-auto method unless it names others
 
 
 @dataclass(frozen=True)
@@ -43,8 +45,12 @@ class E2EConfig(SelfDraftBenchConfig):
     gamma: int | str = 4  # of every verispec method that does not name its own
     methods: tuple[str, ...] = STANDARD
     spec: str = ""  # keys every verispec method takes unless it names them, e.g. "random=gumbel,max_gamma=16"
+    oracle: tuple[int, ...] = ()  # fixed gammas each gamma-auto chain method also runs at (`oracle_variants`)
 
     def __post_init__(self):
+        for g in self.oracle:
+            if check_gamma(g, "each oracle gamma") < 1:
+                raise ValueError("each oracle gamma must be >= 1 (plain decoding is always the oracle's first choice)")
         if fixed := [k for k in parse_items(self.spec) if k in ("draft", "model", "quant", "tree", "gamma", "runner")]:
             why = "a method names its drafter (draft, tree), the run's gamma, runner and quantizations are fields"
             raise ValueError(f"{', '.join(fixed)}: not keys of the run's spec: {why} of their own")
@@ -148,9 +154,10 @@ def method_config(name: str, cfg: E2EConfig) -> SpecConfig | None:
     except SpecError as e:
         raise ValueError(f"method {name!r}: {e}") from None
     draft = items.get("draft", SpecConfig.draft)
-    if draft not in ("none", "ngram", "model", "self"):
+    if draft not in RUNS:
         raise ValueError(
-            f"method {name!r}: bench e2e runs draft=none, ngram, model (the --draft model, or its own model=PATH) or self"
+            f"method {name!r}: bench e2e runs draft=none, ngram, model (the --draft model, or its own model=PATH), "
+            "self, ngram+model or ngram+self"
         )
     # random=stream unless named: every request is seeded, and auto (SpecConfig's default) would couple them all
     base = {"random": "stream"} | parse_items(cfg.spec) | {"runner": cfg.runner} | cfg.quant_keys(draft)
@@ -160,6 +167,33 @@ def method_config(name: str, cfg: E2EConfig) -> SpecConfig | None:
     except SpecError as e:
         under = f" under the run's spec {cfg.spec!r}" if e.key not in items and cfg.spec else ""
         raise ValueError(f"method {name!r}{under}: {e}") from None
+
+
+def oracle_variants(methods, cfg: E2EConfig) -> dict[str, dict[int, str]]:
+    """Per verispec method that drafts chains with gamma auto (its own gamma= or the run's): {G: the same method at
+    fixed gamma G, a verispec:SPEC name} for each G of cfg.oracle; {} without cfg.oracle. (A tree's shape, not
+    gamma, sets its drafts: tree methods have none.)"""
+    out = {}
+    for m in methods if cfg.oracle else ():
+        c = method_config(m, cfg)
+        if c is None or c.draft == "none" or c.gamma != "auto" or c.tree is not None:
+            continue
+        out[m] = {g: _at_gamma(m, g) for g in sorted(set(cfg.oracle))}
+    return out
+
+
+def _at_gamma(method: str, gamma: int) -> str:
+    """A verispec method at a fixed gamma, as verispec:SPEC: verispec-ngram at 2 is verispec:draft=ngram,gamma=2."""
+    items = {"draft": NAMED[method]} if method in NAMED else parse_items(method.removeprefix("verispec:"))
+    return "verispec:" + ",".join(f"{k}={format_value(v)}" for k, v in (items | {"gamma": gamma}).items())
+
+
+def _with_variants(cfg: E2EConfig) -> list[str]:
+    """cfg.methods, each gamma-auto method followed by its oracle variants, and verispec-plain (the oracle's first
+    choice) first where there are variants and it is not listed."""
+    variants = oracle_variants(cfg.methods, cfg)
+    plain = ["verispec-plain"] if variants and "verispec-plain" not in cfg.methods else []
+    return list(dict.fromkeys(plain + [n for m in cfg.methods for n in (m, *variants.get(m, {}).values())]))
 
 
 def _needs_draft(method: str, config: SpecConfig | None) -> bool:
@@ -182,10 +216,12 @@ def _generator(target: LoadedModel, draft, config: SpecConfig, drafts=None) -> S
 
 
 def build_methods(target: LoadedModel, draft, cfg: E2EConfig, log, drafts=None):
-    """The methods this run can run (cfg.methods' order, less those without their model or engine) and a generator
-    for each verispec one, plus "verispec-plain" always (the baseline: calibration and prompt encoding)."""
-    configs = {m: method_config(m, cfg) for m in cfg.methods}  # every name checked; None: another engine's
-    methods = _runnable([m for m in cfg.methods if draft is not None or not _needs_draft(m, configs[m])], target, log)
+    """The methods this run can run (cfg.methods' order with their oracle variants, less those without their model
+    or engine) and a generator for each verispec one, plus "verispec-plain" always (the baseline: calibration and
+    prompt encoding)."""
+    names = _with_variants(cfg)
+    configs = {m: method_config(m, cfg) for m in names}  # every name checked; None: another engine's
+    methods = _runnable([m for m in names if draft is not None or not _needs_draft(m, configs[m])], target, log)
     if isinstance(draft, LoadedHead) and "hf-assisted" in methods:
         methods.remove("hf-assisted")
         log(f"hf-assisted skipped: the draft is a hidden-state head ({draft.kind}), not a model HF generate runs")
@@ -213,15 +249,20 @@ def calibrate(gens: dict[str, SpeculativeGenerator], cfg: E2EConfig, log) -> tup
     batches = sorted({1, *cfg.batch})
     log(f"calibrating the cost curves at batch {', '.join(map(str, batches))} ...")
     curves = {b: measure_cost_curve(plain.runner, plain.vocab_size, min(widest, 64) + 1, b) for b in batches}
-    draft_steps = {  # draft-model (or self-draft) chains: their draft step is calibrated
-        m: {b: measure_cost_curve(c.proposer.runner, plain.vocab_size, 1, b)[0] for b in batches}
+    models = {  # draft-model (or self-draft) chains: their draft step is calibrated (source, runner)
+        m: draft_runners(c.proposer)[0]
         for m, c in cores.items()
         if gens[m].config.drafter.uses_model and c.tree is None
+    }
+    draft_steps = {
+        m: {b: measure_cost_curve(r, plain.vocab_size, 1, b)[0] for b in batches} for m, (_, r) in models.items()
     }
     for m, c in cores.items():  # gamma auto starts from the measured costs at every batch size
         if c.proposer is not None and c.controller.fixed is None:
             for b in batches:
-                c.controller.seed_costs(b, curves[b], draft_steps.get(m, {}).get(b))
+                c.controller.seed_costs(b, curves[b], None)
+                if m in models:
+                    c.controller.seed_costs(b, [], draft_steps[m][b], models[m][0])
     for b in batches:
         steps = ", ".join(f"{m} {t[b]:.3f}s" for m, t in draft_steps.items())
         log(f"batch {b}: T(n) target seconds: " + ", ".join(f"{t:.3f}" for t in curves[b]) + "; draft step " + steps)
@@ -242,7 +283,10 @@ def _measure_verispec(gen, method: str, chosen, batch: int, temp: float, cfg: E2
     """A verispec method's figures over the prompts in chunks of `batch` (the prefill's: a one-token run); costs:
     (the measured draft step or None, the target's cost curve) at this batch size, for the theory of chains."""
     params = [SamplingParams(temperature=temp, seed=cfg.seed + i) for i in range(len(chosen))]
+    controller = gen.core.controller
+    before = dict(getattr(controller, "counters", {}))  # cumulative: this cell's are the difference
     st = _chunks(gen, chosen, params, batch, cfg.max_new_tokens)
+    after = dict(getattr(controller, "counters", {}))  # (a copy: the prefill's run below counts on)
     tree = gen.core.tree is not None
     prefill = _chunks(gen, chosen, [SamplingParams(seed=i) for i in range(len(chosen))], batch, 1).wall_time
     out = dict(prefill_s=prefill, tokens=st.output_tokens, seconds=st.wall_time, tau=st.tau)
@@ -250,11 +294,26 @@ def _measure_verispec(gen, method: str, chosen, batch: int, temp: float, cfg: E2
     out |= dict(per_position=st.per_position_acceptance, drafted=st.drafted, steps=st.target_passes)
     out |= dict(draft_s=st.draft_time, verify_s=st.verify_time, nodes=st.nodes)
     out["drafted_per_step"] = st.nodes / max(st.target_passes, 1)
+    out |= decisions(st, before, after) if gen.core.proposer is not None else {}
     if method != "verispec-plain" and st.drafted and not tree:
         measured, curve = costs
         draft_step = measured if measured is not None else st.draft_time / max(st.drafted, 1)
         out["theory_speedup"] = theory_speedup(st.acceptance_rate, st.steps_by_drafted, draft_step, curve)
     return out
+
+
+def decisions(st: SpecStats, before: dict, after: dict) -> dict:
+    """What a drafting method's steps did (pooled over rows): the share of steps that drafted, the mean drafts per
+    drafting step, and from its gamma controller's cumulative `counters` before and after (where it has them) its
+    probes and their seconds, and every counter's difference (`controller`)."""
+    steps = sum(st.steps_by_drafted.values())
+    drafting = steps - st.steps_by_drafted.get(0, 0)
+    out = dict(
+        drafting_share=drafting / steps if steps else None, mean_gamma=st.drafted / drafting if drafting else None
+    )
+    diff = {k: v - before.get(k, 0.0) for k, v in after.items()}
+    out |= dict(probes=diff.get("probes"), probe_cost_s=diff.get("probe_cost_s"))
+    return out | ({"controller": diff} if diff else {})
 
 
 def measure(target, draft, gens, methods, prompts, cfg: E2EConfig, curves, draft_steps, log) -> list[dict]:
@@ -309,6 +368,45 @@ def compare(records: list[dict]) -> None:
         ratio_to(records, {"method": "llamacpp-plain", "batch": 1}, value, same[:2], out)
 
 
+def _mark_variants(records: list[dict], variants: dict[str, dict[int, str]]) -> None:
+    """Each oracle variant's record gains `oracle_of` (the gamma-auto methods it is a fixed choice of) and `gamma`."""
+    for auto, names in variants.items():
+        for g, name in names.items():
+            for r in (r for r in records if r["method"] == name):
+                r.setdefault("oracle_of", []).append(auto)
+                r["gamma"] = g
+
+
+def best_fixed(choices) -> tuple[int, float] | None:
+    """The fastest of (gamma, tokens/s) choices (gamma 0: plain decoding), the first of equals; None where no
+    choice was measured (tokens/s None)."""
+    best = None
+    for g, rate in choices:
+        if rate is not None and (best is None or rate > best[1]):
+            best = (g, rate)
+    return best
+
+
+def oracle(records: list[dict]) -> None:
+    """Each gamma-auto method's record (one that records' `oracle_of` name) gains its cell's plain tokens/s
+    (`plain_tokens_per_s`), the best fixed choice among plain decoding and its variants there (`oracle`: "plain" or
+    "gamma=G"; `oracle_gamma`: 0 or G; `oracle_tokens_per_s`) and its tokens/s over the oracle's (`vs_oracle`; over
+    plain's: `speedup`). Ties go to plain, then to the smaller gamma."""
+    cell = lambda r: (r["temperature"], r["category"], r["batch"])  # noqa: E731
+    plain = {cell(r): r.get("tokens_per_s") for r in records if r["method"] == "verispec-plain"}
+    fixed: dict[tuple, list] = defaultdict(list)  # (cell, auto method) -> [(gamma, tokens/s)]
+    for r in records:
+        for auto in r.get("oracle_of") or ():
+            fixed[cell(r), auto].append((r["gamma"], r.get("tokens_per_s")))
+    autos = {auto for _, auto in fixed}
+    for r in (r for r in records if r["method"] in autos):
+        choices = [(0, plain.get(cell(r))), *sorted(fixed[cell(r), r["method"]], key=lambda c: c[0])]
+        g, rate = best_fixed(choices) or (None, None)
+        r |= dict(plain_tokens_per_s=plain.get(cell(r)), oracle_gamma=g, oracle_tokens_per_s=rate)
+        r["oracle"] = None if g is None else "plain" if g == 0 else f"gamma={g}"
+        r["vs_oracle"] = r["tokens_per_s"] / rate if rate and r.get("tokens_per_s") is not None else None
+
+
 def run_e2e(target: LoadedModel, draft, prompts: dict[str, list[str]], cfg: E2EConfig, log=print, drafts=None) -> dict:
     """Every method of cfg at every temperature, category and batch size; drafts: the models methods name with
     model=PATH (path -> LoadedModel, `method_models`)."""
@@ -317,7 +415,10 @@ def run_e2e(target: LoadedModel, draft, prompts: dict[str, list[str]], cfg: E2EC
     curves, draft_steps = calibrate(gens, cfg, log)
     records = measure(target, draft, gens, methods, prompts, cfg, curves, draft_steps, log)
     compare(records)
+    _mark_variants(records, oracle_variants(cfg.methods, cfg))
+    oracle(records)
     config = cfg.__dict__ | {"temperatures": list(cfg.temperatures), "methods": list(cfg.methods)}
+    config["oracle"] = list(cfg.oracle)
     result |= dict(config=config, target=target.name, draft=draft.name if draft else None)
     result["method_drafts"] = {path: m.name for path, m in (drafts or {}).items()}
     result |= {"cost_curve_s": curves[1], "cost_curves_s": {str(b): c for b, c in curves.items()}}  # B -> T(1..n)
@@ -333,6 +434,33 @@ COLUMNS += [("vs llama.cpp plain (incl. / after prefill)", ("vs_llamacpp_plain",
 COLUMNS += [("tau", "tau", ".2f"), ("drafted / step", "drafted_per_step", ".1f"), ("alpha", "alpha", ".2f")]
 COLUMNS += [("per-position (trees: per-depth) acceptance", "per_position", ".2f")]
 COLUMNS += [("theory speedup", "theory_speedup", ".2f"), ("measured / theory", "measured_over_theory", ".2f")]
+
+
+ORACLE_COLUMNS = [("T", "temperature", "g"), "category", "batch", ("gamma auto method", "method")]
+ORACLE_COLUMNS += [("plain tok/s", "plain_tokens_per_s", ".2f"), ("best fixed", "oracle")]
+ORACLE_COLUMNS += [("best fixed tok/s", "oracle_tokens_per_s", ".2f"), ("auto tok/s", "tokens_per_s", ".2f")]
+ORACLE_COLUMNS += [("auto / plain", "speedup", ".2f"), ("auto / best fixed", "vs_oracle", ".2f")]
+ORACLE_COLUMNS += [("steps drafting", "drafting_share", ".2f"), ("drafts / drafting step", "mean_gamma", ".1f")]
+ORACLE_COLUMNS += [("probes", "probes", ".0f"), ("probe s", "probe_cost_s", ".3f")]
+
+
+def _oracle_lines(result: dict) -> list[str]:
+    """The gamma-auto methods against plain decoding and their oracle, one row per cell ([] without --oracle)."""
+    recs = [r for r in result["records"] if "oracle" in r]
+    if not recs:
+        return []
+    gammas = ", ".join(map(str, result["config"].get("oracle") or ORACLE))
+    count = lambda field, goal: sum(r.get(field) is not None and r[field] >= goal for r in recs)  # noqa: E731
+    low = lambda field: fmt(min((r[field] for r in recs if r.get(field) is not None), default=None))  # noqa: E731
+    return [
+        f"gamma auto against plain decoding and the best fixed choice of the same cell (the oracle: plain or gamma "
+        f"{gammas}, run beside it), tokens/s including the prefill. auto >= 0.97x plain in {count('speedup', 0.97)} "
+        f"of {len(recs)} cells (lowest {low('speedup')}); >= 0.9x the oracle in {count('vs_oracle', 0.9)} of "
+        f"{len(recs)} (lowest {low('vs_oracle')}):",
+        "",
+        *table(recs, ORACLE_COLUMNS),
+        "",
+    ]
 
 
 def _curve_lines(result: dict) -> list[str]:
@@ -357,7 +485,7 @@ def to_markdown(result: dict) -> str:
         "",
         *_curve_lines(result),
     )
-    return "\n".join(head + table(result["records"], COLUMNS))
+    return "\n".join(head + _oracle_lines(result) + table(result["records"], COLUMNS))
 
 
 def plot(result: dict, path) -> None:

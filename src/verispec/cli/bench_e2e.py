@@ -21,12 +21,23 @@ SPEC_HELP = (
     "methods name their drafters and trees, --draft-quant and --self-quant their quantizations"
 )
 
+ORACLE_HELP = (
+    "also run every verispec method with gamma auto (that drafts chains) at these fixed gammas, comma-separated "
+    "(bare --oracle: 1,2,4,8), and report per cell the best fixed choice (plain or a gamma) and auto's ratios to it "
+    "and to plain (default: off)"
+)
+
 HELP = "end-to-end tokens/s: verispec (plain, draft, ngram) vs HF generate"
 
 
 def _batches(text: str) -> tuple[int, ...]:
     check = int_range(1)
     return tuple(sorted({check(b) for b in text.split(",")}))
+
+
+def _gammas(text: str) -> tuple[int, ...]:
+    check = gamma_type(auto=False)
+    return tuple(sorted({check(g) for g in text.split(",")}))
 
 
 def add_parser(sub) -> None:
@@ -42,6 +53,9 @@ def add_parser(sub) -> None:
     gamma_help = f"drafts per step of the verispec methods that name none, or auto (default {e2e.E2EConfig.gamma})"
     p.add_argument("--gamma", type=gamma_type(), help=gamma_help)
     p.add_argument("--methods", help=METHODS_HELP)
+    p.add_argument(
+        "--oracle", nargs="?", type=_gammas, const=e2e.ORACLE, default=(), metavar="GAMMAS", help=ORACLE_HELP
+    )
     p.add_argument("--spec", metavar="SPEC", help=SPEC_HELP)
     self_quant = "quantization of the self-draft (verispec-self; default int4)"
     add_bench_model_args(p, "e2e", "quantize the draft model (verispec-draft)", self_quant)
@@ -58,7 +72,7 @@ def _config(args: argparse.Namespace):
         raise UsageError("--draft-quant quantizes the --draft model: give --draft PATH")
     methods = _methods(args.methods) if args.methods else e2e.E2EConfig.methods
     model = {k: v for k, v in bench_model_options(args).items() if k != "runner"}  # runner: in _spec_options
-    options = {k: getattr(args, k) for k in ("max_new_tokens", "temperatures", "num_prompts", "batch")}
+    options = {k: getattr(args, k) for k in ("max_new_tokens", "temperatures", "num_prompts", "batch", "oracle")}
     options |= _spec_options(args)
     try:
         cfg = e2e.E2EConfig(**options, **model, methods=())  # the run's own keys first: --spec's errors are its own
@@ -69,7 +83,11 @@ def _config(args: argparse.Namespace):
             e2e.method_config(m, cfg)
     except ValueError as e:
         raise UsageError(f"--methods: {e}") from None
-    return replace(cfg, methods=methods)
+    cfg = replace(cfg, methods=methods)
+    if cfg.oracle and not e2e.oracle_variants(cfg.methods, cfg):
+        why = "give --gamma auto, or a method with gamma=auto, e.g. verispec:draft=ngram,gamma=auto"
+        raise UsageError(f"--oracle compares gamma auto with fixed gammas, and no method drafts chains with it: {why}")
+    return cfg
 
 
 def _methods(text: str) -> tuple[str, ...]:
