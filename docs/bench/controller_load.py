@@ -41,7 +41,9 @@ class Phases(StepObserver):
         self.t0 = time.perf_counter()
 
     def after_verify(self, view, draft, out) -> None:
-        ph = self.phases[min(self.n // self.steps, 2)]
+        if self.n >= 3 * self.steps:
+            return
+        ph = self.phases[self.n // self.steps]
         ph["tokens"] += len(out.tokens[0])
         ph["drafted_steps"] += draft.num_nodes[0] > 0
         ph["drafts"] += draft.num_nodes[0]
@@ -93,7 +95,7 @@ def run(target, spec: str | None, steps: int, hogs: int) -> list[dict]:
         gen.core.controller.counters = dict.fromkeys(gen.core.controller.counters, 0.0)
     phases.t0 = time.perf_counter()
     try:
-        gen.generate([PROMPT], SamplingParams(temperature=0), max_new_tokens=20 * steps, ignore_eos=True, chat=True)
+        gen.generate([PROMPT], SamplingParams(temperature=0), max_new_tokens=(8 if spec else 3) * steps, ignore_eos=True, chat=True)
     finally:
         phases.stop()
     return phases.phases
@@ -103,7 +105,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--draft", default="draft=ngram+self,quant=int4,gamma=auto")
     ap.add_argument("--steps", type=int, default=150, help="target passes per phase")
-    ap.add_argument("--hogs", type=int, default=1, help="busy-loop processes in phase B")
+    ap.add_argument("--hogs", type=int, default=2, help="busy-loop processes in phase B")
     ap.add_argument("--out", default="controller-load")
     args = ap.parse_args()
     target = load_model(default_model_path(), threads=2)

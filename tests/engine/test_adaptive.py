@@ -129,6 +129,33 @@ def test_the_row_and_the_source_are_chosen_by_gain():
     assert c.choose(row, [Signal("n3", 2), None], cap=8) == (0, 2)  # never deeper than the source can draft
 
 
+def test_a_batch_drafts_only_where_the_whole_step_gains():
+    """The step's width is its widest row's: one good row among three that cannot draft does not widen the pass for
+    all (per row it would pay: E = 1.96 against T(3)/T(1) = 1.5; for the batch it would not: 4.96 tokens in 1.5 steps
+    against 4 in 1); with every row good, the batch drafts."""
+    c = GammaController("auto", slope=0.25)
+    for batch in (1, 4):
+        c.seed_costs(batch, [1.0 + 0.25 * n for n in range(9)], None)
+    good = {}
+    for _ in range(400):
+        c.observe_acceptance(good, 0, None, 2, 1)  # alpha ~ 0.6 at the first position, 1 at the second
+        c.observe_acceptance(good, 0, None, 2, 2)
+    c.probe_budget = 0.0
+    rows = [(good, [Signal(None, 8)], 8)] + [({}, [None], 8)] * 3
+    assert c.plan(rows[:1], 1)[0][1] >= 2  # alone, it drafts
+    assert [g for _, g in c.plan(rows, 4)] == [0, 0, 0, 0]
+    assert all(g >= 1 for _, g in c.plan([rows[0]] * 4, 4))
+
+
+def test_a_stale_calibration_is_measured_again():
+    """A calibration taken under a 3x load: once it is STALE passes old, the widths are priced as unmeasured and the
+    drafter, good on the idle machine, drafts again (probes re-measure the widths)."""
+    c = GammaController("auto", slope=0.1)
+    c.seed_costs(1, [3.0 * (1.0 + 0.5 * n) for n in range(9)], None)  # under load, and a steep curve
+    rate = simulate(c, [1.0 + 0.05 * n for n in range(65)], 0.8, steps=1000)
+    assert rate >= 0.9 * oracle([1.0 + 0.05 * n for n in range(65)], 0.8)
+
+
 def test_fixed_gamma_and_bad_values():
     assert GammaController(3).choose({}, None, cap=2) == (0, 2)
     assert GammaController(3).choose({}, [None, Signal(None, 64)], cap=8) == (1, 3)  # the first source that drafts

@@ -28,6 +28,7 @@ __all__ = ["SlemProposer"]
 
 class SlemProposer(Proposer):
     name = "slem"
+    cost_prior = 0.3  # a draft forward before one is timed, as a share of a target step (engine.adaptive)
 
     def __init__(
         self,

@@ -24,7 +24,7 @@ import torch
 from ..model.fast import make_runner
 from ..model.protocol import Runner
 from ..sampling.tree import chain_parents
-from .base import BatchView, Draft, Proposer
+from .base import ANY_DEPTH, BatchView, Draft, Proposer, Signal
 from .tree import TreeSpec, grow_tree
 
 __all__ = ["DRAFT_HEAD", "DraftModelProposer", "check_draft_context", "draft_window"]
@@ -98,6 +98,11 @@ class DraftModelProposer(Proposer):
         cached, offsets = draft_window(view.seqs, self.draft_context)
         self.runner.add_rows(cached, capacity - min(offsets, default=0))
         self._offset = self._offset + offsets
+
+    def signals(self, view: BatchView) -> list[tuple[Signal | None]]:
+        """One bucket; as deep as asked, or as the runner drafts at most (Medusa: its heads)."""
+        depth = getattr(self.runner, "max_draft", None) or ANY_DEPTH
+        return [(Signal(None, depth),)] * len(view.seqs)
 
     def propose(self, view: BatchView, caps: list[int]) -> Draft:
         if self.tree is not None:

@@ -43,13 +43,27 @@ def lookup(seq: Sequence[int] | Tensor, n_sizes: tuple[int, ...], gamma: int) ->
 def match(seq: Sequence[int] | Tensor, n_sizes: tuple[int, ...], depth: int) -> tuple[list[int], int, int]:
     """(continuation, n, votes): up to `depth` tokens after the latest earlier match of the last n tokens (n the
     largest size that matches), and how many matches of that size continue with the continuation's first token;
-    ([], 0, 0) without a match."""
+    ([], 0, 0) without a match. One slice, whatever the number of matches (a signal is read every step)."""
     seq = np.asarray(seq, dtype=np.int64)
+    L = seq.shape[0]
     for n in n_sizes:
-        found = continuations(seq, seq[-n:], depth, max_hits=len(seq))
-        if found:
-            return found[-1], n, sum(c[0] == found[-1][0] for c in found)
+        if n >= L:
+            continue
+        hits = np.flatnonzero(_windows_equal(seq, seq[-n:]))  # starts of earlier matches with a successor
+        if hits.size:
+            nxt = seq[hits + n]  # [H]: the token after each match
+            start = int(hits[-1]) + n
+            return seq[start : start + depth].tolist(), n, int((nxt == nxt[-1]).sum())
     return [], 0, 0
+
+
+def _windows_equal(corpus: np.ndarray, query: np.ndarray) -> np.ndarray:
+    """[L - n] bool: whether corpus[i : i + n] == query, for the windows that have a successor."""
+    n, L = query.shape[0], corpus.shape[0]
+    match = corpus[: L - n] == query[0]
+    for i in range(1, n):
+        match &= corpus[i : L - n + i] == query[i]
+    return match
 
 
 def lookup_all(seq: Sequence[int] | Tensor, n_sizes: tuple[int, ...], depth: int, branches: int) -> list[list[int]]:

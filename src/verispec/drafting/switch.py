@@ -10,6 +10,8 @@ cache catches up on the row's next draft.
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from .base import BatchView, Draft, Proposer, Signal
@@ -28,6 +30,7 @@ class SwitchProposer(Proposer):
         self.parts = list(parts)
         self._drafts: list[Draft] = []
         self.kept = [0] * len(parts)  # per source: its draft tokens kept, over the proposer's life
+        self.source_seconds: list[float] = []  # per source: its seconds in the last `propose` (the step's costs)
 
     @property
     def source_costs(self) -> tuple[float, ...]:
@@ -54,9 +57,11 @@ class SwitchProposer(Proposer):
 
     def propose(self, view: BatchView, caps: list[int]) -> Draft:
         sources = view.sources or [0] * len(caps)
-        self._drafts = [
-            p.propose(view, [c if s == i else 0 for c, s in zip(caps, sources)]) for i, p in enumerate(self.parts)
-        ]
+        self._drafts, self.source_seconds = [], []
+        for i, p in enumerate(self.parts):
+            t0 = time.perf_counter()
+            self._drafts.append(p.propose(view, [c if s == i else 0 for c, s in zip(caps, sources)]))
+            self.source_seconds.append(time.perf_counter() - t0)
         return merge_chains(self._drafts, sources, view.device)
 
     def update(self, view: BatchView, old_lengths: list[int], draft: Draft, paths: list[list[int]]) -> None:

@@ -192,47 +192,105 @@ class GammaController:
         return mean, [min(1.0, mean[0] + spread), *mean[1:]]
 
     def choose(self, row: dict, signals: Sequence | None, cap: int, batch: int = 1) -> tuple[int, int]:
-        """(source, gamma) for one row: its own counts `row`, what each source can draft now (`signals`: per
-        source a `drafting.Signal` or None; None: one source, no signal), its cap (remaining budget, context)."""
-        cap = max(0, min(cap, self.max_gamma))
-        signals = [Signal(None, MAX_GAMMA)] if signals is None else list(signals)
-        if self.fixed is not None:
-            source = next((s for s, sig in enumerate(signals) if sig is not None), 0)
-            return source, min(self.fixed, cap)
-        choice = self._auto(row, signals, cap, batch)
-        self.counters["decisions"] += 1
-        self.counters["drafting"] += choice[1] > 0
-        self.counters["gamma_sum"] += choice[1]
-        return choice
+        """(source, gamma) for a row decoding alone (`plan` of one row)."""
+        return self.plan([(row, signals, cap)], batch)[0]
 
-    def _auto(self, row: dict, signals: list, cap: int, batch: int) -> tuple[int, int]:
-        curve = self.costs.curve(batch, cap + 1) if cap else None
+    def plan(self, rows: Sequence[tuple[dict, Sequence | None, int]], batch: int, floor: int = 0) -> list:
+        """(source, gamma) per row of a step.
+
+        Args:
+            rows: Per row deciding: its own counts (`Row.evidence`), what each source can draft now (per source a
+                `drafting.Signal` or None; None for the whole: one source, no signal), its cap (remaining budget,
+                context).
+            batch: The step's batch size B (its rows, deciding or not).
+            floor: The draft length other rows of the step take anyway (a request's own gamma): its width is paid.
+
+        Returns:
+            Per row, (the draft source, the number of tokens to draft).
+        """
+        rows = [
+            (counts, [Signal(None, MAX_GAMMA)] if sig is None else list(sig), max(0, min(cap, self.max_gamma)))
+            for counts, sig, cap in rows
+        ]
+        if self.fixed is not None:
+            return [
+                (next((s for s, x in enumerate(sig) if x is not None), 0), min(self.fixed, cap)) for _, sig, cap in rows
+            ]
+        picks = self._auto(rows, batch, floor)
+        self.counters["decisions"] += len(picks)
+        self.counters["drafting"] += sum(g > 0 for _, g in picks)
+        self.counters["gamma_sum"] += sum(g for _, g in picks)
+        return picks
+
+    def _auto(self, rows: list, batch: int, floor: int) -> list[tuple[int, int]]:
+        """The auto rule at the step's level: one width W for the batch (its pass costs T_B(W + 1) whichever rows
+        fill it), each row drafting up to W from its best source; W maximises expected tokens per second (W = 0:
+        plain), or a probe's W where the budget allows (the module docstring)."""
+        top = max((cap for *_, cap in rows), default=0)
+        curve = self.costs.curve(batch, max(top, floor) + 1) if top else None
         if curve is None:
-            return 0, 0  # nothing to draft, or T_B(1) unmeasured: a plain step measures it
-        hope = self.costs.curve(batch, cap + 1, optimistic=True)
-        best, probe = (1.0 / curve[0], 0, 0, 1.0), (1.0 / curve[0], 0, 0, 1.0)  # (rate, source, gamma, E[tokens])
-        for s, sig in enumerate(signals):
-            depth = 0 if sig is None else min(cap, sig.depth)
-            per_token = self.costs.draft_cost(s, batch)
-            if per_token is None:
-                per_token = self.cost_priors[min(s, len(self.cost_priors) - 1)] * curve[0]
-            mean, upper = self.alphas(row, s, sig.bucket) if depth else ([], [])
-            for g in range(1, depth + 1):
-                expected = expected_tokens(mean, g)
-                rate = expected / (curve[g] + g * per_token)
-                if rate > best[0]:
-                    best = (rate, s, g, expected)
-                rate = expected_tokens(upper, g) / (hope[g] + g * per_token)
-                if rate > probe[0]:
-                    probe = (rate, s, g, expected, curve[g] + g * per_token)
-        if probe[0] > best[0] and probe[2] != best[2]:
-            loss = probe[4] - probe[3] / best[0]  # seconds beyond what the best choice needs for its tokens
+            return [(0, 0)] * len(rows)  # nothing to draft, or T_B(1) unmeasured: a plain step measures it
+        tables = [self._options(counts, sig, cap, batch) for counts, sig, cap in rows]
+        costs = {s: self._draft_cost(s, batch, curve[0]) for t in tables for s, *_ in t}
+        best = max(self._evaluate(tables, w, curve, costs, floor, 0) for w in range(top + 1))
+        hope = self.costs.curve(batch, max(top, floor) + 1, optimistic=True)
+        probe = max(self._evaluate(tables, w, hope, costs, floor, 1) for w in range(top + 1))
+        if probe[0] > best[0] and probe[3] != best[3]:
+            _, tokens, seconds, _ = self._evaluate(tables, 0, curve, costs, floor, 0, picks=probe[3])
+            loss = seconds - tokens / best[0]  # seconds beyond what the best choice needs for these tokens
             if self._may_probe(loss, curve[0]):
                 self.counters["probes"] += 1
                 self.counters["probe_cost_s"] += loss
-                return probe[1], probe[2]
-        return best[1], best[2]
+                return list(probe[3])
+        return list(best[3])
+
+    def _options(self, counts: dict, signals: list, cap: int, batch: int) -> list[tuple]:
+        """Per source that can draft for the row: (source, depth, E[tokens] by length 0..depth with alpha's
+        estimate, the same with its optimistic version)."""
+        out = []
+        for s, sig in enumerate(signals):
+            depth = 0 if sig is None else min(cap, sig.depth)
+            if depth >= 1:
+                mean, upper = self.alphas(counts, s, sig.bucket)
+                out.append((s, depth, _cumulative(mean, depth), _cumulative(upper, depth)))
+        return out
+
+    def _draft_cost(self, source: int, batch: int, step: float) -> float:
+        """Seconds per drafted token of a source: measured, else its prior (a share of the decode step)."""
+        measured = self.costs.draft_cost(source, batch)
+        return measured if measured is not None else self.cost_priors[min(source, len(self.cost_priors) - 1)] * step
+
+    @staticmethod
+    def _evaluate(tables, width: int, curve, costs: dict, floor: int, which: int, picks=None) -> tuple:
+        """(tokens per second, tokens, seconds, picks) of a step drafting up to `width` per row, each row from the
+        source with the most expected tokens (`which`: 0 the estimate, 1 the optimistic one); or of given `picks`
+        ((source, gamma) per row; `width` unused)."""
+        chosen, tokens, deepest = [], 0.0, {}
+        for b, options in enumerate(tables):
+            best = (1.0, 0, 0)  # (E[tokens], source, gamma)
+            for s, depth, *expected in options:
+                if picks is not None:
+                    if picks[b][0] == s and picks[b][1]:
+                        best = (expected[which][picks[b][1]], *picks[b])
+                elif expected[which][min(width, depth)] > best[0]:
+                    best = (expected[which][min(width, depth)], s, min(width, depth))
+            tokens += best[0]
+            chosen.append(best[1:])
+            if best[2]:
+                deepest[best[1]] = max(deepest.get(best[1], 0), best[2])
+        wide = max([floor, *deepest.values()])
+        seconds = curve[wide] + sum(g * costs[s] for s, g in deepest.items())
+        return tokens / seconds, tokens, seconds, tuple(chosen)
 
     def _may_probe(self, loss: float, step: float) -> bool:
         """Whether a probe expected to lose `loss` seconds fits the budget (one plain step's worth to start)."""
         return self.counters["probe_cost_s"] + loss <= self.probe_budget * self.elapsed + step
+
+
+def _cumulative(alphas: list[float], depth: int) -> list[float]:
+    """E[tokens] of drafting 0..depth tokens (`expected_tokens` for every length at once)."""
+    out, reach = [1.0], 1.0
+    for j in range(depth):
+        reach *= alphas[min(j, len(alphas) - 1)]
+        out.append(out[-1] + reach)
+    return out

@@ -3,8 +3,10 @@
 Per batch size B: the seconds of the target's pass over n new tokens per row, T_B(n), and each draft source's
 seconds per drafted token. Every step that runs adds one measurement (plain steps measure T_B(1)); an estimate is a
 low quantile of the last `window` measurements, so a neighbour that steals a core for a while inflates no figure for
-long, and a cost that changes (load, a longer context) is followed within one window. A calibration
-(`SpeculativeGenerator.calibrate`, `verispec bench e2e`) seeds the same windows.
+long, and a cost that changes (load, a longer context) is followed within one window. A measurement older than STALE
+passes at its batch size no longer counts: a width the controller stopped using (or a calibration taken under
+another load) is priced as unmeasured again, so probes re-measure it and T_B(1) is re-measured by a plain step.
+A calibration (`SpeculativeGenerator.calibrate`, `verispec bench e2e`) seeds the same windows.
 
 Where T_B(n) was never measured, the curve is priced pessimistically: the ratio T(n) / T(1) of the nearest batch
 size that measured it, else the runner's prior slope, T(n) = T(1) * (1 + slope * (n - 1)) (a compute-bound runner
@@ -21,6 +23,7 @@ __all__ = ["DEFAULT_SLOPE", "StepCosts", "prior_slope"]
 DEFAULT_SLOPE = 1.0  # a runner that says nothing: every extra token costs a whole step (the pessimistic prior)
 WINDOW = 16  # measurements kept per (batch, n) and per (source, batch)
 QUANTILE = 0.25  # the estimate: this quantile of the window (robust to a busy neighbour's slow steps)
+STALE = 4 * WINDOW  # a measurement older than this many passes at its batch size no longer counts
 
 
 def prior_slope(runner) -> float:
@@ -29,9 +32,10 @@ def prior_slope(runner) -> float:
     return DEFAULT_SLOPE if slope is None else float(slope)
 
 
-def _low(values: deque) -> float:
-    ordered = sorted(values)
-    return ordered[int(QUANTILE * (len(ordered) - 1))]
+def _low(values: deque, since: int) -> float | None:
+    """The QUANTILE of the (tick, seconds) samples taken at tick `since` or later; None: none."""
+    ordered = sorted(t for tick, t in values if tick >= since)
+    return ordered[int(QUANTILE * (len(ordered) - 1))] if ordered else None
 
 
 class StepCosts:
@@ -41,17 +45,20 @@ class StepCosts:
         if not slope >= 0:
             raise ValueError(f"slope must be >= 0, got {slope}")
         self.slope, self.window = slope, window
-        self._verify: dict[int, dict[int, deque]] = {}  # batch -> n -> seconds of recent passes
-        self._draft: dict[tuple[int, int], deque] = {}  # (source, batch) -> seconds per drafted token
+        self._verify: dict[int, dict[int, deque]] = {}  # batch -> n -> (tick, seconds) of recent passes
+        self._draft: dict[tuple[int, int], deque] = {}  # (source, batch) -> (tick, seconds per drafted token)
+        self._ticks: dict[int, int] = {}  # batch -> passes measured at that batch size (a sample's age)
         self._curves: dict[tuple, list[float] | None] = {}  # `curve`'s answers since the last measurement
 
     def observe_verify(self, n: int, seconds: float, batch: int) -> None:
         self._curves.clear()
-        self._verify.setdefault(batch, {}).setdefault(n, deque(maxlen=self.window)).append(seconds)
+        tick = self._ticks[batch] = self._ticks.get(batch, 0) + 1
+        self._verify.setdefault(batch, {}).setdefault(n, deque(maxlen=self.window)).append((tick, seconds))
 
     def observe_draft(self, source: int, seconds_per_token: float, batch: int) -> None:
         self._curves.clear()
-        self._draft.setdefault((source, batch), deque(maxlen=self.window)).append(seconds_per_token)
+        sample = (self._ticks.get(batch, 0), seconds_per_token)
+        self._draft.setdefault((source, batch), deque(maxlen=self.window)).append(sample)
 
     def seed(self, batch: int, curve: list[float], draft_cost: float | None, source: int = 0) -> None:
         """A calibration at one batch size: T_B(1..len(curve)) and a draft source's seconds per token (None: none)."""
@@ -61,8 +68,11 @@ class StepCosts:
             self.observe_draft(source, draft_cost, batch)
 
     def measured(self, batch: int) -> dict[int, float]:
-        """n -> the estimate of T_batch(n), where measured at this batch size."""
-        return {n: _low(v) for n, v in sorted(self._verify.get(batch, {}).items())}
+        """n -> the estimate of T_batch(n), where measured at this batch size in the last STALE passes (an older
+        measurement, e.g. a calibration taken under another load, is priced as unmeasured: probes measure it)."""
+        since = self._ticks.get(batch, 0) - STALE
+        fresh = {n: _low(v, since) for n, v in sorted(self._verify.get(batch, {}).items())}
+        return {n: t for n, t in fresh.items() if t is not None}
 
     def curve(self, batch: int, max_n: int, optimistic: bool = False) -> list[float] | None:
         """T_batch(1..max_n): measured values, linear between measured n, the prior beyond (module docstring);
@@ -106,7 +116,8 @@ class StepCosts:
         sizes = [b for s, b in self._draft if s == source]
         if not sizes:
             return None
-        return _low(self._draft[(source, min(sizes, key=lambda b: (abs(b - batch), -b)))])
+        near = min(sizes, key=lambda b: (abs(b - batch), -b))
+        return _low(self._draft[(source, near)], self._ticks.get(near, 0) - STALE)
 
     def batches(self) -> list[int]:
         return sorted(self._verify)

@@ -41,14 +41,14 @@ def speculative_step(
         draft = core.proposer.propose(view, [c + core.randomness.lookahead for c in plan.caps])
     draft = _observed(core, "after_draft", view, draft)
     if view.grammars is not None and core.proposer is not None:
-        # not where a row drafts nothing this step (speculation off, the controller's plain step), nor under
-        # position seeding (a forced token's one-hot q would make a seed's tokens depend on where steps start)
-        room = [r if c > 0 else 0 for r, c in zip(room_left(core, rows), plan.caps)]
+        # not where a request turned speculation off (gamma 0), nor under position seeding (a forced token's one-hot
+        # q would make a seed's tokens depend on where steps start); the controller's plain steps jump too
+        room = [0 if r.gamma == 0 else n for r, n in zip(rows, room_left(core, rows))]
         fitted = fit_draft(draft, view.grammars, room, 0 if core.randomness.name == "position" else core.jump)
         draft = _observed(core, "after_fit", view, draft, fitted)
     t1 = time.perf_counter()
     stats.draft_time += t1 - t0
-    _observe_draft(core, draft, plan.sources, t1 - t_plan)
+    _observe_draft(core, draft, plan, t1 - t_plan)
 
     out, width = core.verification(Batch(core.runner, rows, view, all_identity), draft)  # score + verify
     seconds = time.perf_counter() - t1
@@ -65,12 +65,19 @@ def speculative_step(
     return out, faults
 
 
-def _observe_draft(core: EngineCore, draft: Draft, sources: list[int], seconds: float) -> None:
-    """The drafting seconds, as the cost of the one source that drafted this step (steps where several did are not
-    split between them)."""
-    used = {s for s, n in zip(sources, draft.num_nodes) if n}
-    if draft.chain and len(used) == 1:
-        core.controller.observe_draft(seconds, max(draft.num_nodes), len(sources), used.pop())
+def _observe_draft(core: EngineCore, draft: Draft, plan: Plan, seconds: float) -> None:
+    """The drafting seconds per source that drafted (a proposer with several times each, `source_seconds`; else the
+    step's drafting time, when one source drafted), over the most tokens a row asked of it."""
+    if not draft.chain:
+        return
+    deepest: dict[int, int] = {}
+    for s, n, cap in zip(plan.sources, draft.num_nodes, plan.caps):
+        if min(n, cap):
+            deepest[s] = max(deepest.get(s, 0), min(n, cap))
+    timed = getattr(core.proposer, "source_seconds", None)
+    for s, tokens in deepest.items():
+        if timed is not None or len(deepest) == 1:
+            core.controller.observe_draft(timed[s] if timed is not None else seconds, tokens, len(plan.caps), s)
 
 
 def commit(
@@ -93,8 +100,9 @@ def commit(
         r.observe(out.drafted[b], out.accepted[b], out.nodes[b])
         stats.observe(out.drafted[b], out.accepted[b], out.nodes[b])
         if draft.chain and plan is not None:
-            source = plan.sources[b]
-            core.controller.observe_acceptance(r.evidence, source, plan.buckets[b], out.drafted[b], out.accepted[b])
+            own = min(out.drafted[b], plan.caps[b])  # the drafter's tokens (grammar-forced ones follow them)
+            accepted = min(out.accepted[b], own)
+            core.controller.observe_acceptance(r.evidence, plan.sources[b], plan.buckets[b], own, accepted)
     if core.proposer is not None:
         core.proposer.update(view, old_lengths, draft, out.paths)
 
@@ -122,15 +130,17 @@ def draft_plan(core: EngineCore, rows: list[Row], view: BatchView) -> Plan:
     if core.proposer.tree is not None:  # the tree's shape sets the draft
         return Plan([0 if r.gamma == 0 else c for r, c in zip(rows, caps)], [0] * B, none)
     controller, several = core.controller, len(core.proposer.source_costs) > 1
-    asks = several or (controller.fixed is None and any(r.gamma is None for r in rows))
+    auto = [b for b, r in enumerate(rows) if r.gamma is None]
+    asks = several or (controller.fixed is None and auto)
     signals = core.proposer.signals(view) if asks else [None] * B
-
-    def pick(r: Row, cap: int, sig) -> tuple[int, int]:  # (source, gamma): the controller's, or the request's own
-        if r.gamma is None:
-            return controller.choose(r.evidence, sig, cap, batch=B)
-        return next((s for s, x in enumerate(sig or ()) if x is not None), 0), max(0, min(r.gamma, cap))
-
-    chosen = [pick(r, c, sig) for r, c, sig in zip(rows, caps, signals)]
+    chosen = [  # a request's own gamma: the first source that can draft
+        (next((s for s, x in enumerate(sig or ()) if x is not None), 0), max(0, min(r.gamma or 0, c)))
+        for r, c, sig in zip(rows, caps, signals)
+    ]
+    floor = max((chosen[b][1] for b in range(B) if b not in auto), default=0)
+    picks = controller.plan([(rows[b].evidence, signals[b], caps[b]) for b in auto], B, floor)
+    for b, pick in zip(auto, picks):
+        chosen[b] = pick
     sources = [s for s, _ in chosen]
     buckets = [None if sig is None or sig[s] is None else sig[s].bucket for sig, s in zip(signals, sources)]
     return Plan([g for _, g in chosen], sources, buckets)
