@@ -38,7 +38,7 @@ __all__ = ["MAX_GAMMA", "GammaController", "check_gamma", "expected_tokens", "me
 
 MAX_GAMMA = 64  # drafts per step: far beyond where speculation pays (every draft costs a draft forward)
 DEPTHS = 3  # acceptance is kept for draft positions 1, 2 and 3-or-deeper
-PRIOR_ALPHA = 0.5  # a source's acceptance before any evidence (PRIOR_WEIGHT pseudo-observations)
+PRIOR_ALPHA = 0.25  # a source's acceptance before any evidence (PRIOR_WEIGHT pseudo-observations): pessimistic
 PRIOR_WEIGHT = 2.0
 SHRINK = 4.0  # pseudo-observations a bucket (a row) borrows from the source (the bucket)
 Z_PROBE = 1.0  # a probe's optimism: the scale of its confidence bound (`GammaController.alphas`)
@@ -237,7 +237,7 @@ class GammaController:
         probe = max(self._evaluate(tables, w, hope, costs, floor, 1) for w in range(top + 1))
         if probe[0] > best[0] and probe[3] != best[3]:
             _, tokens, seconds, _ = self._evaluate(tables, 0, curve, costs, floor, 0, picks=probe[3])
-            loss = seconds - tokens / best[0]  # seconds beyond what the best choice needs for these tokens
+            loss = max(0.0, seconds - tokens / best[0])  # seconds beyond what the best choice needs for its tokens
             if self._may_probe(loss, curve[0]):
                 self.counters["probes"] += 1
                 self.counters["probe_cost_s"] += loss
