@@ -1,7 +1,7 @@
 """Draft length control: a fixed gamma, or one chosen per row and step from measured acceptance and costs ("auto").
 
 The auto rule prices every choice with measured costs (`engine.costs.StepCosts`) and picks the best rate, plain
-decoding included:
+decoding included (drafting must beat plain by MARGIN):
   * plain: 1 token for T_B(1) seconds (B: the batch size);
   * drafting g tokens with source s (a drafter may offer several, e.g. prompt lookup and a draft model, and says
     per row what each can draft now: `drafting.Signal`): E[tokens] = 1 + sum_{j<=g} prod_{i<=j} alpha_i for
@@ -43,6 +43,8 @@ PRIOR_WEIGHT = 2.0
 SHRINK = 4.0  # pseudo-observations a bucket (a row) borrows from the source (the bucket)
 Z_PROBE = 1.0  # a probe's optimism: the scale of its confidence bound (`GammaController.alphas`)
 PROBE_BUDGET = 0.02  # the share of the run's seconds that probes may lose, in expectation
+MARGIN = 0.03  # drafting is chosen over plain only where its estimated rate is this much higher (the best of several
+# noisy estimates is biased upwards; a marginal gain is not worth the risk of a loss)
 
 
 @torch.inference_mode()
@@ -232,7 +234,10 @@ class GammaController:
             return [(0, 0)] * len(rows)  # nothing to draft, or T_B(1) unmeasured: a plain step measures it
         tables = [self._options(counts, sig, cap, batch) for counts, sig, cap in rows]
         costs = {s: self._draft_cost(s, batch, curve[0]) for t in tables for s, *_ in t}
-        best = max(self._evaluate(tables, w, curve, costs, floor, 0) for w in range(top + 1))
+        options = [self._evaluate(tables, w, curve, costs, floor, 0) for w in range(top + 1)]
+        best = max(options)
+        if best[0] < (1 + MARGIN) * options[0][0]:  # drafting must beat plain by a margin: estimates err upwards
+            best = options[0]
         hope = self.costs.curve(batch, max(top, floor) + 1, optimistic=True)
         probe = max(self._evaluate(tables, w, hope, costs, floor, 1) for w in range(top + 1))
         if probe[0] > best[0] and probe[3] != best[3]:
