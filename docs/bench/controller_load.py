@@ -95,7 +95,13 @@ def run(target, spec: str | None, steps: int, hogs: int) -> list[dict]:
         gen.core.controller.counters = dict.fromkeys(gen.core.controller.counters, 0.0)
     phases.t0 = time.perf_counter()
     try:
-        gen.generate([PROMPT], SamplingParams(temperature=0), max_new_tokens=(8 if spec else 3) * steps, ignore_eos=True, chat=True)
+        gen.generate(
+            [PROMPT],
+            SamplingParams(temperature=0),
+            max_new_tokens=(8 if spec else 3) * steps,
+            ignore_eos=True,
+            chat=True,
+        )
     finally:
         phases.stop()
     return phases.phases
