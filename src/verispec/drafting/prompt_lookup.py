@@ -87,10 +87,7 @@ def continuations(corpus: np.ndarray, query: np.ndarray, depth: int, max_hits: i
     n, L = query.shape[0], corpus.shape[0]
     if n == 0 or n >= L or depth < 1:
         return []
-    match = corpus[: L - n] == query[0]  # [L - n]: windows starting at i that have a successor
-    for i in range(1, n):
-        match &= corpus[i : L - n + i] == query[i]
-    hits = np.flatnonzero(match)[-max_hits:]
+    hits = np.flatnonzero(_windows_equal(corpus, query))[-max_hits:]
     if hits.size == 0:
         return []
     idx = hits[:, None] + n + np.arange(depth)  # [H, depth]

@@ -31,7 +31,7 @@ from collections.abc import Hashable, Sequence
 
 import torch
 
-from ..drafting.base import Signal
+from ..drafting.base import ANY_DEPTH, Signal
 from .costs import DEFAULT_SLOPE, StepCosts
 
 __all__ = ["MAX_GAMMA", "GammaController", "check_gamma", "expected_tokens", "measure_cost_curve"]
@@ -92,11 +92,7 @@ def check_gamma(value, name: str = "gamma") -> int:
 def expected_tokens(alphas: Sequence[float], gamma: int) -> float:
     """Expected tokens of one step drafting `gamma` tokens: 1 + sum_{j<=gamma} prod_{i<=j} alphas[min(i, D) - 1]
     (alphas [D]: the chance position i is kept once the positions before it were; the last covers deeper ones)."""
-    total, reach = 1.0, 1.0
-    for j in range(gamma):
-        reach *= alphas[min(j, len(alphas) - 1)]
-        total += reach
-    return total
+    return _cumulative(alphas, gamma)[gamma]
 
 
 Counts = list[float]  # [2 * DEPTHS]: kept, reached per draft position (1, 2, 3+)
@@ -211,7 +207,7 @@ class GammaController:
             Per row, (the draft source, the number of tokens to draft).
         """
         rows = [
-            (counts, [Signal(None, MAX_GAMMA)] if sig is None else list(sig), max(0, min(cap, self.max_gamma)))
+            (counts, [Signal(None, ANY_DEPTH)] if sig is None else list(sig), max(0, min(cap, self.max_gamma)))
             for counts, sig, cap in rows
         ]
         if self.fixed is not None:
@@ -292,7 +288,7 @@ class GammaController:
         return self.counters["probe_cost_s"] + loss <= self.probe_budget * self.elapsed + step
 
 
-def _cumulative(alphas: list[float], depth: int) -> list[float]:
+def _cumulative(alphas: Sequence[float], depth: int) -> list[float]:
     """E[tokens] of drafting 0..depth tokens (`expected_tokens` for every length at once)."""
     out, reach = [1.0], 1.0
     for j in range(depth):
