@@ -13,19 +13,11 @@ from verispec.engine import SpeculativeGenerator
 from verispec.engine.config import SpecConfig
 from verispec.engine.drafters import load_draft
 from verispec.heads import LoadedHead, PairRunner, bind_head, load_head
+from verispec.heads.learn import _ttt_masks, choose_vocab, default_aux_layers, init_head, save_eagle3, ttt_logits
 from verispec.model.fast import make_runner
 from verispec.model.loading import LoadedModel, load_model
 from verispec.sampling import SamplingParams
-from verispec.training.heads import (
-    TrainConfig,
-    _TargetTap,
-    _ttt_masks,
-    choose_vocab,
-    default_aux_layers,
-    init_head,
-    save_eagle3,
-    ttt_logits,
-)
+from verispec.training.heads import TrainConfig, _TargetTap
 
 from ..helpers.cli import run_verispec
 from ..helpers.heads import save_eagle3 as save_random_eagle3

@@ -39,6 +39,7 @@ COMMANDS: dict[str, str | tuple] = {
             "e2e": "bench_e2e",
             "runner": "bench_runner",
             "rollout": "bench_rollout",
+            "rl": "bench_rl",
             "replicas": "bench_replicas",
             "acceptance": "bench_acceptance",
             "stops": "bench_stops",

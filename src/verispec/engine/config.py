@@ -43,6 +43,7 @@ class Drafter:
     given: bool = False  # a Proposer given separately drafts; the config only says so
     target_head: bool = False  # drafts with a head stored in the target's checkpoint (its MTP layer)
     position: bool = False  # random=position applies (q at every position; chains, not where a step starts)
+    online: bool = False  # learns an EAGLE-3 head from what the engine verifies (`model=`: a saved head to start from)
 
     @property
     def uses_model(self) -> bool:
@@ -67,6 +68,8 @@ DRAFTERS = {
     # per row and step, prompt lookup or the draft model (the controller picks by measured gain; chains only)
     "ngram+model": Drafter(CHAIN_VERIFY, model=True),
     "ngram+self": Drafter(CHAIN_VERIFY, target_weights=True),
+    # per row and step, prompt lookup or an EAGLE-3 head trained online from the verified tokens (heads.online)
+    "online": Drafter(CHAIN_VERIFY, online=True),
 }
 
 ALWAYS_PRINTED = ("draft", "gamma", "verify", "random")
@@ -118,7 +121,9 @@ class SpecConfig:
             "model+history", "self+history" (earlier rollouts, built by a `RolloutEngine`), "custom" (a
             `Proposer` given separately), "mtp" (the multi-token-prediction layer of the target's checkpoint), or
             "ngram+model" / "ngram+self" (per row and step, prompt lookup where it pays, the draft model otherwise:
-            gamma "auto" chooses by measured gain; a fixed gamma: prompt lookup wherever it matches).
+            gamma "auto" chooses by measured gain; a fixed gamma: prompt lookup wherever it matches), or "online"
+            (prompt lookup and an EAGLE-3 head the engine trains from the tokens it verifies, per row and step by
+            measured gain; `model=DIR` starts from a saved head: docs/guides/online-heads.md).
         model: The draft model's path or hub id; None when it is given separately (or there is none).
         quant: "int8" or "int4": weight-only quantized draft weights (draft=self needs one); None: full precision.
         ngram: Prompt-lookup n-gram sizes, longest first.
@@ -149,6 +154,10 @@ class SpecConfig:
         runner: The model forward: "auto", "fast", "hf" or "llamacpp".
         cross_vocab: A draft model with another tokenizer: "auto" (= "tli" where needed), "tli" (token-level
             intersection) or "slem" (string-level exact match).
+        online_budget: draft=online: the share of time training the head may take, in (0, 1] (training seconds
+            <= budget x (decoding + training) seconds; a `RolloutEngine` trains between batches within it).
+        online_buffer: draft=online: the replay buffer's size in tokens (the oldest sequences dropped first); per
+            token it keeps 3 x hidden size bfloat16 features and 32 target probabilities (SmolLM2-135M: ~3.6 KB).
 
     Raises:
         SpecError: A value is out of range, or the combination cannot run (`draft=ngram,random=position`,
@@ -171,6 +180,8 @@ class SpecConfig:
     random: str = "auto"  # "auto", "stream", "position" or "gumbel"
     runner: str = "auto"  # "auto", "fast", "hf" or "llamacpp"
     cross_vocab: str = "auto"  # a draft model with another tokenizer: "tli" (auto) or "slem"
+    online_budget: float = 0.2  # draft=online: the share of time training the head may take
+    online_buffer: int = 32768  # draft=online: the replay buffer's size in tokens
 
     def __post_init__(self):
         self._check_values()
@@ -264,15 +275,24 @@ class SpecConfig:
                 raise SpecError(key, f"[{key}] must be an integer from {low} to {high}, got {getattr(self, key)!r}")
         if self.tree is not None:
             self._set("tree", _tree_shape(self.tree, self.verify if self.verify in TREE_VERIFY else None))
+        b = self.online_budget
+        if isinstance(b, bool) or not isinstance(b, (int, float)) or not 0 < b <= 1:
+            raise SpecError("online_budget", f"[online_budget] must be a number in (0, 1], got {b!r}")
+        self._set("online_budget", float(b))
+        if not _integer(self.online_buffer, 1024):
+            raise SpecError("online_buffer", f"[online_buffer] must be an integer >= 1024, got {self.online_buffer!r}")
 
     def _check_drafter(self) -> None:
         """What the drafter needs and takes: a model, a quantization, trees, history's keys."""
         d, name = self.drafter, self.draft
-        if self.model is not None and not d.model:
+        if self.model is not None and not (d.model or d.online):
             raise SpecError(
                 "model",
                 f"[model] names a draft model: it needs [draft=model] or [draft=model+history], not [draft={name}]",
             )
+        for key in ("online_budget", "online_buffer"):
+            if getattr(self, key) != SpecConfig.__dataclass_fields__[key].default and not d.online:
+                raise SpecError(key, f"[{key}] applies to [draft=online], not to [draft={name}]")
         if self.cross_vocab != "auto" and name != "model":
             raise SpecError(
                 "cross_vocab", f"[cross_vocab] applies to a draft model ([draft=model]), not to [draft={name}]"
@@ -404,9 +424,11 @@ def _read(key: str, text: str):
     """A value of the string form as the Python value SpecConfig takes (checked there)."""
     if text == "none" and key in ("model", "quant", "stop_below", "draft_context", "choose_depth", "tree"):
         return None
-    if key in ("gamma", "max_gamma", "draft_context", "choose_depth", "jump") and re.fullmatch(r"[+-]?\d+", text):
+    if key in ("gamma", "max_gamma", "draft_context", "choose_depth", "jump", "online_buffer") and re.fullmatch(
+        r"[+-]?\d+", text
+    ):
         return int(text)
-    if key in ("stop_below", "min_share"):
+    if key in ("stop_below", "min_share", "online_budget"):
         try:
             return float(text)
         except ValueError:

@@ -76,6 +76,7 @@ class EngineCore:
     jump: int = 16  # SpecConfig's jump: the most grammar-forced tokens appended to a chain per step (0: off)
     prefill_chunk: int = PREFILL_CHUNK  # sessions' default: prompt tokens prefilled per step while rows run (0: off)
     weight_version: int = 0
+    keep_top: int = field(init=False)  # the target's top K kept at emitted tokens (the observers' `keep_top`)
     device: torch.device = field(init=False)
     max_positions: int | None = field(init=False)
     randomness: Randomness = field(init=False)  # how drafter and verifier draw (from `random`)
@@ -96,6 +97,7 @@ class EngineCore:
         elif self.verification is None:
             self.verification = Verification()
         self.observers = tuple(self.observers)
+        self.keep_top = max((int(getattr(o, "keep_top", 0)) for o in self.observers), default=0)
 
     @property
     def tree(self):

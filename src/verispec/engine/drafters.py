@@ -21,9 +21,12 @@ from ..drafting import (
     SwitchProposer,
 )
 from ..heads import HeadLoadError, LoadedHead, MedusaHeads, bind_head, head_kind, head_runner, load_head, mtp_head
+from ..heads.learn import default_aux_layers
+from ..heads.online import OnlineHeadProposer, OnlineLearner, OnlineSettings
 from ..model.fast import make_runner
 from ..model.loading import LoadedModel, load_model, parse_dtype, shared_vocab_size
 from ..model.protocol import Runner
+from ..model.runner import HFRunner
 from .config import SpecConfig
 from .stats import SpecStats
 
@@ -37,6 +40,8 @@ class Drafting:
     proposer: Proposer | None  # None: plain decoding (draft=none)
     runner: Runner  # the target's
     vocab_size: int  # ids target and draft share
+    observers: tuple = ()  # step observers the drafter needs (draft=online: its proposer, which learns from p)
+    learner: OnlineLearner | None = None  # draft=online: the head being trained
 
 
 @dataclass(frozen=True)
@@ -70,6 +75,8 @@ def build_proposer(config: SpecConfig, target: LoadedModel, draft=None, *, histo
     if isinstance(target, LoadedHead):
         raise ValueError(f"{target.name} is {target.described}, not a model: pass it as the draft")
     kind = config.drafter
+    if kind.online:
+        return _online(config, target, draft)
     if draft is None and kind.model and config.model is not None:
         draft = load_draft(config.model, dtype=_dtype(target), device=str(target.device))
     if draft is None and kind.target_head:
@@ -202,6 +209,32 @@ def _head(config: SpecConfig, target: LoadedModel, head: LoadedHead) -> Drafting
     return Drafting(proposer, runner, vocab)
 
 
+def _online(config: SpecConfig, target: LoadedModel, head) -> Drafting:
+    """Prompt lookup and an EAGLE-3 head trained online (`heads.online`), per row and step: the head starts from
+    `head` (or the config's `model=` directory, its training state resumed) or, with none, from the target once the
+    first tokens are verified."""
+    if head is None and config.model is not None:
+        head = load_draft(config.model, dtype=_dtype(target), device=str(target.device))
+    if head is not None and not (isinstance(head, LoadedHead) and head.kind == "eagle3"):
+        what = head.described if isinstance(head, LoadedHead) else type(head).__name__
+        raise HeadLoadError(f"draft=online trains an EAGLE-3 head: it cannot start from {what}")
+    vocab = bind_head(head, target) if head is not None else shared_vocab_size(target, None)
+    runner = make_runner(target.model, vocab, runner=config.runner)
+    if not isinstance(runner, HFRunner):
+        raise ValueError(
+            "draft=online reads the target's hidden states: the target must run on the fast or the transformers "
+            f"runner, not {type(runner).__name__} (llama.cpp does not expose them)"
+        )
+    aux = head.model.layers_read if head is not None else default_aux_layers(runner.num_layers)
+    settings = OnlineSettings(budget=config.online_budget, buffer_tokens=config.online_buffer)
+    learner = OnlineLearner(target.model, vocab, aux, settings, head.model if head is not None else None)
+    if config.model is not None:
+        learner.resume(config.model)
+    online = OnlineHeadProposer(learner, runner, vocab, config.stop_below)
+    lookup = PromptLookupProposer(config.ngram)
+    return Drafting(SwitchProposer([lookup, online]), runner, vocab, (online,), learner)
+
+
 BUILDERS: dict[str, Callable[[_Inputs], tuple[Proposer | None, int]]] = {
     "none": _given,
     "ngram": _ngram,
@@ -213,6 +246,7 @@ BUILDERS: dict[str, Callable[[_Inputs], tuple[Proposer | None, int]]] = {
     "custom": _given,
     "ngram+model": _switch,
     "ngram+self": _switch,
+    # "online": prompt lookup and a head trained online (`_online`)
     # "mtp": the target checkpoint's MTP layer, a head (`_head`)
 }
 
@@ -239,6 +273,8 @@ def describe_drafter(proposer: Proposer | None, target_model=None) -> str:
         return "prompt lookup"
     if isinstance(proposer, HistoryProposer):
         return "rollout history"
+    if isinstance(proposer, OnlineHeadProposer):
+        return "EAGLE-3 head (online)"
     if isinstance(proposer, SwitchProposer):
         return " or ".join(describe_drafter(part, target_model) for part in proposer.parts)
     if isinstance(proposer, CombinedProposer):

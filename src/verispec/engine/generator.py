@@ -97,10 +97,11 @@ class SpeculativeGenerator:
             vocab_size=built.vocab_size,
             eos_ids=_eos_ids(target.tokenizer, target.model),
             verification=verification,
-            observers=tuple(observers),
+            observers=(*built.observers, *observers),
             random=cfg.random,
             jump=cfg.jump,
         )
+        self.learner = built.learner  # draft=online: the head being trained (`heads.online.OnlineLearner`)
         self.stats = SpecStats()  # pooled over every call
         self.last_stats = SpecStats()  # the last generate / stream call's
 

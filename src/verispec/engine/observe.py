@@ -11,7 +11,13 @@ __all__ = ["StepObserver"]
 
 
 class StepObserver:
-    """Hooks into each speculative step; every hook's default does nothing: subclass and override what you need."""
+    """Hooks into each speculative step; every hook's default does nothing: subclass and override what you need.
+
+    `keep_top`: an observer that learns from the target (an online draft head) asks for its top-K raw
+    log-probabilities at every emitted token (`StepOutput.targets`); the engine computes the most any observer asks
+    (0: none)."""
+
+    keep_top = 0
 
     def grammar(self, request, state):
         """A request's GrammarState (or None: no constraint) as its row joins; returns the state the row uses."""

@@ -50,7 +50,7 @@ def speculative_step(
     stats.draft_time += t1 - t0
     _observe_draft(core, draft, plan, t1 - t_plan)
 
-    out, width = core.verification(Batch(core.runner, rows, view, all_identity), draft)  # score + verify
+    out, width = core.verification(Batch(core.runner, rows, view, all_identity, core.keep_top), draft)  # score, verify
     seconds = time.perf_counter() - t1
     stats.verify_time += seconds
     if draft.chain:

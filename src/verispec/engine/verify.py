@@ -35,6 +35,9 @@ class StepOutput:
     logprobs: list[list[float]]  # [B][accepted + 1]: log p(x) under the processed target distribution
     raw_logprobs: list[list[float]]  # [B][accepted + 1]: log softmax(target logits)(x)
     top: list[list[TopLogprobs]] | None  # [B][accepted + 1]: best raw alternatives, when a row asked for them
+    # ([B, D + 1, K] ids, [B, D + 1, K] raw log-probabilities) on the device: the target's top K at each emitted
+    # slot (the distribution of emitted token j), when an observer asks (`StepObserver.keep_top`); None otherwise
+    targets: tuple[Tensor, Tensor] | None = None
 
     def cut(self, b: int, keep: int) -> None:
         """Row b emits only its first `keep` tokens of this step."""
@@ -50,6 +53,7 @@ class Batch:
     rows: list[Row]
     view: BatchView
     all_identity: bool  # the batch's SamplingMetadata: p is softmax(logits) itself for every row
+    keep_top: int = 0  # the target's top K at every emitted slot, for observers that learn (`StepOutput.targets`)
 
 
 def score(batch: Batch, chunk, ids: Tensor, par: Tensor, parents=None) -> tuple[Tensor, Tensor]:
@@ -134,7 +138,7 @@ def outputs(
     lp = p_e.gather(-1, tok).squeeze(-1).log()  # [B, D + 1]
     n_top = max(r.top_logprobs for r in batch.rows)
     log_z = raw = None
-    if n_top or not batch.all_identity:
+    if n_top or not batch.all_identity or batch.keep_top:
         log_z = logits_e.logsumexp(-1, keepdim=True)  # [B, D + 1, 1]
         raw = (logits_e.gather(-1, tok) - log_z).squeeze(-1)
     # one transfer: the rows the guard failed, accepted, tokens, logprobs, raw logprobs (where they differ) and the
@@ -157,6 +161,10 @@ def outputs(
         start = 1 + (len(parts) - 3) * D1
         paths = [[int(n) for n in h[start : start + a]] for h, a in zip(host, accepted)]
     top = _top(logits_e, log_z, n_top) if n_top else None
+    targets = None
+    if batch.keep_top:
+        values, top_ids = logits_e.topk(min(batch.keep_top, logits_e.shape[-1]), dim=-1)  # [B, D + 1, K]
+        targets = (top_ids, values - log_z)
     return StepOutput(
         drafted=list(draft.depth),
         nodes=list(draft.num_nodes),
@@ -166,6 +174,7 @@ def outputs(
         logprobs=lps,
         raw_logprobs=raws,
         top=None if top is None else [row[: a + 1] for row, a in zip(top, accepted)],
+        targets=targets,
     )
 
 
