@@ -27,6 +27,7 @@ VERIFIES = (*CHAIN_VERIFY, *TREE_VERIFY, "mixed")
 RANDOMS = ("auto", "stream", "position", "gumbel")  # the default first
 CROSS_VOCABS = ("auto", "tli", "slem")  # the default first
 HISTORY_TREE = "dynamic-8-3-16"  # HistoryProposer's default trie
+MAX_BUDGET = 0.9  # online_budget's largest: training takes at most 9 times the decoding time
 MAX_JUMP = 64  # jump-forward tokens per step (structured.grammar.JUMP_CAP: what a grammar state forces at most)
 
 
@@ -154,7 +155,7 @@ class SpecConfig:
         runner: The model forward: "auto", "fast", "hf" or "llamacpp".
         cross_vocab: A draft model with another tokenizer: "auto" (= "tli" where needed), "tli" (token-level
             intersection) or "slem" (string-level exact match).
-        online_budget: draft=online: the share of time training the head may take, in (0, 1] (training seconds
+        online_budget: draft=online: the share of time training the head may take, in (0, 0.9] (training seconds
             <= budget x (decoding + training) seconds; a `RolloutEngine` trains between batches within it).
         online_buffer: draft=online: the replay buffer's size in tokens (the oldest sequences dropped first); per
             token it keeps 3 x hidden size bfloat16 features and 32 target probabilities (SmolLM2-135M: ~3.6 KB).
@@ -276,8 +277,8 @@ class SpecConfig:
         if self.tree is not None:
             self._set("tree", _tree_shape(self.tree, self.verify if self.verify in TREE_VERIFY else None))
         b = self.online_budget
-        if isinstance(b, bool) or not isinstance(b, (int, float)) or not 0 < b <= 1:
-            raise SpecError("online_budget", f"[online_budget] must be a number in (0, 1], got {b!r}")
+        if isinstance(b, bool) or not isinstance(b, (int, float)) or not 0 < b <= MAX_BUDGET:
+            raise SpecError("online_budget", f"[online_budget] must be a number in (0, {MAX_BUDGET}], got {b!r}")
         self._set("online_budget", float(b))
         if not _integer(self.online_buffer, 1024):
             raise SpecError("online_buffer", f"[online_buffer] must be an integer >= 1024, got {self.online_buffer!r}")

@@ -179,6 +179,7 @@ class OnlineLearner:
         self._opt: torch.optim.Optimizer | None = None
         self._t2d: Tensor | None = None  # [V]: target id -> draft index (-1: outside the draft vocabulary)
         self._since_publish, self._tick = 0, None
+        self.inline = True  # train between decoding steps (`tick`); False: only when the owner calls `train`
         if head is not None:
             self._adopt(head)
             self.publish()
@@ -265,6 +266,13 @@ class OnlineLearner:
         lengths = torch.tensor([len(x[0]) for x in parts], device=dev)
         return ids, lengths, aux.to(next(self._train.parameters()).dtype), p
 
+    def train_between(self, decode_seconds: float) -> float:
+        """Between batches (a `RolloutEngine`'s rollouts): train for the budget's share of `decode_seconds` of
+        decoding, budget / (1 - budget) times it; returns the seconds spent."""
+        self.decode_seconds += decode_seconds
+        b = self.settings.budget
+        return self.train(seconds=decode_seconds * b / (1 - b))
+
     def train(self, seconds: float | None = None, steps: int | None = None) -> float:
         """Train for about `seconds` (or `steps` steps) if there is data, then publish; returns the seconds spent."""
         if not self.ready() or (seconds is None and steps is None):
@@ -278,13 +286,13 @@ class OnlineLearner:
         return time.perf_counter() - t0
 
     def tick(self) -> None:
-        """Between two steps while decoding: train one step when the budget allows, publishing every
-        `publish_every` steps (time between ticks counts as decoding)."""
+        """Between two steps while decoding: train one step when the budget allows (and `inline`), publishing
+        every `publish_every` steps (time between ticks counts as decoding)."""
         now = time.perf_counter()
         if self._tick is not None:
             self.decode_seconds += now - self._tick
         b = self.settings.budget
-        if self.ready() and self.train_seconds < b * (self.decode_seconds + self.train_seconds):
+        if self.inline and self.ready() and self.train_seconds < b * (self.decode_seconds + self.train_seconds):
             self.train_step()
             if self._since_publish >= self.settings.publish_every:
                 self.publish()
@@ -344,17 +352,14 @@ class OnlineHeadProposer(Proposer, StepObserver):
             reads (this constructor asks it to capture them, before its first batch).
         vocab_size: Ids the target and the head share.
         stop_below: A chain stops below this own probability (`DraftModelProposer`).
-        inline: Train between steps within the learner's budget (`OnlineLearner.tick`); False: only when the owner
-            calls `learner.train` (between rollout batches).
     """
 
     name = "online-head"
     cost_prior = 0.1
 
-    def __init__(self, learner: OnlineLearner, target_runner, vocab_size: int, stop_below, inline: bool = True):
+    def __init__(self, learner: OnlineLearner, target_runner, vocab_size: int, stop_below):
         target_runner.capture_hidden(learner.aux)
         self.learner, self.target, self.vocab_size, self.stop_below = learner, target_runner, vocab_size, stop_below
-        self.inline = inline
         self.keep_top = learner.settings.top_k
         self._inner: DraftModelProposer | None = None
         self._version = 0  # the version the inner proposer drafts with
@@ -421,8 +426,7 @@ class OnlineHeadProposer(Proposer, StepObserver):
             self._inner.update(view, old_lengths, draft, paths)
         self._record(view, old_lengths)
         self._targets = None
-        if self.inline:
-            self.learner.tick()
+        self.learner.tick()
 
     def _record(self, view: BatchView, old_lengths: list[int]) -> None:
         """Each row's positions the target now holds and has a distribution for: prompt positions with their next
