@@ -124,7 +124,7 @@ def test_verifying_with_a_newer_heads_q_fails(tiny8):
 
 
 def test_greedy_equals_plain_while_the_head_trains(tiny8):
-    """Budget 0.9: a training step after every decoding step, a version every 4; the tokens are plain greedy's."""
+    """Budget 0.9: a training step after every decoding step, a version every 8; the tokens are plain greedy's."""
     on = SpeculativeGenerator(tiny8, config=SpecConfig(draft="online", gamma=3, online_budget=0.9))
     plain = SpeculativeGenerator(tiny8, config=SpecConfig(draft="none"))
     prompts = [[1, 5, 6, 7, 8], [1, 9, 9, 3], [1, 4, 20, 21, 4, 20]]

@@ -103,6 +103,9 @@ class Signal(NamedTuple):
 
     bucket: Hashable  # the evidence class, e.g. prompt lookup's (matched n-gram size, agreeing earlier matches)
     depth: int  # the most tokens the source can draft for the row (prompt lookup: its continuation's length)
+    # the source's own estimate of the bucket's acceptance by draft position (1, 2, 3+), from past data (an online
+    # head's held-out agreement with the target): what the bucket's record is shrunk towards; None: the source's record
+    prior: tuple[float, ...] | None = None
 
 
 ANY_DEPTH = 1 << 30  # a source that drafts as deep as it is asked

@@ -9,7 +9,8 @@ decoding included (drafting must beat plain by MARGIN):
 alpha_i is the chance that draft position i is kept once positions before it were (positions 3 and deeper share one
 figure), estimated from kept / reached counts with shrinkage up a hierarchy: the source's pooled record (towards
 PRIOR_ALPHA), the source's signal bucket (e.g. prompt lookup's matched n-gram size and how many earlier matches agree)
-towards it, the row's own record in that bucket towards that. Before T_B(1) is measured the row decodes plainly
+towards it (or towards the signal's own prior, where the source estimates its acceptance from past data: an online
+head's held-out agreement with the target, per version), the row's own record in that bucket towards that. Before T_B(1) is measured the row decodes plainly
 (which measures it); unmeasured widths are priced pessimistically (`engine.costs`).
 
 A row may instead probe: take the choice an optimistic estimate favours (the first position's alpha at the upper end
@@ -174,13 +175,18 @@ class GammaController:
             for table, key in ((row, (source, bucket)), (self.buckets, (source, bucket)), (self.sources, source)):
                 _record(table, key, drafted, accepted)
 
-    def alphas(self, row: dict, source: int, bucket: Hashable) -> tuple[list[float], list[float]]:
+    def alphas(
+        self, row: dict, source: int, bucket: Hashable, prior: Sequence[float] | None = None
+    ) -> tuple[list[float], list[float]]:
         """Per draft position (1, 2, 3+): alpha's estimate for this row, source and bucket, and the optimistic
         version a probe weighs: the first position at an upper confidence bound over the bucket's evidence n,
         mean + sqrt(2 L v / n) + L / n (v = mean (1 - mean), L = Z_PROBE ln(2 + decisions so far): UCB's optimism,
         so a bucket tried too rarely is tried again; the first position decides whether a bucket drafts at all,
-        deeper ones are measured by the drafts it keeps)."""
+        deeper ones are measured by the drafts it keeps). prior: the source's own estimate for the bucket (the
+        signal's), shrunk towards instead of the source's record."""
         pooled = _shrunk(self.sources.get(source), [PRIOR_ALPHA] * DEPTHS, PRIOR_WEIGHT)
+        if prior is not None:
+            pooled = [float(prior[min(d, len(prior) - 1)]) for d in range(DEPTHS)]
         counts = self.buckets.get((source, bucket))
         in_bucket = _shrunk(counts, pooled, SHRINK)
         mean = _shrunk(row.get((source, bucket)), in_bucket, SHRINK)
@@ -252,7 +258,7 @@ class GammaController:
         for s, sig in enumerate(signals):
             depth = 0 if sig is None else min(cap, sig.depth)
             if depth >= 1:
-                mean, upper = self.alphas(counts, s, sig.bucket)
+                mean, upper = self.alphas(counts, s, sig.bucket, sig.prior)
                 out.append((s, depth, _cumulative(mean, depth), _cumulative(upper, depth)))
         return out
 
