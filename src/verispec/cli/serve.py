@@ -8,7 +8,12 @@ import os
 import socket
 import sys
 
-from ..serve.limits import DEFAULT_MAX_QUEUE, DEFAULT_MAX_QUEUE_TOKENS, DEFAULT_REQUEST_TIMEOUT_S
+from ..serve.limits import (
+    DEFAULT_MAX_QUEUE,
+    DEFAULT_MAX_QUEUE_TOKENS,
+    DEFAULT_REQUEST_TIMEOUT_S,
+    ONLINE_SAVE_INTERVAL_S,
+)
 from .constants import (
     DEFAULT_BODY_TIMEOUT_S,
     DEFAULT_MAX_REQUEST_BYTES,
@@ -74,6 +79,7 @@ def add_parser(sub) -> None:
     )
     _add_exposure_args(p)
     _add_operator_args(p)
+    _add_online_args(p)
     p.add_argument(
         "--log-level", choices=list(LOG_LEVELS), default="warning", help="the HTTP server's log level (default warning)"
     )
@@ -177,6 +183,25 @@ def _add_operator_args(p: argparse.ArgumentParser) -> None:
     _add_log_args(p)
 
 
+def _add_online_args(p: argparse.ArgumentParser) -> None:
+    """draft=online's head, kept across restarts (serve.online)."""
+    p.add_argument(
+        "--online-dir",
+        metavar="DIR",
+        help="with --spec draft=online: keep the head learned from the traffic in DIR (the published EAGLE-3 layout "
+        "and its training state): a server started with DIR continues from the head saved there; a new version is "
+        "saved at most every --online-save-interval seconds and at shutdown, each save replacing DIR whole "
+        "(atomically). DIR must be new, empty or written by an earlier --online-dir",
+    )
+    p.add_argument(
+        "--online-save-interval",
+        type=_seconds(0, inclusive=False),
+        default=ONLINE_SAVE_INTERVAL_S,
+        metavar="SECONDS",
+        help="--online-dir: seconds between two saves at least (default %(default)s)",
+    )
+
+
 def _add_log_args(p: argparse.ArgumentParser) -> None:
     """verispec's own log lines (serve.logs), at INFO: vLLM's flags."""
     p.add_argument(
@@ -266,6 +291,11 @@ def run(args: argparse.Namespace) -> int:
 
     template, hosts = _check_access(args)
     config = spec_config(args)
+    if args.online_dir is not None:  # draft=online from the head saved there, if one is
+        from ..serve.online import online_config
+
+        with user_errors():
+            config = online_config(config, args.online_dir)
     check_models(args, config)  # every check before the port: a port in use is the last thing to go wrong
     listener = _reserve_port(args.host, args.port)
     try:
@@ -277,6 +307,7 @@ def run(args: argparse.Namespace) -> int:
     with user_errors():
         limits = ("max_batch", "max_queue", "max_queue_tokens", "api_key", "cors_origins", "max_model_len")
         exposure = ("enable_weight_updates", "weight_dirs", "max_request_bytes", "read_timeout", "body_timeout")
+        online = ("online_dir", "online_save_interval")
         timeouts = {  # the default on the OpenAI routes; /generate/ only when given
             "request_timeout": DEFAULT_REQUEST_TIMEOUT_S if args.request_timeout is None else args.request_timeout,
             "rollout_timeout": args.request_timeout,
@@ -284,7 +315,13 @@ def run(args: argparse.Namespace) -> int:
         logs = {"log_requests": not args.disable_log_requests}
         logs["log_stats_interval"] = None if args.disable_log_stats else args.log_stats_interval
         app = create_app(
-            gen, name, **pick(args, *limits, *exposure), **timeouts, **logs, allowed_hosts=hosts, chat_template=template
+            gen,
+            name,
+            **pick(args, *limits, *exposure, *online),
+            **timeouts,
+            **logs,
+            allowed_hosts=hosts,
+            chat_template=template,
         )
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     print(f"serving {name!r} on http://{args.host}:{args.port}/v1 (spec {config})", file=sys.stderr, flush=True)

@@ -28,6 +28,7 @@ from ..model.loading import LoadedModel, load_model, parse_dtype, shared_vocab_s
 from ..model.protocol import Runner
 from ..model.runner import HFRunner
 from .config import SpecConfig
+from .observe import StepObserver
 from .stats import SpecStats
 
 __all__ = ["BUILDERS", "Drafting", "build_proposer", "describe_drafter", "describe_fallback", "load_draft"]
@@ -232,7 +233,17 @@ def _online(config: SpecConfig, target: LoadedModel, head) -> Drafting:
         learner.resume(config.model)
     online = OnlineHeadProposer(learner, runner, vocab, config.stop_below)
     lookup = PromptLookupProposer(config.ngram)
-    return Drafting(SwitchProposer([lookup, online]), runner, vocab, (online,), learner)
+    return Drafting(SwitchProposer([lookup, online]), runner, vocab, (_Targets(online),), learner)
+
+
+class _Targets(StepObserver):
+    """Hands each verified step's target distributions (`StepOutput.targets`) to an online head's proposer."""
+
+    def __init__(self, proposer: OnlineHeadProposer):
+        self.proposer, self.keep_top = proposer, proposer.keep_top
+
+    def after_verify(self, view, draft, out) -> None:
+        self.proposer.observe_targets(out.targets)
 
 
 BUILDERS: dict[str, Callable[[_Inputs], tuple[Proposer | None, int]]] = {

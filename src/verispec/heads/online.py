@@ -27,13 +27,14 @@ from torch import Tensor
 
 from ..drafting.base import ANY_DEPTH, BatchView, Draft, Proposer, Signal
 from ..drafting.draft_model import DraftModelProposer
-from ..engine.observe import StepObserver
-from .learn import choose_vocab, init_head, save_eagle3, ttt_loss
+from .learn import choose_vocab, init_head, save_eagle3, ttt_logits, ttt_loss
 from .modules import PairHead
 from .runner import PairRunner
 
 __all__ = ["OnlineHeadProposer", "OnlineLearner", "OnlineSettings", "ReplayBuffer"]
 
+HOLD_OUT = 8  # every 8th sequence is held out of training: the new versions' acceptance is estimated on them
+Slice = tuple  # (ids [n], aux [n, F], top_ids [n, K], top_p [n, K], the first position with a soft label)
 STATE = "online_state.pt"  # beside the published head: the optimizer and counters (a restart resumes them)
 
 
@@ -52,6 +53,10 @@ class OnlineSettings:
         ttt: Training-time-test unroll steps; decay: step s weighs decay ** s.
         lr: AdamW's learning rate (linear warm-up over `warmup` steps).
         batch_tokens: Tokens per training step; window: the longest sequence slice a step reads.
+        inline_tokens: Tokens per training step between decoding steps (`tick`): a small step, so a running
+            request waits little (~0.4 s for SmolLM2-135M's head on 2 CPU cores).
+        eval_tokens: Held-out tokens (every HOLD_OUT-th sequence, never trained on) a new version's acceptance is
+            estimated on (`estimate`), what the draft-length controller expects of it before its drafts are counted.
         publish_every: Training steps between published versions while decoding runs (`train` publishes at its end).
         seed: The seed of the batches' sampling.
     """
@@ -67,7 +72,9 @@ class OnlineSettings:
     warmup: int = 20
     batch_tokens: int = 512
     window: int = 384
-    publish_every: int = 4
+    eval_tokens: int = 1024
+    inline_tokens: int = 128
+    publish_every: int = 8
     seed: int = 0
 
 
@@ -87,6 +94,10 @@ class _Entry:
 
     def __len__(self) -> int:
         return len(self.ids)
+
+    def slice(self, start: int, end: int) -> Slice:
+        aux, ids, p = self.tensors()
+        return self.ids[start:end], aux[start:end], ids[start:end], p[start:end], max(0, self.prompt - 1 - start)
 
     def tensors(self) -> tuple[Tensor, Tensor, Tensor]:
         if self._cat is None:
@@ -129,22 +140,36 @@ class ReplayBuffer:
             _, old = self._entries.popitem(last=False)
             self.tokens -= len(old)
 
-    def sequences(self) -> list[_Entry]:
-        return [e for e in self._entries.values() if len(e) > 1]
+    def sequences(self, held_out: bool | None = None) -> list[_Entry]:
+        """The sequences of two tokens or more: all, the training ones (held_out False) or the held-out ones."""
+        return [
+            e for k, e in self._entries.items() if len(e) > 1 and (held_out is None or (k % HOLD_OUT == 0) == held_out)
+        ]
 
-    def sample(self, tokens: int, window: int, gen: torch.Generator) -> list[tuple[list[int], Tensor, Tensor, Tensor]]:
-        """Random slices of at most `window` positions, about `tokens` in all: (ids, aux, top_ids, top_p) each."""
-        seqs = self.sequences()
+    def sample(self, tokens: int, window: int, gen: torch.Generator) -> list[Slice]:
+        """Random slices of training sequences, at most `window` positions each, about `tokens` in all."""
+        seqs = self.sequences(held_out=False) or self.sequences()
         out, total = [], 0
         while seqs and total < tokens:
             e = seqs[int(torch.randint(len(seqs), (1,), generator=gen))]
-            n = len(e)
-            start = int(torch.randint(max(n - window, 0) + 1, (1,), generator=gen))
-            end = min(n, start + window)
-            aux, ids, p = e.tensors()
-            out.append((e.ids[start:end], aux[start:end], ids[start:end], p[start:end]))
-            total += end - start
+            start = int(torch.randint(max(len(e) - window, 0) + 1, (1,), generator=gen))
+            out.append(e.slice(start, min(len(e), start + window)))
+            total += len(out[-1][0])
         return out
+
+    def held_out(self, tokens: int, window: int) -> list[Slice]:
+        """The newest held-out sequences' last `window` positions, about `tokens` in all (never trained on)."""
+        out, total = [], 0
+        for e in reversed(self.sequences(held_out=True)):
+            if total >= tokens:
+                break
+            out.append(e.slice(max(0, len(e) - window), len(e)))
+            total += len(out[-1][0])
+        return out
+
+
+def _cpu(x):
+    return x.detach().cpu() if isinstance(x, Tensor) else x
 
 
 def hard_labels(next_ids: list[int], k: int, device) -> tuple[Tensor, Tensor]:
@@ -172,7 +197,9 @@ class OnlineLearner:
         self.model, self.vocab_size, self.aux, self.settings = model, vocab_size, tuple(aux), settings
         self.buffer = ReplayBuffer(settings.buffer_tokens)
         self.version, self.head = 0, None
+        self.alpha: tuple[float, ...] | None = None  # the published head's held-out acceptance by depth (`estimate`)
         self.steps, self.train_seconds, self.decode_seconds = 0, 0.0, 0.0
+        self.idle_seconds = 0.0  # training while nothing decodes (`train_idle`): not charged to the budget
         self.last: dict = {}
         self._gen = torch.Generator().manual_seed(settings.seed)
         self._train: PairHead | None = None
@@ -188,7 +215,7 @@ class OnlineLearner:
     def _adopt(self, head: PairHead) -> None:
         """Train this head from now on (its own draft vocabulary)."""
         self._train = head
-        head.train()
+        head.train().requires_grad_(True)  # a loaded head comes frozen (inference)
         ids = torch.arange(len(head.d2t), device=head.d2t.device) + head.d2t  # [V_d]: target ids
         self._t2d = torch.full((self.vocab_size,), -1, dtype=torch.int64, device=ids.device)
         self._t2d[ids] = torch.arange(len(ids), device=ids.device)
@@ -214,6 +241,7 @@ class OnlineLearner:
             return self.version
         head = copy.deepcopy(self._train).eval().requires_grad_(False)
         head.embed = self._train.embed  # shared with the target (deepcopy made its own)
+        self.alpha = self.estimate(head)
         self.head, self.version, self._since_publish = head, self.version + 1, 0
         return self.version
 
@@ -226,13 +254,14 @@ class OnlineLearner:
         """Whether there is a head to train, or enough data to build one."""
         return self._train is not None or self.buffer.generated >= self.settings.min_tokens
 
-    def train_step(self) -> dict:
-        """One optimizer step on a sampled batch; returns its loss and top-1 agreement per unroll step."""
+    def train_step(self, tokens: int | None = None) -> dict:
+        """One optimizer step on a sampled batch of about `tokens` tokens (None: `batch_tokens`); returns its loss
+        and top-1 agreement per unroll step."""
         if self._train is None:
             self._build()
         s, head = self.settings, self._train
         t0 = time.perf_counter()
-        ids, lengths, aux, p = self._batch(s.batch_tokens)
+        ids, lengths, aux, p = self._batch(tokens or s.batch_tokens)
         for group in self._opt.param_groups:
             group["lr"] = s.lr * min(1.0, (self.steps + 1) / s.warmup)
         loss, agree = ttt_loss(head, ids, lengths, aux, p, s.ttt, s.decay)
@@ -245,26 +274,52 @@ class OnlineLearner:
         self.last = {"loss": loss.item(), "top1": agree}
         return self.last
 
-    def _batch(self, tokens: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """Sampled slices, padded: ids [B, n], lengths [B], aux [B, n, F] float, p [B, n, V_d] on the draft
-        vocabulary (top-K renormalized there; a position none of whose top-K ids is drafted weighs nothing)."""
-        parts = self.buffer.sample(tokens, self.settings.window, self._gen)
+    def _padded(self, parts: list[Slice]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        """Slices, padded: ids [B, n], lengths [B], aux [B, n, F] (the head's dtype), p [B, n, V_d] (the target's
+        top-K probabilities on the draft vocabulary, not renormalized) and soft [B, n] (positions whose p is the
+        target's distribution, not a prompt's next token)."""
         dev = self._t2d.device
         n = max(len(x[0]) for x in parts)
         B, Vd = len(parts), int((self._t2d >= 0).sum())
         ids = torch.zeros((B, n), dtype=torch.int64, device=dev)
         aux = torch.zeros((B, n, parts[0][1].shape[-1]), dtype=torch.float32, device=dev)
         p = torch.zeros((B, n, Vd), dtype=torch.float32, device=dev)
-        for b, (x, a, top, prob) in enumerate(parts):
+        soft = torch.zeros((B, n), dtype=torch.bool, device=dev)
+        for b, (x, a, top, prob, first_soft) in enumerate(parts):
             m = len(x)
             ids[b, :m] = torch.tensor(x, device=dev)
             aux[b, :m] = a.float()
             d = self._t2d[top]  # [m, K]: draft indices (-1 outside)
-            w = prob.float() * (d >= 0)
-            p[b, :m].scatter_add_(-1, d.clamp(min=0), w)
-        p = p / p.sum(-1, keepdim=True).clamp_min(1e-12)
+            p[b, :m].scatter_add_(-1, d.clamp(min=0), prob.float() * (d >= 0))
+            soft[b, first_soft:m] = True
         lengths = torch.tensor([len(x[0]) for x in parts], device=dev)
-        return ids, lengths, aux.to(next(self._train.parameters()).dtype), p
+        return ids, lengths, aux.to(next(self._train.parameters()).dtype), p, soft
+
+    def _batch(self, tokens: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """A sampled training batch: ids, lengths, aux and p renormalized on the draft vocabulary (`_padded`; a
+        position none of whose top-K ids is drafted weighs nothing)."""
+        ids, lengths, aux, p, _ = self._padded(self.buffer.sample(tokens, self.settings.window, self._gen))
+        return ids, lengths, aux, p / p.sum(-1, keepdim=True).clamp_min(1e-12)
+
+    @torch.no_grad()
+    def estimate(self, head: PairHead) -> tuple[float, ...] | None:
+        """The head's acceptance by draft position (1, 2, 3+) on the held-out sequences at temperature 1: per
+        emitted position, sum_x min(p(x), q(x)) over the target's top-K ids (a lower bound), q from the
+        training-time test's unroll step for that depth; None without held-out data."""
+        s = self.settings
+        parts = self.buffer.held_out(s.eval_tokens, s.window)
+        if not parts or self._t2d is None:
+            return None
+        ids, lengths, aux, p, soft = self._padded(parts)
+        slots = torch.arange(ids.shape[1], device=ids.device).view(1, -1)
+        alphas = []
+        for step, logits in enumerate(ttt_logits(head, ids, lengths, aux, s.ttt)):
+            w = soft & (slots >= step + 1) & (slots < lengths.view(-1, 1))  # [B, n]
+            if not bool(w.any()):
+                break
+            overlap = torch.minimum(p, logits.float().softmax(-1)).sum(-1)  # [B, n]
+            alphas.append(float((overlap * w).sum() / w.sum()))
+        return tuple(alphas) or None
 
     def train_between(self, decode_seconds: float) -> float:
         """Between batches (a `RolloutEngine`'s rollouts): train for the budget's share of `decode_seconds` of
@@ -285,6 +340,20 @@ class OnlineLearner:
             self.publish()
         return time.perf_counter() - t0
 
+    def train_idle(self, publish: bool = False) -> float:
+        """One small training step (`inline_tokens`, as between decoding steps) while nothing decodes (a server with
+        no request running), published every `publish_every` steps (`publish`: now); its time goes to
+        `idle_seconds`, not to the budget's books. Returns the seconds spent."""
+        if not self.ready():
+            return 0.0
+        t0, charged = time.perf_counter(), self.train_seconds
+        self.train_step(self.settings.inline_tokens)
+        self.idle_seconds += self.train_seconds - charged
+        self.train_seconds = charged
+        if publish or self._since_publish >= self.settings.publish_every:
+            self.publish()
+        return time.perf_counter() - t0
+
     def tick(self) -> None:
         """Between two steps while decoding: train one step when the budget allows (and `inline`), publishing
         every `publish_every` steps (time between ticks counts as decoding)."""
@@ -293,7 +362,7 @@ class OnlineLearner:
             self.decode_seconds += now - self._tick
         b = self.settings.budget
         if self.inline and self.ready() and self.train_seconds < b * (self.decode_seconds + self.train_seconds):
-            self.train_step()
+            self.train_step(self.settings.inline_tokens)
             if self._since_publish >= self.settings.publish_every:
                 self.publish()
         self._tick = time.perf_counter()
@@ -310,10 +379,8 @@ class OnlineLearner:
             raise ValueError("the online head has no version yet: nothing to save")
         folder = Path(folder)
         save_eagle3(self.head, folder, self.vocab_size, target_layers)
-        state = {"head": self._train.state_dict(), "opt": self._opt.state_dict(), "version": self.version}
-        state |= {"steps": self.steps, "train_seconds": self.train_seconds}
         tmp = folder / (STATE + ".tmp")
-        torch.save(state, tmp)
+        torch.save(self.state(), tmp)
         tmp.replace(folder / STATE)
 
     def resume(self, folder: str | Path) -> bool:
@@ -321,13 +388,30 @@ class OnlineLearner:
         path = Path(folder) / STATE
         if not path.is_file() or self._train is None:
             return False
-        st = torch.load(path, weights_only=False, map_location=self._t2d.device)
-        self._train.load_state_dict(st["head"])
-        self._opt.load_state_dict(st["opt"])
-        self.steps, self.train_seconds = st["steps"], st["train_seconds"]
-        self.version = st["version"] - 1
-        self.publish()
+        self.load_state(torch.load(path, weights_only=False, map_location=self._t2d.device))
         return True
+
+    def state(self) -> dict | None:
+        """The training state on the CPU (the trained head, optimizer, counters; not the replay buffer), for
+        `load_state` in another process (a restarted replica) or `save`; None before the first head."""
+        if self._train is None:
+            return None
+        opt = self._opt.state_dict()
+        opt["state"] = {k: {n: _cpu(v) for n, v in st.items()} for k, st in opt["state"].items()}
+        state = {"head": {k: _cpu(v) for k, v in self._train.state_dict().items()}, "opt": opt}
+        return state | {"version": self.version, "steps": self.steps, "train_seconds": self.train_seconds}
+
+    def load_state(self, state: dict) -> int:
+        """Continue from `state()`'s (a learner with no head yet builds one on the saved draft vocabulary) and
+        publish it under the saved version; returns the version."""
+        if self._train is None:
+            d2t = state["head"]["d2t"]
+            self._adopt(init_head(self.model, torch.arange(len(d2t)) + d2t, self.aux))
+        self._train.load_state_dict(state["head"])
+        self._opt.load_state_dict(state["opt"])
+        self.steps, self.train_seconds = state["steps"], state["train_seconds"]
+        self.version = state["version"] - 1
+        return self.publish()
 
     def stats(self) -> dict:
         """version, tokens_seen (generated tokens recorded), buffer_tokens, train_seconds, train_steps, and the last
@@ -338,13 +422,15 @@ class OnlineLearner:
             "buffer_tokens": self.buffer.tokens,
             "train_seconds": round(self.train_seconds, 3),
             "train_steps": self.steps,
+            "alpha": None if self.alpha is None else [round(a, 3) for a in self.alpha],
             **self.last,
         }
 
 
-class OnlineHeadProposer(Proposer, StepObserver):
+class OnlineHeadProposer(Proposer):
     """Drafts chains with the learner's newest head (none yet: nothing), and records every verified row for it.
-    Register it as an observer too (`Drafting.observers`): it reads the step's target distributions there.
+    The engine hands it each verified step's target distributions (`observe_targets`, through the step observer
+    the drafter factory registers: `engine.drafters`), `keep_top` of them per emitted token.
 
     Args:
         learner: The head and its training.
@@ -392,11 +478,12 @@ class OnlineHeadProposer(Proposer, StepObserver):
 
     # --- drafting --------------------------------------------------------------------------------------------
     def signals(self, view: BatchView) -> list[tuple[Signal | None]]:
-        """Nothing before the first version; then one bucket per version (the controller pools each version's
-        acceptance on its own, shrunk towards the drafter's)."""
+        """Nothing before the first version; then one bucket per version, its prior the version's held-out
+        acceptance (the controller pools each version's acceptance on its own, shrunk towards that)."""
         if self.learner.head is None:
             return [(None,)] * len(view.seqs)
-        return [(Signal(("version", self.learner.version), ANY_DEPTH),)] * len(view.seqs)
+        signal = Signal(("version", self.learner.version), ANY_DEPTH, self.learner.alpha)
+        return [(signal,)] * len(view.seqs)
 
     def propose(self, view: BatchView, caps: list[int]) -> Draft:
         if self.learner.head is None or (max(caps, default=0) == 0 and self._inner is None):
@@ -418,8 +505,9 @@ class OnlineHeadProposer(Proposer, StepObserver):
         return proposer
 
     # --- learning --------------------------------------------------------------------------------------------
-    def after_verify(self, view, draft, out) -> None:
-        self._targets = out.targets
+    def observe_targets(self, targets: tuple[Tensor, Tensor] | None) -> None:
+        """The verified step's ([B, D + 1, K] ids, log-probabilities) at the emitted tokens; read by `update`."""
+        self._targets = targets
 
     def update(self, view: BatchView, old_lengths: list[int], draft: Draft, paths: list[list[int]]) -> None:
         if self._inner is not None and getattr(self, "_used", False):

@@ -4,6 +4,11 @@ docs/guides/ray.md, says how a batch is sharded, what crosses the network and ho
 Code: `_Replica` is the actor; `RolloutCluster` checks requests, broadcasts updates (their payloads:
 `verispec.model.payload`) and keeps the replicas (restarting one whose process died, with the updates that define
 the current weights replayed); `_ShardRun` runs one request's shards over them.
+
+draft=online: every replica trains its own head on the shards it verifies (one learner per replica). A shard's
+result carries its replica's training state when the head has a new version (`OnlineLearner.state`: the trained
+head and its optimizer, about 3 x the head's parameters); the driver keeps each replica's latest, and a restarted
+replica starts from it (its replay buffer starts empty).
 """
 
 from __future__ import annotations
@@ -112,6 +117,7 @@ class _Replica:
             raise TypeError(f"the factory must return a RolloutEngine, got {type(self.engine).__name__}")
         self._running: int | None = None  # the token of the shard now in engine.generate
         self._guard = threading.Lock()
+        self._reported = 0  # draft=online: the head version last sent to the driver
 
     def info(self) -> dict:
         import ray
@@ -119,7 +125,8 @@ class _Replica:
         eng, node = self.engine, ray.util.get_node_ip_address()
         mine = dict(index=self.index, incarnation=self.incarnation, pid=os.getpid(), node=node, threads=self.threads)
         limits = dict(max_batch_size=eng.max_batch_size, strict_on_policy=eng.strict_on_policy)
-        return mine | limits | dict(weight_version=eng.weight_version, vocab_size=eng.gen.core.vocab_size)
+        engine = dict(weight_version=eng.weight_version, vocab_size=eng.gen.core.vocab_size)
+        return mine | limits | engine | dict(head_version=None if eng.learner is None else eng.learner.version)
 
     def encode(self, prompts: list, chat: bool) -> list[list[int]]:
         """Every prompt as token ids, checked (ValueError naming the prompt)."""
@@ -131,15 +138,20 @@ class _Replica:
                 raise ValueError(f"prompt {k}: {e}") from None
         return out
 
-    def generate(self, token: int, req: RolloutRequest) -> tuple[list[Rollout], SpecStats]:
+    def generate(self, token: int, req: RolloutRequest) -> tuple[list[Rollout], SpecStats, dict | None]:
+        """The shard's rollouts, their stats, and draft=online's training state when the head has a new version."""
         torch.set_num_threads(self.threads)  # this thread's OpenMP setting (actor methods run on a pool thread)
         with self._guard:
             self._running = token
         try:
-            return self.engine.generate(req.prompts, req.n, req.params, **req.options), self.engine.last_stats
+            outs = self.engine.generate(req.prompts, req.n, req.params, **req.options)
         finally:
             with self._guard:
                 self._running = None
+        learner, head = self.engine.learner, None
+        if learner is not None and learner.version != self._reported:
+            head, self._reported = learner.state(), learner.version
+        return outs, self.engine.last_stats, head
 
     def abort(self, token: int) -> bool:
         with self._guard:
@@ -157,12 +169,19 @@ class _Replica:
             self.engine.weight_version = version
         return replace(rep, version=version), tuple(name for name, _ in items)
 
-    def restore(self, version: int | None, *updates) -> dict:
-        """A new incarnation: replay the updates that define the current weights, take the cluster's version."""
+    def restore(self, version: int | None, *updates, head: dict | None = None) -> dict:
+        """A new incarnation: replay the updates that define the current weights, take the cluster's version, and
+        continue the online head from `head` (the training state its predecessor last reported)."""
         self.engine.weight_version = -1  # until every update is replayed: a partial replay never looks current
         done = [self.update(u, None)[0] for u in updates]
+        if head is not None and self.engine.learner is not None:
+            self._reported = self.engine.learner.load_state(head)
         self.engine.weight_version = version if version is not None else 0
         return self.info() | {"replayed": [replace(d, version=self.engine.weight_version) for d in done]}
+
+    def save_draft(self, folder: str) -> str:
+        """draft=online: this replica's head, written on its node (`RolloutEngine.save_draft`)."""
+        return str(self.engine.save_draft(folder))
 
 
 @dataclass
@@ -172,6 +191,7 @@ class _Slot:
     incarnation: int = 0
     failed_restarts: int = 0  # in a row
     info: dict = field(default_factory=dict)
+    head: dict | None = None  # draft=online: the training state its replica last reported (a restart resumes it)
 
 
 def _split(count: int, parts: int) -> list[range]:
@@ -239,7 +259,9 @@ class _ShardRun:
         expected = len(self.shards[k].prompts) * self.shards[k].n
         if len(out[0]) != expected:
             raise RuntimeError(f"shard {k} returned {len(out[0])} rollouts, expected {expected}")
-        self.results[k] = out
+        self.results[k] = out[:2]
+        if out[2] is not None:
+            slot.head = out[2]
         self.idle.append(slot)
 
     def _settle(self) -> None:
@@ -355,9 +377,30 @@ class RolloutCluster(contextlib.AbstractContextManager):
         return self._version
 
     def replica_info(self) -> list[dict]:
-        """Per replica: index, incarnation, pid, node, threads, weight_version, max_batch_size, ..."""
+        """Per replica: index, incarnation, pid, node, threads, weight_version, head_version (draft=online; else
+        None), max_batch_size, ..."""
         self._check_open()
         return [self._call(slot, "info") for slot in self._slots]
+
+    def save_draft(self, folder: str | os.PathLike, replica: int = 0) -> str:
+        """draft=online: one replica's head in the published layout (`RolloutEngine.save_draft`), written by that
+        replica on its node (every replica trains its own head on its shards).
+
+        Args:
+            folder: The directory to write, as that replica's node sees it.
+            replica: Which replica's head.
+
+        Returns:
+            The folder.
+
+        Raises:
+            ValueError: The engines are not draft=online, or the head has no version yet.
+        """
+        self._check_open()
+        try:
+            return self._call(self._slots[replica], "save_draft", os.fspath(folder))
+        except _ray().exceptions.RayTaskError as e:
+            _reraise(e)
 
     def generate(
         self,
@@ -518,7 +561,7 @@ class RolloutCluster(contextlib.AbstractContextManager):
         slot.incarnation += 1
         self._restarts += 1
         slot.actor = self._remote.remote(self._factory, self.threads_per_replica, slot.index, slot.incarnation)
-        return slot.actor.restore.remote(self._version, *[value for value, _ in self._records])
+        return slot.actor.restore.remote(self._version, *[value for value, _ in self._records], head=slot.head)
 
     def _took(self, slot: _Slot, ref):
         """A restore's future, waited for: None once the replica holds the current weights; the future of a new

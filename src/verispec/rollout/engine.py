@@ -10,12 +10,15 @@ T) under plain temperature sampling, what TRL, verl and OpenRLHF recompute for t
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, fields, replace
+from pathlib import Path
 
 import numpy as np
+import torch
 from torch import Tensor
 
 from ..drafting import Proposer
@@ -27,6 +30,7 @@ from ..engine.request import Job, check_limits
 from ..engine.rows import Completion
 from ..engine.session import GenerationSession
 from ..engine.stats import SpecStats
+from ..model.cache import RowKVCache
 from ..model.loading import LoadedModel
 from ..model.weights import load_safetensors_dir
 from ..sampling import SamplingParams, check_seed
@@ -206,7 +210,9 @@ class RolloutEngine:
 
     Any drafter of `SpecConfig`; the history drafters (history, model+history, self+history) draft from earlier
     rollouts of the same prompt and the running siblings of each group. A separate draft model keeps its weights
-    unless `update_draft_weights` is called; a self-draft is re-quantized after every weight update.
+    unless `update_draft_weights` is called; a self-draft is re-quantized after every weight update. draft=online
+    trains its head after every `generate` on the rollouts just verified (`learner`, `last_train_seconds`), keeps it
+    across weight updates and `sleep` / `wake_up`, and `save_draft` writes it in the published layout.
 
     Args:
         target: The policy model (`load_model`; float32 is the reference precision).
@@ -247,6 +253,8 @@ class RolloutEngine:
             raise ValueError(f"a history was given, but draft={cfg.draft} does not draft from history")
         self.history = (history if history is not None else RolloutHistory()) if cfg.drafter.history else None
         self.gen = SpeculativeGenerator(target, draft, config=cfg, history=self.history)
+        if self.gen.learner is not None:
+            self.gen.learner.inline = False  # draft=online: trained between batches (`_train_head`), not in them
         self._init_state(target, draft, cfg, max_batch_size, strict_on_policy)
 
     @classmethod
@@ -254,7 +262,8 @@ class RolloutEngine:
         cls, gen: SpeculativeGenerator, *, max_batch_size: int = 64, strict_on_policy: bool = True
     ) -> RolloutEngine:
         """Rollouts over an existing generator, its config and its drafter (no history of its own): what `verispec
-        serve` runs its RL routes on, sharing the model with its OpenAI routes.
+        serve` runs its RL routes on, sharing the model with its OpenAI routes. A draft=online head keeps the
+        generator's way of training (inline, within its budget: then `generate` trains no more after a batch).
 
         Args:
             gen: The generator to run on.
@@ -277,8 +286,16 @@ class RolloutEngine:
         self.max_batch_size = check_count("max_batch_size", max_batch_size)
         self.strict_on_policy = strict_on_policy
         self.last_stats = SpecStats()
-        self._lock = threading.Lock()  # generate and weight updates never overlap
+        self.last_train_seconds = 0.0  # draft=online: the head's training after the last generate (not in its time)
+        self.sleeping = False  # `sleep`: the caches are freed, generate refused until `wake_up`
+        self._lock = threading.Lock()  # generate, head training, weight updates and sleep never overlap
         self._aborting = threading.Event()
+
+    @property
+    def learner(self):
+        """draft=online: the head being trained (`heads.online.OnlineLearner`: `version`, `head`, `stats()`);
+        None for other drafters."""
+        return self.gen.learner
 
     @property
     def weight_version(self) -> int:
@@ -302,7 +319,9 @@ class RolloutEngine:
         """n samples of every prompt, in prompt order then sample order.
 
         `abort()` from another thread ends the call after the current step: unfinished samples come back with the
-        tokens they have and finish_reason "abort"; so does setting `cancel`.
+        tokens they have and finish_reason "abort"; so does setting `cancel`. With draft=online the head then trains
+        on what was verified, for `online_budget`'s share of the time (`last_train_seconds`; not in
+        `last_stats.wall_time`).
 
         Args:
             prompts: Token id lists; or texts or chat messages, templated when chat=True.
@@ -321,11 +340,16 @@ class RolloutEngine:
         Raises:
             ValueError: A bad prompt, n, option or parameter (checked before any compute), or an option that is not
                 on-policy under strict_on_policy.
+            RuntimeError: The engine sleeps (`sleep`): call `wake_up` first.
         """
         job, seed = self.job(prompts, n, params, **options)
         with self._lock:
+            if self.sleeping:
+                raise RuntimeError("the rollout engine sleeps (its caches were freed): call wake_up() first")
             self._aborting.clear()
-            return self._run(job, seed, cancel if cancel is not None else threading.Event())
+            outs = self._run(job, seed, cancel if cancel is not None else threading.Event())
+            self._train_head()
+            return outs
 
     def job(self, prompts, n: int = 1, params: SamplingParams = SamplingParams(), *, key=None, **options):
         """The engine job of a rollout request (every check done, nothing run) and its request seed: sample j of
@@ -381,6 +405,12 @@ class RolloutEngine:
                 if event.completion is not None:
                     done[event.key] = self.rollout(event.completion, seed)
 
+    def _train_head(self) -> None:
+        """draft=online trained between batches: the budget's share of the batch's time, on what it verified."""
+        learner, self.last_train_seconds = self.learner, 0.0
+        if learner is not None and not learner.inline:
+            self.last_train_seconds = learner.train_between(self.last_stats.wall_time)
+
     def rollout(self, c: Completion, seed: int, record: bool = True, key: tuple[int, int] | None = None) -> Rollout:
         """A finished request of a rollout job (`job`) as a Rollout; `record` adds it to the history (not for an
         aborted one). key: the request's (prompt index, sample index) when the completion carries another key."""
@@ -410,7 +440,7 @@ class RolloutEngine:
         Every name, shape, dtype and value (NaN / inf) is checked before anything is written, so a bad update
         changes nothing. The tensors are then copied into the model's own parameters (no reload). Drafts derived
         from the target (a quantized self-draft) are rebuilt from the new weights; a separate draft model is
-        untouched.
+        untouched, and so is an online head (it goes on training on the new policy's rollouts).
 
         Args:
             named_tensors: (name, tensor) pairs, names as in the model's state_dict (e.g. a trainer's
@@ -458,3 +488,62 @@ class RolloutEngine:
     def _update(self, named_tensors, draft_model=None) -> WeightUpdate:
         with self._lock:  # between generate calls: every rollout is drawn under one weight version
             return self.gen.core.update_weights(named_tensors, model=draft_model)
+
+    # --- memory and the online head -------------------------------------------------------------------
+    def sleep(self) -> None:
+        """Free what the engine holds besides its weights, once a running `generate` has finished: the target's KV
+        cache (with the hidden states a head reads) and the drafters' caches, as vLLM's sleep frees its KV cache (the
+        weights stay where they are; a llama.cpp context keeps its cells). What drafting learned stays: the rollout
+        history, an online head with its versions and training state. `generate` is refused until `wake_up`;
+        weight updates are not. A no-op when already asleep or when nothing was allocated."""
+        with self._lock:
+            self.sleeping = True
+            free_caches(self.gen.core)
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def wake_up(self) -> None:
+        """Take rollouts again after `sleep` (the next batch allocates the caches). A no-op when awake."""
+        with self._lock:
+            self.sleeping = False
+
+    def save_draft(self, folder: str | Path) -> Path:
+        """draft=online: the published head in the SafeAILab / SpecForge layout (config.json, model.safetensors:
+        `--draft DIR`, `load_draft`, vLLM, SGLang) and its training state beside it (`draft=online,model=DIR`
+        resumes from it). Between `generate` calls, never during one.
+
+        Args:
+            folder: The directory to write (made if missing; the files in it replaced).
+
+        Returns:
+            The folder.
+
+        Raises:
+            ValueError: The drafter is not draft=online, or its head has no version yet.
+        """
+        with self._lock:
+            if self.learner is None:
+                raise ValueError(f"save_draft saves an online head: draft={self.config.draft} trains none")
+            self.learner.save(folder, self.gen.core.runner.num_layers)
+        return Path(folder)
+
+
+def free_caches(core) -> None:
+    """Drop the KV caches of a core's target runner and of every runner its drafters hold (the next batch's start
+    allocates new ones)."""
+    seen: set[int] = set()
+
+    def visit(obj) -> None:
+        if id(obj) in seen:
+            return
+        seen.add(id(obj))
+        if isinstance(getattr(obj, "cache", None), RowKVCache):
+            obj.cache = None
+        if isinstance(obj, Proposer):
+            for value in vars(obj).values():
+                for v in value if isinstance(value, (list, tuple)) else (value,):
+                    visit(v)
+
+    visit(core.runner)
+    visit(core.proposer)

@@ -26,6 +26,7 @@ from .jobs import Served
 from .limits import DEFAULT_MAX_QUEUE, DEFAULT_MAX_QUEUE_TOKENS, DEFAULT_REQUEST_TIMEOUT_S
 from .logs import DEFAULT_LOG_STATS_INTERVAL_S, AccessLog, StatsLogger
 from .metrics import Metrics
+from .online import SAVE_INTERVAL_S, OnlineKeeper
 from .rl import WeightRoutes
 from .scoring import PromptScorer
 from .shutdown import Gate, GateState
@@ -87,6 +88,10 @@ class ServeOptions:
         log_requests: One INFO line per HTTP request on `verispec.serve.access` (`serve.logs.AccessLog`).
         log_stats_interval: Seconds between vLLM's periodic stats lines on `verispec.serve.stats`, logged when
             something happened (`serve.logs.StatsLogger`; None: none).
+        online_dir: draft=online: the directory the head is kept in, a new version written at most every
+            `online_save_interval` seconds and at shutdown (`serve.online`; start the generator from it with
+            `online_config`). None: not kept.
+        online_save_interval: Seconds between two saves to online_dir at least.
     """
 
     max_batch: int = 8
@@ -108,12 +113,14 @@ class ServeOptions:
     body_timeout: float = DEFAULT_BODY_TIMEOUT_S
     log_requests: bool = True
     log_stats_interval: float | None = DEFAULT_LOG_STATS_INTERVAL_S
+    online_dir: str | os.PathLike | None = None
+    online_save_interval: float = SAVE_INTERVAL_S
 
     def __post_init__(self) -> None:
         for name, low in (("max_model_len", 2), ("max_request_bytes", 1)):
             if (value := getattr(self, name)) is not None and (type(value) is not int or value < low):
                 raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
-        for name in ("request_timeout", "rollout_timeout", "log_stats_interval"):
+        for name in ("request_timeout", "rollout_timeout", "log_stats_interval", "online_save_interval"):
             if (value := getattr(self, name)) is not None and not value > 0:
                 raise ValueError(f"{name} must be a number of seconds > 0, got {value!r}")
 
@@ -122,7 +129,9 @@ def create_app(gen: SpeculativeGenerator, model_name: str, **options) -> FastAPI
     """The OpenAI-compatible server over a generator (what `verispec serve` runs), as a FastAPI app.
 
     Concurrent requests are decoded together by an engine thread (continuous batching); the RL routes run a
-    `RolloutEngine` on the same generator. Run the app with `serve.shutdown.serve` for a graceful shutdown.
+    `RolloutEngine` on the same generator. A draft=online head learns from the traffic, trains while no request
+    runs, and is kept in `online_dir` (`serve.online`). Run the app with `serve.shutdown.serve` for a graceful
+    shutdown.
 
     Args:
         gen: The generator to serve.
@@ -134,7 +143,8 @@ def create_app(gen: SpeculativeGenerator, model_name: str, **options) -> FastAPI
         The app (its engine thread starts with the app's lifespan).
 
     Raises:
-        ValueError: A limit out of range, or a chat template that does not compile.
+        ValueError: A limit out of range, a chat template that does not compile, or an online_dir without
+            draft=online (or one `serve.online.check_online_dir` refuses).
         TypeError: An option that is not a `ServeOptions` field.
     """
     opts = ServeOptions(**options)
@@ -186,9 +196,20 @@ def _served(gen, model_name: str, opts: ServeOptions) -> Served:
         max_queue_tokens=opts.max_queue_tokens,
         metrics=metrics,
         scorer=PromptScorer(gen),
+        online=_online(gen, opts),
     )
     limits = (opts.retry_after_s, opts.max_model_len, opts.request_timeout, opts.rollout_timeout)
     return Served(gen, engine, metrics, served_model_id(model_name), frozenset({model_name}), *limits)
+
+
+def _online(gen, opts: ServeOptions) -> OnlineKeeper | None:
+    """draft=online: the served head's keeper (idle training, saves to online_dir); None for other drafters."""
+    if gen.learner is None:
+        if opts.online_dir is not None:
+            why = f"online_dir keeps an online head: serve a draft=online generator, not draft={gen.config.draft}"
+            raise ValueError(why)
+        return None
+    return OnlineKeeper(gen.learner, opts.online_dir, gen.core.runner.num_layers, opts.online_save_interval)
 
 
 def _weight_dirs(dirs: Sequence[str | os.PathLike]) -> tuple[Path, ...]:

@@ -7,7 +7,8 @@ larger than the whole budget: `TooLarge` (400); after `expire_all`: `Closing` (5
 barriers (`between_jobs`): every job is drawn under one weight version. A job ends early by `cancel` (its client left:
 nobody is told) or by expiring (deadline, shutdown, /abort_request: unfinished choices end "abort"). A fault fails only
 what it touched (a `RowFault` its job; a failed step or admission the jobs that had started; anything else every job),
-never the thread; every choice is counted once in the metrics, where it ends."""
+never the thread; every choice is counted once in the metrics, where it ends. A draft=online head (`online`, an
+`OnlineKeeper`) trains here when no job runs, a step at a time, and is saved between steps."""
 
 from __future__ import annotations
 
@@ -118,10 +119,12 @@ class EngineThread:
         max_queue_tokens=DEFAULT_MAX_QUEUE_TOKENS,
         metrics=None,
         scorer=None,
+        online=None,
     ):
         if max_batch < 1 or max_queue < 0 or max_queue_tokens < 1:
             raise ValueError("max_batch must be >= 1, max_queue >= 0 and max_queue_tokens >= 1")
         self.gen, self.metrics, self.scorer = gen, metrics, scorer  # scorer: prompt logprobs (`serve.scoring`)
+        self.online = online  # draft=online: idle training and saves (`serve.online.OnlineKeeper`)
         self.max_batch, self.max_queue, self.max_queue_tokens = max_batch, max_queue, max_queue_tokens
         self.session = GenerationSession(gen.core, max_batch)
         self._cond = threading.Condition()  # (an RLock inside) guards what both threads touch: the four below
@@ -147,6 +150,8 @@ class EngineThread:
             pending = [b for b in [*self._inbox, *self.session.queue] if isinstance(b, Barrier)]
         for b in pending:
             b.cancel(RuntimeError("the server is shutting down"))
+        if self.online is not None and not self._thread.is_alive():  # the head's last version (no step runs now)
+            self.online.save(now=True)
 
     @property
     def num_waiting(self) -> int:
@@ -359,19 +364,40 @@ class EngineThread:
             return False
 
     def _iteration(self) -> None:
-        """Wait for work, hand it to the session, schedule, score and step (nothing once stopped)."""
+        """Wait for work, hand it to the session, schedule, score and step (nothing once stopped); with no job, one
+        step of the online head's training or its save, when due."""
         with self._cond:
-            while not (self._stop or self._inbox or self._cuts or not self.session.idle):
-                self._cond.wait()
+            while not (self._stop or self._busy() or self._online_due()):
+                self._cond.wait(None if self.online is None else self.online.due())
             if self._stop:
                 return
-            self._take_inbox()
+            busy = self._busy()
+            if busy:
+                self._take_inbox()
+        if not busy:
+            return self._online_work()
         self._guarded("admitting the request", self.session.schedule)  # a device error: the started jobs fail
         self._sync()
         self._prompt_logprobs()
         if self.session.rows:
             self._step()
         self._kv()
+        if self.online is not None:
+            self.online.save()
+
+    def _busy(self) -> bool:
+        """Under the lock: submissions or cuts to take, or jobs in the session."""
+        return bool(self._inbox or self._cuts or not self.session.idle)
+
+    def _online_due(self) -> bool:
+        """Under the lock, with no job: the online head has idle training to do, or a save due."""
+        return self.online is not None and (self.online.idle_work() or self.online.due() == 0)
+
+    def _online_work(self) -> None:
+        """No job: one idle training step of the online head, or its save (each logs its own failure)."""
+        if self.online.idle_work():
+            self.online.idle_step()
+        self.online.save()
 
     def _take_inbox(self) -> None:
         """Under the lock: submissions into the session in order, then the cuts (after expire_all: every job) and the
