@@ -136,3 +136,38 @@ def test_greedy_equals_plain_while_the_head_trains(tiny8):
         assert [x.token_ids for x in a] == [x.token_ids for x in b]
     assert on.learner.version >= 3 and on.learner.steps >= 12
     assert on.core.proposer.kept[1] > 0  # the trained head's drafts were kept
+
+
+@torch.no_grad()
+def test_the_buffer_holds_the_targets_features_and_distributions(tiny8):
+    """Every recorded position against a fresh forward of the target over the recorded sequence: the aux hidden
+    states, a prompt position's next token as its hard label, an emitted position's top-K (ids and probabilities).
+    Rows join a running batch (max_batch 2 of 5 requests, `add`), leave it at different lengths (`select`), and one
+    prompt is longer than a prefill chunk (staged while the others decode)."""
+    from verispec.model.runner import layer_inputs
+
+    gen = SpeculativeGenerator(tiny8, config=SpecConfig(draft="online", gamma=2, random="stream"))
+    gen.learner.replace_head(random_head(tiny8, 0))
+    sess = gen.session(max_batch=2)
+    sess.prefill_chunk = 4
+    prompts = [[1, 5, 6, 7, 8], [1, 9, 9, 3], [1, 4, 20, 21, 4, 20, 5, 6, 7, 8, 9], [1, 2, 3], [1, 7, 7, 7, 7]]
+    for k, p in enumerate(prompts):
+        sess.add(p, SamplingParams(temperature=1.0, seed=k), max_new_tokens=6 + 3 * k, ignore_eos=True)
+    while not sess.idle:
+        sess.step()
+    entries = gen.learner.buffer.sequences()
+    assert sorted(len(e) for e in entries) == sorted(len(p) + 6 + 3 * k - 1 for k, p in enumerate(prompts))
+    model, K = tiny8.model, gen.learner.settings.top_k
+    for e in entries:
+        aux, top_ids, top_p = e.tensors()
+        ids = torch.tensor([e.ids])
+        with layer_inputs(model.get_decoder(), AUX) as grabbed:
+            logits = model(ids).logits[0]  # [n, V]
+        want = torch.cat([grabbed[i][0] for i in AUX], -1)  # [n, 3H]
+        torch.testing.assert_close(aux.float(), want, atol=2e-2, rtol=2e-2)  # bfloat16 in the buffer
+        hard = e.prompt - 1  # positions before it carry the next prompt token
+        assert top_ids[:hard, 0].tolist() == e.ids[1 : hard + 1] and bool((top_p[:hard, 0] == 1).all())
+        p = logits[hard:].softmax(-1)  # [n - hard, V]
+        best = p.topk(min(K, p.shape[-1]))
+        assert top_ids[hard:, 0].tolist() == best.indices[:, 0].tolist()
+        torch.testing.assert_close(top_p[hard:].float(), best.values, atol=2e-3, rtol=1e-2)

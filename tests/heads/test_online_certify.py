@@ -23,7 +23,7 @@ WARM = ["Write a short poem about rain.", "def fibonacci(n):", "What is 12 times
 def test_the_certificate_passes_while_the_head_trains():
     target = load_model(None)
     # gamma 3 fixed: the head drafts wherever prompt lookup finds no match (auto would choose plain where it lags)
-    gen = SpeculativeGenerator(target, config=SpecConfig.parse("draft=online,gamma=3,online_budget=0.5"))
+    gen = SpeculativeGenerator(target, config=SpecConfig.parse("draft=online,gamma=3,online_budget=0.5,random=stream"))
     gen.generate(WARM * 2, SamplingParams(temperature=1.0, seed=0), max_new_tokens=80, chat=True)
     gen.learner.train(steps=4)
     start = gen.learner.version
@@ -41,7 +41,7 @@ def test_the_certificate_passes_while_the_head_trains():
     prompts = [gen.encode("Tell me about the moon.", chat=True)]
     kept_before = gen.core.proposer.kept[1]
     report = certify_generate(
-        MethodSpec(config="draft=online,gamma=3"),
+        MethodSpec(config="draft=online,gamma=3,random=stream"),
         prompts,
         SamplingParams(temperature=1.0),
         samples=400,

@@ -94,8 +94,14 @@ def test_online_dir_refusals(tiny8, tmp_path, capsys):
     with pytest.raises(ValueError, match="give --spec draft=online"):
         online_config(SpecConfig(draft="ngram"), tmp_path)
     (tmp_path / "notes.txt").write_text("mine")
-    with pytest.raises(ValueError, match="holds files and no saved head"):
+    with pytest.raises(ValueError, match="holds other files than an online head's save"):
         online_config(ONLINE, tmp_path)
+    trained = tmp_path / "train-draft-run"  # a head with its training run's data: never replaced by a save
+    trained.mkdir()
+    for name in ("config.json", "model.safetensors", "data.pt"):
+        (trained / name).write_text("{}")
+    with pytest.raises(ValueError, match="holds other files than an online head's save"):
+        online_config(ONLINE, trained)
     with pytest.raises(ValueError, match="not a directory"):
         check_online_dir(tmp_path / "notes.txt")
     res = run_verispec(

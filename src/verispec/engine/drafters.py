@@ -214,8 +214,8 @@ def _online(config: SpecConfig, target: LoadedModel, head) -> Drafting:
     """Prompt lookup and an EAGLE-3 head trained online (`heads.online`), per row and step: the head starts from
     `head` (or the config's `model=` directory, its training state resumed) or, with none, from the target once the
     first tokens are verified."""
-    if head is None and config.model is not None:
-        head = load_draft(config.model, dtype=_dtype(target), device=str(target.device))
+    if head is None and config.model is not None:  # float32, as a fresh head trains (and its optimizer's moments)
+        head = load_draft(config.model, dtype=torch.float32, device=str(target.device))
     if head is not None and not (isinstance(head, LoadedHead) and head.kind == "eagle3"):
         what = head.described if isinstance(head, LoadedHead) else type(head).__name__
         raise HeadLoadError(f"draft=online trains an EAGLE-3 head: it cannot start from {what}")

@@ -17,6 +17,7 @@ keys were computed by the old weights).
 from __future__ import annotations
 
 import copy
+import logging
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -32,6 +33,8 @@ from .modules import PairHead
 from .runner import PairRunner
 
 __all__ = ["OnlineHeadProposer", "OnlineLearner", "OnlineSettings", "ReplayBuffer"]
+
+log = logging.getLogger(__name__)
 
 HOLD_OUT = 8  # every 8th sequence is held out of training: the new versions' acceptance is estimated on them
 Slice = tuple  # (ids [n], aux [n, F], top_ids [n, K], top_p [n, K], the first position with a soft label)
@@ -130,7 +133,7 @@ class ReplayBuffer:
         if e is None or not ids:
             return
         e.ids += ids
-        e.aux.append(aux.to(torch.bfloat16))
+        e.aux.append(aux.to(torch.bfloat16, copy=True))  # a copy: never a view pinning the target's cache
         e.top_ids.append(top_ids)
         e.top_p.append(top_p.to(torch.float16))
         e._cat = None
@@ -148,7 +151,7 @@ class ReplayBuffer:
 
     def sample(self, tokens: int, window: int, gen: torch.Generator) -> list[Slice]:
         """Random slices of training sequences, at most `window` positions each, about `tokens` in all."""
-        seqs = self.sequences(held_out=False) or self.sequences()
+        seqs = self.sequences(held_out=False)
         out, total = [], 0
         while seqs and total < tokens:
             e = seqs[int(torch.randint(len(seqs), (1,), generator=gen))]
@@ -199,6 +202,8 @@ class OnlineLearner:
         self.version, self.head = 0, None
         self.alpha: tuple[float, ...] | None = None  # the published head's held-out acceptance by depth (`estimate`)
         self.steps, self.train_seconds, self.decode_seconds = 0, 0.0, 0.0
+        self.skipped = 0  # training steps skipped for a non-finite loss or gradient
+        self.error: str | None = None  # why inline training stopped (it fails alone: decoding goes on)
         self.idle_seconds = 0.0  # training while nothing decodes (`train_idle`): not charged to the budget
         self.last: dict = {}
         self._gen = torch.Generator().manual_seed(settings.seed)
@@ -236,13 +241,18 @@ class OnlineLearner:
         return self.publish()
 
     def publish(self) -> int:
-        """The trained head becomes the drafting head (a frozen copy); returns the new version."""
+        """The trained head becomes the drafting head (a frozen copy; its time counts as training); returns the
+        version drafting uses (unchanged when the trained head holds a non-finite weight: it is not published)."""
         if self._train is None:
             return self.version
-        head = copy.deepcopy(self._train).eval().requires_grad_(False)
-        head.embed = self._train.embed  # shared with the target (deepcopy made its own)
-        self.alpha = self.estimate(head)
-        self.head, self.version, self._since_publish = head, self.version + 1, 0
+        t0 = time.perf_counter()
+        if all(bool(torch.isfinite(p).all()) for p in self._train.parameters()):
+            embed = self._train.embed  # shared with the target: not copied
+            head = copy.deepcopy(self._train, memo={id(embed): embed}).eval().requires_grad_(False)
+            self.alpha = self.estimate(head)
+            self.head, self.version = head, self.version + 1
+        self._since_publish = 0
+        self.train_seconds += time.perf_counter() - t0
         return self.version
 
     # --- data ----------------------------------------------------------------------------------------------
@@ -251,7 +261,10 @@ class OnlineLearner:
 
     # --- training ------------------------------------------------------------------------------------------
     def ready(self) -> bool:
-        """Whether there is a head to train, or enough data to build one."""
+        """Whether training may run: it has not failed, there is training data, and a head to train or enough data
+        to build one."""
+        if self.error is not None or not self.buffer.sequences(held_out=False):
+            return False
         return self._train is not None or self.buffer.generated >= self.settings.min_tokens
 
     def train_step(self, tokens: int | None = None) -> dict:
@@ -261,17 +274,23 @@ class OnlineLearner:
             self._build()
         s, head = self.settings, self._train
         t0 = time.perf_counter()
-        ids, lengths, aux, p = self._batch(tokens or s.batch_tokens)
+        parts = self.buffer.sample(tokens or s.batch_tokens, s.window, self._gen)
+        if not parts:  # no training sequence (yet): nothing to do
+            return {}
+        ids, lengths, aux, p = self._batch(parts)
         for group in self._opt.param_groups:
             group["lr"] = s.lr * min(1.0, (self.steps + 1) / s.warmup)
         loss, agree = ttt_loss(head, ids, lengths, aux, p, s.ttt, s.decay)
         self._opt.zero_grad()
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(head.parameters(), 0.5)
-        self._opt.step()
-        self.steps, self._since_publish = self.steps + 1, self._since_publish + 1
+        norm = torch.nn.utils.clip_grad_norm_(head.parameters(), 0.5)
+        finite = bool(torch.isfinite(loss)) and bool(torch.isfinite(norm))
+        if finite:  # a non-finite loss or gradient (bad features) changes nothing
+            self._opt.step()
+        self.steps, self._since_publish = self.steps + finite, self._since_publish + finite
+        self.skipped += not finite
         self.train_seconds += time.perf_counter() - t0
-        self.last = {"loss": loss.item(), "top1": agree}
+        self.last = {"loss": loss.item() if finite else None, "top1": agree}
         return self.last
 
     def _padded(self, parts: list[Slice]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
@@ -295,10 +314,10 @@ class OnlineLearner:
         lengths = torch.tensor([len(x[0]) for x in parts], device=dev)
         return ids, lengths, aux.to(next(self._train.parameters()).dtype), p, soft
 
-    def _batch(self, tokens: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """A sampled training batch: ids, lengths, aux and p renormalized on the draft vocabulary (`_padded`; a
-        position none of whose top-K ids is drafted weighs nothing)."""
-        ids, lengths, aux, p, _ = self._padded(self.buffer.sample(tokens, self.settings.window, self._gen))
+    def _batch(self, parts: list[Slice]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """A training batch of sampled slices: ids, lengths, aux and p renormalized on the draft vocabulary
+        (`_padded`; a position none of whose top-K ids is drafted weighs nothing)."""
+        ids, lengths, aux, p, _ = self._padded(parts)
         return ids, lengths, aux, p / p.sum(-1, keepdim=True).clamp_min(1e-12)
 
     @torch.no_grad()
@@ -323,10 +342,15 @@ class OnlineLearner:
 
     def train_between(self, decode_seconds: float) -> float:
         """Between batches (a `RolloutEngine`'s rollouts): train for the budget's share of `decode_seconds` of
-        decoding, budget / (1 - budget) times it; returns the seconds spent."""
+        decoding, budget / (1 - budget) times it; returns the seconds spent. A failure stops training (logged,
+        `error`): the rollouts it follows are never lost to it."""
         self.decode_seconds += decode_seconds
-        b = self.settings.budget
-        return self.train(seconds=decode_seconds * b / (1 - b))
+        b, t0 = self.settings.budget, time.perf_counter()
+        try:
+            return self.train(seconds=decode_seconds * b / (1 - b))
+        except Exception as e:
+            self.stop_training(e)
+            return time.perf_counter() - t0
 
     def train(self, seconds: float | None = None, steps: int | None = None) -> float:
         """Train for about `seconds` (or `steps` steps) if there is data, then publish; returns the seconds spent."""
@@ -357,15 +381,26 @@ class OnlineLearner:
     def tick(self) -> None:
         """Between two steps while decoding: train one step when the budget allows (and `inline`), publishing
         every `publish_every` steps (time between ticks counts as decoding)."""
+        if not self.inline:
+            return
         now = time.perf_counter()
         if self._tick is not None:
             self.decode_seconds += now - self._tick
         b = self.settings.budget
-        if self.inline and self.ready() and self.train_seconds < b * (self.decode_seconds + self.train_seconds):
-            self.train_step(self.settings.inline_tokens)
-            if self._since_publish >= self.settings.publish_every:
-                self.publish()
+        if self.ready() and self.train_seconds < b * (self.decode_seconds + self.train_seconds):
+            try:
+                self.train_step(self.settings.inline_tokens)
+                if self._since_publish >= self.settings.publish_every:
+                    self.publish()
+            except Exception as e:  # training fails alone: the requests decoding go on, with the last version
+                self.stop_training(e)
         self._tick = time.perf_counter()
+
+    def stop_training(self, error: Exception) -> None:
+        """Training failed: no more training (the published head keeps drafting); logged, and kept in `error` and
+        `stats()`."""
+        self.inline, self.error = False, f"{type(error).__name__}: {error}"
+        log.warning("online head training stopped: %s", self.error)
 
     def idle(self) -> None:
         """Decoding paused (between batches): the time until the next tick is not decoding."""
@@ -388,7 +423,7 @@ class OnlineLearner:
         path = Path(folder) / STATE
         if not path.is_file() or self._train is None:
             return False
-        self.load_state(torch.load(path, weights_only=False, map_location=self._t2d.device))
+        self.load_state(torch.load(path, weights_only=True, map_location=self._t2d.device))
         return True
 
     def state(self) -> dict | None:
@@ -423,6 +458,8 @@ class OnlineLearner:
             "train_seconds": round(self.train_seconds, 3),
             "train_steps": self.steps,
             "alpha": None if self.alpha is None else [round(a, 3) for a in self.alpha],
+            "skipped_steps": self.skipped,
+            "error": self.error,
             **self.last,
         }
 

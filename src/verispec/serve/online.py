@@ -31,10 +31,14 @@ log = logging.getLogger("verispec.serve")
 IDLE_PASSES = 2  # idle training stops once its steps have read this many tokens per generated token recorded
 
 
+SAVED = frozenset({"config.json", "model.safetensors", "online_state.pt"})  # what a save writes (and all it writes)
+
+
 def saved_head(folder: str | os.PathLike) -> bool:
-    """Whether `folder` holds a saved head (config.json and model.safetensors)."""
+    """Whether `folder` holds what an online head's save writes, and nothing else (a train-draft run's directory,
+    with its data and checkpoints, is not one: a save would replace it whole)."""
     folder = Path(folder)
-    return (folder / "config.json").is_file() and (folder / "model.safetensors").is_file()
+    return folder.is_dir() and {p.name for p in folder.iterdir()} == SAVED
 
 
 def _siblings(folder: Path) -> tuple[Path, Path]:
@@ -60,8 +64,9 @@ def check_online_dir(folder: str | os.PathLike) -> Path:
         raise ValueError(f"--online-dir {folder}: not a directory")
     if folder.is_dir() and any(folder.iterdir()) and not saved_head(folder):
         raise ValueError(
-            f"--online-dir {folder} holds files and no saved head: each save replaces the directory whole, so give "
-            "an empty or new directory (or one an earlier --online-dir wrote)"
+            f"--online-dir {folder} holds other files than an online head's save (config.json, model.safetensors, "
+            "online_state.pt): each save replaces the directory whole, so give an empty or new directory, or one an "
+            "earlier --online-dir wrote (to start from another head, pass it as --spec model=DIR)"
         )
     return folder
 
