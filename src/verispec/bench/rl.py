@@ -41,14 +41,14 @@ from .harness import Col, ModelBenchConfig, report_head, side_by_side, started, 
 __all__ = ["METHODS", "PolicyTrainer", "RLBenchConfig", "advantages", "method_config", "plot", "problem"]
 __all__ += ["reward", "run_rl_bench", "step_prompts", "to_markdown"]
 
-_RL = "gamma=4,stop_below=none,random=stream"  # RL_DEFAULTS' chains: a fixed gamma run to its end, one stream each
-METHODS = {  # name -> its SpecConfig (the runner is the benchmark's)
+METHODS = {  # name -> its SpecConfig (the runner is the benchmark's); every rollout on its own stream
     "plain": "draft=none,random=stream",
-    "history": RL_DEFAULTS.spec(),
-    "frozen": f"draft=model,{_RL}",  # drafts with the head trained before the loop
-    "online": f"draft=online,{_RL}",
+    "history": RL_DEFAULTS.spec(),  # the RL default: history tries at gamma 4
+    "frozen": "draft=model,random=stream",  # the head trained before the loop, gamma auto (never slower than plain)
+    "online": "draft=online,random=stream",  # prompt lookup and the online head, gamma auto
 }
 FEW_SHOT = "12 + 13 = 25\n24 + 14 = 38\n"  # the task's prompt starts so (a completion prompt: no chat template)
+WARM_UP = f"{FEW_SHOT}67 + 78 ="  # the engines' warm-up prompt: the task's shape, never in the pool (operands > 50)
 EPS = 1e-4  # advantages: (r - mean) / (std + EPS), as TRL's GRPO
 WINDOW = 10  # steps per window of the summary table (tau over steps 0-9, 10-19, ...)
 
@@ -65,7 +65,7 @@ class RLBenchConfig(ModelBenchConfig):
     lr: float = 2e-5  # the policy's Adam learning rate
     max_grad_norm: float = 1.0
     frozen_steps: int = 20  # the frozen head's data: the rollouts of this many steps under the initial policy
-    head_steps: int = 60  # the frozen head's optimizer steps (train-draft's settings otherwise)
+    head_steps: int = 40  # the frozen head's optimizer steps (train-draft's settings otherwise)
     methods: tuple[str, ...] = ("plain", "history", "frozen", "online")
     chat: bool = False  # the task's prompts are few-shot completions
 
@@ -150,28 +150,35 @@ class PolicyTrainer:
 
     def __init__(self, target: LoadedModel, lr: float, max_grad_norm: float):
         self.model = copy.deepcopy(target.model).requires_grad_(True)
-        self.opt = torch.optim.Adam(self.model.parameters(), lr=lr)
+        self.opt = torch.optim.Adam(self.model.parameters(), lr=lr, fused=True)  # (CPU and CUDA: 3-6x the loop's speed)
         self.max_grad_norm = max_grad_norm
         self.device = next(self.model.parameters()).device
+
+    def logprobs(self, rollouts) -> tuple[Tensor, Tensor]:
+        """The policy's log pi of every completion token [N] (EOS included where it ended the sample; rollout by
+        rollout) and their mean per rollout [B]; with grad where grad is enabled."""
+        ids, mask, labels = _batch(rollouts, self.device)
+        picked = labels != -100  # [B, L]
+        rows = picked.nonzero()[:, 0]  # [N] the rollout of each completion token
+        hidden = self.model.get_decoder()(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
+        logits = self.model.get_output_embeddings()(hidden[picked])  # [N, V]: the completions' positions only
+        logp = -F.cross_entropy(logits.float(), labels[picked], reduction="none")  # [N]
+        count = torch.bincount(rows, minlength=len(rollouts)).clamp(min=1)  # [B]
+        return logp, logp.new_zeros(len(rollouts)).index_add(0, rows, logp) / count
 
     def step(self, rollouts, adv: Tensor) -> dict:
         """One optimizer step on rollouts (in group order) with their advantages [P, G]: loss, gradient norm, and
         logprob_gap (mean |rollout logprob - the policy's|, over the completion tokens before the step: ~0 while
         the engines hold the policy's weights)."""
-        ids, mask, labels = _batch(rollouts, self.device)
         with torch.enable_grad():
-            logits = self.model(input_ids=ids, attention_mask=mask, use_cache=False).logits  # [B, L, V]
-            picked = labels != -100  # [B, L]
-            logp = -F.cross_entropy(logits.transpose(1, 2).float(), labels, reduction="none")  # [B, L]: 0 unpicked
-            per_seq = (logp * picked).sum(-1) / picked.sum(-1).clamp(min=1)  # [B] mean log pi over the completion
+            logp, per_seq = self.logprobs(rollouts)  # [N], [B]
             loss = -(adv.reshape(-1).to(per_seq) * per_seq).mean()
             self.opt.zero_grad()
             loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
         self.opt.step()
-        ours = logp.detach()[picked]
-        theirs = torch.tensor([x for r in rollouts for x in r.with_eos()[1]], dtype=ours.dtype)
-        gap = (ours.cpu() - theirs).abs().mean().item() if len(theirs) == len(ours) else None
+        theirs = torch.tensor([x for r in rollouts for x in r.with_eos()[1]], dtype=logp.dtype)
+        gap = (logp.detach().cpu() - theirs).abs().mean().item() if len(theirs) == len(logp) else None
         return dict(loss=loss.item(), grad_norm=norm.item(), logprob_gap=gap)
 
     def weights(self) -> list[tuple[str, Tensor]]:
@@ -215,10 +222,17 @@ def make_engines(target: LoadedModel, head, cfg: RLBenchConfig) -> dict[str, Rol
     return engines
 
 
+def warm_up(engines: dict[str, RolloutEngine], cfg: RLBenchConfig) -> None:
+    """One untimed group per engine on a problem outside the pool (WARM_UP), so that no method's first step pays for
+    first calls (kernels picked, buffers allocated) that the others then reuse."""
+    params = SamplingParams(temperature=1.0)
+    for eng in engines.values():
+        eng.generate([WARM_UP], n=cfg.group, params=params, max_new_tokens=cfg.max_new_tokens, seed=0, chat=cfg.chat)
+
+
 def learner_of(engine: RolloutEngine):
     """The online head's learner of an engine (draft=online), else None."""
-    learner = getattr(engine, "learner", None)
-    return learner if learner is not None else getattr(engine.gen, "learner", None)
+    return getattr(engine, "learner", None)
 
 
 def _trained(engine: RolloutEngine) -> float:
@@ -294,6 +308,7 @@ def run_rl_bench(target: LoadedModel, draft, prompts, cfg: RLBenchConfig, log=pr
     pool = [problem(rng) for _ in range(cfg.pool)]
     head, frozen = train_frozen(target, pool, cfg, log) if "frozen" in cfg.methods else (None, None)
     engines = make_engines(target, head, cfg)
+    warm_up(engines, cfg)
     trainer = PolicyTrainer(target, cfg.lr, cfg.max_grad_norm)
     records, policy = [], []
     for step in range(cfg.steps):
@@ -381,18 +396,26 @@ def to_markdown(result: dict) -> str:
 
 
 def plot(result: dict, path) -> None:
-    """Two panels: the reward of the policy's rollouts by step; tau by step, one line per method."""
+    """Two panels: the reward of the policy's rollouts by step (and its mean over each pass over the pool); tau by
+    step, one line per method."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4))
-    policy = result["policy"]
-    left.plot([p["step"] for p in policy], [p["reward"] for p in policy], marker="o", markersize=3)
-    left.set(title=f"reward of {result['config']['methods'][0]}'s rollouts (the policy's)", xlabel="step")
+    policy, cfg = result["policy"], result["config"]
+    left.plot([p["step"] for p in policy], [p["reward"] for p in policy], marker="o", markersize=3, label="step")
+    per_epoch = max(cfg["pool"] // cfg["prompts_per_step"], 1)  # steps per pass over the pool
+    for a in range(0, len(policy), per_epoch):
+        epoch = policy[a : a + per_epoch]
+        mean = sum(p["reward"] for p in epoch) / len(epoch)
+        label = None if a else "mean over a pass over the pool"
+        left.plot([epoch[0]["step"], epoch[-1]["step"]], [mean] * 2, color="black", label=label)
+    left.legend(fontsize=8)
+    left.set(title=f"reward of {cfg['methods'][0]}'s rollouts (the policy's)", xlabel="step")
     left.set(ylabel="mean reward", ylim=(-0.02, 1.02))
-    for m in result["config"]["methods"]:
+    for m in cfg["methods"]:
         recs = [r for r in result["records"] if r["method"] == m]
         right.plot([r["step"] for r in recs], [r["tau"] for r in recs], marker="o", markersize=3, label=m)
     right.set(title="tau (tokens per target pass) by step", xlabel="step", ylabel="tau")
