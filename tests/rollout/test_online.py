@@ -84,7 +84,7 @@ def test_sleep_frees_the_caches_and_keeps_the_head(policy):
     state = eng.learner.state()
     eng.sleep()
     eng.sleep()
-    assert eng.gen.core.runner.cache is None and online._inner.runner.cache is None  # the target's and the head's
+    assert eng.gen.core.runner.cache is None and online._inner is None  # the target's cache and the head's drafter
     with pytest.raises(RuntimeError, match="wake_up"):
         eng.generate(PROMPTS, seed=2, **BATCH)
     eng.wake_up()

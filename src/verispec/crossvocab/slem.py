@@ -91,6 +91,9 @@ class SlemProposer(Proposer):
         self.runner.select(rows)
         self._offset = [self._offset[r] for r in rows]
 
+    def release(self) -> None:
+        self.runner.release()
+
     @torch.inference_mode()
     def _greedy(self, view: BatchView, caps: list[int]) -> list[list[int]]:
         """Per row, the draft's greedy continuation in its own ids (up to cap + extra; ends at a special token).

@@ -157,3 +157,7 @@ class Proposer:
         """`model`'s weights were replaced in place (between batches): rebuild whatever the proposer derived from
         them (e.g. quantized copies). Returns the seconds it took."""
         return 0.0
+
+    def release(self) -> None:
+        """No batch runs, and the engine frees its memory (`EngineCore.release`): drop what the proposer holds for a
+        batch (a draft's KV cache); the next `start` allocates it again. What it learned stays."""

@@ -54,6 +54,10 @@ class CombinedProposer(Proposer):
     def weights_changed(self, model) -> float:
         return self.chooser.weights_changed(model) + self.sampler.weights_changed(model)
 
+    def release(self) -> None:
+        self.chooser.release()
+        self.sampler.release()
+
     def propose(self, view: BatchView, caps: list[int]) -> Draft:
         self._branches = branches = self.chooser.propose(view, caps)  # chosen first: it never sees the chain
         pick = self.choose_depth

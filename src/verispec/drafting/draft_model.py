@@ -161,6 +161,11 @@ class DraftModelProposer(Proposer):
         self.runner.select(rows)
         self._offset = [self._offset[r] for r in rows]
 
+    def release(self) -> None:
+        release = getattr(self.runner, "release", None)  # a runner without a cache (Medusa's, llama.cpp's) has none
+        if release is not None:
+            release()
+
     def weights_changed(self, model) -> float:
         """A dense runner reads the model's own (updated) parameters; a quantized one is re-quantized from them."""
         if model is not self.model or getattr(self.runner, "quant", None) is None:

@@ -51,6 +51,10 @@ class SwitchProposer(Proposer):
     def weights_changed(self, model) -> float:
         return sum(p.weights_changed(model) for p in self.parts)
 
+    def release(self) -> None:
+        for p in self.parts:
+            p.release()
+
     def signals(self, view: BatchView) -> list[tuple[Signal | None, ...]]:
         per_part = [p.signals(view) for p in self.parts]  # [part][row] -> (signal,)
         return [tuple(part[b][0] for part in per_part) for b in range(len(view.seqs))]

@@ -208,6 +208,15 @@ class EngineCore:
             state = o.grammar(req, state)
         return state
 
+    def release(self) -> None:
+        """Free what the runner and the drafter hold for a batch (their KV caches) while none runs: the next batch
+        allocates them again (`RolloutEngine.sleep`). Weights, and what drafting learned, stay."""
+        release = getattr(self.runner, "release", None)  # llama.cpp's context keeps its cells
+        if release is not None:
+            release()
+        if self.proposer is not None:
+            self.proposer.release()
+
     def update_weights(self, named_tensors: Iterable[tuple[str, Tensor]], model=None) -> WeightUpdate:
         """Replace weights in place (every name, shape, dtype and value checked before anything is written: a bad
         update changes nothing). model: the target (default; the weight version counts it) or a separate draft

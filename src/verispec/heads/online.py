@@ -507,6 +507,9 @@ class OnlineHeadProposer(Proposer):
         if self._inner is not None:
             self._inner.add(view, capacity)
 
+    def release(self) -> None:
+        self._inner = None  # its head's cache; the next batch's first draft builds it again
+
     def select(self, rows: list[int]) -> None:
         self._keys = [self._keys[r] for r in rows]
         self._recorded = [self._recorded[r] for r in rows]

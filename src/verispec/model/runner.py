@@ -179,6 +179,10 @@ class HFRunner:
     def select(self, rows: list[int]) -> None:
         self.cache.select(rows)
 
+    def release(self) -> None:
+        """Drop the KV cache (no batch runs; the next `start` / `fill` allocates one)."""
+        self.cache = None
+
     def _run(
         self, tokens: Chunk, parents: Chunk | None = None, tree_start: Slots | None = None
     ) -> tuple[Tensor, list[int]]:

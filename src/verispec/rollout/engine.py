@@ -30,7 +30,6 @@ from ..engine.request import Job, check_limits
 from ..engine.rows import Completion
 from ..engine.session import GenerationSession
 from ..engine.stats import SpecStats
-from ..model.cache import RowKVCache
 from ..model.loading import LoadedModel
 from ..model.weights import load_safetensors_dir
 from ..sampling import SamplingParams, check_seed
@@ -498,7 +497,7 @@ class RolloutEngine:
         weight updates are not. A no-op when already asleep or when nothing was allocated."""
         with self._lock:
             self.sleeping = True
-            free_caches(self.gen.core)
+            self.gen.core.release()
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -527,23 +526,3 @@ class RolloutEngine:
                 raise ValueError(f"save_draft saves an online head: draft={self.config.draft} trains none")
             self.learner.save(folder, self.gen.core.runner.num_layers)
         return Path(folder)
-
-
-def free_caches(core) -> None:
-    """Drop the KV caches of a core's target runner and of every runner its drafters hold (the next batch's start
-    allocates new ones)."""
-    seen: set[int] = set()
-
-    def visit(obj) -> None:
-        if id(obj) in seen:
-            return
-        seen.add(id(obj))
-        if isinstance(getattr(obj, "cache", None), RowKVCache):
-            obj.cache = None
-        if isinstance(obj, Proposer):
-            for value in vars(obj).values():
-                for v in value if isinstance(value, (list, tuple)) else (value,):
-                    visit(v)
-
-    visit(core.runner)
-    visit(core.proposer)
