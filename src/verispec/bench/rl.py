@@ -46,6 +46,9 @@ METHODS = {  # name -> its SpecConfig (the runner is the benchmark's); every rol
     "history": RL_DEFAULTS.spec(),  # the RL default: history tries at gamma 4
     "frozen": "draft=model,random=stream",  # the head trained before the loop, gamma auto (never slower than plain)
     "online": "draft=online,random=stream",  # prompt lookup and the online head, gamma auto
+    # the heads at a fixed gamma 3 (drafting every step whether it pays or not): what each head's drafts are worth
+    "frozen@3": "draft=model,gamma=3,stop_below=none,random=stream",
+    "online@3": "draft=online,gamma=3,stop_below=none,random=stream",
 }
 FEW_SHOT = "12 + 13 = 25\n24 + 14 = 38\n"  # the task's prompt starts so (a completion prompt: no chat template)
 WARM_UP = f"{FEW_SHOT}67 + 78 ="  # the engines' warm-up prompt: the task's shape, never in the pool (operands > 50)
@@ -306,7 +309,8 @@ def run_rl_bench(target: LoadedModel, draft, prompts, cfg: RLBenchConfig, log=pr
     result = started()
     rng = random.Random(cfg.seed)
     pool = [problem(rng) for _ in range(cfg.pool)]
-    head, frozen = train_frozen(target, pool, cfg, log) if "frozen" in cfg.methods else (None, None)
+    heads = any(m.startswith("frozen") for m in cfg.methods)
+    head, frozen = train_frozen(target, pool, cfg, log) if heads else (None, None)
     engines = make_engines(target, head, cfg)
     warm_up(engines, cfg)
     trainer = PolicyTrainer(target, cfg.lr, cfg.max_grad_norm)
