@@ -138,7 +138,7 @@ class ReplayBuffer:
         e.top_p.append(top_p.to(torch.float16))
         e._cat = None
         self.tokens += len(ids)
-        self.generated += sum(1 for j in range(len(e) - len(ids), len(e)) if j >= e.prompt - 1)
+        self.generated += max(0, len(e) - max(len(e) - len(ids), e.prompt - 1))  # the new positions from prompt - 1 on
         while self.tokens > self.max_tokens and len(self._entries) > 1:
             _, old = self._entries.popitem(last=False)
             self.tokens -= len(old)
@@ -159,6 +159,10 @@ class ReplayBuffer:
             out.append(e.slice(start, min(len(e), start + window)))
             total += len(out[-1][0])
         return out
+
+    def trainable(self) -> bool:
+        """Whether some training sequence (two tokens or more, not held out) is there."""
+        return any(len(e) > 1 and k % HOLD_OUT for k, e in self._entries.items())
 
     def held_out(self, tokens: int, window: int) -> list[Slice]:
         """The newest held-out sequences' last `window` positions, about `tokens` in all (never trained on)."""
@@ -263,7 +267,7 @@ class OnlineLearner:
     def ready(self) -> bool:
         """Whether training may run: it has not failed, there is training data, and a head to train or enough data
         to build one."""
-        if self.error is not None or not self.buffer.sequences(held_out=False):
+        if self.error is not None or not self.buffer.trainable():
             return False
         return self._train is not None or self.buffer.generated >= self.settings.min_tokens
 
@@ -299,7 +303,7 @@ class OnlineLearner:
         target's distribution, not a prompt's next token)."""
         dev = self._t2d.device
         n = max(len(x[0]) for x in parts)
-        B, Vd = len(parts), int((self._t2d >= 0).sum())
+        B, Vd = len(parts), len(self._train.d2t)
         ids = torch.zeros((B, n), dtype=torch.int64, device=dev)
         aux = torch.zeros((B, n, parts[0][1].shape[-1]), dtype=torch.float32, device=dev)
         p = torch.zeros((B, n, Vd), dtype=torch.float32, device=dev)
@@ -550,7 +554,7 @@ class OnlineHeadProposer(Proposer):
         self._targets = targets
 
     def update(self, view: BatchView, old_lengths: list[int], draft: Draft, paths: list[list[int]]) -> None:
-        if self._inner is not None and getattr(self, "_used", False):
+        if self._inner is not None and self._used:
             self._inner.update(view, old_lengths, draft, paths)
         self._record(view, old_lengths)
         self._targets = None
